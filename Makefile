@@ -1,0 +1,29 @@
+# The two commands: `make demo` runs the main job, `make test` runs lint and the test suite.
+# Both create .venv and install the pinned dependencies and the package on first use.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q -e . --no-deps
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q src tests
+
+demo: $(STAMP)
+	$(PY) examples/allreduce_demo.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/collectives.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

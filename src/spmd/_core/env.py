@@ -1,0 +1,55 @@
+"""The only reader of os.environ inside the library: typed getters for the launcher's variables.
+
+Layer: core. Environment variables are read here and passed on as arguments, never used as flags between modules.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _required(name: str) -> str:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        raise ValueError(
+            f"spmd: environment variable {name} expected, but not set. Start the program with "
+            f"`spmdrun`, or pass rank/world_size and an init_method to init_process_group()."
+        )
+    return value
+
+
+def _int(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"spmd: environment variable {name}={value!r} is not an integer") from None
+
+
+def required_int(name: str) -> int:
+    """An integer variable that must be set (RANK, WORLD_SIZE, MASTER_PORT)."""
+    return _int(name, _required(name))
+
+
+def required_str(name: str) -> str:
+    """A string variable that must be set (MASTER_ADDR)."""
+    return _required(name)
+
+
+def optional_int(name: str, default: int | None = None) -> int | None:
+    value = os.environ.get(name)
+    return default if value in (None, "") else _int(name, value)
+
+
+def optional_str(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return default if value in (None, "") else value
+
+
+def store_token() -> str | None:
+    """The shared secret stores and transports authenticate with (set by the launcher)."""
+    return optional_str("SPMD_STORE_TOKEN")
+
+
+def host_identity() -> str | None:
+    """An override of this process's host name, used to group ranks by host (tests fake two hosts with it)."""
+    return optional_str("SPMD_HOST_ID")

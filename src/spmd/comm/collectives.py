@@ -1,0 +1,363 @@
+"""The public collectives, named and behaving as torch.distributed's: validate, resolve group, run.
+
+Layer: comm. Every check happens before anything is sent, and every error names the rank, the op and the
+group. In-place results bump the tensor's version counter, so autograd notices a collective that overwrote a
+tensor it saved for backward.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import increment_version
+
+from spmd._core.deadline import as_seconds
+from spmd._core.errors import CommTimeoutError, StoreTimeoutError
+from spmd.comm.debug import user_call_site
+from spmd.comm.group import ProcessGroup
+from spmd.comm.reduce_op import ReduceOp, check_reduce_op
+from spmd.comm.transport import OpContext
+from spmd.comm.work import Work
+from spmd.comm.world import AnyGroup, resolve_group
+
+
+def _where(op: str, group: ProcessGroup) -> str:
+    return f"{op} on rank {group.global_rank} of {group.description}"
+
+
+def check_tensor(tensor: object, name: str, op: str, group: ProcessGroup) -> Tensor:
+    """A dense, contiguous tensor on a device the group's transport serves; ValueError otherwise."""
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{_where(op, group)}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout is not torch.strided:
+        raise ValueError(f"{_where(op, group)}: {name} must be a dense tensor, got layout {tensor.layout}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{_where(op, group)}: {name} must be contiguous (shape {tuple(tensor.shape)}, "
+                         f"stride {tensor.stride()}); pass tensor.contiguous() and copy the result back")
+    devices = getattr(group.transport, "devices", ("cpu",))
+    if tensor.device.type not in devices:
+        raise ValueError(f"{_where(op, group)}: {name} is on {tensor.device}, but the {group.backend} backend "
+                         f"moves {', '.join(devices)} tensors")
+    return tensor
+
+
+def _check_same(tensor: Tensor, like: Tensor, name: str, op: str, group: ProcessGroup,
+                numel: int | None = None) -> None:
+    if tensor.dtype != like.dtype:
+        raise ValueError(f"{_where(op, group)}: {name} has dtype {tensor.dtype}, expected {like.dtype}")
+    want = like.numel() if numel is None else numel
+    if tensor.numel() != want:
+        raise ValueError(f"{_where(op, group)}: {name} has {tensor.numel()} elements (shape "
+                         f"{tuple(tensor.shape)}), expected {want}")
+
+
+def _check_list(tensors: object, name: str, op: str, group: ProcessGroup, like: Tensor) -> list[Tensor]:
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != group.size():
+        got = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
+        raise ValueError(f"{_where(op, group)}: {name} must be a list of {group.size()} tensors, got {got}")
+    for index, tensor in enumerate(tensors):
+        check_tensor(tensor, f"{name}[{index}]", op, group)
+        _check_same(tensor, like, f"{name}[{index}]", op, group)
+    return list(tensors)
+
+
+def _root(group: ProcessGroup, global_root: int | None, group_root: int | None, op: str, role: str) -> int:
+    if global_root is not None and group_root is not None:
+        raise ValueError(f"{_where(op, group)}: pass {role} or group_{role}, not both")
+    if group_root is None:
+        if global_root is None:
+            return 0
+        return group.group_rank_of(global_root, f"{op} {role}")
+    if not 0 <= group_root < group.size():
+        raise ValueError(f"{_where(op, group)}: group_{role}={group_root} is out of range for a group of "
+                         f"{group.size()} ranks")
+    return group_root
+
+
+def _flat(tensor: Tensor) -> Tensor:
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    return tensor.view(-1)
+
+
+def _run(group: ProcessGroup, op: str, like: Tensor, shape: tuple[int, ...] | None, body, outputs: list[Tensor],
+         async_op: bool, reduce_op: ReduceOp | None = None, root: int | None = None) -> Work | None:
+    fingerprint = group.next_fingerprint(op, shape, str(like.dtype).removeprefix("torch."),
+                                         None if reduce_op is None else reduce_op.name, root, user_call_site())
+    return group.run(fingerprint, body, outputs, async_op)
+
+
+def all_reduce(tensor: Tensor, op: ReduceOp = ReduceOp.SUM, group: AnyGroup | None = None,
+               async_op: bool = False) -> Work | None:
+    """Reduce `tensor` over the group, in place, on every rank."""
+    pg = resolve_group(group, "all_reduce")
+    check_tensor(tensor, "tensor", "all_reduce", pg)
+    check_reduce_op(op, tensor.dtype, _where("all_reduce", pg))
+
+    def body(ctx: OpContext) -> None:
+        pg.transport.all_reduce(_flat(tensor), op, ctx)
+        increment_version(tensor)
+
+    return _run(pg, "all_reduce", tensor, tuple(tensor.shape), body, [tensor], async_op, reduce_op=op)
+
+
+def broadcast(tensor: Tensor, src: int | None = None, group: AnyGroup | None = None, async_op: bool = False,
+              group_src: int | None = None) -> Work | None:
+    """Copy `src`'s tensor into `tensor` on every rank."""
+    pg = resolve_group(group, "broadcast")
+    check_tensor(tensor, "tensor", "broadcast", pg)
+    root = _root(pg, src, group_src, "broadcast", "src")
+
+    def body(ctx: OpContext) -> None:
+        pg.transport.broadcast(_flat(tensor), root, ctx)
+        increment_version(tensor)
+
+    return _run(pg, "broadcast", tensor, tuple(tensor.shape), body, [tensor], async_op, root=root)
+
+
+def reduce(tensor: Tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM, group: AnyGroup | None = None,
+           async_op: bool = False, group_dst: int | None = None) -> Work | None:
+    """Reduce `tensor` over the group into `dst`'s tensor; other ranks' tensors are left unchanged."""
+    pg = resolve_group(group, "reduce")
+    check_tensor(tensor, "tensor", "reduce", pg)
+    check_reduce_op(op, tensor.dtype, _where("reduce", pg))
+    root = _root(pg, dst, group_dst, "reduce", "dst")
+
+    def body(ctx: OpContext) -> None:
+        pg.transport.reduce(_flat(tensor), root, op, ctx)
+        if pg.group_rank == root:
+            increment_version(tensor)
+
+    return _run(pg, "reduce", tensor, tuple(tensor.shape), body, [tensor], async_op, reduce_op=op, root=root)
+
+
+def all_gather_into_tensor(output_tensor: Tensor, input_tensor: Tensor, group: AnyGroup | None = None,
+                           async_op: bool = False) -> Work | None:
+    """output_tensor <- every rank's input, concatenated in rank order along dim 0."""
+    pg = resolve_group(group, "all_gather_into_tensor")
+    op = "all_gather_into_tensor"
+    check_tensor(input_tensor, "input_tensor", op, pg)
+    check_tensor(output_tensor, "output_tensor", op, pg)
+    _check_same(output_tensor, input_tensor, "output_tensor", op, pg, numel=input_tensor.numel() * pg.size())
+
+    def body(ctx: OpContext) -> None:
+        pg.transport.all_gather(_flat(output_tensor), _flat(input_tensor), ctx)
+        increment_version(output_tensor)
+
+    return _run(pg, "all_gather", input_tensor, tuple(input_tensor.shape), body, [output_tensor], async_op)
+
+
+def all_gather(tensor_list: list[Tensor], tensor: Tensor, group: AnyGroup | None = None,
+               async_op: bool = False) -> Work | None:
+    """tensor_list[i] <- rank i's tensor, on every rank."""
+    pg = resolve_group(group, "all_gather")
+    check_tensor(tensor, "tensor", "all_gather", pg)
+    outputs = _check_list(tensor_list, "tensor_list", "all_gather", pg, tensor)
+
+    def body(ctx: OpContext) -> None:
+        gathered = torch.empty(pg.size(), *tensor.shape, dtype=tensor.dtype)
+        pg.transport.all_gather(_flat(gathered), _flat(tensor), ctx)
+        for out, block in zip(outputs, gathered, strict=True):
+            out.copy_(block)
+            increment_version(out)
+
+    return _run(pg, "all_gather", tensor, tuple(tensor.shape), body, outputs, async_op)
+
+
+def reduce_scatter_tensor(output: Tensor, input: Tensor, op: ReduceOp = ReduceOp.SUM,
+                          group: AnyGroup | None = None, async_op: bool = False) -> Work | None:
+    """output <- reduce over ranks of block `rank` of input (input = group_size equal blocks along dim 0)."""
+    pg = resolve_group(group, "reduce_scatter_tensor")
+    name = "reduce_scatter_tensor"
+    check_tensor(input, "input", name, pg)
+    check_tensor(output, "output", name, pg)
+    check_reduce_op(op, input.dtype, _where(name, pg))
+    _check_same(input, output, "input", name, pg, numel=output.numel() * pg.size())
+
+    def body(ctx: OpContext) -> None:
+        pg.transport.reduce_scatter(_flat(output), _flat(input), op, ctx)
+        increment_version(output)
+
+    return _run(pg, "reduce_scatter", output, tuple(output.shape), body, [output], async_op, reduce_op=op)
+
+
+def reduce_scatter(output: Tensor, input_list: list[Tensor], op: ReduceOp = ReduceOp.SUM,
+                   group: AnyGroup | None = None, async_op: bool = False) -> Work | None:
+    """output <- reduce over ranks of input_list[rank]."""
+    pg = resolve_group(group, "reduce_scatter")
+    check_tensor(output, "output", "reduce_scatter", pg)
+    check_reduce_op(op, output.dtype, _where("reduce_scatter", pg))
+    inputs = _check_list(input_list, "input_list", "reduce_scatter", pg, output)
+
+    def body(ctx: OpContext) -> None:
+        flat_input = torch.cat([_flat(t) for t in inputs]) if inputs else _flat(output)
+        pg.transport.reduce_scatter(_flat(output), flat_input, op, ctx)
+        increment_version(output)
+
+    return _run(pg, "reduce_scatter", output, tuple(output.shape), body, [output], async_op, reduce_op=op)
+
+
+def gather(tensor: Tensor, gather_list: list[Tensor] | None = None, dst: int | None = None,
+           group: AnyGroup | None = None, async_op: bool = False, group_dst: int | None = None) -> Work | None:
+    """On `dst`, gather_list[i] <- rank i's tensor; other ranks pass gather_list=None."""
+    pg = resolve_group(group, "gather")
+    check_tensor(tensor, "tensor", "gather", pg)
+    root = _root(pg, dst, group_dst, "gather", "dst")
+    is_root = pg.group_rank == root
+    if is_root:
+        outputs = _check_list(gather_list, "gather_list", "gather", pg, tensor)
+    elif gather_list:
+        raise ValueError(f"{_where('gather', pg)}: gather_list must be None or empty off the destination rank")
+    else:
+        outputs = []
+
+    def body(ctx: OpContext) -> None:
+        gathered = torch.empty(pg.size(), *tensor.shape, dtype=tensor.dtype) if is_root else None
+        pg.transport.gather(None if gathered is None else _flat(gathered), _flat(tensor), root, ctx)
+        if gathered is not None:
+            for out, block in zip(outputs, gathered, strict=True):
+                out.copy_(block)
+                increment_version(out)
+
+    return _run(pg, "gather", tensor, tuple(tensor.shape), body, outputs, async_op, root=root)
+
+
+def scatter(tensor: Tensor, scatter_list: list[Tensor] | None = None, src: int | None = None,
+            group: AnyGroup | None = None, async_op: bool = False, group_src: int | None = None) -> Work | None:
+    """tensor <- `src`'s scatter_list[rank]; other ranks pass scatter_list=None."""
+    pg = resolve_group(group, "scatter")
+    check_tensor(tensor, "tensor", "scatter", pg)
+    root = _root(pg, src, group_src, "scatter", "src")
+    is_root = pg.group_rank == root
+    if is_root:
+        inputs = _check_list(scatter_list, "scatter_list", "scatter", pg, tensor)
+    elif scatter_list:
+        raise ValueError(f"{_where('scatter', pg)}: scatter_list must be None or empty off the source rank")
+    else:
+        inputs = []
+
+    def body(ctx: OpContext) -> None:
+        flat_input = torch.cat([_flat(t) for t in inputs]) if is_root else None
+        pg.transport.scatter(_flat(tensor), flat_input, root, ctx)
+        increment_version(tensor)
+
+    return _run(pg, "scatter", tensor, tuple(tensor.shape), body, [tensor], async_op, root=root)
+
+
+def _splits(sizes: list[int] | None, tensor: Tensor, name: str, op: str, group: ProcessGroup) -> list[int]:
+    """Split sizes along dim 0 converted to element counts (equal splits when `sizes` is None)."""
+    rows = tensor.shape[0] if tensor.dim() else 1
+    row_numel = tensor.numel() // rows if rows else 0
+    if sizes is None or len(sizes) == 0:
+        if rows % group.size():
+            raise ValueError(f"{_where(op, group)}: {name} dim 0 ({rows}) does not divide into {group.size()} "
+                             f"equal splits; pass split sizes")
+        return [rows // group.size() * row_numel] * group.size()
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != group.size() or any(s < 0 for s in sizes) or sum(sizes) != rows:
+        raise ValueError(f"{_where(op, group)}: {name} split sizes {sizes} must be {group.size()} non-negative "
+                         f"numbers summing to dim 0 of the tensor ({rows})")
+    return [s * row_numel for s in sizes]
+
+
+def all_to_all_single(output: Tensor, input: Tensor, output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, group: AnyGroup | None = None,
+                      async_op: bool = False) -> Work | None:
+    """Rank j's output block i <- rank i's input block j; blocks along dim 0, sizes as given (or equal)."""
+    pg = resolve_group(group, "all_to_all_single")
+    name = "all_to_all_single"
+    check_tensor(input, "input", name, pg)
+    check_tensor(output, "output", name, pg)
+    if output.dtype != input.dtype:
+        raise ValueError(f"{_where(name, pg)}: output dtype {output.dtype} differs from input dtype {input.dtype}")
+    in_splits = _splits(input_split_sizes, input, "input", name, pg)
+    out_splits = _splits(output_split_sizes, output, "output", name, pg)
+
+    def body(ctx: OpContext) -> None:
+        pg.transport.all_to_all(_flat(output), _flat(input), out_splits, in_splits, ctx)
+        increment_version(output)
+
+    return _run(pg, "all_to_all", input, None, body, [output], async_op)
+
+
+def all_to_all(output_tensor_list: list[Tensor], input_tensor_list: list[Tensor], group: AnyGroup | None = None,
+               async_op: bool = False) -> Work | None:
+    """output_tensor_list[i] on rank j <- input_tensor_list[j] on rank i (sizes may differ per pair)."""
+    pg = resolve_group(group, "all_to_all")
+    for name, tensors in (("output_tensor_list", output_tensor_list), ("input_tensor_list", input_tensor_list)):
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != pg.size():
+            raise ValueError(f"{_where('all_to_all', pg)}: {name} must be a list of {pg.size()} tensors")
+        for index, tensor in enumerate(tensors):
+            check_tensor(tensor, f"{name}[{index}]", "all_to_all", pg)
+            if tensor.dtype != input_tensor_list[0].dtype:
+                raise ValueError(f"{_where('all_to_all', pg)}: {name}[{index}] has dtype {tensor.dtype}, "
+                                 f"expected {input_tensor_list[0].dtype}")
+    like = input_tensor_list[0]
+
+    def body(ctx: OpContext) -> None:
+        flat_in = torch.cat([_flat(t) for t in input_tensor_list])
+        flat_out = torch.empty(sum(_flat(t).numel() for t in output_tensor_list), dtype=flat_in.dtype)
+        pg.transport.all_to_all(flat_out, flat_in, [_flat(t).numel() for t in output_tensor_list],
+                                [_flat(t).numel() for t in input_tensor_list], ctx)
+        offset = 0
+        for out in output_tensor_list:
+            n = _flat(out).numel()
+            _flat(out).copy_(flat_out[offset:offset + n])
+            offset += n
+            increment_version(out)
+
+    return _run(pg, "all_to_all", like, None, body, list(output_tensor_list), async_op)
+
+
+def barrier(group: AnyGroup | None = None, async_op: bool = False, device_ids: list[int] | None = None) -> Work | None:
+    """Return once every rank of the group has entered the barrier."""
+    pg = resolve_group(group, "barrier")
+
+    def body(ctx: OpContext) -> None:
+        pg.transport.barrier(ctx)
+
+    return _run(pg, "barrier", _BARRIER_LIKE, (), body, [], async_op)
+
+
+_BARRIER_LIKE = torch.empty(0, dtype=torch.uint8)
+
+
+def monitored_barrier(group: AnyGroup | None = None, timeout: float | datetime.timedelta | None = None,
+                      wait_all_ranks: bool = False) -> None:
+    """A barrier through the store that names the ranks that did not arrive within `timeout`.
+
+    Collective. The group's first rank waits for each other rank's arrival key; it raises naming the
+    first missing rank (or all of them with `wait_all_ranks`), and tells the others, which raise too.
+    """
+    pg = resolve_group(group, "monitored_barrier")
+    seconds = as_seconds(timeout, pg.timeout)
+    seq = pg.next_fingerprint("monitored_barrier", (), "none").seq
+    prefix = f"monitored_barrier/{seq}"
+    if pg.group_rank != 0:
+        pg.store.set(f"{prefix}/arrived/{pg.global_rank}", b"1")
+        try:
+            pg.store.wait([f"{prefix}/verdict"], timeout=seconds)
+        except StoreTimeoutError:
+            raise CommTimeoutError(f"{_where('monitored_barrier', pg)}: rank {pg.ranks[0]} did not release the "
+                                   f"barrier within {seconds:.1f}s") from None
+        verdict = pg.store.get(f"{prefix}/verdict").decode()
+        if verdict != "ok":
+            raise CommTimeoutError(f"{_where('monitored_barrier', pg)}: {verdict}")
+        return
+    missing: list[int] = []
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=seconds)
+    for rank in pg.ranks[1:]:
+        remaining = max(0.0, (deadline - datetime.datetime.now()).total_seconds())
+        try:
+            pg.store.wait([f"{prefix}/arrived/{rank}"], timeout=remaining if not missing else 0.0)
+        except StoreTimeoutError:
+            missing.append(rank)
+            if not wait_all_ranks:
+                break
+    verdict = "ok" if not missing else (
+        f"ranks {missing} did not reach monitored_barrier #{seq} within {seconds:.1f}s")
+    pg.store.set(f"{prefix}/verdict", verdict)
+    if missing:
+        raise CommTimeoutError(f"{_where('monitored_barrier', pg)}: {verdict}")

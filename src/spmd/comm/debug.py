@@ -1,0 +1,226 @@
+"""Always-on diagnostics: call fingerprints, the per-group flight recorder, and stuck-collective reports.
+
+Layer: comm.
+
+Note: how a hang becomes an error
+Every operation gets a Fingerprint (op, sequence number, shape, dtype, reduce op, root, call site). The
+transport sends it in its own message header, so a peer that called something else is caught at the first
+message, whatever the debug level. Every rank also keeps a FlightRecorder: its last few operations per group
+and their state. When a collective times out, the waiting rank asks every rank, through the store, for its
+recorder (a StatusService thread answers on each rank, even while that rank is busy computing), and the
+timeout error lists who never entered the collective and what they were doing instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from spmd._core.errors import StoreError
+from spmd.comm.store import Store
+
+_SKIP_DIRS = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),   # spmd/
+    os.path.dirname(os.path.abspath(torch.__file__)),               # torch/
+)
+
+
+def user_call_site() -> str:
+    """file:line of the innermost frame outside spmd and torch: the user's line that issued the operation."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """What one rank called at one step of a group; ranks must agree on everything but `call_site`."""
+
+    op: str                          # "all_reduce", "broadcast", ...
+    seq: int                         # position of this collective in the group's program order (from 1)
+    shape: tuple[int, ...] | None    # None where ranks may legally differ (all_to_all)
+    dtype: str
+    reduce_op: str | None = None
+    root: int | None = None          # group rank of the root, for rooted ops
+    call_site: str = ""
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.op, self.seq, self.shape, self.dtype, self.reduce_op, self.root)
+
+    def describe(self) -> str:
+        parts = [f"{self.op} #{self.seq}"]
+        if self.shape is not None:
+            parts.append(f"shape={list(self.shape)}")
+        parts.append(f"dtype={self.dtype}")
+        if self.reduce_op is not None:
+            parts.append(f"op={self.reduce_op}")
+        if self.root is not None:
+            parts.append(f"root={self.root}")
+        return " ".join(parts) + f" called at {self.call_site}"
+
+    def encode(self) -> bytes:
+        return json.dumps([self.op, self.seq, self.shape, self.dtype, self.reduce_op, self.root,
+                           self.call_site]).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Fingerprint:
+        op, seq, shape, dtype, reduce_op, root, call_site = json.loads(data)
+        return cls(op, seq, None if shape is None else tuple(shape), dtype, reduce_op, root, call_site)
+
+
+def mismatch_message(group_desc: str, mine: Fingerprint, my_rank: int, theirs: Fingerprint,
+                     their_rank: int) -> str:
+    return (
+        f"collective mismatch in {group_desc}: rank {my_rank} called {mine.describe()}, but rank "
+        f"{their_rank} called {theirs.describe()}. Every rank of a group must issue the same collectives "
+        f"with the same shapes, dtypes, reduce ops and roots, in the same order."
+    )
+
+
+class OpState(enum.Enum):
+    ENQUEUED = "enqueued"     # issued by the caller, waiting for earlier operations of the group
+    RUNNING = "running"       # its transport exchange is under way
+    COMPLETED = "completed"   # finished successfully
+    FAILED = "failed"         # finished with an error
+
+
+class OpRecord:
+    """One entry of the flight recorder."""
+
+    __slots__ = ("fingerprint", "finished_at", "started_at", "state")
+
+    def __init__(self, fingerprint: Fingerprint) -> None:
+        self.fingerprint = fingerprint
+        self.state = OpState.ENQUEUED
+        self.started_at = time.time()
+        self.finished_at: float | None = None
+
+    def finish(self, state: OpState) -> None:
+        self.state = state
+        self.finished_at = time.time()
+
+    def as_dict(self) -> dict[str, Any]:
+        fp = self.fingerprint
+        return {"op": fp.op, "seq": fp.seq, "shape": fp.shape, "dtype": fp.dtype, "call_site": fp.call_site,
+                "state": self.state.value, "started_at": self.started_at, "finished_at": self.finished_at}
+
+
+class FlightRecorder:
+    """The last `capacity` operations of each group on this rank (a bounded deque per group)."""
+
+    def __init__(self, capacity: int = 32) -> None:
+        self.capacity = capacity
+        self._groups: dict[str, collections.deque[OpRecord]] = {}
+        self._lock = threading.Lock()
+
+    def record(self, group_name: str, fingerprint: Fingerprint) -> OpRecord:
+        record = OpRecord(fingerprint)
+        ring = self._groups.get(group_name)
+        if ring is None:
+            with self._lock:
+                ring = self._groups.setdefault(group_name, collections.deque(maxlen=self.capacity))
+        ring.append(record)
+        return record
+
+    def snapshot(self) -> dict[str, list[dict[str, Any]]]:
+        with self._lock:
+            groups = list(self._groups.items())
+        return {name: [record.as_dict() for record in list(ring)] for name, ring in groups}
+
+
+_DUMP_GEN = "spmd_debug/dump_gen"
+
+
+def _dump_key(gen: int) -> str:
+    return f"spmd_debug/dump/{gen}"
+
+
+def _status_key(gen: int, rank: int) -> str:
+    return f"spmd_debug/status/{gen}/{rank}"
+
+
+class StatusService:
+    """A daemon thread per rank that answers status requests with this rank's flight recorder.
+
+    It waits on the store in slices of `poll_s`, so a stopped service's thread ends within that time.
+    """
+
+    def __init__(self, store: Store, rank: int, recorder: FlightRecorder, poll_s: float = 1.0) -> None:
+        self._store = store
+        self._rank = rank
+        self._recorder = recorder
+        self._poll_s = poll_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"spmd-status-rank{rank}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _serve(self) -> None:
+        try:
+            gen = int(self._store.add(_DUMP_GEN, 0)) + 1
+            while not self._stopped.is_set():
+                try:
+                    self._store.wait([_dump_key(gen)], timeout=self._poll_s)
+                except TimeoutError:
+                    continue
+                status = {"rank": self._rank, "time": time.time(), "groups": self._recorder.snapshot()}
+                self._store.set(_status_key(gen, self._rank), json.dumps(status))
+                gen += 1
+        except (StoreError, OSError, ValueError):
+            return   # the store is gone: the job is ending, nobody can ask any more
+
+
+def collect_statuses(store: Store, ranks: list[int], wait_s: float = 3.0) -> dict[int, dict[str, Any] | None]:
+    """Ask every rank in `ranks` for its flight recorder; None for a rank that did not answer in `wait_s`."""
+    gen = int(store.add(_DUMP_GEN, 1))
+    store.set(_dump_key(gen), b"1")
+    deadline = time.monotonic() + wait_s
+    statuses: dict[int, dict[str, Any] | None] = {}
+    for rank in ranks:
+        try:
+            store.wait([_status_key(gen, rank)], timeout=max(0.01, deadline - time.monotonic()))
+            statuses[rank] = json.loads(store.get(_status_key(gen, rank)))
+        except TimeoutError:
+            statuses[rank] = None
+    return statuses
+
+
+def describe_stragglers(group_name: str, group_ranks: list[int], mine: Fingerprint,
+                        statuses: dict[int, dict[str, Any] | None]) -> tuple[list[int], list[str]]:
+    """Which ranks never entered `mine`, and one line per other rank saying what it last did and where."""
+    missing: list[int] = []
+    lines: list[str] = []
+    now = time.time()
+    for rank in group_ranks:
+        status = statuses.get(rank)
+        if status is None:
+            missing.append(rank)
+            lines.append(f"rank {rank} did not answer the status request (dead, or stuck outside Python)")
+            continue
+        records = status["groups"].get(group_name, [])
+        last = records[-1] if records else None
+        if last is None or last["seq"] < mine.seq:
+            missing.append(rank)
+        if last is None:
+            lines.append(f"rank {rank} has not issued any operation on this group yet")
+        elif last["state"] in (OpState.ENQUEUED.value, OpState.RUNNING.value):
+            lines.append(f"rank {rank} is still in {last['op']} #{last['seq']} called at {last['call_site']} "
+                         f"(for {now - last['started_at']:.1f}s)")
+        else:
+            lines.append(f"rank {rank} last {last['state']} {last['op']} #{last['seq']} called at "
+                         f"{last['call_site']}, {now - (last['finished_at'] or now):.1f}s ago")
+    return missing, lines

@@ -1,0 +1,229 @@
+"""ProcessGroup: a set of ranks, its transport, and the in-order executor its operations run on.
+
+Layer: comm. Collectives on one group complete in the order they were issued, like a CUDA stream: a
+synchronous call runs on the caller's thread when nothing is queued, and asynchronous calls run on one
+executor thread per group. Any failure aborts the group on this rank and tells the peers (through the
+transport), so they fail fast too; later operations raise GroupAbortedError naming the first failure.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+
+from spmd._core.deadline import Deadline
+from spmd._core.errors import CommError, CommTimeoutError, GroupAbortedError, SpmdError, StoreError
+from spmd.comm.debug import (
+    Fingerprint,
+    FlightRecorder,
+    OpRecord,
+    OpState,
+    collect_statuses,
+    describe_stragglers,
+)
+from spmd.comm.store import Store
+from spmd.comm.transport import OpContext, Transport
+from spmd.comm.work import Work
+
+Body = Callable[[OpContext], None]
+
+
+class ProcessGroup:
+    """A group of ranks that communicate together (torch.distributed.ProcessGroup's role)."""
+
+    def __init__(self, name: str, global_ranks: list[int], group_rank: int, transport: Transport,
+                 store: Store, world_store: Store, timeout: float, recorder: FlightRecorder,
+                 backend: str) -> None:
+        self.name = name
+        self.ranks = list(global_ranks)
+        self.group_rank = group_rank
+        self.transport = transport
+        self.store = store
+        self.timeout = timeout
+        self.backend = backend
+        self.description = f"group '{name}' (ranks {self.ranks})"
+        self._world_store = world_store
+        self._recorder = recorder
+        self._seq = 0
+        self._p2p_seq = 0
+        self._lock = threading.Lock()
+        self._has_work = threading.Condition(self._lock)
+        self._queue: collections.deque[tuple[OpRecord, Body, Work]] = collections.deque()
+        self._busy = False
+        self._executor: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+
+    # torch.distributed.ProcessGroup's accessors
+    def rank(self) -> int:
+        return self.group_rank
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def group_name(self) -> str:
+        return self.name
+
+    @property
+    def global_rank(self) -> int:
+        return self.ranks[self.group_rank]
+
+    def group_rank_of(self, global_rank: int, what: str) -> int:
+        """The group rank of `global_rank`, or ValueError naming `what` (e.g. "src of broadcast")."""
+        try:
+            return self.ranks.index(global_rank)
+        except ValueError:
+            raise ValueError(f"{what}: rank {global_rank} is not in {self.description}") from None
+
+    # -- collectives ----------------------------------------------------------------------------------------
+
+    def run(self, fingerprint: Fingerprint, body: Body, outputs: list, async_op: bool) -> Work | None:
+        """Issue one collective: record it, run `body` in program order, return a Work if `async_op`."""
+        record = self._recorder.record(self.name, fingerprint)
+        work = Work(f"{fingerprint.op} #{fingerprint.seq} on {self.description}", outputs, record)
+        with self._lock:
+            self._raise_if_unusable(fingerprint)
+            inline = not async_op and not self._busy and not self._queue
+            if inline:
+                self._busy = True
+            else:
+                self._queue.append((record, body, work))
+                self._ensure_executor()
+                self._has_work.notify()
+        if inline:
+            try:
+                self._execute(record, body, work)
+            finally:
+                with self._lock:
+                    self._busy = False
+                    if self._queue:
+                        self._has_work.notify()
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def next_fingerprint(self, op: str, shape: tuple[int, ...] | None, dtype: str, reduce_op: str | None = None,
+                         root: int | None = None, call_site: str = "") -> Fingerprint:
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        return Fingerprint(op, seq, shape, dtype, reduce_op, root, call_site)
+
+    def next_p2p_record(self, op: str, shape: tuple[int, ...], dtype: str, call_site: str) -> OpRecord:
+        with self._lock:
+            self._raise_if_unusable(None)
+            self._p2p_seq += 1
+            seq = self._p2p_seq
+        return self._recorder.record(f"{self.name}/p2p", Fingerprint(op, seq, shape, dtype, call_site=call_site))
+
+    def _raise_if_unusable(self, fingerprint: Fingerprint | None) -> None:
+        what = f"{fingerprint.op} #{fingerprint.seq}" if fingerprint else "point-to-point operation"
+        if self._closed:
+            raise RuntimeError(f"{what} on {self.description}: the group was destroyed")
+        if self._error is not None:
+            raise GroupAbortedError(
+                f"{what} on rank {self.global_rank}: {self.description} was aborted by an earlier failure "
+                f"and can't run more operations. First failure: {self._error}") from self._error
+
+    def _ensure_executor(self) -> None:
+        if self._executor is None:
+            self._executor = threading.Thread(target=self._drain, name=f"spmd-group-{self.name}-rank"
+                                              f"{self.global_rank}", daemon=True)
+            self._executor.start()
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue or self._busy:
+                    if self._closed:
+                        return
+                    self._has_work.wait()
+                record, body, work = self._queue.popleft()
+                self._busy = True
+            try:
+                if self._error is not None:
+                    work.to_failed(GroupAbortedError(f"{work.description}: the group was aborted: {self._error}"))
+                else:
+                    self._execute(record, body, work)
+            finally:
+                with self._lock:
+                    self._busy = False
+
+    def _execute(self, record: OpRecord, body: Body, work: Work) -> None:
+        record.state = OpState.RUNNING
+        ctx = OpContext(record.fingerprint, Deadline(self.timeout), self.description)
+        try:
+            body(ctx)
+        except BaseException as error:   # every failure must reach the Work and abort the group
+            error = self._explain(error, record.fingerprint)
+            self.abort(error)
+            work.to_failed(error)
+            return
+        work.to_completed()
+
+    def _explain(self, error: BaseException, fingerprint: Fingerprint) -> BaseException:
+        """Give a transport's error its context: rank, op, group, and for timeouts what the others are doing."""
+        where = f"spmd: {fingerprint.describe()} on {self.description}, rank {self.global_rank}"
+        if isinstance(error, CommTimeoutError):
+            try:
+                statuses = collect_statuses(self._world_store, self.ranks)
+            except (StoreError, OSError) as store_error:
+                return CommTimeoutError(f"{where}: timed out after {self.timeout:.1f}s; the store could not be "
+                                        f"asked what the other ranks are doing ({store_error})")
+            missing, lines = describe_stragglers(self.name, self.ranks, fingerprint, statuses)
+            return CommTimeoutError(
+                f"{where}: timed out after {self.timeout:.1f}s. Ranks that never entered it: {missing}.\n  "
+                + "\n  ".join(lines))
+        if isinstance(error, SpmdError):
+            return type(error)(f"{where}: {error}")
+        if isinstance(error, (ValueError, TypeError)):
+            return error
+        return CommError(f"{where}: {type(error).__name__}: {error}")
+
+    # -- point to point -------------------------------------------------------------------------------------
+
+    def p2p_failed(self, record: OpRecord, error: BaseException) -> BaseException:
+        error = self._explain(error, record.fingerprint)
+        self.abort(error)
+        return error
+
+    # -- lifetime -------------------------------------------------------------------------------------------
+
+    def abort(self, error: BaseException) -> None:
+        """Fail this group on this rank (and, through the transport, on its peers)."""
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = error
+            self._has_work.notify_all()
+        self.transport.abort(error)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._has_work.notify_all()
+        if self._executor is not None and self._executor is not threading.current_thread():
+            self._executor.join(timeout=self.timeout)
+        self.transport.close()
+
+    def __repr__(self) -> str:
+        return f"ProcessGroup(name={self.name!r}, ranks={self.ranks}, rank={self.group_rank}, backend={self.backend})"
+
+
+class NonMemberGroup:
+    """What new_group returns on a rank outside the group: any operation on it raises ValueError."""
+
+    def __init__(self, name: str, global_ranks: list[int], caller_rank: int) -> None:
+        self.name = name
+        self.ranks = list(global_ranks)
+        self.caller_rank = caller_rank
+
+    def not_member_error(self, op: str) -> ValueError:
+        return ValueError(f"{op}: rank {self.caller_rank} is not in group '{self.name}' (ranks {self.ranks}); "
+                          f"only its members may use it")
+
+    def __repr__(self) -> str:
+        return f"NonMemberGroup(name={self.name!r}, ranks={self.ranks})"

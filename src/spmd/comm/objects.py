@@ -1,0 +1,90 @@
+"""Collectives of picklable Python objects; the only module that pickles.
+
+Layer: comm. Objects travel as pickled bytes in uint8 tensors: their lengths are exchanged first, then one
+padded buffer. Unpickling runs code chosen by the sender: use these only between ranks of one job.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from spmd.comm import collectives
+from spmd.comm.world import AnyGroup, resolve_group
+
+
+def _to_tensor(obj: Any) -> Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _from_tensor(data: Tensor, length: int) -> Any:
+    return pickle.loads(data[:length].numpy().tobytes())
+
+
+def all_gather_object(object_list: list[Any], obj: Any, group: AnyGroup | None = None) -> None:
+    """object_list[i] <- rank i's `obj`, on every rank. Collective."""
+    pg = resolve_group(group, "all_gather_object")
+    if len(object_list) != pg.size():
+        raise ValueError(f"all_gather_object on rank {pg.global_rank}: object_list must have {pg.size()} "
+                         f"entries, got {len(object_list)}")
+    data = _to_tensor(obj)
+    lengths = torch.empty(pg.size(), dtype=torch.int64)
+    collectives.all_gather_into_tensor(lengths, torch.tensor([data.numel()]), group=pg)
+    longest = int(lengths.max())
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    gathered = torch.empty(pg.size(), longest, dtype=torch.uint8)
+    collectives.all_gather_into_tensor(gathered, padded, group=pg)
+    for rank in range(pg.size()):
+        object_list[rank] = _from_tensor(gathered[rank], int(lengths[rank]))
+
+
+def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0,
+                  group: AnyGroup | None = None) -> None:
+    """On `dst`, object_gather_list[i] <- rank i's `obj`. Collective."""
+    pg = resolve_group(group, "gather_object")
+    root = pg.group_rank_of(dst, "gather_object dst")
+    if pg.group_rank == root and (object_gather_list is None or len(object_gather_list) != pg.size()):
+        raise ValueError(f"gather_object on rank {pg.global_rank}: the destination needs an object_gather_list "
+                         f"of {pg.size()} entries")
+    gathered: list[Any] = [None] * pg.size()
+    all_gather_object(gathered, obj, group=pg)
+    if pg.group_rank == root:
+        object_gather_list[:] = gathered
+
+
+def broadcast_object_list(object_list: list[Any], src: int = 0, group: AnyGroup | None = None,
+                          device: torch.device | None = None) -> None:
+    """object_list <- `src`'s object_list, in place, on every rank (lists must have equal lengths). Collective."""
+    pg = resolve_group(group, "broadcast_object_list")
+    root = pg.group_rank_of(src, "broadcast_object_list src")
+    is_root = pg.group_rank == root
+    parts = [_to_tensor(obj) for obj in object_list] if is_root else []
+    lengths = torch.tensor([p.numel() for p in parts] if is_root else [0] * len(object_list), dtype=torch.int64)
+    collectives.broadcast(lengths, group=pg, group_src=root)
+    payload = torch.cat(parts) if is_root and parts else torch.empty(int(lengths.sum()), dtype=torch.uint8)
+    collectives.broadcast(payload, group=pg, group_src=root)
+    if not is_root:
+        offset = 0
+        for index, length in enumerate(lengths.tolist()):
+            object_list[index] = _from_tensor(payload[offset:offset + length], length)
+            offset += length
+
+
+def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None,
+                        src: int = 0, group: AnyGroup | None = None) -> None:
+    """scatter_object_output_list[0] <- `src`'s scatter_object_input_list[rank]. Collective."""
+    pg = resolve_group(group, "scatter_object_list")
+    root = pg.group_rank_of(src, "scatter_object_list src")
+    if not scatter_object_output_list:
+        raise ValueError(f"scatter_object_list on rank {pg.global_rank}: the output list needs one entry")
+    everything = [scatter_object_input_list] if pg.group_rank == root else [None]
+    if pg.group_rank == root and (scatter_object_input_list is None or
+                                  len(scatter_object_input_list) != pg.size()):
+        raise ValueError(f"scatter_object_list on rank {pg.global_rank}: the source needs an input list of "
+                         f"{pg.size()} objects")
+    broadcast_object_list(everything, src=src, group=pg)
+    scatter_object_output_list[0] = everything[0][pg.group_rank]

@@ -1,0 +1,157 @@
+"""The Transport protocol: the byte-moving primitives a backend supplies to a process group.
+
+Layer: comm. A ProcessGroup validates and orders operations; its Transport only moves and combines bytes.
+
+Contract for every collective method:
+- it is called on the group's executor, one collective at a time, in program order, on every rank;
+- tensors are flat (1-D), contiguous, and already validated (dtypes agree, sizes fit);
+- it raises CommTimeoutError when `ctx.deadline` passes, PeerLostError when a peer dies,
+  CollectiveMismatchError when a peer's fingerprint differs from `ctx.fingerprint`;
+- AVG arrives as AVG; a transport may reduce it as SUM (`reduce_op.combine_`) and divide once
+  (`reduce_op.finish_average`).
+Point-to-point methods may run concurrently with collectives and with each other; they complete the
+Work they are given, and messages between one pair of ranks with one tag arrive in the order sent.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+import importlib.util
+
+from torch import Tensor
+
+from spmd._core.deadline import Deadline
+from spmd.comm.debug import Fingerprint
+from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.store import Store
+from spmd.comm.work import Work
+
+
+@dataclasses.dataclass(slots=True)
+class OpContext:
+    """What a transport knows about the operation it runs."""
+
+    fingerprint: Fingerprint
+    deadline: Deadline
+    group_desc: str          # "group 'default' (ranks [0, 1])", for error messages
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportSpec:
+    """Everything a transport needs to connect one group's ranks."""
+
+    store: Store                  # prefixed with the group's name: keys here are private to the group
+    group_name: str
+    group_rank: int               # this process's rank inside the group
+    global_ranks: tuple[int, ...] # global rank of each group rank
+    hosts: tuple[str, ...]        # host identity of each group rank (ranks on one host can share memory)
+    timeout: float                # seconds; connection set-up and every operation are bounded by it
+    token: bytes                  # shared secret: peers present it before any byte of theirs is used
+
+    @property
+    def group_size(self) -> int:
+        return len(self.global_ranks)
+
+    @property
+    def global_rank(self) -> int:
+        return self.global_ranks[self.group_rank]
+
+
+class Transport(abc.ABC):
+    """One group's connection to its peers. See the module docstring for the contract."""
+
+    name: str = "abstract"
+
+    def __init__(self, spec: TransportSpec) -> None:
+        self.spec = spec
+        self.group_rank = spec.group_rank
+        self.group_size = spec.group_size
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: Tensor, op: ReduceOp, ctx: OpContext) -> None:
+        """tensor <- reduce over ranks of tensor, on every rank."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: Tensor, root: int, ctx: OpContext) -> None:
+        """tensor <- root's tensor."""
+
+    @abc.abstractmethod
+    def reduce(self, tensor: Tensor, root: int, op: ReduceOp, ctx: OpContext) -> None:
+        """On root, tensor <- reduce over ranks; other ranks' tensors are left as they were."""
+
+    @abc.abstractmethod
+    def all_gather(self, output: Tensor, input: Tensor, ctx: OpContext) -> None:
+        """output (group_size * input.numel()) <- concatenation of every rank's input, in rank order."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, output: Tensor, input: Tensor, op: ReduceOp, ctx: OpContext) -> None:
+        """output <- reduce over ranks of this rank's block of input (group_size equal blocks)."""
+
+    @abc.abstractmethod
+    def gather(self, output: Tensor | None, input: Tensor, root: int, ctx: OpContext) -> None:
+        """On root, output <- concatenation of every rank's input; output is None elsewhere."""
+
+    @abc.abstractmethod
+    def scatter(self, output: Tensor, input: Tensor | None, root: int, ctx: OpContext) -> None:
+        """output <- block `group_rank` of root's input (equal blocks); input is None off root."""
+
+    @abc.abstractmethod
+    def all_to_all(self, output: Tensor, input: Tensor, output_splits: list[int], input_splits: list[int],
+                   ctx: OpContext) -> None:
+        """Rank j's output block i (output_splits[i] elements) <- rank i's input block j; splits in elements."""
+
+    @abc.abstractmethod
+    def barrier(self, ctx: OpContext) -> None:
+        """Return once every rank has entered the barrier."""
+
+    @abc.abstractmethod
+    def isend(self, tensor: Tensor, dst: int, tag: int, work: Work) -> None:
+        """Start sending tensor to group rank dst; complete `work` once tensor may be reused."""
+
+    @abc.abstractmethod
+    def irecv(self, tensor: Tensor, src: int, tag: int, work: Work) -> None:
+        """Start receiving the next message from group rank src with `tag` into tensor; complete `work` then."""
+
+    @abc.abstractmethod
+    def abort(self, error: BaseException) -> None:
+        """Fail every operation in flight with `error` and tell the peers, so they fail fast too."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release sockets, threads and shared memory (normal shutdown; peers are closing too)."""
+
+
+_TRANSPORTS: dict[str, str] = {
+    "threads": "spmd.comm.threads:ThreadsTransport",
+    "tcp": "spmd.comm.tcp:TcpTransport",
+    "shm": "spmd.comm.shm:ShmTransport",
+}
+
+
+def available_backends() -> list[str]:
+    return [*_TRANSPORTS, "auto"]
+
+
+def resolve_backend(backend: str, hosts: tuple[str, ...]) -> str:
+    """The concrete transport name for `backend`; "auto" picks shm inside one host and tcp across hosts."""
+    if backend == "auto":
+        backend = "shm" if len(set(hosts)) == 1 else "tcp"
+        if backend == "shm" and not _importable(_TRANSPORTS["shm"]):
+            backend = "tcp"
+    if backend not in _TRANSPORTS:
+        raise ValueError(f"spmd: unknown backend {backend!r}; choose one of {available_backends()}")
+    return backend
+
+
+def _importable(target: str) -> bool:
+    module = target.split(":")[0]
+    return importlib.util.find_spec(module) is not None
+
+
+def create_transport(backend: str, spec: TransportSpec) -> Transport:
+    """Build and connect the transport named `backend` for one group (collective over the group's ranks)."""
+    module_name, class_name = _TRANSPORTS[resolve_backend(backend, spec.hosts)].split(":")
+    transport_class = getattr(importlib.import_module(module_name), class_name)
+    return transport_class(spec)

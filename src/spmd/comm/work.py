@@ -1,0 +1,108 @@
+"""Work: the handle of an asynchronous operation, and its state machine.
+
+Layer: comm. A Work is PENDING until the executor completes or fails it; `wait` re-raises the failure on
+the caller's thread. `get_future()` bridges to torch.futures for code written against torch's Work.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+
+import torch
+from torch import Tensor
+
+from spmd._core.errors import CommTimeoutError
+from spmd.comm.debug import OpRecord, OpState
+
+
+class WorkState(enum.Enum):
+    PENDING = enum.auto()     # enqueued or running; its output tensors must not be read yet
+    COMPLETED = enum.auto()   # finished; outputs hold the result
+    FAILED = enum.auto()      # finished with an error; `wait` raises it
+
+
+class Work:
+    """An operation in flight. `wait()` blocks until it finishes and re-raises its error, if any."""
+
+    __slots__ = ("_done", "_error", "_future", "_lock", "description", "outputs", "record", "state")
+
+    def __init__(self, description: str, outputs: list[Tensor] | None = None,
+                 record: OpRecord | None = None) -> None:
+        self.description = description
+        self.record = record                # the flight-recorder entry this Work finishes
+        self.outputs = outputs if outputs is not None else []
+        self.state = WorkState.PENDING
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._future: torch.futures.Future | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def completed(cls, description: str, outputs: list[Tensor] | None = None) -> Work:
+        work = cls(description, outputs)
+        work.to_completed()
+        return work
+
+    def to_completed(self) -> None:
+        with self._lock:
+            if self.state is not WorkState.PENDING:
+                return
+            self.state = WorkState.COMPLETED
+            future = self._future
+        if self.record is not None:
+            self.record.finish(OpState.COMPLETED)
+        self._done.set()
+        if future is not None:
+            future.set_result(self.outputs)
+
+    def to_failed(self, error: BaseException) -> None:
+        with self._lock:
+            if self.state is not WorkState.PENDING:
+                return
+            self._error = error
+            self.state = WorkState.FAILED
+            future = self._future
+        if self.record is not None:
+            self.record.finish(OpState.FAILED)
+        self._done.set()
+        if future is not None:
+            future.set_exception(error)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the operation finishes; re-raise its error. `timeout` (s) bounds only this wait."""
+        if not self._done.wait(timeout):
+            raise CommTimeoutError(f"{self.description}: Work.wait timed out after {timeout}s (still running)")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self.state is WorkState.COMPLETED
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> list[Tensor]:
+        self.wait()
+        return self.outputs
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        """A torch Future whose value is the list of output tensors (set when the operation finishes)."""
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                if self.state is WorkState.COMPLETED:
+                    self._future.set_result(self.outputs)
+                elif self.state is WorkState.FAILED:
+                    self._future.set_exception(self._error)
+            return self._future
+
+    def __repr__(self) -> str:
+        return f"Work({self.description}, {self.state.name})"

@@ -1,0 +1,265 @@
+"""The per-rank world: init/destroy_process_group, the default group, new_group and rank queries.
+
+Layer: comm. World state is found through a context variable (set by init_process_group on the calling
+thread), so the threads transport can host several ranks in one process; a process with one real rank also
+finds its world from threads it starts later. Inside the library groups are passed explicitly; only the
+public API resolves the default group here.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import datetime
+import secrets
+import socket
+import threading
+import urllib.parse
+
+from spmd._core import env
+from spmd._core.deadline import as_seconds
+from spmd.comm.debug import FlightRecorder, StatusService
+from spmd.comm.group import NonMemberGroup, ProcessGroup
+from spmd.comm.store import PrefixStore, Store
+from spmd.comm.transport import TransportSpec, available_backends, create_transport
+
+DEFAULT_TIMEOUT = 600.0
+
+AnyGroup = ProcessGroup | NonMemberGroup
+
+
+class World:
+    """One rank's view of the job: its rank, the store, the default group and every group it created."""
+
+    def __init__(self, rank: int, world_size: int, store: Store, backend: str, timeout: float,
+                 owns_store: bool) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.store = store
+        self.backend = backend
+        self.timeout = timeout
+        self.owns_store = owns_store
+        self.recorder = FlightRecorder()
+        self.groups: list[AnyGroup] = []
+        self.hosts = self._exchange_hosts()
+        self.token = self._agree_token()
+        self.status_service = StatusService(_clone(store), rank, self.recorder)
+        self.default_group = self.create_group(list(range(world_size)), timeout, backend, name="default")
+
+    def _exchange_hosts(self) -> tuple[str, ...]:
+        host = env.host_identity() or socket.gethostname()
+        self.store.set(f"spmd/host/{self.rank}", host)
+        return tuple(value.decode() for value in self.store.multi_get(
+            [f"spmd/host/{rank}" for rank in range(self.world_size)]))
+
+    def _agree_token(self) -> bytes:
+        return self.store.compare_set("spmd/transport_token", "", secrets.token_hex(16))
+
+    def create_group(self, ranks: list[int], timeout: float, backend: str, name: str) -> AnyGroup:
+        """Collective over the whole world (every rank calls it, in the same order, members or not)."""
+        if self.rank not in ranks:
+            group: AnyGroup = NonMemberGroup(name, ranks, self.rank)
+        else:
+            group_store = PrefixStore(f"spmd/group/{name}", self.store)
+            spec = TransportSpec(store=group_store, group_name=name, group_rank=ranks.index(self.rank),
+                                 global_ranks=tuple(ranks), hosts=tuple(self.hosts[r] for r in ranks),
+                                 timeout=timeout, token=self.token)
+            transport = create_transport(backend, spec)
+            group = ProcessGroup(name, ranks, ranks.index(self.rank), transport, group_store, self.store, timeout,
+                                 self.recorder, transport.name)
+        self.groups.append(group)
+        return group
+
+    def destroy(self) -> None:
+        self.status_service.stop()
+        for group in reversed(self.groups):
+            if isinstance(group, ProcessGroup):
+                group.close()
+        self.groups.clear()
+        if self.owns_store:
+            self.store.close()
+
+
+def _clone(store: Store) -> Store:
+    clone = getattr(store, "clone", None)
+    return clone() if clone is not None else store
+
+
+_world: contextvars.ContextVar[World | None] = contextvars.ContextVar("spmd_world", default=None)
+_process_world: World | None = None      # the one world of a process that runs a single real rank
+_process_world_lock = threading.Lock()
+
+
+def current_world() -> World:
+    """This rank's World, or RuntimeError if init_process_group has not run."""
+    world = _world.get() or _process_world
+    if world is None:
+        raise RuntimeError("spmd: this rank has no process group; call spmd.init_process_group() first")
+    return world
+
+
+def is_initialized() -> bool:
+    return (_world.get() or _process_world) is not None
+
+
+def init_process_group(backend: str = "auto", init_method: str | None = None,
+                       timeout: float | datetime.timedelta | None = None, world_size: int = -1, rank: int = -1,
+                       store: Store | None = None, group_name: str = "") -> None:
+    """Join the job: rendezvous, connect the default group's transport, and make this rank's world current.
+
+    Collective: every rank of the job calls it. With no arguments it reads RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT (as set by `spmdrun`). `backend` is "auto" (shared memory inside a host, tcp across hosts),
+    "tcp", "shm" or "threads" (ranks are threads of one process; pass the shared `store`).
+    """
+    global _process_world
+    if is_initialized():
+        raise RuntimeError("spmd: init_process_group was already called on this rank; call "
+                           "destroy_process_group() first to re-initialize")
+    if backend not in available_backends():
+        raise ValueError(f"spmd: unknown backend {backend!r}; choose one of {available_backends()}")
+    seconds = as_seconds(timeout, DEFAULT_TIMEOUT)
+    owns_store = store is None
+    if store is not None:
+        if init_method is not None:
+            raise ValueError("spmd: pass either store or init_method to init_process_group, not both")
+        if rank < 0 or world_size <= 0:
+            raise ValueError(f"spmd: with an explicit store, rank and world_size are required "
+                             f"(got rank={rank}, world_size={world_size})")
+    else:
+        if backend == "threads":
+            raise ValueError("spmd: the threads backend needs the store its threads share; use "
+                             "spmd.testing.run_ranks, or pass store=HashStore() to every thread")
+        store, rank, world_size = rendezvous(init_method or "env://", rank, world_size, seconds)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"spmd: rank {rank} is out of range for world_size {world_size}")
+    world = World(rank, world_size, store, backend, seconds, owns_store)
+    _world.set(world)
+    if backend != "threads":
+        with _process_world_lock:
+            _process_world = world
+
+
+def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> tuple[Store, int, int]:
+    """Build the store named by `init_method` ("env://", "tcp://host:port", "file:///path")."""
+    from spmd.comm.file_store import FileStore
+    from spmd.comm.tcp_store import TCPStore
+
+    url = urllib.parse.urlparse(init_method)
+    query = urllib.parse.parse_qs(url.query)
+    if "rank" in query:
+        rank = int(query["rank"][0])
+    if "world_size" in query:
+        world_size = int(query["world_size"][0])
+    if url.scheme == "env":
+        rank = rank if rank >= 0 else env.required_int("RANK")
+        world_size = world_size if world_size > 0 else env.required_int("WORLD_SIZE")
+        host, port = env.required_str("MASTER_ADDR"), env.required_int("MASTER_PORT")
+    elif url.scheme == "tcp":
+        host, port = url.hostname or "", url.port or 0
+        if not host or not port:
+            raise ValueError(f"spmd: init_method {init_method!r} needs tcp://host:port")
+    elif url.scheme == "file":
+        if rank < 0 or world_size <= 0:
+            raise ValueError(f"spmd: init_method {init_method!r} needs rank and world_size")
+        return FileStore(url.path, world_size, timeout=timeout), rank, world_size
+    else:
+        raise ValueError(f"spmd: init_method {init_method!r} must start with env://, tcp:// or file://")
+    if rank < 0 or world_size <= 0:
+        raise ValueError(f"spmd: init_method {init_method!r} needs rank and world_size")
+    store = TCPStore(host, port, world_size=world_size, is_master=rank == 0, timeout=timeout,
+                     token=env.store_token())
+    return store, rank, world_size
+
+
+def destroy_process_group(group: AnyGroup | None = None) -> None:
+    """Close `group`, or with None every group and this rank's world (after which init may run again)."""
+    global _process_world
+    world = current_world()
+    if group is not None:
+        if isinstance(group, ProcessGroup):
+            group.close()
+        if group in world.groups:
+            world.groups.remove(group)
+        return
+    world.destroy()
+    _world.set(None)
+    with _process_world_lock:
+        if _process_world is world:
+            _process_world = None
+
+
+def default_group() -> ProcessGroup:
+    group = current_world().default_group
+    assert isinstance(group, ProcessGroup)
+    return group
+
+
+def new_group(ranks: list[int] | None = None, timeout: float | datetime.timedelta | None = None,
+              backend: str | None = None) -> AnyGroup:
+    """Create a group of `ranks` (all ranks if None). Collective: every rank of the world calls it, in the
+    same order, including ranks not in `ranks`, which get a NonMemberGroup they can't communicate on."""
+    world = current_world()
+    members = sorted(range(world.world_size) if ranks is None else ranks)
+    if len(set(members)) != len(members):
+        raise ValueError(f"spmd: new_group ranks {ranks} contain duplicates")
+    if members and not 0 <= members[0] <= members[-1] < world.world_size:
+        raise ValueError(f"spmd: new_group ranks {ranks} must lie in [0, {world.world_size})")
+    if not members:
+        raise ValueError("spmd: new_group needs at least one rank")
+    name = str(sum(1 for _ in world.groups))
+    return world.create_group(members, as_seconds(timeout, world.timeout), backend or world.backend, name)
+
+
+def new_subgroups(group_size: int) -> tuple[AnyGroup, list[AnyGroup]]:
+    """Split the world into contiguous groups of `group_size` ranks; returns (this rank's group, all groups)."""
+    world = current_world()
+    if group_size <= 0 or world.world_size % group_size:
+        raise ValueError(f"spmd: new_subgroups group_size {group_size} must divide world_size {world.world_size}")
+    groups = [new_group(list(range(start, start + group_size)))
+              for start in range(0, world.world_size, group_size)]
+    return groups[world.rank // group_size], groups
+
+
+def resolve_group(group: AnyGroup | None, op: str) -> ProcessGroup:
+    """The group an operation runs on: `group`, or the default group; ValueError for a non-member."""
+    if group is None:
+        return default_group()
+    if isinstance(group, NonMemberGroup):
+        raise group.not_member_error(op)
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"{op}: group must be a spmd ProcessGroup, got {type(group).__name__}")
+    return group
+
+
+def get_rank(group: AnyGroup | None = None) -> int:
+    """This rank's global rank, or its rank inside `group` (-1 if not a member)."""
+    if group is None:
+        return current_world().rank
+    return group.group_rank if isinstance(group, ProcessGroup) else -1
+
+
+def get_world_size(group: AnyGroup | None = None) -> int:
+    if group is None:
+        return current_world().world_size
+    return len(group.ranks)
+
+
+def get_process_group_ranks(group: AnyGroup) -> list[int]:
+    return list(group.ranks)
+
+
+def get_group_rank(group: AnyGroup, global_rank: int) -> int:
+    if global_rank not in group.ranks:
+        raise ValueError(f"spmd: rank {global_rank} is not in group '{group.name}' (ranks {group.ranks})")
+    return group.ranks.index(global_rank)
+
+
+def get_global_rank(group: AnyGroup, group_rank: int) -> int:
+    if not 0 <= group_rank < len(group.ranks):
+        raise ValueError(f"spmd: group rank {group_rank} is out of range for group '{group.name}' "
+                         f"of size {len(group.ranks)}")
+    return group.ranks[group_rank]
+
+
+def get_backend(group: AnyGroup | None = None) -> str:
+    resolved = resolve_group(group, "get_backend")
+    return resolved.backend
