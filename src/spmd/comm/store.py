@@ -79,6 +79,10 @@ class Store(abc.ABC):
         for key, value in zip(keys, values, strict=True):
             self.set(key, value)
 
+    def clone(self) -> Store:
+        """Another handle on the same store, usable concurrently from another thread (its own connection)."""
+        return self
+
     def close(self) -> None:
         """Release connections or files; the default has nothing to release."""
 
@@ -193,6 +197,9 @@ class PrefixStore(Store):
 
     def num_keys(self) -> int:
         return self.underlying_store.num_keys()
+
+    def clone(self) -> Store:
+        return PrefixStore(self.prefix, self.underlying_store.clone())
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return self.underlying_store.multi_get([self._key(key) for key in keys])

@@ -42,7 +42,7 @@ class World:
         self.groups: list[AnyGroup] = []
         self.hosts = self._exchange_hosts()
         self.token = self._agree_token()
-        self.status_service = StatusService(_clone(store), rank, self.recorder)
+        self.status_service = StatusService(store.clone(), rank, self.recorder)
         self.default_group = self.create_group(list(range(world_size)), timeout, backend, name="default")
 
     def _exchange_hosts(self) -> tuple[str, ...]:
@@ -79,26 +79,30 @@ class World:
             self.store.close()
 
 
-def _clone(store: Store) -> Store:
-    clone = getattr(store, "clone", None)
-    return clone() if clone is not None else store
-
-
 _world: contextvars.ContextVar[World | None] = contextvars.ContextVar("spmd_world", default=None)
-_process_world: World | None = None      # the one world of a process that runs a single real rank
+# Threads the user starts later find the world through this fallback, but only while the process holds
+# exactly one world (a normal one-rank-per-process job); with several thread ranks it stays empty.
+_process_worlds: list[World] = []
 _process_world_lock = threading.Lock()
+
+
+def _visible_world() -> World | None:
+    world = _world.get()
+    if world is None and len(_process_worlds) == 1:
+        world = _process_worlds[0]
+    return world
 
 
 def current_world() -> World:
     """This rank's World, or RuntimeError if init_process_group has not run."""
-    world = _world.get() or _process_world
+    world = _visible_world()
     if world is None:
         raise RuntimeError("spmd: this rank has no process group; call spmd.init_process_group() first")
     return world
 
 
 def is_initialized() -> bool:
-    return (_world.get() or _process_world) is not None
+    return _visible_world() is not None
 
 
 def init_process_group(backend: str = "auto", init_method: str | None = None,
@@ -110,8 +114,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
     MASTER_PORT (as set by `spmdrun`). `backend` is "auto" (shared memory inside a host, tcp across hosts),
     "tcp", "shm" or "threads" (ranks are threads of one process; pass the shared `store`).
     """
-    global _process_world
-    if is_initialized():
+    if _world.get() is not None:
         raise RuntimeError("spmd: init_process_group was already called on this rank; call "
                            "destroy_process_group() first to re-initialize")
     if backend not in available_backends():
@@ -127,15 +130,14 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
     else:
         if backend == "threads":
             raise ValueError("spmd: the threads backend needs the store its threads share; use "
-                             "spmd.testing.run_ranks, or pass store=HashStore() to every thread")
+                             "spmd.testing.run_ranks, or pass one HashStore as store= to every thread")
         store, rank, world_size = rendezvous(init_method or "env://", rank, world_size, seconds)
     if not 0 <= rank < world_size:
         raise ValueError(f"spmd: rank {rank} is out of range for world_size {world_size}")
     world = World(rank, world_size, store, backend, seconds, owns_store)
     _world.set(world)
-    if backend != "threads":
-        with _process_world_lock:
-            _process_world = world
+    with _process_world_lock:
+        _process_worlds.append(world)
 
 
 def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> tuple[Store, int, int]:
@@ -172,7 +174,6 @@ def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> 
 
 def destroy_process_group(group: AnyGroup | None = None) -> None:
     """Close `group`, or with None every group and this rank's world (after which init may run again)."""
-    global _process_world
     world = current_world()
     if group is not None:
         if isinstance(group, ProcessGroup):
@@ -183,8 +184,8 @@ def destroy_process_group(group: AnyGroup | None = None) -> None:
     world.destroy()
     _world.set(None)
     with _process_world_lock:
-        if _process_world is world:
-            _process_world = None
+        if world in _process_worlds:
+            _process_worlds.remove(world)
 
 
 def default_group() -> ProcessGroup:

@@ -33,8 +33,11 @@ class _Run:
 
 
 def run_ranks(fn: Callable[[int, int], Any], world_size: int, timeout: float = 60.0,
-              comm_timeout: float | None = None) -> list[Any]:
+              comm_timeout: float | None = None, backend: str = "threads") -> list[Any]:
     """Run `fn(rank, world_size)` on `world_size` thread ranks and return the per-rank results.
+
+    `backend` is the transport the ranks talk over: "threads" (by reference), or a real one ("tcp", "shm")
+    to test it without spawning processes.
 
     The first exception any rank raises is re-raised here (its type kept, a note naming its rank added);
     the other ranks' groups are aborted so they stop instead of waiting for the failed rank. If the ranks
@@ -51,7 +54,7 @@ def run_ranks(fn: Callable[[int, int], Any], world_size: int, timeout: float = 6
 
     def body(rank: int) -> None:
         try:
-            init_process_group("threads", store=store, rank=rank, world_size=world_size,
+            init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                timeout=comm_timeout if comm_timeout is not None else timeout)
             world = current_world()
             with run.lock:
