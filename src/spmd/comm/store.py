@@ -114,7 +114,11 @@ class HashStore(Store):
 
     def add(self, key: str, amount: int) -> int:
         with self._changed:
-            value = int(self._data.get(key, b"0")) + amount
+            current = self._data.get(key, b"0")
+            try:
+                value = int(current) + amount
+            except ValueError:
+                raise ValueError(f"HashStore: add({key}): the value {current[:64]!r} is not an integer") from None
             self._data[key] = str(value).encode()
             self._changed.notify_all()
             return value
@@ -163,6 +167,7 @@ class PrefixStore(Store):
         super().__init__(store.timeout)
         self.prefix = prefix
         self.underlying_store = store
+        self._owns_underlying = False   # True for a clone, whose underlying store is its own connection
 
     @property
     def timeout(self) -> float:
@@ -199,7 +204,14 @@ class PrefixStore(Store):
         return self.underlying_store.num_keys()
 
     def clone(self) -> Store:
-        return PrefixStore(self.prefix, self.underlying_store.clone())
+        clone = PrefixStore(self.prefix, self.underlying_store.clone())
+        clone._owns_underlying = clone.underlying_store is not self.underlying_store
+        return clone
+
+    def close(self) -> None:
+        """Close the underlying store only if this is a clone that opened it; a shared one stays open."""
+        if self._owns_underlying:
+            self.underlying_store.close()
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return self.underlying_store.multi_get([self._key(key) for key in keys])

@@ -593,6 +593,7 @@ class TCPStore(Store):
         self._token = token if token is not None else env.store_token()
         self._owner: TCPStore | None = None   # a clone keeps its origin (and so the server) alive
         server = _StoreServer(port, self._token) if is_master else None
+        self._server = server
         self.port = server.port if server is not None else port
         try:
             # The master reaches its own server on loopback: it listens on every interface.
@@ -633,6 +634,7 @@ class TCPStore(Store):
         clone.host, clone.port, clone.world_size, clone.is_master = self.host, self.port, self.world_size, False
         clone._token = self._token
         clone._owner = self._owner or self
+        clone._server = None
         clone._client = _Client("127.0.0.1" if self.is_master else self.host, self.port, self._token, self.timeout)
         clone._finalizer = weakref.finalize(clone, _shutdown, clone._client, None)
         return clone

@@ -1,0 +1,217 @@
+"""FileStore: a store kept in one shared file, for jobs whose ranks share a file system but not a network port.
+
+Layer: comm. The file is an append-only log of records (set key=value, delete key); every instance replays the
+log into a dict and reads only what was appended since. Writers hold an exclusive `flock` while they read the
+tail and append, readers a shared one, so processes (and clones inside one process) never see a torn record.
+A blocking `get`/`wait` polls the file with a short backoff. Each instance joining adds 1 to a user counter and
+each closing adds 1 to a done counter; when `world_size` users have closed, the last one deletes the file.
+Like torch's, a fresh store holds one key (the user counter), so `num_keys()` starts at 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import os
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+
+from spmd._core.deadline import Deadline, as_seconds
+from spmd._core.errors import StoreError
+from spmd.comm.store import Store, Value, missing_keys_error, to_bytes
+
+_RECORD = struct.Struct("!BII")   # kind, key length, value length
+_SET, _DELETE = 1, 2
+_USERS_KEY = "spmd_filestore/users"
+_DONE_KEY = "spmd_filestore/done"
+_POLL_FIRST_S = 0.001
+_POLL_MAX_S = 0.02
+
+
+def _record(kind: int, key: bytes, value: bytes = b"") -> bytes:
+    return _RECORD.pack(kind, len(key), len(value)) + key + value
+
+
+class FileStore(Store):
+    """A store in the file `file_name`, shared by every process (and thread) that opens the same path.
+
+    `world_size` is how many instances will use the file; when that many have closed it, it is deleted
+    (-1: never delete, the caller owns the file). Clones share the file but are not counted as users.
+    """
+
+    def __init__(self, file_name: str, world_size: int = -1,
+                 timeout: float | datetime.timedelta | None = None) -> None:
+        super().__init__(timeout)
+        if world_size == 0 or world_size < -1:
+            raise ValueError(f"FileStore: world_size must be >= 1, or -1 for unknown; got {world_size}")
+        self.path = file_name
+        self.world_size = world_size
+        self._open(counted=True)
+        self.add(_USERS_KEY, 1)
+
+    def _open(self, counted: bool) -> None:
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        except OSError as error:
+            raise StoreError(f"FileStore: cannot open {self.path!r}: {error}") from error
+        self._counted = counted
+        self._closed = False
+        self._lock = threading.Lock()      # flock does not exclude threads sharing one descriptor
+        self._data: dict[bytes, bytes] = {}
+        self._offset = 0
+        self._finalizer = weakref.finalize(self, os.close, self._fd)
+
+    def __repr__(self) -> str:
+        return f"FileStore({self.path!r}, world_size={self.world_size})"
+
+    def clone(self) -> FileStore:
+        """Another handle on the same file with its own descriptor (so its own lock); not counted as a user."""
+        clone = FileStore.__new__(FileStore)
+        Store.__init__(clone, self.timeout)
+        clone.path, clone.world_size = self.path, self.world_size
+        clone._open(counted=False)
+        return clone
+
+    def close(self) -> None:
+        """Release the file; the `world_size`-th counted instance to close deletes it."""
+        if self._closed:
+            return
+        try:
+            if self._counted:
+                done = self.add(_DONE_KEY, 1)
+                if 0 < self.world_size <= done:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.path)
+        finally:
+            self._closed = True
+            self._finalizer()
+
+    # The log.
+
+    @contextlib.contextmanager
+    def _locked(self, exclusive: bool) -> Iterator[None]:
+        with self._lock:
+            if self._closed:
+                raise StoreError(f"FileStore {self.path!r}: used after close()")
+            fcntl.flock(self._fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            try:
+                self._read_tail()
+                yield
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _read_tail(self) -> None:
+        """Apply the records appended since the last read (the caller holds the file lock)."""
+        size = os.fstat(self._fd).st_size
+        if size <= self._offset:
+            return
+        tail = os.pread(self._fd, size - self._offset, self._offset)
+        pos, data = 0, self._data
+        while pos + _RECORD.size <= len(tail):
+            kind, key_len, value_len = _RECORD.unpack_from(tail, pos)
+            end = pos + _RECORD.size + key_len + value_len
+            if end > len(tail):
+                break
+            key = tail[pos + _RECORD.size:pos + _RECORD.size + key_len]
+            if kind == _SET:
+                data[key] = tail[pos + _RECORD.size + key_len:end]
+            else:
+                data.pop(key, None)
+            pos = end
+        self._offset += pos
+
+    def _append(self, records: bytes) -> None:
+        """Append `records` (the caller holds the exclusive lock and has read the tail) and apply them."""
+        os.write(self._fd, records)
+        self._read_tail()
+
+    def _snapshot(self, keys: list[bytes]) -> list[bytes | None]:
+        """The current values of `keys` (None where absent), reading the file only if it grew."""
+        with self._lock:
+            if self._closed:
+                raise StoreError(f"FileStore {self.path!r}: used after close()")
+            if os.fstat(self._fd).st_size != self._offset:
+                fcntl.flock(self._fd, fcntl.LOCK_SH)
+                try:
+                    self._read_tail()
+                finally:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+            return [self._data.get(key) for key in keys]
+
+    # The Store API.
+
+    def set(self, key: str, value: Value) -> None:
+        with self._locked(exclusive=True):
+            self._append(_record(_SET, key.encode(), to_bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        return self._wait_for([key.encode()], self.timeout)[0]
+
+    def add(self, key: str, amount: int) -> int:
+        key_b = key.encode()
+        with self._locked(exclusive=True):
+            current = self._data.get(key_b, b"0")
+            try:
+                value = int(current) + int(amount)
+            except ValueError:
+                raise ValueError(f"FileStore {self.path!r}: add({key}): the value {current[:64]!r} is not an "
+                                 f"integer") from None
+            self._append(_record(_SET, key_b, str(value).encode()))
+        return value
+
+    def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
+        key_b, expected_b, desired_b = key.encode(), to_bytes(expected), to_bytes(desired)
+        with self._locked(exclusive=True):
+            current = self._data.get(key_b)
+            if current is None and expected_b:
+                return expected_b     # torch's quirk: absent key, non-empty expected -> expected, nothing set
+            if current is None or current == expected_b:
+                self._append(_record(_SET, key_b, desired_b))
+                return desired_b
+            return current
+
+    def wait(self, keys: list[str], timeout: float | datetime.timedelta | None = None) -> None:
+        self._wait_for([key.encode() for key in keys], as_seconds(timeout, self.timeout))
+
+    def _wait_for(self, keys: list[bytes], timeout: float) -> list[bytes]:
+        """The values of `keys`, polling the file with a growing pause until all exist or `timeout` passes."""
+        deadline = Deadline(timeout)
+        delay = _POLL_FIRST_S
+        while True:
+            found = self._snapshot(keys)
+            if all(value is not None for value in found):
+                return [value for value in found if value is not None]
+            if deadline.expired():
+                missing = [key.decode() for key, value in zip(keys, found) if value is None]
+                raise missing_keys_error(f"FileStore {self.path!r}", missing, timeout)
+            time.sleep(min(delay, deadline.remaining()))
+            delay = min(delay * 2, _POLL_MAX_S)
+
+    def check(self, keys: list[str]) -> bool:
+        return all(value is not None for value in self._snapshot([key.encode() for key in keys]))
+
+    def delete_key(self, key: str) -> bool:
+        key_b = key.encode()
+        with self._locked(exclusive=True):
+            if key_b not in self._data:
+                return False
+            self._append(_record(_DELETE, key_b))
+            return True
+
+    def num_keys(self) -> int:
+        with self._locked(exclusive=False):
+            return len(self._data)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._wait_for([key.encode() for key in keys], self.timeout)
+
+    def multi_set(self, keys: list[str], values: list[Value]) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"FileStore.multi_set: {len(keys)} keys but {len(values)} values")
+        records = b"".join(_record(_SET, key.encode(), to_bytes(value)) for key, value in zip(keys, values))
+        with self._locked(exclusive=True):
+            self._append(records)

@@ -1,0 +1,513 @@
+"""Stores: the shared Store contract on every store, then TCPStore's and FileStore's own promises.
+
+The contract tests run on HashStore, PrefixStore (over a TCPStore), TCPStore and FileStore through one fixture;
+the TCPStore tests cover the server (parked waits, hundreds of clients, strangers, tokens, ports, a dying
+server) and the process tests check that real processes sharing a store lose no increment.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from spmd._core.errors import StoreError, StoreTimeoutError
+from spmd.comm.file_store import FileStore
+from spmd.comm.store import HashStore, PrefixStore, Store
+from spmd.comm.tcp_store import TCPStore
+
+STORE_KINDS = ["hash", "prefix", "tcp", "file"]
+
+
+def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait for a condition another thread or process brings about (a poll on state, not a guess at timing)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.001)
+
+
+def _in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[BaseException]]:
+    """Start `fn` on a thread; the list receives what it raises."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors
+
+
+def _master(timeout: float = 10.0, **kwargs: object) -> TCPStore:
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout, **kwargs)
+
+
+def _parked(master: TCPStore, key: str) -> Callable[[], bool]:
+    """True once the master's server holds a parked get/wait on `key` (the client is blocked in it)."""
+    return lambda: key.encode() in master._server._watchers
+
+
+@pytest.fixture(autouse=True)
+def _no_env_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPMD_STORE_TOKEN", raising=False)
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Iterator[Store]:
+    opened: list[Store] = []
+    if request.param == "hash":
+        opened.append(HashStore(timeout=10))
+    elif request.param == "prefix":
+        master = _master()
+        opened += [master, PrefixStore("job", master)]
+    elif request.param == "tcp":
+        master = _master()
+        opened += [master, TCPStore("127.0.0.1", master.port, timeout=10)]
+    else:
+        opened.append(FileStore(os.path.join(tmp_path, "store"), timeout=10))
+    try:
+        yield opened[-1]
+    finally:
+        for each in reversed(opened):
+            each.close()
+
+
+# The contract every store keeps.
+
+def test_set_get_overwrite_and_binary_values(store: Store) -> None:
+    store.set("k", "text")
+    assert store.get("k") == b"text"
+    store.set("k", b"\x00\xffbinary")
+    assert store.get("k") == b"\x00\xffbinary"
+    store.set("empty", b"")
+    assert store.get("empty") == b""
+    big = bytes(range(256)) * 4096   # 1 MiB, every byte value
+    store.set("big", bytearray(big))
+    assert store.get("big") == big
+
+
+def test_add_counts_and_rejects_non_integers(store: Store) -> None:
+    assert store.add("n", 5) == 5
+    assert store.add("n", -7) == -2
+    assert store.add("n", 0) == -2
+    assert store.get("n") == b"-2"
+    store.set("word", "abc")
+    with pytest.raises(ValueError, match="not an integer"):
+        store.add("word", 1)
+    assert store.get("word") == b"abc"
+
+
+def test_compare_set_keeps_torch_quirks(store: Store) -> None:
+    # Absent key and non-empty expected: returns expected, sets nothing.
+    assert store.compare_set("k", "old", "new") == b"old"
+    assert not store.check(["k"])
+    # Absent key and empty expected: sets desired.
+    assert store.compare_set("k", "", "first") == b"first"
+    assert store.get("k") == b"first"
+    # Present and matching: swaps; present and not matching: returns the current value untouched.
+    assert store.compare_set("k", "first", "second") == b"second"
+    assert store.compare_set("k", "first", "third") == b"second"
+    assert store.get("k") == b"second"
+
+
+def test_wait_check_and_blocking_get_answered_when_set(store: Store) -> None:
+    assert not store.check(["a", "b"])
+    other = store.clone()
+    try:
+        results: list[bytes] = []
+        reader = threading.Thread(target=lambda: results.append(other.get("b")))
+        reader.start()
+        store.set("a", "1")
+        assert store.check(["a"]) and not store.check(["a", "b"])
+        store.set("b", "2")
+        reader.join(timeout=10)
+        assert results == [b"2"]
+        store.wait(["a", "b"], timeout=datetime.timedelta(seconds=1))
+        assert store.check(["a", "b"])
+    finally:
+        other.close()
+
+
+def test_get_of_missing_key_times_out_naming_it(store: Store) -> None:
+    store.set_timeout(0.2)
+    assert store.timeout == pytest.approx(0.2)
+    start = time.monotonic()
+    with pytest.raises(StoreTimeoutError, match="never/set/key"):
+        store.get("never/set/key")
+    assert 0.15 <= time.monotonic() - start < 5
+    store.set("present", "x")
+    with pytest.raises(StoreTimeoutError) as caught:
+        store.wait(["present", "absent"], timeout=0.05)
+    assert "absent" in str(caught.value) and "present" not in str(caught.value)
+    assert isinstance(caught.value, TimeoutError)
+
+
+def test_delete_key_and_num_keys(store: Store) -> None:
+    base = store.num_keys()
+    store.set("x", "1")
+    store.add("y", 1)
+    assert store.num_keys() == base + 2
+    assert store.delete_key("x") is True
+    assert store.delete_key("x") is False
+    assert not store.check(["x"])
+    assert store.num_keys() == base + 1
+    store.set("x", "again")
+    assert store.get("x") == b"again"
+
+
+def test_multi_get_and_multi_set(store: Store) -> None:
+    store.multi_set(["a", "b", "c"], ["1", b"2", "3"])
+    assert store.multi_get(["c", "a", "b"]) == [b"3", b"1", b"2"]
+    with pytest.raises(ValueError):
+        store.multi_set(["a", "b"], ["only one"])
+    store.set_timeout(0.1)
+    with pytest.raises(StoreTimeoutError, match="missing"):
+        store.multi_get(["a", "missing"])
+
+
+def test_concurrent_adds_from_threads_lose_nothing(store: Store) -> None:
+    threads, per_thread = 8, 100
+    handles = [store.clone() for _ in range(threads)]
+
+    def bump(handle: Store) -> None:
+        for _ in range(per_thread):
+            handle.add("counter", 1)
+
+    workers = [threading.Thread(target=bump, args=(handle,)) for handle in handles]
+    try:
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=30)
+        assert store.get("counter") == str(threads * per_thread).encode()
+    finally:
+        for handle in handles:
+            if handle is not store:
+                handle.close()
+
+
+def test_prefix_store_namespaces_keys() -> None:
+    base = HashStore()
+    job = PrefixStore("job", base)
+    job.set("k", "v")
+    assert base.get("job/k") == b"v"
+    assert not base.check(["k"])
+    nested = PrefixStore("group", job)
+    nested.add("n", 2)
+    assert base.get("job/group/n") == b"2"
+    assert nested.clone().get("n") == b"2"
+
+
+# TCPStore.
+
+def test_tcp_port_zero_and_attributes() -> None:
+    master = _master(timeout=datetime.timedelta(seconds=7))
+    try:
+        assert master.port > 0 and master.is_master and master.host == "127.0.0.1"
+        assert master.timeout == 7.0 and master.world_size is None
+        client = TCPStore("127.0.0.1", master.port, world_size=2)
+        assert client.port == master.port and not client.is_master and client.timeout == 300
+        client.close()
+    finally:
+        master.close()
+
+
+def test_tcp_hundreds_of_clients_all_parked_then_released() -> None:
+    master = _master(timeout=30)
+    clients = [master.clone() for _ in range(200)]
+    got: list[bytes] = []
+    lock = threading.Lock()
+
+    def blocked_get(client: TCPStore) -> None:
+        value = client.get("go")
+        with lock:
+            got.append(value)
+
+    threads = [threading.Thread(target=blocked_get, args=(client,)) for client in clients]
+    try:
+        for thread in threads:
+            thread.start()
+        _until(lambda: len(master._server._watchers.get(b"go", ())) == len(clients), timeout=20)
+        # 200 clients are parked on the server; others are still served at once.
+        start = time.monotonic()
+        master.set("other", "x")
+        assert master.get("other") == b"x"
+        assert time.monotonic() - start < 1.0
+        master.set("go", "now")
+        for thread in threads:
+            thread.join(timeout=20)
+        assert got == [b"now"] * len(clients)
+    finally:
+        for client in clients:
+            client.close()
+        master.close()
+
+
+def test_tcp_wait_for_workers() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    made: list[TCPStore] = []
+    errors: list[BaseException] = []
+
+    def start_master() -> None:
+        try:
+            made.append(TCPStore("127.0.0.1", port, world_size=3, is_master=True, timeout=20))
+        except BaseException as error:
+            errors.append(error)
+
+    # Workers start before the master: their connection set-up retries until it is up.
+    workers = [threading.Thread(target=lambda: made.append(TCPStore("127.0.0.1", port, timeout=20)))
+               for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    master_thread = threading.Thread(target=start_master)
+    master_thread.start()
+    for thread in [*workers, master_thread]:
+        thread.join(timeout=30)
+    try:
+        assert not errors and len(made) == 3
+        master = next(store for store in made if store.is_master)
+        assert master.get("spmd_store/joined") == b"3"
+    finally:
+        for each in sorted(made, key=lambda store: store.is_master):
+            each.close()
+
+
+def test_tcp_wait_for_workers_times_out_with_a_count() -> None:
+    with pytest.raises(StoreError, match="only 1 of 2 clients joined"):
+        TCPStore("127.0.0.1", 0, world_size=2, is_master=True, timeout=0.2)
+
+
+def test_tcp_port_in_use_is_a_clear_error() -> None:
+    master = _master()
+    try:
+        with pytest.raises(StoreError, match=f"port {master.port} on 0.0.0.0 is already in use.*MASTER_PORT"):
+            TCPStore("127.0.0.1", master.port, is_master=True, wait_for_workers=False)
+        assert master.add("still-serving", 1) == 1
+    finally:
+        master.close()
+
+
+def test_tcp_client_without_server_fails_naming_the_address() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(StoreError, match=f"could not connect to the store server at 127.0.0.1:{port} within"):
+        TCPStore("127.0.0.1", port, timeout=0.3)
+    assert 0.25 <= time.monotonic() - start < 5
+
+
+def test_tcp_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="port 0"):
+        TCPStore("127.0.0.1", 0)
+    with pytest.raises(ValueError, match="world_size"):
+        TCPStore("127.0.0.1", 0, world_size=0, is_master=True)
+
+
+def test_tcp_token_refuses_wrong_and_missing_accepts_right(monkeypatch: pytest.MonkeyPatch) -> None:
+    master = _master(token="s3cret")
+    try:
+        start = time.monotonic()
+        with pytest.raises(StoreError, match="refused this client: wrong token"):
+            TCPStore("127.0.0.1", master.port, timeout=10, token="guess")
+        with pytest.raises(StoreError, match="refused this client: no token"):
+            TCPStore("127.0.0.1", master.port, timeout=10)
+        assert time.monotonic() - start < 5   # refused at once, not retried until the timeout
+        right = TCPStore("127.0.0.1", master.port, timeout=10, token="s3cret")
+        right.set("k", "v")
+        monkeypatch.setenv("SPMD_STORE_TOKEN", "s3cret")
+        from_env = TCPStore("127.0.0.1", master.port, timeout=10)
+        assert from_env.get("k") == b"v"
+        assert from_env.clone().get("k") == b"v"
+        right.close()
+        from_env.close()
+    finally:
+        master.close()
+
+
+def _raw_connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    return sock
+
+
+def test_tcp_server_drops_strangers_before_reading_their_requests() -> None:
+    master = _master(token="s3cret")
+    try:
+        # A SET before any HELLO: dropped, nothing written.
+        with _raw_connect(master.port) as stranger:
+            key, value = b"evil", b"x"
+            body = struct.pack("!I", len(key)) + key + struct.pack("!I", len(value)) + value
+            stranger.sendall(struct.pack("!IB", len(body), 2) + body)
+            assert stranger.recv(100) == b""
+        # A huge frame announced before HELLO: dropped without waiting for its body.
+        with _raw_connect(master.port) as stranger:
+            stranger.sendall(struct.pack("!IB", 1 << 30, 1))
+            assert stranger.recv(100) == b""
+        # Plain garbage (an HTTP request): dropped.
+        with _raw_connect(master.port) as stranger:
+            stranger.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert stranger.recv(100) == b""
+        assert not master.check(["evil"])
+        assert master.add("served", 1) == 1
+    finally:
+        master.close()
+
+
+def test_tcp_client_blocked_in_get_fails_when_master_closes() -> None:
+    master = _master(timeout=60)
+    client = TCPStore("127.0.0.1", master.port, timeout=60)
+    reader, errors = _in_thread(lambda: client.get("never"))
+    try:
+        _until(_parked(master, "never"))
+        start = time.monotonic()
+        master.close()
+        reader.join(timeout=10)
+        assert time.monotonic() - start < 5
+        assert len(errors) == 1 and type(errors[0]) is StoreError
+        assert "lost the connection" in str(errors[0]) and f"127.0.0.1:{master.port}" in str(errors[0])
+        with pytest.raises(StoreError, match="closed store"):
+            client.set("k", "v")
+        assert not master._server._thread.is_alive()
+    finally:
+        client.close()
+        master.close()
+
+
+def test_tcp_close_interrupts_own_blocked_call_and_clone_close_keeps_server() -> None:
+    master = _master(timeout=60)
+    clone = master.clone()
+    reader, errors = _in_thread(lambda: clone.wait(["never"]))
+    try:
+        _until(_parked(master, "never"))
+        clone.close()
+        reader.join(timeout=10)
+        assert len(errors) == 1 and type(errors[0]) is StoreError and "close() was called" in str(errors[0])
+        assert master.add("alive", 1) == 1   # the clone's close left the server up
+        assert not master._server._watchers   # and the server forgot the dropped client's wait
+    finally:
+        master.close()
+
+
+_MASTER_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from spmd.comm.tcp_store import TCPStore
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=60)
+    print(store.port, flush=True)
+    while b"blocked" not in store._server._watchers:   # until the test's client is parked in get()
+        time.sleep(0.002)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+_WORKER_SCRIPT = textwrap.dedent("""
+    import sys
+    from spmd.comm.file_store import FileStore
+    from spmd.comm.tcp_store import TCPStore
+    port, path, count = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    tcp, file = TCPStore("127.0.0.1", port, timeout=60), FileStore(path, timeout=60)
+    for _ in range(count):
+        tcp.add("counter", 1)
+        file.add("counter", 1)
+    tcp.close()
+    file.close()
+""")
+
+
+def _python(script: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _stop(procs: list[subprocess.Popen[str]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        proc.stdout.close()   # type: ignore[union-attr]
+        proc.stderr.close()   # type: ignore[union-attr]
+
+
+def test_processes_adding_to_tcp_and_file_stores_lose_nothing(tmp_path: os.PathLike[str]) -> None:
+    master = _master(timeout=60)
+    path = os.path.join(tmp_path, "store")
+    checker = FileStore(path, timeout=60)
+    procs = [_python(_WORKER_SCRIPT, str(master.port), path, "150") for _ in range(3)]
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err
+        assert master.get("counter") == b"450"
+        assert checker.get("counter") == b"450"
+    finally:
+        _stop(procs)
+        checker.close()
+        master.close()
+
+
+def test_client_of_killed_master_process_fails_not_hangs() -> None:
+    proc = _python(_MASTER_SCRIPT)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "the master process did not start"
+        port = int(proc.stdout.readline())   # type: ignore[union-attr]
+        client = TCPStore("127.0.0.1", port, timeout=60)
+        start = time.monotonic()
+        with pytest.raises(StoreError, match=f"lost the connection to the store server at 127.0.0.1:{port}"):
+            client.get("blocked")
+        assert time.monotonic() - start < 10
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        client.close()
+    finally:
+        _stop([proc])
+
+
+# FileStore.
+
+def test_file_store_deleted_when_world_size_users_closed(tmp_path: os.PathLike[str]) -> None:
+    path = os.path.join(tmp_path, "rendezvous")
+    first, second = FileStore(path, world_size=2), FileStore(path, world_size=2)
+    clone = first.clone()
+    first.set("k", "v")
+    assert second.get("k") == b"v" and clone.get("k") == b"v"
+    assert first.get("spmd_filestore/users") == b"2"   # the clone is not a user
+    clone.close()
+    first.close()
+    assert os.path.exists(path)
+    with pytest.raises(StoreError, match="after close"):
+        first.get("k")
+    second.close()
+    assert not os.path.exists(path)
+    second.close()   # closing twice is harmless
+
+
+def test_file_store_kept_when_world_size_unknown(tmp_path: os.PathLike[str]) -> None:
+    path = os.path.join(tmp_path, "kept")
+    store = FileStore(path)
+    store.set("k", "v")
+    store.close()
+    reopened = FileStore(path, timeout=1)
+    assert reopened.get("k") == b"v"
+    reopened.close()
+
+
+def test_file_store_bad_arguments(tmp_path: os.PathLike[str]) -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        FileStore(os.path.join(tmp_path, "x"), world_size=0)
+    with pytest.raises(StoreError, match="cannot open"):
+        FileStore(os.path.join(tmp_path, "no", "such", "dir"))
