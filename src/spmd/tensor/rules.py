@@ -1,0 +1,300 @@
+"""The sharding-rule registry: how each aten op decides its input and output placements; and the fallback.
+
+Layer: tensor. Pure decisions on metadata; nothing here communicates or touches tensor data.
+
+How an op on DTensors runs (dispatch.py does this; a rule only decides):
+  1. dispatch replaces every DTensor argument by its DTensorSpec and builds an `OpSchema`;
+  2. the op's rule returns a `ShardingDecision`: the placements each DTensor input must be redistributed to,
+     and the placements of each output;
+  3. dispatch redistributes the inputs (cheapest collectives), runs the op on the local tensors, computes the
+     outputs' GLOBAL shape/stride/dtype by running the op on meta tensors, and wraps the outputs as DTensors.
+Decisions are cached per (op, input specs, non-tensor arguments), so a rule runs once per distinct call and
+may be slow-ish; it must be a pure function of its schema (it may read `schema.mesh` and its coordinate).
+
+Writing a rule
+==============
+Three ways to register, from simplest to most general. Import from `spmd.tensor.rules`:
+
+1. `@register_strategy(*ops)` with `fn(schema) -> list[Strategy]`: list the placements that work on ONE mesh
+   dim. Each `Strategy(inputs, output)` gives the placement every DTensor input needs on that mesh dim
+   (`inputs`, aligned with `schema.input_specs`) and the placement of the output (`output`; a tuple with one
+   entry per output for ops returning several tensors, None for a non-tensor output). The framework picks, for
+   every mesh dim independently, the strategy whose input redistribution is cheapest (bytes moved, see
+   `transition_cost`); ties go to the EARLIER strategy, so list your preferred ones first. Strategies whose
+   input placement is impossible (Shard of a dim the input lacks) are your job to leave out. This handles
+   N-d meshes for free: a (2, 2) mesh picks one strategy for mesh dim 0 and one for mesh dim 1.
+
+   Worked example, the rule for `aten.add.Tensor` on two same-shape tensors (ops/pointwise.py has the real,
+   broadcasting one):
+
+       from torch import ops
+       from spmd.tensor.placement import Partial, Replicate, Shard
+       from spmd.tensor.rules import OpSchema, Strategy, register_strategy
+
+       @register_strategy(ops.aten.add.Tensor)
+       def _add(schema: OpSchema) -> list[Strategy]:
+           a, b = schema.input_specs                      # DTensorSpec of self and other
+           ndim = a.ndim
+           return [Strategy((Replicate(), Replicate()), Replicate()),
+                   *[Strategy((Shard(d), Shard(d)), Shard(d)) for d in range(ndim)],
+                   Strategy((Partial(), Partial()), Partial())]   # sum distributes over +
+
+   On a 1-d mesh with a = Shard(0), b = Replicate(): Replicate costs an all-gather of `a`; Shard(0) costs only
+   a local chunk of `b` (nearly free); Partial costs infinity (a Shard can't become Partial) -> Shard(0).
+   Keep only candidates that are mathematically right: e.g. `Partial + Python scalar` is NOT Partial.
+
+2. `@register_rule(*ops)` with `fn(schema) -> ShardingDecision`: decide everything yourself. Use it when the
+   choice is not per-mesh-dim, or when the local op needs different non-tensor arguments than the global one
+   (a `view` of a sharded tensor needs the LOCAL sizes): return them in `local_args` / `local_kwargs`, written
+   like `schema.args` (DTensorSpec where a DTensor goes, plain tensors where plain tensors go). Helpers:
+   `pick_per_mesh_dim(schema, strategies)` (what register_strategy calls), `transition_cost`,
+   `redistribute_cost`, `replicated(mesh)`, and on a spec: `local_shape()`, `shard_mesh_dims(dim)`.
+
+3. `@register_handler(*ops)` with `fn(op, args, kwargs) -> result`: full control, no caching; `args` hold
+   the DTensors themselves. For ops that aren't a placement decision (random ops, `.item()`), or that are
+   easiest written as other DTensor ops (call torch functions on the DTensor args: they dispatch again).
+
+Contract for rules (all three kinds):
+- Input placements: one entry per DTensor input (`schema.input_specs` order: positional args, then keyword
+  args, entering lists in order), a placements tuple (one Placement per mesh dim) or None to keep it.
+- In-place ops (a mutated input, e.g. `add_`, `_foreach_mul_`): mutated inputs can't change placements; keep
+  them (None or their own placements) and give the output(s) the same placements. Other inputs may move.
+  The DTensor returned for an aliased output is the mutated input object itself.
+- Partial: only produce a Partial output where the math is linear in that input (sum of Partials,
+  Partial * Replicate, reductions over a sharded dim, ...). A non-linear op must require Replicate (or Shard)
+  for a Partial input; the framework then all-reduces (or reduce-scatters) it.
+- Raise `ShardingError(message)` for a combination you can't support: dispatch adds the op name and specs.
+- Output shapes are NOT the rule's job: dispatch runs the op on meta tensors with the global shapes.
+
+Fallback: an op with no rule and no handler runs replicate-compute-reshard (all inputs redistributed to
+Replicate, the op run on full values, each output left Replicate, or re-chunked to the first input's
+placements when it has that input's shape) and warns once, naming the op. Mutated inputs are written back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch._ops import OpOverload
+
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard
+from spmd.tensor.spec import DTensorSpec, Placements
+
+if TYPE_CHECKING:
+    from spmd.device_mesh import DeviceMesh
+
+OutputPlacements = Placements | Sequence[Placements | None] | None
+
+
+class ShardingError(ValueError):
+    """A rule can't shard this combination of inputs; dispatch re-raises it naming the op and the specs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSchema:
+    """One call of an aten op, with every DTensor argument replaced by its DTensorSpec.
+
+    `args`/`kwargs` keep every other value (Python scalars, dtypes, plain scalar tensors); a list of DTensors
+    becomes a list of specs. `input_specs` lists every spec in order (positional args, then kwargs, lists
+    entered in order): it is the order of `ShardingDecision.input_placements` and `Strategy.inputs`.
+    """
+
+    op: OpOverload
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    input_specs: tuple[DTensorSpec, ...]
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self.input_specs[0].mesh
+
+    def __repr__(self) -> str:
+        return f"{self.op}({', '.join(map(repr, self.args))}{', ' if self.kwargs else ''}{self.kwargs or ''})"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingDecision:
+    """What a rule decided.
+
+    output_placements: the output's placements (one Placement per mesh dim) for an op returning one tensor;
+        for an op returning several values, a sequence with one entry per value (None for a non-tensor);
+        None when the op returns nothing.
+    input_placements: one entry per `schema.input_specs` item: the placements that input must be redistributed
+        to before the local op runs, or None to keep it. None for the whole field keeps every input.
+    local_args / local_kwargs: replacement arguments for the local op (same form as schema.args/kwargs), or
+        None to use the call's own. For ops whose non-tensor arguments depend on the local shard (view sizes).
+    """
+
+    output_placements: OutputPlacements
+    input_placements: Sequence[Placements | None] | None = None
+    local_args: tuple[Any, ...] | None = None
+    local_kwargs: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """One way to shard an op on ONE mesh dim: each DTensor input's placement there, and the output's.
+
+    `output` is one Placement for a single-tensor op, or a tuple (one entry per output, None for non-tensors).
+    """
+
+    inputs: tuple[Placement, ...]
+    output: Placement | tuple[Placement | None, ...] | None
+
+
+Rule = Callable[[OpSchema], ShardingDecision]
+StrategyFn = Callable[[OpSchema], Sequence[Strategy]]
+Handler = Callable[[OpOverload, tuple[Any, ...], dict[str, Any]], Any]
+
+RULES: dict[OpOverload, Rule] = {}
+HANDLERS: dict[OpOverload, Handler] = {}
+
+
+def _check_new(op: object) -> None:
+    if not isinstance(op, OpOverload):
+        raise TypeError(f"register a rule on an OpOverload such as torch.ops.aten.add.Tensor, got {op!r}")
+    if op in RULES or op in HANDLERS:
+        raise ValueError(f"{op} already has a sharding rule or handler; each op gets exactly one")
+
+
+def register_rule(*ops: OpOverload) -> Callable[[Rule], Rule]:
+    """Decorator: `fn(schema) -> ShardingDecision` decides the placements of `ops`."""
+    def decorate(fn: Rule) -> Rule:
+        for op in ops:
+            _check_new(op)
+            RULES[op] = fn
+        return fn
+    return decorate
+
+
+def register_strategy(*ops: OpOverload) -> Callable[[StrategyFn], StrategyFn]:
+    """Decorator: `fn(schema) -> list[Strategy]` lists per-mesh-dim candidates; the cheapest is chosen per dim."""
+    def decorate(fn: StrategyFn) -> StrategyFn:
+        def rule(schema: OpSchema) -> ShardingDecision:
+            return pick_per_mesh_dim(schema, fn(schema))
+        for op in ops:
+            _check_new(op)
+            RULES[op] = rule
+        return fn
+    return decorate
+
+
+def register_handler(*ops: OpOverload) -> Callable[[Handler], Handler]:
+    """Decorator: `fn(op, args, kwargs)` runs `ops` on DTensors itself (no caching, full control)."""
+    def decorate(fn: Handler) -> Handler:
+        for op in ops:
+            _check_new(op)
+            HANDLERS[op] = fn
+        return fn
+    return decorate
+
+
+# -- cost model ---------------------------------------------------------------------------------------------
+
+# Fixed cost of one collective, in bytes-equivalent: makes "one collective fewer" win between near-equal plans.
+COLLECTIVE_LATENCY_BYTES = 1024.0
+# Cost of a local-only layout change (chunk a replica, partition a value): tiny, but more than keeping a layout.
+LOCAL_CHANGE_COST = 1.0
+
+
+def transition_cost(spec: DTensorSpec, mesh_dim: int, target: Placement) -> float:
+    """Bytes moved per rank to change `spec`'s placement on `mesh_dim` to `target` (math.inf if unsupported).
+
+    Ring costs with B = this rank's local bytes and n ranks on the mesh dim: all-gather (n-1)·B, all-reduce
+    2(n-1)/n·B, reduce-scatter and all-to-all (n-1)/n·B, plus COLLECTIVE_LATENCY_BYTES per collective.
+    Replicate -> Shard/Partial is a local change (LOCAL_CHANGE_COST). Shard -> Partial and Partial(a) ->
+    Partial(b) are infinite: rules never choose them.
+    """
+    source = spec.placements[mesh_dim]
+    if source == target:
+        return 0.0
+    n = spec.mesh.size(mesh_dim)
+    if isinstance(source, Replicate):      # chunk or Partial.partition: local, no communication
+        return LOCAL_CHANGE_COST
+    if n == 1:
+        return math.inf if isinstance(target, Partial) else LOCAL_CHANGE_COST
+    local_bytes = spec.local_numel_estimate() * spec.dtype.itemsize
+    if isinstance(source, Shard):
+        if isinstance(target, Replicate):
+            return COLLECTIVE_LATENCY_BYTES + (n - 1) * local_bytes
+        if isinstance(target, Shard):
+            return COLLECTIVE_LATENCY_BYTES + (n - 1) / n * local_bytes
+        return math.inf
+    if isinstance(target, Replicate):
+        return COLLECTIVE_LATENCY_BYTES + 2 * (n - 1) / n * local_bytes
+    if isinstance(target, Shard):
+        return COLLECTIVE_LATENCY_BYTES + (n - 1) / n * local_bytes
+    return math.inf
+
+
+def redistribute_cost(spec: DTensorSpec, placements: Placements) -> float:
+    """Approximate bytes moved per rank to redistribute `spec` to `placements` (sum over mesh dims)."""
+    return sum(transition_cost(spec, i, target) for i, target in enumerate(placements))
+
+
+def replicated(mesh: DeviceMesh) -> Placements:
+    """All-Replicate placements for `mesh`."""
+    return (Replicate(),) * mesh.ndim
+
+
+def pick_per_mesh_dim(schema: OpSchema, strategies: Sequence[Strategy]) -> ShardingDecision:
+    """For each mesh dim, choose the cheapest strategy (earliest on ties); assemble the ShardingDecision.
+
+    Raises ShardingError if no strategy is possible on some mesh dim (all need an unsupported transition).
+    """
+    specs = schema.input_specs
+    if not strategies:
+        raise ShardingError("the rule listed no strategies")
+    chosen: list[Strategy] = []
+    for mesh_dim in range(schema.mesh.ndim):
+        best, best_cost = None, math.inf
+        for strategy in strategies:
+            if len(strategy.inputs) != len(specs):
+                raise ShardingError(f"strategy {strategy} has {len(strategy.inputs)} input placements for "
+                                    f"{len(specs)} DTensor inputs")
+            cost = 0.0
+            for spec, target in zip(specs, strategy.inputs):
+                cost += transition_cost(spec, mesh_dim, target)
+                if cost >= best_cost:
+                    break
+            if cost < best_cost:
+                best, best_cost = strategy, cost
+        if best is None:
+            have = [spec.placements[mesh_dim] for spec in specs]
+            raise ShardingError(f"no strategy accepts inputs placed {have} on mesh dim {mesh_dim} (candidates: "
+                                f"{[s.inputs for s in strategies]})")
+        chosen.append(best)
+    input_placements = []
+    for k, spec in enumerate(specs):
+        placements = tuple(strategy.inputs[k] for strategy in chosen)
+        input_placements.append(None if placements == spec.placements else placements)
+    first = chosen[0].output
+    if first is None:
+        return ShardingDecision(None, input_placements)
+    if isinstance(first, Placement):
+        return ShardingDecision(tuple(strategy.output for strategy in chosen), input_placements)
+    outputs = [None if first[j] is None else tuple(strategy.output[j] for strategy in chosen)
+               for j in range(len(first))]
+    return ShardingDecision(outputs, input_placements)
+
+
+# -- fallback -----------------------------------------------------------------------------------------------
+
+_warned: set[OpOverload] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_fallback_once(op: OpOverload) -> None:
+    """Warn (once per op per process) that `op` ran through replicate-compute-reshard."""
+    with _warned_lock:
+        if op in _warned:
+            return
+        _warned.add(op)
+    warnings.warn(f"spmd DTensor: {op} has no sharding rule; it ran as replicate-compute-reshard (every input "
+                  f"all-gathered to a full replica). Register a rule in spmd/tensor/ops/ to make it fast.",
+                  stacklevel=3)

@@ -1,0 +1,153 @@
+"""DTensorSpec: the mesh, one placement per mesh dim, and the GLOBAL shape, stride and dtype of a DTensor.
+
+Layer: tensor. Pure metadata and shard arithmetic; nothing here communicates.
+
+Note: nested sharding order
+When several mesh dims shard the same tensor dim (e.g. placements (Shard(0), Shard(0)) on a (2, 2) mesh), the
+mesh dims split it in ascending order: mesh dim 0 takes a torch.chunk of the global extent, mesh dim 1 takes a
+torch.chunk of that chunk. Every function here and the redistribution planner follow this order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard, chunk_range
+
+if TYPE_CHECKING:
+    from spmd.device_mesh import DeviceMesh
+
+Placements = tuple[Placement, ...]
+
+
+class DTensorSpec:
+    """How a DTensor is laid out: `mesh`, `placements` (one per mesh dim), and global `shape`/`stride`/`dtype`.
+
+    Immutable and hashable (the hash is computed once): specs are the keys of the dispatch and redistribution
+    caches. Placements must already be normalized (non-negative shard dims); see placement.normalize_placements.
+    """
+
+    __slots__ = ("_hash", "_local_shape", "dtype", "mesh", "placements", "shape", "stride")
+
+    def __init__(self, mesh: DeviceMesh, placements: Placements, shape: torch.Size | tuple[int, ...],
+                 stride: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.mesh = mesh
+        self.placements = tuple(placements)
+        self.shape = torch.Size(shape)
+        self.stride = tuple(stride)
+        self.dtype = dtype
+        self._hash = hash((mesh, self.placements, self.shape, self.stride, dtype))
+        self._local_shape: torch.Size | None = None
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return (isinstance(other, DTensorSpec) and self._hash == other._hash and self.placements == other.placements
+                and self.shape == other.shape and self.stride == other.stride and self.dtype == other.dtype
+                and self.mesh == other.mesh)
+
+    def __repr__(self) -> str:
+        return (f"DTensorSpec(placements={list(self.placements)}, shape={tuple(self.shape)}, "
+                f"dtype={self.dtype}, mesh={self.mesh})")
+
+    # -- views of the metadata ------------------------------------------------------------------------------
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def with_placements(self, placements: Placements) -> DTensorSpec:
+        """The same tensor laid out with other placements."""
+        return DTensorSpec(self.mesh, placements, self.shape, self.stride, self.dtype)
+
+    def is_replicated(self) -> bool:
+        return all(isinstance(p, Replicate) for p in self.placements)
+
+    def has_partial(self) -> bool:
+        return any(isinstance(p, Partial) for p in self.placements)
+
+    def shard_mesh_dims(self, dim: int) -> list[int]:
+        """The mesh dims that shard tensor dim `dim`, in the order they split it (see Note: nested sharding order)."""
+        return [i for i, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim]
+
+    def num_shards(self, dim: int) -> int:
+        """How many pieces tensor dim `dim` is split into across the whole mesh."""
+        count = 1
+        for i in self.shard_mesh_dims(dim):
+            count *= self.mesh.size(i)
+        return count
+
+    def local_numel_estimate(self) -> int:
+        """Global numel divided by the number of shards: the per-rank element count used by cost models."""
+        numel = self.shape.numel()
+        for i, p in enumerate(self.placements):
+            if isinstance(p, Shard):
+                numel //= self.mesh.size(i)
+        return numel
+
+    # -- shard arithmetic -----------------------------------------------------------------------------------
+
+    def local_shape(self) -> torch.Size:
+        """The shape of this rank's local tensor (cached: a spec's mesh belongs to one rank)."""
+        if self._local_shape is None:
+            self._local_shape = self.local_shape_and_offset(self.mesh.get_coordinate())[0]
+        return self._local_shape
+
+    def local_shape_and_offset(self, coordinate: list[int] | None) -> tuple[torch.Size, tuple[int, ...]]:
+        """(local shape, global offset of the local block) at mesh `coordinate` (None: a rank outside the mesh).
+
+        Walks mesh dims in order, each Shard splitting the current extent of its tensor dim with torch.chunk.
+        """
+        shape = list(self.shape)
+        offset = [0] * len(shape)
+        if coordinate is None:
+            return torch.Size([0] * len(shape)), tuple(offset)
+        for mesh_dim, placement in enumerate(self.placements):
+            if isinstance(placement, Shard):
+                start, length = chunk_range(shape[placement.dim], self.mesh.size(mesh_dim), coordinate[mesh_dim])
+                shape[placement.dim] = length
+                offset[placement.dim] += start
+        return torch.Size(shape), tuple(offset)
+
+    def extent_at(self, mesh_dim: int, dim: int, coordinate: list[int]) -> int:
+        """The extent of tensor dim `dim` that mesh dim `mesh_dim` splits (after the earlier mesh dims split it)."""
+        extent = self.shape[dim]
+        for i in range(mesh_dim):
+            placement = self.placements[i]
+            if isinstance(placement, Shard) and placement.dim == dim:
+                extent = chunk_range(extent, self.mesh.size(i), coordinate[i])[1]
+        return extent
+
+    def local_from_full(self, full: Tensor) -> Tensor:
+        """This rank's local tensor of the global value `full` (identical on every rank): chunks for Shard,
+        the whole for Replicate, Partial.partition for Partial. Returns a tensor that does not alias `full`."""
+        coordinate = self.mesh.get_coordinate()
+        if coordinate is None:
+            return full.new_empty(self.local_shape())
+        local = full
+        for mesh_dim, placement in enumerate(self.placements):
+            if isinstance(placement, Shard):
+                start, length = chunk_range(local.shape[placement.dim], self.mesh.size(mesh_dim),
+                                            coordinate[mesh_dim])
+                local = local.narrow(placement.dim, start, length)
+        local = local.clone(memory_format=torch.contiguous_format)
+        for mesh_dim, placement in enumerate(self.placements):
+            if isinstance(placement, Partial):   # several Partial dims: partition each in turn
+                local = placement.partition(local, self.mesh.size(mesh_dim), coordinate[mesh_dim])
+        return local
+
+
+def contiguous_stride(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides of `shape`."""
+    stride: list[int] = []
+    acc = 1
+    for size in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
