@@ -27,14 +27,47 @@ _HUBS: dict[str, _Hub] = {}
 _HUBS_LOCK = threading.Lock()
 
 
+class _Barrier:
+    """A reusable barrier whose passing can't be undone by a later abort (unlike threading.Barrier, where an
+    abort between the release and a waiter's wake-up breaks that waiter too)."""
+
+    def __init__(self, parties: int) -> None:
+        self.parties = parties
+        self.arrived = 0
+        self.generation = 0
+        self.broken = False
+        self.cond = threading.Condition()
+
+    def wait(self, timeout: float) -> bool:
+        """True once all parties arrived; False on timeout or abort (the caller then fails the hub)."""
+        with self.cond:
+            if self.broken:
+                return False
+            generation = self.generation
+            self.arrived += 1
+            if self.arrived == self.parties:
+                self.arrived = 0
+                self.generation += 1
+                self.cond.notify_all()
+                return True
+            self.cond.wait_for(lambda: self.generation != generation or self.broken, timeout)
+            return self.generation != generation
+
+    def abort(self) -> None:
+        with self.cond:
+            self.broken = True
+            self.cond.notify_all()
+
+
 class _Hub:
     """State shared by the threads of one group: the board, a barrier, and the P2P mailboxes."""
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
         self.board: list[tuple[Fingerprint, Any] | None] = [None] * group_size
-        self.barrier = threading.Barrier(group_size)
+        self.barrier = _Barrier(group_size)
         self.error: BaseException | None = None
+        self.joined = 0      # ranks that ever attached; the hub is dropped only after all attached and left
         self.users = 0
         self.mail_lock = threading.Lock()
         self.mailboxes: dict[tuple[int, int, int], collections.deque[Tensor]] = collections.defaultdict(
@@ -43,8 +76,9 @@ class _Hub:
             collections.defaultdict(collections.deque))
 
     def fail(self, error: BaseException) -> None:
-        if self.error is None:
-            self.error = error
+        with self.barrier.cond:
+            if self.error is None:
+                self.error = error
         self.barrier.abort()
         with self.mail_lock:
             pending = [item for queue in self.waiting_recvs.values() for item in queue]
@@ -65,6 +99,7 @@ class ThreadsTransport(Transport):
             hub = _HUBS.get(self._key)
             if hub is None:
                 hub = _HUBS[self._key] = _Hub(spec.group_size)
+            hub.joined += 1
             hub.users += 1
         self._hub = hub
 
@@ -72,13 +107,11 @@ class ThreadsTransport(Transport):
 
     def _wait_all(self, ctx: OpContext) -> None:
         hub = self._hub
-        try:
-            hub.barrier.wait(timeout=ctx.deadline.remaining())
-        except threading.BrokenBarrierError:
-            if hub.error is None and ctx.deadline.expired():
-                hub.error = CommTimeoutError(
+        if not hub.barrier.wait(timeout=ctx.deadline.remaining()):
+            if hub.error is None:
+                hub.fail(CommTimeoutError(
                     f"{ctx.fingerprint.op} #{ctx.fingerprint.seq} on {ctx.group_desc} timed out after "
-                    f"{ctx.deadline.timeout:.1f}s on group rank {self.group_rank}")
+                    f"{ctx.deadline.timeout:.1f}s on group rank {self.group_rank}"))
             error = hub.error
             if isinstance(error, CommTimeoutError):
                 raise CommTimeoutError(str(error)) from None
@@ -219,7 +252,7 @@ class ThreadsTransport(Transport):
     def close(self) -> None:
         with _HUBS_LOCK:
             self._hub.users -= 1
-            if self._hub.users == 0:
+            if self._hub.users == 0 and self._hub.joined == self._hub.group_size:
                 _HUBS.pop(self._key, None)
 
 

@@ -53,20 +53,21 @@ def run_ranks(fn: Callable[[int, int], Any], world_size: int, timeout: float = 6
     run = _Run(world_size)
 
     def body(rank: int) -> None:
+        initialized = False
         try:
             init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                timeout=comm_timeout if comm_timeout is not None else timeout)
-            world = current_world()
+            initialized = True
             with run.lock:
-                run.groups[rank] = world.groups     # the live list: groups made later are aborted too
-            try:
-                run.results[rank] = fn(rank, world_size)
-            finally:
-                destroy_process_group()
+                run.groups[rank] = current_world().groups   # the live list: groups made later are aborted too
+            run.results[rank] = fn(rank, world_size)
         except BaseException as error:   # reported to the caller below
             with run.lock:
                 run.failures.append((time.monotonic(), rank, error))
-            run.abort_all(error)
+            run.abort_all(error)         # this rank's groups too, so peers waiting on it stop now
+        finally:
+            if initialized:
+                destroy_process_group()
 
     threads = [threading.Thread(target=body, args=(rank,), name=f"spmd-rank{rank}", daemon=True)
                for rank in range(world_size)]
