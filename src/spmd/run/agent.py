@@ -1,0 +1,355 @@
+"""The per-node agent: join the rendezvous, run this node's workers each round, stop and restart them, report.
+
+Layer: run. One Agent per node, driven from its main thread (workers must be started from the main thread: see
+spmd.run.bootstrap.set_parent_death_signal). The agent that owns the rendezvous endpoint hosts the store and the
+Coordinator (spmd.run.rendezvous); a one-node job without an endpoint uses an in-process HashStore instead.
+
+Note: the workers' store
+Workers call `init_process_group()` with no arguments, which builds a TCPStore at MASTER_ADDR:MASTER_PORT hosted
+by worker rank 0. Each round gets a fresh one: the node with group rank 0 picks a free port (or --master-port) and
+a fresh random SPMD_STORE_TOKEN and publishes them through the rendezvous. The agents' own store is never handed
+to workers, so a restarted round can't see keys of the one before and a stale worker can't disturb the agents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import shutil
+import signal
+import socket
+import tempfile
+import time
+import types
+
+from spmd._core.errors import StoreError
+from spmd.comm.store import HashStore, Store
+from spmd.run.config import LaunchConfig, Std
+from spmd.run.failure import WorkerFailure, first_failure, format_summary
+from spmd.run.process import Console, WorkerGroup, WorkerSpec
+from spmd.run.rendezvous import Coordinator, Heartbeat, NodeInfo, Outcome, RendezvousClient, Round
+
+BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap.py")
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class LaunchError(RuntimeError):
+    """The launch can't proceed (a busy port, an unreachable rendezvous); the message says what to change."""
+
+
+class Interrupted(BaseException):
+    """The agent received SIGINT/SIGTERM/SIGHUP; raised once, from the signal handler, in the main thread."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a TCP server could listen on `port` on every interface right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                return False
+            raise
+    return True
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the OS's choice); its user binds it moments later."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("0.0.0.0", 0))
+        return sock.getsockname()[1]
+
+
+def is_local_host(host: str) -> bool:
+    """Whether `host` names this machine: one of its addresses can be bound here."""
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    for *_, address in infos:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((address[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def address_toward(host: str, port: int) -> str:
+    """The local address this machine uses to reach `host` (a UDP 'connect' sends nothing; it picks a route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect((host, port))
+            return sock.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+class Agent:
+    """Runs one node's part of a job. `run()` returns the process exit status for the launcher."""
+
+    def __init__(self, config: LaunchConfig, console: Console | None = None) -> None:
+        self.config = config
+        self.console = console or Console()
+        self.hostname = socket.gethostname()
+        self.store: Store | None = None
+        self.coordinator: Coordinator | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.client: RendezvousClient | None = None
+        self.me: NodeInfo | None = None
+        self.workers: WorkerGroup | None = None
+        self._raise_on_signal = True
+        self._log_root, self._own_log_root = self._make_log_root()
+
+    # ---- entry -------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        previous = {signum: signal.signal(signum, self._on_signal) for signum in HANDLED_SIGNALS}
+        try:
+            try:
+                return self._run()
+            finally:
+                self._raise_on_signal = False  # from here on a signal can't interrupt the cleanup
+        except Interrupted as interrupt:
+            return self._stop_for_signal(interrupt.signum)
+        except (LaunchError, StoreError, OSError) as error:
+            self._say(str(error) if isinstance(error, LaunchError) else
+                      f"lost the rendezvous: {error}. If another node's agent died, its log says why.")
+            self._stop_workers(signal.SIGTERM)
+            return 1
+        finally:
+            self._stop_workers(signal.SIGTERM)
+            self._shut_down()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: types.FrameType | None) -> None:
+        if self._raise_on_signal:  # once: later signals let the stop that is already running finish
+            self._raise_on_signal = False
+            raise Interrupted(signum)
+
+    def _run(self) -> int:
+        self._connect()
+        outcome = self._follow_rounds()
+        return self._report(outcome)
+
+    # ---- rendezvous --------------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        config = self.config
+        store, hosting = self._open_store()
+        self.store = store
+        if hosting:
+            self.coordinator = Coordinator(store.clone(), config.rdzv_id, config.min_nodes, config.max_nodes,
+                                           config.max_restarts, config.timeouts, now=time.monotonic())
+            self.coordinator.start()
+        addr = config.local_addr or (address_toward(config.rdzv_host, config.rdzv_port) if config.is_multinode
+                                     else "127.0.0.1")
+        self.client = RendezvousClient(store, config.rdzv_id)
+        self.me = self.client.join(addr, self.hostname, config.nproc_per_node, config.node_rank, os.getpid())
+        self.heartbeat = Heartbeat(store.clone(), config.rdzv_id, self.me.node_id, config.timeouts.heartbeat_interval)
+        self.heartbeat.start()
+
+    def _open_store(self) -> tuple[Store, bool]:
+        """(store, whether this agent hosts it and the coordinator)."""
+        config = self.config
+        timeout = config.timeouts.join_timeout
+        if not config.is_multinode:
+            return HashStore(timeout=timeout), True
+        from spmd.comm.tcp_store import TCPStore  # only multi-node jobs need sockets for the rendezvous
+
+        host, port = config.rdzv_host, config.rdzv_port
+        assert host is not None
+        wants_host = config.node_rank == 0 or (config.node_rank is None and is_local_host(host))
+        if wants_host:
+            try:
+                return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout), True
+            except StoreError as error:
+                if config.node_rank == 0 or port_is_free(port):
+                    raise LaunchError(f"spmdrun: can't host the rendezvous at {host}:{port}: port {port} is "
+                                      f"already in use on {self.hostname} (another job?) ({error}). Pick another "
+                                      f"--rdzv-endpoint port.") from None
+                # Elastic agents on the endpoint's host race to host it; the losers join as clients.
+        try:
+            return TCPStore(host, port, is_master=False, timeout=timeout), False
+        except StoreError as error:
+            raise LaunchError(f"spmdrun: could not join the rendezvous at {host}:{port} within {timeout:g}s "
+                              f"({error}). Is the agent of node 0 running with the same --rdzv-endpoint?") from None
+
+    def _check_helpers(self) -> None:
+        for helper in (self.coordinator, self.heartbeat):
+            if helper is not None and helper.error is not None:
+                raise LaunchError(f"spmdrun: lost the rendezvous store: {helper.error}")
+
+    def _follow_rounds(self) -> Outcome:
+        """Steps 4-7 of the rendezvous protocol, until the job is closed."""
+        assert self.client is not None and self.me is not None
+        seen: Round | None = None
+        pending: Round | None = None  # a round this node is in, waiting for its workers' store address
+        running: Round | None = None
+        while True:
+            self._check_helpers()
+            outcome = self.client.outcome()
+            if outcome is not None:
+                return outcome
+            latest = self.client.latest_round()
+            if latest is not None and (seen is None or latest.number > seen.number):
+                self._stop_workers(signal.SIGTERM)
+                seen, pending, running = latest, None, None
+                pending = self._enter_round(latest)
+            if pending is not None:
+                master = self.client.master(pending.number)
+                if master is not None:
+                    self.workers = WorkerGroup(self._worker_specs(pending, *master), self.console, self.hostname)
+                    pending, running = None, pending
+            if running is not None and self.workers is not None and self._round_finished(running):
+                running = None
+            time.sleep(self.config.monitor_interval)
+
+    def _enter_round(self, new: Round) -> Round | None:
+        """Announce a new round; returns it if this node takes part (after publishing the store if rank 0)."""
+        assert self.client is not None and self.me is not None
+        group_rank = new.group_rank(self.me.node_id)
+        if not new.nodes:
+            self._say(f"round {new.number}: too few nodes left (need {self.config.min_nodes}); waiting for more")
+            return None
+        if group_rank is None:
+            self._say(f"round {new.number}: the job is full ({len(new.nodes)} nodes); this node waits")
+            return None
+        offset = new.rank_offset(self.me.node_id)
+        self._say(f"round {new.number}: {len(new.nodes)} node(s), world size {new.world_size}; this node is "
+                  f"group rank {group_rank} running ranks {offset}-{offset + self.me.nproc - 1} "
+                  f"(restart {new.restart_count} of {self.config.max_restarts})")
+        if group_rank == 0:
+            port = self.config.master_port
+            if port is None:
+                port = free_port()
+            elif not port_is_free(port):
+                self.client.close(Outcome("error", f"spmdrun: --master-port {port} is already in use on "
+                                          f"{self.hostname} (another job?). Pick another port, or leave "
+                                          "--master-port out to get a free one."))
+                return None
+            self.client.publish_master(new.number, self.config.master_addr or self.me.addr, port,
+                                       secrets.token_hex(16))
+        return new
+
+    def _round_finished(self, current: Round) -> bool:
+        """Poll the workers; on a failure stop the rest and report it, when all succeeded report done."""
+        assert self.client is not None and self.me is not None and self.workers is not None
+        codes = self.workers.poll()
+        if any(code not in (None, 0) for code in codes):
+            failures = self.workers.failures()
+            self._stop_workers(signal.SIGTERM)
+            first = first_failure(failures)
+            self._say(f"round {current.number}: {first.headline()}; stopping this node's workers")
+            self.client.report_failure(current.number, first.to_json())
+            return True
+        if all(code == 0 for code in codes):
+            self._stop_workers(signal.SIGTERM)  # reaps and drains their output
+            self.client.report_done(current.number, self.me.node_id)
+            return True
+        return False
+
+    # ---- workers -----------------------------------------------------------------------------------------
+    def _worker_specs(self, current: Round, master_addr: str, master_port: int, token: str) -> list[WorkerSpec]:
+        assert self.me is not None
+        config = self.config
+        offset = current.rank_offset(self.me.node_id)
+        group_rank = current.group_rank(self.me.node_id)
+        target = [config.entrypoint, *config.args]
+        argv = (config.python, BOOTSTRAP, config.kind.value, *target)
+        specs = []
+        for local_rank in range(config.nproc_per_node):
+            rank = offset + local_rank
+            attempt_dir = os.path.join(self._log_root, f"attempt_{current.number}", str(local_rank))
+            env = dict(os.environ)
+            env.setdefault("PYTHONUNBUFFERED", "1")  # prints reach the console when made, not at exit
+            if config.omp_num_threads is not None:
+                env.setdefault("OMP_NUM_THREADS", str(config.omp_num_threads))
+            env.update({
+                "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(current.world_size),
+                "LOCAL_WORLD_SIZE": str(config.nproc_per_node), "GROUP_RANK": str(group_rank),
+                "GROUP_WORLD_SIZE": str(len(current.nodes)), "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port), "RESTART_COUNT": str(current.restart_count),
+                "MAX_RESTARTS": str(config.max_restarts), "SPMD_ROUND": str(current.number),
+                "SPMD_RUN_ID": config.rdzv_id, "SPMD_STORE_TOKEN": token,
+                "SPMD_ERROR_FILE": os.path.join(attempt_dir, "error.json"), "SPMD_AGENT_PID": str(os.getpid()),
+                # torchrun's names, so scripts written for it find their restart count and run id
+                "TORCHELASTIC_RESTART_COUNT": str(current.restart_count),
+                "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts), "TORCHELASTIC_RUN_ID": config.rdzv_id,
+            })
+            redirect, tee = config.redirects.for_rank(local_rank), config.tee.for_rank(local_rank)
+            to_file = redirect | tee
+            shown = config.local_ranks_filter is None or local_rank in config.local_ranks_filter
+            specs.append(WorkerSpec(
+                rank=rank, local_rank=local_rank, argv=argv, env=env, error_file=env["SPMD_ERROR_FILE"],
+                stdout_log=os.path.join(attempt_dir, "stdout.log") if to_file & Std.OUT else None,
+                stderr_log=os.path.join(attempt_dir, "stderr.log") if to_file & Std.ERR else None,
+                stdout_to_console=shown and not redirect & Std.OUT,
+                stderr_to_console=shown and not redirect & Std.ERR))
+        return specs
+
+    def _stop_workers(self, signum: int) -> None:
+        if self.workers is not None:
+            self.workers.stop(signum, self.config.shutdown_grace)
+            self.workers = None
+
+    # ---- the end -----------------------------------------------------------------------------------------
+    def _report(self, outcome: Outcome) -> int:
+        self._stop_workers(signal.SIGTERM)
+        if outcome.status == "succeeded":
+            return 0
+        if outcome.status == "failed" and outcome.failure is not None:
+            failure = WorkerFailure.from_json(outcome.failure)
+            self.console.message(format_summary([failure], f"{self.config.rdzv_id}: {outcome.message}"))
+        else:
+            self._say(outcome.message)
+        return 1
+
+    def _stop_for_signal(self, signum: int) -> int:
+        name = signal.Signals(signum).name
+        self._say(f"got {name}: stopping the workers and the job")
+        self._stop_workers(signum)
+        if self.client is not None:
+            with contextlib.suppress(StoreError, OSError):
+                self.client.close(Outcome("interrupted", f"spmdrun: stopped by {name} to the agent on "
+                                          f"{self.hostname}"))
+        return 128 + signum
+
+    def _shut_down(self) -> None:
+        """Acknowledge the end, let the other agents see it (if hosting), then release the store and logs."""
+        with contextlib.suppress(StoreError, OSError):
+            if self.client is not None and self.me is not None:
+                self.client.ack(self.me.node_id)
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if self.coordinator is not None:
+            self.coordinator.stop()
+            if self.config.is_multinode:
+                with contextlib.suppress(StoreError, OSError):
+                    self.coordinator.wait_for_acks(self.config.timeouts.close_timeout)
+        if self.store is not None:
+            self.store.close()
+        if self._own_log_root:
+            shutil.rmtree(self._log_root, ignore_errors=True)
+
+    def _make_log_root(self) -> tuple[str, bool]:
+        """Where per-rank logs and error files go, and whether it is a private temporary directory to delete."""
+        config = self.config
+        if config.log_dir is not None:
+            return os.path.join(config.log_dir, config.rdzv_id), False
+        root = tempfile.mkdtemp(prefix=f"spmdrun-{config.rdzv_id}-")
+        if config.redirects.any() or config.tee.any():
+            self._say(f"per-rank logs go to {root}")
+            return root, False
+        return root, True
+
+    def _say(self, text: str) -> None:
+        node = f" node {self.me.node_id}" if self.me is not None and self.config.is_multinode else ""
+        self.console.message(text if text.startswith("spmdrun") else f"spmdrun ({self.hostname}{node}): {text}")

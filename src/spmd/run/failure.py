@@ -1,0 +1,149 @@
+"""Worker failures as the launcher reports them: what failed, where, how, and the worker's own traceback.
+
+Layer: run. The worker side (spmd.run.bootstrap) writes an error file when the user's code raises; here the agent
+turns an exit status plus that file into a WorkerFailure, ships it between nodes as JSON, and formats the
+summary a person reads: the first failing rank, its host, its exit code or signal name, and its traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from typing import Any
+
+from spmd._core.errors import SpmdError
+
+
+def describe_exit(exit_code: int) -> str:
+    """'exit code 3' or 'signal SIGKILL' (a negative code from subprocess means killed by that signal)."""
+    if exit_code < 0:
+        try:
+            return f"signal {signal.Signals(-exit_code).name}"
+        except ValueError:
+            return f"signal {-exit_code}"
+    return f"exit code {exit_code}"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerError:
+    """The exception a worker's Python code raised, as its bootstrap recorded it."""
+
+    type: str
+    message: str
+    traceback: str
+    timestamp: float
+
+
+def read_error_file(path: str) -> WorkerError | None:
+    """The error a worker recorded at `path`, or None if it wrote none (it exited or was killed without raising)."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            record = json.load(file)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return WorkerError(type=str(record.get("type", "")), message=str(record.get("message", "")),
+                       traceback=str(record.get("traceback", "")), timestamp=float(record.get("timestamp", 0.0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerFailure:
+    """One worker that exited non-zero or by a signal (not one the launcher itself stopped)."""
+
+    rank: int  # global rank
+    local_rank: int
+    host: str
+    pid: int
+    exit_code: int  # negative: killed by signal -exit_code
+    timestamp: float  # when it failed: the error file's time, else when the agent saw the exit
+    error: WorkerError | None = None
+
+    @staticmethod
+    def from_exit(rank: int, local_rank: int, host: str, pid: int, exit_code: int, error_file: str | None,
+                  seen_at: float | None = None) -> WorkerFailure:
+        error = read_error_file(error_file) if error_file and os.path.exists(error_file) else None
+        when = error.timestamp if error is not None else (seen_at if seen_at is not None else time.time())
+        return WorkerFailure(rank, local_rank, host, pid, exit_code, when, error)
+
+    @property
+    def how(self) -> str:
+        return describe_exit(self.exit_code)
+
+    def headline(self) -> str:
+        what = f"raised {self.error.type}: {self.error.message}" if self.error else "failed"
+        return (f"rank {self.rank} (local rank {self.local_rank}) on host {self.host}, pid {self.pid}, {what}; "
+                f"{self.how}")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> WorkerFailure:
+        error = data.get("error")
+        return WorkerFailure(**{**data, "error": WorkerError(**error) if error else None})
+
+
+def first_failure(failures: list[WorkerFailure]) -> WorkerFailure:
+    """The root cause: the failure that happened first (others are often its consequences)."""
+    return min(failures, key=lambda failure: (failure.timestamp, failure.rank))
+
+
+def format_summary(failures: list[WorkerFailure], context: str) -> str:
+    """The report printed when a job fails: the first failure in full, then the others in one line each."""
+    first = first_failure(failures)
+    when = time.strftime("%H:%M:%S", time.localtime(first.timestamp))
+    lines = [f"spmdrun: job failed ({context})",
+             f"  first failure at {when}: {first.headline()}"]
+    if first.error is not None:
+        lines.append("  its traceback:")
+        lines.extend("    " + line for line in first.error.traceback.rstrip("\n").splitlines())
+    else:
+        lines.append(f"  no Python traceback: the worker ended by {first.how} without raising (a crash in native "
+                     "code, os._exit, sys.exit or a kill from outside)")
+    for other in sorted(failures, key=lambda failure: failure.rank):
+        if other is not first:
+            lines.append(f"  also failed: {other.headline()}")
+    return "\n".join(lines)
+
+
+class ChildFailedError(SpmdError):
+    """Worker processes failed; `failures` holds each one and `first` the root cause."""
+
+    def __init__(self, failures: list[WorkerFailure], context: str) -> None:
+        self.failures = failures
+        self.first = first_failure(failures)
+        super().__init__(format_summary(failures, context))
+
+
+class ProcessRaisedException(ChildFailedError):
+    """A spawned process raised (torch.multiprocessing's name); `error_index` is its process index."""
+
+    @property
+    def error_index(self) -> int:
+        return self.first.rank
+
+    @property
+    def pid(self) -> int:
+        return self.first.pid
+
+
+class ProcessExitedException(ChildFailedError):
+    """A spawned process exited non-zero or by a signal without raising (torch.multiprocessing's name)."""
+
+    @property
+    def error_index(self) -> int:
+        return self.first.rank
+
+    @property
+    def pid(self) -> int:
+        return self.first.pid
+
+    @property
+    def exit_code(self) -> int:
+        return self.first.exit_code
+
+    @property
+    def signal_name(self) -> str | None:
+        return self.first.how.removeprefix("signal ") if self.first.exit_code < 0 else None
