@@ -1,0 +1,228 @@
+"""DistributedDataParallel: replicate a module on every rank and average its gradients during backward.
+
+Layer: ddp (parallel, L4). May import _core, comm and device_mesh; never tensor.
+
+Construction is collective: every rank of the group wraps the same model, in the same order.
+  1. (all ranks) resolve the group; collect the parameters that require grad (error if none)
+  2. (all ranks) all-gather every rank's parameter names, shapes and dtypes; raise on every rank, naming
+     the parameters that differ, if any rank disagrees with rank 0
+  3. (all ranks) broadcast parameters and buffers from the group's rank 0, coalesced per dtype
+  4. (all ranks) lay out the gradient buckets and hook every parameter (see reducer.py)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from spmd.comm.collectives import broadcast
+from spmd.comm.group import NonMemberGroup, ProcessGroup
+from spmd.comm.objects import all_gather_object
+from spmd.comm.world import resolve_group
+from spmd.ddp.bucket import FIRST_BUCKET_BYTES
+from spmd.ddp.join import JoinContext
+from spmd.ddp.reducer import CommHook, Reducer
+
+_MIB = 1 << 20
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism: each rank runs `module` on its own batch; backward averages gradients over the group.
+
+    Same constructor and behaviour as torch.nn.parallel.DistributedDataParallel for CPU training:
+    `bucket_cap_mb` (25) caps each gradient bucket, the first one at 1 MiB; a bucket's all-reduce starts as
+    soon as its last gradient is ready, overlapping the rest of backward. `find_unused_parameters` lets the
+    forward skip parameters; `static_graph` promises the same graph every iteration (then parameters may
+    receive gradients several times per backward, as with reentrant checkpointing, and the unused set is
+    learned once); `gradient_as_bucket_view` makes .grad views into the buckets, saving a copy; with
+    `broadcast_buffers`, rank 0's buffers overwrite the others' before each forward that records gradients
+    (so an evaluation forward under torch.no_grad() on one rank alone does not hang).
+    `device_ids` moves the inputs to that device; `device_mesh` (1-D) may replace `process_group`.
+    """
+
+    def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
+                 broadcast_buffers: bool = True, init_sync: bool = True,
+                 process_group: ProcessGroup | NonMemberGroup | None = None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False, device_mesh: Any = None) -> None:
+        super().__init__()
+        self.module = module
+        self.process_group = _resolve(process_group, device_mesh)
+        self.device = torch.device(device_ids[0]) if device_ids else None
+        self.broadcast_buffers = broadcast_buffers
+        self.require_backward_grad_sync = True
+        self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        named = _trainable(module, self.process_group)
+        self._param_names = [name for name, _ in named]
+        self._params = [param for _, param in named]
+        self._param_shapes = [param.shape for param in self._params]
+        self._join: JoinContext | None = None
+        if init_sync and self.process_group.size() > 1:
+            _check_same_parameters(named, self.process_group)
+            self._broadcast_state(src=0, include_params=True)
+        bucket_bytes = int((25.0 if bucket_cap_mb is None else bucket_cap_mb) * _MIB)
+        if bucket_bytes <= 0:
+            raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.reducer = Reducer(self._params, self._param_names, self.process_group, bucket_bytes,
+                               min(FIRST_BUCKET_BYTES, bucket_bytes), find_unused_parameters, static_graph,
+                               gradient_as_bucket_view)
+
+    # -- forward --------------------------------------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._check_parameters_unchanged()
+        if torch.is_grad_enabled():
+            if self._join is not None:
+                self._join.notify_forward(self.require_backward_grad_sync)
+            if self.broadcast_buffers and self.process_group.size() > 1:
+                self._broadcast_state(src=0, include_params=False)
+            if self.require_backward_grad_sync:
+                self.reducer.arm()
+            else:
+                self.reducer.disarm()
+        if self.device is not None:
+            inputs, kwargs = _to_device((inputs, kwargs), self.device)
+        output = self.module(*inputs, **kwargs)
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self.reducer.watch_outputs(output)
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes of forwards run inside this context don't communicate.
+
+        The first forward + backward after the context averages the accumulated gradients.
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Reduce each bucket with `hook(state, bucket) -> Future[Tensor]` instead of the default all-reduce.
+
+        Register once, before the first backward. The hook must average (it is given the summed-to-be bucket
+        and `bucket.div_factor()`); see spmd.ddp.comm_hooks for the built-in ones.
+        """
+        if self.reducer.comm_hook is not None:
+            raise RuntimeError("DistributedDataParallel.register_comm_hook: a comm hook is already registered; "
+                               "it can be registered only once")
+        if self.reducer.iterations > 0:
+            raise RuntimeError("DistributedDataParallel.register_comm_hook: register the hook before the first "
+                               "backward, so every rank reduces every iteration the same way")
+        if not callable(hook):
+            raise TypeError(f"DistributedDataParallel.register_comm_hook: hook must be callable, got {hook!r}")
+        self.reducer.comm_hook = hook
+        self.reducer.comm_hook_state = state
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> contextlib.AbstractContextManager[None]:
+        """A context for training loops whose ranks have different numbers of batches (see join.py)."""
+        if not enable:
+            return contextlib.nullcontext()
+        return JoinContext(self, divide_by_initial_world_size, throw_on_early_termination)
+
+    # -- internals ------------------------------------------------------------------------------------------
+
+    def _broadcast_state(self, src: int, include_params: bool) -> None:
+        """Overwrite buffers (and parameters) with group rank `src`'s, one broadcast per dtype. Collective."""
+        tensors = [buf for buf in self.module.buffers()]
+        if include_params:
+            tensors = [param.detach() for param in self.module.parameters()] + tensors
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        with torch.no_grad():
+            for group in by_dtype.values():
+                flat = torch.cat([tensor.reshape(-1) for tensor in group])
+                broadcast(flat, group=self.process_group, group_src=src)
+                offset = 0
+                for tensor in group:
+                    tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                    offset += tensor.numel()
+
+    def _check_parameters_unchanged(self) -> None:
+        current = [param for param in self.module.parameters() if param.requires_grad]
+        same = len(current) == len(self._params) and all(
+            a is b and a.shape == shape for a, b, shape in zip(current, self._params, self._param_shapes))
+        if same:
+            return
+        names = {id(param): name for name, param in self.module.named_parameters()}
+        before = {id(param) for param in self._params}
+        after = {id(param) for param in current}
+        added = [names.get(id(p), "?") for p in current if id(p) not in before]
+        removed = [name for name, p in zip(self._param_names, self._params) if id(p) not in after]
+        reshaped = [name for name, p, shape in zip(self._param_names, self._params, self._param_shapes)
+                    if id(p) in after and p.shape != shape]
+        raise RuntimeError(
+            f"DistributedDataParallel on rank {self.process_group.global_rank}: the module's trainable parameters "
+            f"changed after wrapping (added or newly trainable: {added}; removed or frozen: {removed}; reshaped: "
+            f"{reshaped}). DDP lays out its gradient buckets at construction: finish changing the model, then "
+            f"wrap it again.")
+
+
+def _resolve(process_group: ProcessGroup | NonMemberGroup | None, device_mesh: Any) -> ProcessGroup:
+    if device_mesh is not None:
+        if process_group is not None:
+            raise ValueError("DistributedDataParallel: pass process_group or device_mesh, not both")
+        if device_mesh.ndim != 1:
+            raise ValueError(f"DistributedDataParallel: device_mesh must be 1-D, got {device_mesh.ndim} dims; "
+                             f"pass mesh['dp'] for the data-parallel dimension")
+        process_group = device_mesh.get_group(0)
+    return resolve_group(process_group, "DistributedDataParallel")
+
+
+def _trainable(module: nn.Module, group: ProcessGroup) -> list[tuple[str, nn.Parameter]]:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
+    named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
+    if not named:
+        raise ValueError(
+            f"DistributedDataParallel on rank {group.global_rank}: {type(module).__name__} has no parameter that "
+            f"requires grad, so there is nothing to average. Wrap a module with trainable parameters (frozen "
+            f"models need no DDP).")
+    sparse = [name for name, sub in module.named_modules() if getattr(sub, "sparse", False)]
+    if sparse:
+        raise ValueError(f"DistributedDataParallel: modules {sparse} produce sparse gradients, which spmd's DDP "
+                         f"does not reduce; use sparse=False")
+    return named
+
+
+def _check_same_parameters(named: list[tuple[str, nn.Parameter]], group: ProcessGroup) -> None:
+    """Step 2 of construction: every rank must wrap the same parameters. Collective."""
+    mine = [(name, tuple(param.shape), str(param.dtype)) for name, param in named]
+    everyone: list[Any] = [None] * group.size()
+    all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    problems = []
+    for group_rank, theirs in enumerate(everyone):
+        if theirs == reference:
+            continue
+        if len(theirs) != len(reference):
+            problems.append(f"rank {group.ranks[group_rank]} has {len(theirs)} trainable parameters, rank "
+                            f"{group.ranks[0]} has {len(reference)}")
+        differ = [f"{a[0]} {a[1]} {a[2]} vs {b[0]} {b[1]} {b[2]}" for a, b in zip(theirs, reference) if a != b]
+        if differ:
+            problems.append(f"rank {group.ranks[group_rank]} vs rank {group.ranks[0]}: " + "; ".join(differ[:5])
+                            + ("; ..." if len(differ) > 5 else ""))
+    if problems:
+        raise ValueError(f"DistributedDataParallel on rank {group.global_rank} of {group.description}: the ranks "
+                         f"wrapped different models: " + " | ".join(problems))
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    if isinstance(tree, Tensor):
+        return tree.to(device)
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_device(item, device) for item in tree)
+    if isinstance(tree, dict):
+        return {key: _to_device(value, device) for key, value in tree.items()}
+    return tree

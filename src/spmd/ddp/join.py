@@ -1,0 +1,88 @@
+"""Join: let ranks with fewer batches keep pace with the others instead of leaving them hanging.
+
+Layer: ddp.
+
+Note: the join protocol
+Inside `with ddp.join():` every training forward (one that records gradients) starts with an all_reduce of
+[1, sync] (sync = 1 unless under no_sync): the first entry counts the ranks still training this step, the
+second how many of them reduce gradients. A rank that runs out of batches leaves its loop and enters
+`__exit__`, where it repeats:
+  1. all_reduce [0, 0]: matches the others' forward all_reduce; if no rank is still training, stop;
+  2. broadcast buffers if the module does (matching their forward), then, if they reduce gradients, run one
+     iteration of the reducer on zero gradients (matching their backward: same buckets, same order).
+When every rank has joined, the ranks that joined last (they ran the most steps and hold the trained model)
+are found with an all_reduce MAX, and the highest of them broadcasts parameters and buffers to the others.
+Gradients are divided by the initial group size by default, or, with divide_by_initial_world_size=False, by
+the number of ranks still training that step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from spmd.comm.collectives import all_reduce
+from spmd.comm.reduce_op import ReduceOp
+
+if TYPE_CHECKING:
+    from spmd.ddp.api import DistributedDataParallel
+
+
+class JoinContext:
+    """The context manager `DistributedDataParallel.join()` returns (see Note: the join protocol)."""
+
+    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool,
+                 throw_on_early_termination: bool) -> None:
+        self.ddp = ddp
+        self.group = ddp.process_group
+        self.divide_by_initial_world_size = divide_by_initial_world_size
+        self.throw_on_early_termination = throw_on_early_termination
+        self.shadow_iterations = 0
+
+    def __enter__(self) -> None:
+        if self.ddp._join is not None:
+            raise RuntimeError("DistributedDataParallel.join: already inside a join context for this module")
+        self.ddp._join = self
+
+    def notify_forward(self, sync: bool) -> None:
+        """Every training forward inside the context: count the ranks still training. Collective."""
+        counts = torch.tensor([1, int(sync)], dtype=torch.int64)
+        all_reduce(counts, ReduceOp.SUM, group=self.group)
+        active = int(counts[0])
+        if self.throw_on_early_termination and active < self.group.size():
+            raise RuntimeError(self._early_message(self.group.size() - active))
+        if not self.divide_by_initial_world_size:
+            self.ddp.reducer.div_factor = active
+
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
+        self.ddp._join = None
+        if exc_type is not None:
+            return   # a failing rank does not shadow; its group is aborted by whatever failed
+        while True:
+            counts = torch.zeros(2, dtype=torch.int64)
+            all_reduce(counts, ReduceOp.SUM, group=self.group)
+            active, syncing = int(counts[0]), int(counts[1])
+            if active == 0:
+                break
+            if self.throw_on_early_termination:
+                raise RuntimeError(self._early_message(self.group.size() - active))
+            if not self.divide_by_initial_world_size:
+                self.ddp.reducer.div_factor = active
+            if self.ddp.broadcast_buffers and self.group.size() > 1:
+                self.ddp._broadcast_state(src=0, include_params=False)
+            if syncing:
+                self.ddp.reducer.shadow_iteration()
+            self.shadow_iterations += 1
+        self.ddp.reducer.div_factor = self.group.size()
+        self._sync_final_model()
+
+    def _sync_final_model(self) -> None:
+        """Broadcast the model from the highest rank among those that joined last. Collective."""
+        candidate = torch.tensor([self.group.group_rank if self.shadow_iterations == 0 else -1], dtype=torch.int64)
+        all_reduce(candidate, ReduceOp.MAX, group=self.group)
+        self.ddp._broadcast_state(src=int(candidate), include_params=True)
+
+    def _early_message(self, joined: int) -> str:
+        return (f"DistributedDataParallel.join on rank {self.group.global_rank} of {self.group.description}: "
+                f"{joined} rank(s) ran out of inputs before the others, and throw_on_early_termination=True")
