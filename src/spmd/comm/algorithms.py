@@ -1,0 +1,431 @@
+"""Collective algorithms written once against a small point-to-point interface (Exchange).
+
+Layer: comm. A transport that can send a flat tensor to a peer and receive into a flat tensor supplies an
+Exchange per collective and gets every collective from here: ring reduce-scatter + all-gather with
+pipelined pieces for large messages, recursive doubling or direct exchange for small ones.
+
+Note: the Exchange protocol
+One Exchange serves one collective on one rank. The algorithm calls, in this order:
+  1. `post(recvs)` once, with every receive the collective will make on this rank, in the order each
+     peer sends them (the transport matches messages from a peer to its posted receives first in, first out);
+  2. `send(peer, tensor)` and `wait(handle)` in any interleaving. `send` returns once `tensor` may be
+     reused; a transport must keep receiving while it sends (full duplex), so ranks that send to each
+     other at the same time never deadlock.
+Posting everything first lets the transport tell a message that belongs to a later collective (keep it)
+from one this rank will never ask for (a mismatched call: fail), and lets it receive straight into the
+destination tensors.
+
+Note: every rank receives something
+A rank that only sends in a collective (the root of broadcast and scatter, the non-roots of gather and
+reduce) could return before any peer's fingerprint reached it, and a mismatched call (say, two ranks that
+each think they are the broadcast's root) would go unnoticed. So in those collectives the silent side gets
+an empty "hello" message: non-roots send one to the root of broadcast/scatter, and the root of
+gather/reduce sends one to each rank that otherwise receives nothing.
+
+Reductions combine in a fixed order for each element (rank order at a root, ring order around the ring,
+and pairwise-commutative steps in recursive doubling), so every rank ends with bit-identical results.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from spmd._core.errors import CollectiveMismatchError
+from spmd.comm.reduce_op import ReduceOp, combine_, finish_average
+
+SMALL_BYTES = 64 * 1024       # at or below: latency-optimal exchanges; above: ring with pipelined pieces
+PIECE_BYTES = 256 * 1024      # size of one pipelined piece of a ring step
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
+class Exchange(abc.ABC):
+    """The point-to-point primitives of one collective on one rank (see Note: the Exchange protocol)."""
+
+    group_rank: int
+    group_size: int
+
+    @abc.abstractmethod
+    def post(self, recvs: list[tuple[int, Tensor]]) -> list[Any]:
+        """Register every receive of this collective: (peer group rank, flat destination); one handle each."""
+
+    @abc.abstractmethod
+    def send(self, peer: int, tensor: Tensor) -> None:
+        """Send a flat tensor's bytes to `peer`; returns once the tensor may be reused."""
+
+    @abc.abstractmethod
+    def wait(self, handle: Any) -> None:
+        """Block until the receive `handle` has filled its destination."""
+
+    @abc.abstractmethod
+    def scratch(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """A flat temporary of `numel` elements, valid until the collective returns."""
+
+
+def split(numel: int, parts: int) -> list[tuple[int, int]]:
+    """(start, length) of `parts` contiguous blocks covering `numel` elements; lengths differ by at most 1."""
+    base, extra = divmod(numel, parts)
+    blocks, start = [], 0
+    for index in range(parts):
+        length = base + (index < extra)
+        blocks.append((start, length))
+        start += length
+    return blocks
+
+
+def _pieces(start: int, length: int, element_size: int) -> list[tuple[int, int]]:
+    step = max(1, PIECE_BYTES // element_size)
+    return [(s, min(step, start + length - s)) for s in range(start, start + length, step)]
+
+
+def _is_small(tensor: Tensor) -> bool:
+    return tensor.numel() * tensor.element_size() <= SMALL_BYTES
+
+
+# -- all_reduce ------------------------------------------------------------------------------------------------
+
+
+def all_reduce(ex: Exchange, tensor: Tensor, op: ReduceOp) -> None:
+    """tensor <- op over ranks, in place, identical bits on every rank."""
+    n = ex.group_size
+    if n == 1:
+        return
+    if _is_small(tensor) or tensor.numel() < n:
+        if n & (n - 1) == 0:
+            _all_reduce_recursive_doubling(ex, tensor, op)
+        else:
+            _all_reduce_via_root(ex, tensor, op)
+    else:
+        _all_reduce_ring(ex, tensor, op)
+    finish_average(tensor, op, n)
+
+
+def _all_reduce_recursive_doubling(ex: Exchange, tensor: Tensor, op: ReduceOp) -> None:
+    # Round k pairs rank r with r ^ 2^k; each pair combines two equal partial sums, so both partners
+    # compute a op b and b op a, which are the same bits for every ReduceOp (all are commutative).
+    r, n = ex.group_rank, ex.group_size
+    rounds = n.bit_length() - 1
+    temp = ex.scratch(rounds * tensor.numel(), tensor.dtype).view(rounds, tensor.numel())
+    partners = [r ^ (1 << k) for k in range(rounds)]
+    handles = ex.post([(p, temp[k]) for k, p in enumerate(partners)])
+    for k, partner in enumerate(partners):
+        ex.send(partner, tensor)
+        ex.wait(handles[k])
+        combine_(tensor, temp[k], op)
+
+
+def _all_reduce_via_root(ex: Exchange, tensor: Tensor, op: ReduceOp) -> None:
+    r, n = ex.group_rank, ex.group_size
+    if r == 0:
+        temp = ex.scratch((n - 1) * tensor.numel(), tensor.dtype).view(n - 1, tensor.numel())
+        handles = ex.post([(peer, temp[peer - 1]) for peer in range(1, n)])
+        for peer in range(1, n):
+            ex.wait(handles[peer - 1])
+            combine_(tensor, temp[peer - 1], op)
+        for peer in range(1, n):
+            ex.send(peer, tensor)
+    else:
+        (handle,) = ex.post([(0, tensor)])
+        ex.send(0, tensor)
+        ex.wait(handle)
+
+
+def _all_reduce_ring(ex: Exchange, tensor: Tensor, op: ReduceOp) -> None:
+    # Reduce-scatter then all-gather around the ring r -> r+1. At reduce-scatter step s rank r receives
+    # the partial of block (r-s-2) from r-1, combines its own block into it and passes it on; after n-1
+    # steps block r is complete on rank r, and the all-gather passes each complete block round the ring.
+    # Each block is split into pieces so a piece is combined and forwarded while the next arrives.
+    r, n = ex.group_rank, ex.group_size
+    prev, nxt = (r - 1) % n, (r + 1) % n
+    size = tensor.element_size()
+    blocks = split(tensor.numel(), n)
+    rs_blocks = [(r - s - 2) % n for s in range(n - 1)]
+    ag_blocks = [(r - s - 1) % n for s in range(n - 1)]
+    temp = ex.scratch(sum(blocks[b][1] for b in rs_blocks), tensor.dtype)
+    rs_pieces = [_pieces(*blocks[b], size) for b in rs_blocks]
+    ag_pieces = [_pieces(*blocks[b], size) for b in ag_blocks]
+    recvs: list[tuple[int, Tensor]] = []
+    offset = 0
+    for pieces in rs_pieces:
+        for _, length in pieces:
+            recvs.append((prev, temp[offset:offset + length]))
+            offset += length
+    for pieces in ag_pieces:
+        recvs.extend((prev, tensor[start:start + length]) for start, length in pieces)
+    handles = iter(ex.post(recvs))
+    for start, length in _pieces(*blocks[(r - 1) % n], size):
+        ex.send(nxt, tensor[start:start + length])
+    offset = 0
+    for pieces in rs_pieces:
+        for start, length in pieces:
+            ex.wait(next(handles))
+            mine = tensor[start:start + length]
+            combine_(mine, temp[offset:offset + length], op)
+            offset += length
+            ex.send(nxt, mine)      # the next step's partial, or (last step) the first all-gather piece
+    for step, pieces in enumerate(ag_pieces):
+        for start, length in pieces:
+            ex.wait(next(handles))
+            if step < n - 2:
+                ex.send(nxt, tensor[start:start + length])
+
+
+# -- all_gather / reduce_scatter ------------------------------------------------------------------------------
+
+
+def all_gather(ex: Exchange, output: Tensor, input: Tensor) -> None:
+    """output <- every rank's input in rank order."""
+    r, n = ex.group_rank, ex.group_size
+    m = input.numel()
+    output[r * m:(r + 1) * m].copy_(input)
+    if n == 1:
+        return
+    if n == 2 or _is_small(output):
+        peers = [(r + k) % n for k in range(1, n)]
+        handles = ex.post([(p, output[p * m:(p + 1) * m]) for p in peers])
+        for p in peers:
+            ex.send(p, input)
+        for handle in handles:
+            ex.wait(handle)
+        return
+    prev, nxt = (r - 1) % n, (r + 1) % n
+    size = input.element_size()
+    steps = [_pieces(b * m, m, size) for b in ((r - s - 1) % n for s in range(n - 1))]
+    handles = iter(ex.post([(prev, output[a:a + length]) for pieces in steps for a, length in pieces]))
+    for a, length in _pieces(r * m, m, size):
+        ex.send(nxt, output[a:a + length])
+    for step, pieces in enumerate(steps):
+        for a, length in pieces:
+            ex.wait(next(handles))
+            if step < n - 2:
+                ex.send(nxt, output[a:a + length])
+
+
+def reduce_scatter(ex: Exchange, output: Tensor, input: Tensor, op: ReduceOp) -> None:
+    """output <- op over ranks of block `group_rank` of input (equal blocks); input is left unchanged."""
+    n = ex.group_size
+    if n == 1:
+        output.copy_(input)
+        return
+    if _is_small(input):
+        _reduce_scatter_direct(ex, output, input, op)
+    else:
+        _reduce_scatter_ring(ex, output, input, op)
+    finish_average(output, op, n)
+
+
+def _reduce_scatter_direct(ex: Exchange, output: Tensor, input: Tensor, op: ReduceOp) -> None:
+    r, n = ex.group_rank, ex.group_size
+    m = output.numel()
+    temp = ex.scratch(n * m, input.dtype).view(n, m)
+    peers = [(r + k) % n for k in range(1, n)]
+    handles = ex.post([(p, temp[p]) for p in peers])
+    for p in peers:
+        ex.send(p, input[p * m:(p + 1) * m])
+    for handle in handles:
+        ex.wait(handle)
+    temp[r].copy_(input[r * m:(r + 1) * m])
+    output.copy_(temp[0])
+    for rank in range(1, n):
+        combine_(output, temp[rank], op)
+
+
+def _reduce_scatter_ring(ex: Exchange, output: Tensor, input: Tensor, op: ReduceOp) -> None:
+    # As the reduce-scatter half of _all_reduce_ring, but partials live in scratch (input is read-only)
+    # and the last step lands in output.
+    r, n = ex.group_rank, ex.group_size
+    m = output.numel()
+    prev, nxt = (r - 1) % n, (r + 1) % n
+    size = output.element_size()
+    temp = ex.scratch((n - 2) * m, output.dtype)
+    dests = [temp[s * m:(s + 1) * m] for s in range(n - 2)] + [output]
+    local = [_pieces(0, m, size)] * (n - 1)
+    handles = iter(ex.post([(prev, dests[s][a:a + length]) for s in range(n - 1) for a, length in local[s]]))
+    first = (r - 1) % n
+    for a, length in local[0]:
+        ex.send(nxt, input[first * m + a:first * m + a + length])
+    for s in range(n - 1):
+        block = (r - s - 2) % n
+        for a, length in local[s]:
+            ex.wait(next(handles))
+            partial = dests[s][a:a + length]
+            combine_(partial, input[block * m + a:block * m + a + length], op)
+            if s < n - 2:
+                ex.send(nxt, partial)
+
+
+# -- rooted collectives -----------------------------------------------------------------------------------------
+
+
+def broadcast(ex: Exchange, tensor: Tensor, root: int) -> None:
+    """tensor <- root's tensor. Non-roots greet the root (see Note: every rank receives something)."""
+    r, n = ex.group_rank, ex.group_size
+    if n == 1:
+        return
+    if r == root:
+        hellos = ex.post([(p, _EMPTY) for p in range(n) if p != root])
+    if n == 2 or _is_small(tensor):
+        if r == root:
+            for k in range(1, n):
+                ex.send((root + k) % n, tensor)
+        else:
+            (handle,) = ex.post([(root, tensor)])
+            ex.send(root, _EMPTY)
+            ex.wait(handle)
+    else:
+        _broadcast_chain(ex, tensor, root)
+    if r == root:
+        for handle in hellos:
+            ex.wait(handle)
+
+
+def _broadcast_chain(ex: Exchange, tensor: Tensor, root: int) -> None:
+    # Pipelined chain root -> root+1 -> ... : every link carries the tensor once, piece by piece.
+    r, n = ex.group_rank, ex.group_size
+    position = (r - root) % n
+    nxt = (r + 1) % n
+    pieces = _pieces(0, tensor.numel(), tensor.element_size())
+    if position == 0:
+        for a, length in pieces:
+            ex.send(nxt, tensor[a:a + length])
+        return
+    handles = ex.post([((r - 1) % n, tensor[a:a + length]) for a, length in pieces])
+    ex.send(root, _EMPTY)
+    for (a, length), handle in zip(pieces, handles):
+        ex.wait(handle)
+        if position < n - 1:
+            ex.send(nxt, tensor[a:a + length])
+
+
+def reduce(ex: Exchange, tensor: Tensor, root: int, op: ReduceOp) -> None:
+    """On root, tensor <- op over ranks; other ranks' tensors are unchanged."""
+    r, n = ex.group_rank, ex.group_size
+    if n == 1:
+        return
+    if n == 2 or _is_small(tensor):
+        _reduce_direct(ex, tensor, root, op)
+    else:
+        _reduce_chain(ex, tensor, root, op)
+    if r == root:
+        finish_average(tensor, op, n)
+
+
+def _reduce_direct(ex: Exchange, tensor: Tensor, root: int, op: ReduceOp) -> None:
+    r, n = ex.group_rank, ex.group_size
+    if r != root:
+        (hello,) = ex.post([(root, _EMPTY)])
+        ex.send(root, tensor)
+        ex.wait(hello)
+        return
+    m = tensor.numel()
+    temp = ex.scratch(n * m, tensor.dtype).view(n, m)
+    peers = [p for p in range(n) if p != root]
+    handles = ex.post([(p, temp[p]) for p in peers])
+    for p in peers:
+        ex.send(p, _EMPTY)
+    for handle in handles:
+        ex.wait(handle)
+    temp[root].copy_(tensor)
+    tensor.copy_(temp[0])
+    for rank in range(1, n):
+        combine_(tensor, temp[rank], op)
+
+
+def _reduce_chain(ex: Exchange, tensor: Tensor, root: int, op: ReduceOp) -> None:
+    # Pipelined chain root+n-1 -> ... -> root+1 -> root; each link adds its own piece to the partial.
+    r, n = ex.group_rank, ex.group_size
+    position = (r - root) % n
+    downstream = (r - 1) % n
+    pieces = _pieces(0, tensor.numel(), tensor.element_size())
+    if position == n - 1:
+        (hello,) = ex.post([(root, _EMPTY)])
+        for a, length in pieces:
+            ex.send(downstream, tensor[a:a + length])
+        ex.wait(hello)
+        return
+    temp = ex.scratch(tensor.numel(), tensor.dtype)
+    handles = ex.post([((r + 1) % n, temp[a:a + length]) for a, length in pieces])
+    if position == 0:
+        ex.send((root + n - 1) % n, _EMPTY)
+    for (a, length), handle in zip(pieces, handles):
+        ex.wait(handle)
+        if position == 0:
+            combine_(tensor[a:a + length], temp[a:a + length], op)
+        else:
+            partial = temp[a:a + length]
+            combine_(partial, tensor[a:a + length], op)
+            ex.send(downstream, partial)
+
+
+def gather(ex: Exchange, output: Tensor | None, input: Tensor, root: int) -> None:
+    """On root, output <- every rank's input in rank order."""
+    r, n = ex.group_rank, ex.group_size
+    m = input.numel()
+    if r != root:
+        (hello,) = ex.post([(root, _EMPTY)])
+        ex.send(root, input)
+        ex.wait(hello)
+        return
+    assert output is not None
+    output[r * m:(r + 1) * m].copy_(input)
+    peers = [p for p in range(n) if p != root]
+    handles = ex.post([(p, output[p * m:(p + 1) * m]) for p in peers])
+    for p in peers:
+        ex.send(p, _EMPTY)
+    for handle in handles:
+        ex.wait(handle)
+
+
+def scatter(ex: Exchange, output: Tensor, input: Tensor | None, root: int) -> None:
+    """output <- block `group_rank` of root's input."""
+    r, n = ex.group_rank, ex.group_size
+    m = output.numel()
+    if r != root:
+        (handle,) = ex.post([(root, output)])
+        ex.send(root, _EMPTY)
+        ex.wait(handle)
+        return
+    assert input is not None
+    output.copy_(input[r * m:(r + 1) * m])
+    peers = [(root + k) % n for k in range(1, n)]
+    hellos = ex.post([(p, _EMPTY) for p in peers])
+    for p in peers:
+        ex.send(p, input[p * m:(p + 1) * m])
+    for handle in hellos:
+        ex.wait(handle)
+
+
+# -- all_to_all and barrier ----------------------------------------------------------------------------------------
+
+
+def all_to_all(ex: Exchange, output: Tensor, input: Tensor, output_splits: list[int], input_splits: list[int],
+               group_desc: str, rank_names: tuple[int, ...]) -> None:
+    """Rank j's output block i <- rank i's input block j (uneven blocks; splits in elements)."""
+    r, n = ex.group_rank, ex.group_size
+    if output_splits[r] != input_splits[r]:
+        raise CollectiveMismatchError(
+            f"all_to_all on {group_desc}: rank {rank_names[r]} sends itself {input_splits[r]} elements but "
+            f"expects {output_splits[r]} from itself; output and input split sizes disagree")
+    out_at = [sum(output_splits[:i]) for i in range(n)]
+    in_at = [sum(input_splits[:i]) for i in range(n)]
+    output[out_at[r]:out_at[r] + output_splits[r]].copy_(input[in_at[r]:in_at[r] + input_splits[r]])
+    peers = [(r + k) % n for k in range(1, n)]
+    handles = ex.post([(p, output[out_at[p]:out_at[p] + output_splits[p]]) for p in peers])
+    for p in peers:
+        ex.send(p, input[in_at[p]:in_at[p] + input_splits[p]])
+    for handle in handles:
+        ex.wait(handle)
+
+
+def barrier(ex: Exchange) -> None:
+    """Return once every rank has entered: everyone greets everyone (one round, n-1 empty messages)."""
+    r, n = ex.group_rank, ex.group_size
+    peers = [(r + k) % n for k in range(1, n)]
+    handles = ex.post([(p, _EMPTY) for p in peers])
+    for p in peers:
+        ex.send(p, _EMPTY)
+    for handle in handles:
+        ex.wait(handle)

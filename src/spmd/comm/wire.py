@@ -1,0 +1,154 @@
+"""The tcp transport's wire format: frames, the connection handshake, and socket I/O on tensor memory.
+
+Layer: comm. Nothing here is pickled: a frame is a fixed binary header, a short metadata string and raw
+tensor bytes, which are sent from and received into the tensor's own memory (`byte_view`).
+
+Note: frame layout
+Every frame starts with HEADER (24 bytes, little endian):
+    kind u8 | flags u8 | key_len u16 | site_len u16 | pad u16 | seq i64 | payload_len u64
+followed by `key_len` bytes of key, `site_len` bytes of call site and `payload_len` bytes of payload.
+  COLL   a piece of a collective. seq = the collective's sequence number, key = the JSON of its
+         Fingerprint.key() (compared byte for byte with the receiver's own), site = the sender's call site.
+  P2P    a point-to-point message. seq = the tag, key = the dtype name; payload = the tensor's bytes.
+  ABORT  the sender failed the group. key = the error class name, payload = the UTF-8 reason.
+  BYE    the sender is closing the group normally; EOF follows.
+
+Note: handshake
+The connecting rank speaks first: HELLO = magic | token_len u16 | group_rank u32 | name_len u16, then the
+token and the group name. The accepting rank checks magic, lengths, token (hmac.compare_digest) and name
+before it keeps the connection, and answers with magic | HMAC-SHA256(token, the hello it received), so the
+connecting rank knows it reached a member of its group and not whatever now listens on that port.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import socket
+import struct
+import time
+
+import torch
+from torch import Tensor
+
+HEADER = struct.Struct("<BBHHxxqQ")
+MAGIC = b"SPMDTCP1"
+_HELLO = struct.Struct("<8sHIH")
+_MAX_TOKEN = 1024
+_MAX_NAME = 1024
+ACK_LEN = len(MAGIC) + hashlib.sha256().digest_size
+MAX_ABORT_REASON = 1 << 16
+
+
+class Kind(enum.IntEnum):
+    """What a frame carries (see Note: frame layout)."""
+
+    COLL = 1
+    P2P = 2
+    ABORT = 3
+    BYE = 4
+
+
+class PeerClosed(ConnectionError):
+    """The peer closed its end of the connection (EOF) while a frame was expected."""
+
+
+def byte_view(tensor: Tensor) -> memoryview:
+    """A writable byte memoryview of a flat contiguous tensor's memory, for any dtype (bool and bf16 too)."""
+    if tensor.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(tensor.detach().view(torch.uint8).numpy())
+
+
+def pack_header(kind: Kind, seq: int, payload_len: int, key: bytes = b"", site: bytes = b"") -> bytes:
+    return HEADER.pack(kind, 0, len(key), len(site), seq, payload_len) + key + site
+
+
+def send_frame(sock: socket.socket, header: bytes, payload: memoryview | None, deadline: float | None,
+               is_failed: object) -> None:
+    """Send header + payload completely, as one sendmsg where possible.
+
+    The socket has a send timeout (SO_SNDTIMEO), so a peer that stops draining makes this return to check
+    `deadline` (monotonic seconds) and `is_failed()` instead of blocking forever. Raises TimeoutError at the
+    deadline and OSError when the connection breaks.
+    """
+    parts = [memoryview(header)] if payload is None or len(payload) == 0 else [memoryview(header), payload]
+    while parts:
+        try:
+            sent = sock.sendmsg(parts, [], socket.MSG_NOSIGNAL)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        while sent and parts:
+            if sent >= len(parts[0]):
+                sent -= len(parts[0])
+                parts.pop(0)
+            else:
+                parts[0] = parts[0][sent:]
+                sent = 0
+        if parts:
+            if is_failed():   # type: ignore[operator]
+                raise ConnectionAbortedError("the group failed while sending")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError("the peer stopped receiving")
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from the socket (blocking); PeerClosed on EOF."""
+    got = 0
+    total = len(view)
+    while got < total:
+        n = sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)
+        if n == 0:
+            raise PeerClosed("connection closed by the peer")
+        got += n
+
+
+def recv_bytes(sock: socket.socket, length: int) -> bytes:
+    buf = bytearray(length)
+    if length:
+        recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def discard(sock: socket.socket, length: int) -> None:
+    """Read and drop `length` bytes (the payload of a frame nobody can use)."""
+    sink = memoryview(bytearray(min(length, 1 << 20)))
+    while length:
+        step = min(length, len(sink))
+        recv_into(sock, sink[:step])
+        length -= step
+
+
+# -- handshake ---------------------------------------------------------------------------------------------
+
+
+def hello_frame(token: bytes, group_rank: int, group_name: str) -> bytes:
+    name = group_name.encode()
+    return _HELLO.pack(MAGIC, len(token), group_rank, len(name)) + token + name
+
+
+def read_hello(sock: socket.socket, token: bytes, group_name: str) -> tuple[int, bytes] | None:
+    """Read and check a connecting peer's hello; (its group rank, the raw hello) or None for a stranger.
+
+    Nothing the stranger sent is interpreted beyond the fixed-size fields until its token matched.
+    """
+    head = recv_bytes(sock, _HELLO.size)
+    magic, token_len, group_rank, name_len = _HELLO.unpack(head)
+    if magic != MAGIC or token_len > _MAX_TOKEN or name_len > _MAX_NAME:
+        return None
+    their_token = recv_bytes(sock, token_len)
+    if not hmac.compare_digest(their_token, token):
+        return None
+    name = recv_bytes(sock, name_len)
+    if name != group_name.encode():
+        return None
+    return group_rank, head + their_token + name
+
+
+def ack_frame(token: bytes, hello: bytes) -> bytes:
+    return MAGIC + hmac.new(token, hello, hashlib.sha256).digest()
+
+
+def check_ack(ack: bytes, token: bytes, hello: bytes) -> bool:
+    return hmac.compare_digest(ack, ack_frame(token, hello))
