@@ -511,3 +511,65 @@ def test_file_store_bad_arguments(tmp_path: os.PathLike[str]) -> None:
         FileStore(os.path.join(tmp_path, "x"), world_size=0)
     with pytest.raises(StoreError, match="cannot open"):
         FileStore(os.path.join(tmp_path, "no", "such", "dir"))
+
+
+def _fork(child: Callable[[], None]) -> int:
+    """Run `child` in a forked process (exit code 0 if it returned, 1 if it raised); returns the pid."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            child()
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _reap(pid: int, timeout: float = 20.0) -> int:
+    """The exit code of the forked `pid`, killing it if it runs past `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return -signal.SIGKILL
+        time.sleep(0.005)
+
+
+def test_forked_child_gets_its_own_connections(tmp_path: os.PathLike[str]) -> None:
+    master = _master()
+    client = TCPStore("127.0.0.1", master.port, timeout=10)
+    files = FileStore(os.path.join(tmp_path, "store"), world_size=1, timeout=10)
+
+    def child() -> None:
+        try:
+            client.get("x")
+        except StoreError as error:
+            assert "forked" in str(error)
+        else:
+            raise AssertionError("the parent's connection was usable in the child")
+        client.clone().set("from-child", "1")
+        client.close()    # must not cut the parent's connection
+        for _ in range(200):
+            files.add("counter", 1)
+        files.close()     # not a counted user in the child: the file stays
+
+    pid = _fork(child)
+    try:
+        try:
+            for _ in range(200):   # while the child adds to the same file through its own descriptor
+                files.add("counter", 1)
+        finally:
+            code = _reap(pid)
+        assert code == 0
+        assert client.get("from-child") == b"1"
+        assert files.get("counter") == b"400"
+    finally:
+        files.close()
+        client.close()
+        master.close()
+    assert not os.path.exists(os.path.join(tmp_path, "store"))

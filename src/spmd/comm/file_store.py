@@ -54,16 +54,27 @@ class FileStore(Store):
         self.add(_USERS_KEY, 1)
 
     def _open(self, counted: bool) -> None:
+        self._counted = counted
+        self._closed = False
+        self._data: dict[bytes, bytes] = {}
+        self._offset = 0
+        self._open_descriptor()
+
+    def _open_descriptor(self) -> None:
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         except OSError as error:
             raise StoreError(f"FileStore: cannot open {self.path!r}: {error}") from error
-        self._counted = counted
-        self._closed = False
+        self._pid = os.getpid()
         self._lock = threading.Lock()      # flock does not exclude threads sharing one descriptor
-        self._data: dict[bytes, bytes] = {}
-        self._offset = 0
         self._finalizer = weakref.finalize(self, os.close, self._fd)
+
+    def _own_descriptor(self) -> None:
+        """In a forked child, trade the parent's descriptor (whose flock the two would share) for a new one."""
+        if os.getpid() != self._pid and not self._closed:
+            self._finalizer()
+            self._counted = False   # the parent's instance is the counted user
+            self._open_descriptor()
 
     def __repr__(self) -> str:
         return f"FileStore({self.path!r}, world_size={self.world_size})"
@@ -80,6 +91,7 @@ class FileStore(Store):
         """Release the file; the `world_size`-th counted instance to close deletes it."""
         if self._closed:
             return
+        self._own_descriptor()
         try:
             if self._counted:
                 done = self.add(_DONE_KEY, 1)
@@ -94,6 +106,7 @@ class FileStore(Store):
 
     @contextlib.contextmanager
     def _locked(self, exclusive: bool) -> Iterator[None]:
+        self._own_descriptor()
         with self._lock:
             if self._closed:
                 raise StoreError(f"FileStore {self.path!r}: used after close()")
@@ -131,6 +144,7 @@ class FileStore(Store):
 
     def _snapshot(self, keys: list[bytes]) -> list[bytes | None]:
         """The current values of `keys` (None where absent), reading the file only if it grew."""
+        self._own_descriptor()
         with self._lock:
             if self._closed:
                 raise StoreError(f"FileStore {self.path!r}: used after close()")

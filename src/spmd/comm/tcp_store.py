@@ -18,6 +18,7 @@ import errno
 import heapq
 import hmac
 import itertools
+import os
 import selectors
 import socket
 import struct
@@ -29,8 +30,10 @@ from collections.abc import Sequence
 from spmd._core import env
 from spmd._core.deadline import Deadline, as_seconds
 from spmd._core.errors import StoreError
+from spmd._core.log import get_logger
 from spmd.comm.store import Store, Value, missing_keys_error, to_bytes
 
+_log = get_logger(__name__)
 _HEADER = struct.Struct("!IB")
 _LEN = struct.Struct("!I")
 _MAGIC = b"spmd-store/1"
@@ -117,6 +120,7 @@ class _StoreServer:
         self._conns: set[_Conn] = set()
         self._resume: list[_Conn] = []
         self._stopping = False
+        self._pid = os.getpid()
         self._listener = self._bind(port)
         self.port: int = self._listener.getsockname()[1]
         self._wake_r, self._wake_w = socket.socketpair()
@@ -148,6 +152,8 @@ class _StoreServer:
 
     def stop(self) -> None:
         """Close every connection and the listening socket; clients see their connection end."""
+        if os.getpid() != self._pid:
+            return   # a forked child: the server thread lives in the parent only
         self._stopping = True
         try:
             self._wake_w.send(b"x")
@@ -249,6 +255,9 @@ class _StoreServer:
                     self._drop(conn)
                     return
                 self._reply(conn, _ERROR, [f"malformed request: {error}".encode()])
+            except Exception as error:   # a server bug must fail one request, not every client's store
+                _log.exception("TCPStore server on port %d: request %d failed", self.port, op)
+                self._reply(conn, _ERROR, [f"server error: {error!r}".encode()])
             if conn not in self._conns:
                 return
 
@@ -455,6 +464,7 @@ class _Client:
         self._buf = bytearray()
         self._sock_timeout: float | None = -1.0
         self._closed = False
+        self._pid = os.getpid()
         self._sock: socket.socket | None = self._connect(host, port, b"" if token is None else token.encode(),
                                                          timeout)
 
@@ -515,6 +525,9 @@ class _Client:
 
     def call(self, op: int, fields: Sequence[bytes], reply_within: float | None, what: str) -> tuple[int, list[bytes]]:
         """Send one request and return (status, fields); StoreError if the connection fails or stays silent."""
+        if os.getpid() != self._pid:
+            raise StoreError(f"TCPStore {self.address}: this process was forked from the one that made the store and "
+                             f"shares its connection; create a new TCPStore (or clone()) in the child")
         frame = _frame(op, fields)
         with self._lock:
             sock = self._sock
@@ -548,6 +561,11 @@ class _Client:
     def close(self) -> None:
         """Close the connection; a call blocked in another thread fails at once."""
         self._closed = True
+        if os.getpid() != self._pid:   # a forked child: drop its copy of the parent's socket, leave the parent's be
+            sock, self._sock = self._sock, None
+            if sock is not None:
+                sock.close()
+            return
         sock = self._sock
         if sock is not None:
             try:
