@@ -1,0 +1,348 @@
+"""Point-to-point messages of the shm transport: one byte ring per ordered pair of ranks, one progress thread.
+
+Layer: comm. isend/irecv only queue work; a progress thread (started at the first P2P call of the group)
+streams queued sends into the ring to each peer and drains the rings from each peer, so large messages
+move in ring-sized pieces and both ranks of a pair may isend (or even send) before they receive.
+
+Note: ring framing
+A ring is RING bytes of data plus two 8-byte positions, the total bytes ever written (by the sender) and
+ever consumed (by the receiver), each on its own cache line. A message is a 64-byte header (tag, payload
+bytes, element count, dtype code) followed by the payload padded to 64 bytes, so positions stay multiples
+of 64 and a header never wraps. The sender publishes a piece by advancing its write position after the
+copy; the receiver frees space by advancing the read position after its copy.
+
+Note: matching
+Messages from one peer arrive in the order sent. At a message's header the engine takes the oldest irecv
+posted for that (peer, tag) and copies the payload straight into it; with none posted it receives into a
+private buffer, queued as unexpected. irecv takes the oldest unexpected message of its (peer, tag) first,
+so messages of one (peer, tag) are always received in order whatever the interleaving with other tags.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+
+import torch
+from torch import Tensor
+
+from spmd._core.errors import CommError, GroupAbortedError, PeerLostError
+from spmd.comm.shm_segment import CACHELINE, Segment
+from spmd.comm.transport import TransportSpec
+from spmd.comm.work import Work
+
+HEADER = 64
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
+           torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
+
+
+def _as_bytes(tensor: Tensor) -> Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _pad(nbytes: int) -> int:
+    return (nbytes + CACHELINE - 1) // CACHELINE * CACHELINE
+
+
+@dataclasses.dataclass(eq=False)
+class _Send:
+    data: Tensor          # the tensor's bytes
+    tag: int
+    numel: int
+    dtype_code: int
+    work: Work
+    sent: int = -1        # payload bytes written so far; -1 until the header is written
+
+
+@dataclasses.dataclass(eq=False)
+class _Recv:
+    tensor: Tensor
+    work: Work
+
+
+@dataclasses.dataclass(eq=False)
+class _Message:
+    """A message being received or received: its header and where its payload goes."""
+
+    src: int
+    tag: int
+    nbytes: int
+    numel: int
+    dtype_code: int
+    target: Tensor | None       # the receiving tensor's bytes, a private buffer, or None to discard
+    recv: _Recv | None = None   # the irecv it completes; None while unexpected
+    received: int = 0
+
+
+class P2PEngine:
+    """Queues and the progress thread of one transport's point-to-point traffic."""
+
+    def __init__(self, segment: Segment | None, rank: int, size: int, spec: TransportSpec) -> None:
+        self._segment = segment
+        self._rank = rank
+        self._size = size
+        self._spec = spec
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._sends: dict[int, collections.deque[_Send]] = collections.defaultdict(collections.deque)
+        self._posted: dict[tuple[int, int], collections.deque[_Recv]] = collections.defaultdict(collections.deque)
+        self._unexpected: dict[tuple[int, int], collections.deque[_Message]] = collections.defaultdict(
+            collections.deque)
+        self._incoming: dict[int, _Message] = {}
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._kicked = False      # work was posted since the progress thread last looked
+
+    # -- posting (caller threads) ---------------------------------------------------------------------------
+
+    def isend(self, tensor: Tensor, dst: int, tag: int, work: Work) -> None:
+        code = _dtype_code(tensor.dtype)
+        with self._lock:
+            self._raise_if_failed(f"send to group rank {dst}")
+            if dst != self._rank:
+                self._sends[dst].append(_Send(_as_bytes(tensor), tag, tensor.numel(), code, work))
+                self._start_locked()
+                return
+            message = _Message(dst, tag, tensor.numel() * tensor.element_size(), tensor.numel(), code, None)
+            waiting = self._posted.get((dst, tag))
+            message.recv = waiting.popleft() if waiting else None
+            if message.recv is None:
+                message.target = _as_bytes(tensor).clone()
+                self._unexpected[(dst, tag)].append(message)
+        if message.recv is not None:
+            self._deliver(message, _as_bytes(tensor))
+        work.to_completed()
+
+    def irecv(self, tensor: Tensor, src: int, tag: int, work: Work) -> None:
+        with self._lock:
+            self._raise_if_failed(f"recv from group rank {src}")
+            queue = self._unexpected.get((src, tag))
+            message = queue.popleft() if queue else None
+            if message is None:
+                self._posted[(src, tag)].append(_Recv(tensor, work))
+                if src != self._rank:
+                    self._start_locked()
+                return
+        message.recv = _Recv(tensor, work)
+        assert message.target is not None
+        self._deliver(message, message.target)
+
+    def _raise_if_failed(self, what: str) -> None:
+        if self._error is not None:
+            raise GroupAbortedError(f"{what}: the group was aborted ({self._error})")
+        if self._closed:
+            raise GroupAbortedError(f"{what}: the group was destroyed")
+
+    def _start_locked(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._progress, daemon=True,
+                                            name=f"spmd-shm-p2p-{self._spec.group_name}-rank{self._spec.global_rank}")
+            self._thread.start()
+        self._kicked = True
+        self._wake.notify()
+
+    def _deliver(self, message: _Message, payload: Tensor | None) -> None:
+        """Complete `message.recv` with the payload, or fail it when sizes or dtypes differ."""
+        recv = message.recv
+        assert recv is not None
+        if not self._fits(message, recv):
+            recv.work.to_failed(self._size_error(message, recv))
+            return
+        if payload is not None and payload.data_ptr() != _as_bytes(recv.tensor).data_ptr():
+            _as_bytes(recv.tensor).copy_(payload)
+        recv.work.to_completed()
+
+    @staticmethod
+    def _fits(message: _Message, recv: _Recv) -> bool:
+        return message.numel == recv.tensor.numel() and message.dtype_code == _dtype_code(recv.tensor.dtype)
+
+    def _size_error(self, message: _Message, recv: _Recv) -> CommError:
+        sent = _DTYPES[message.dtype_code] if 0 <= message.dtype_code < len(_DTYPES) else "unknown dtype"
+        return CommError(f"recv from rank {self._spec.global_ranks[message.src]} (tag {message.tag}) on rank "
+                         f"{self._spec.global_rank}: the message holds {message.numel} {sent} elements but the "
+                         f"receive buffer holds {recv.tensor.numel()} {recv.tensor.dtype}")
+
+    # -- progress thread ------------------------------------------------------------------------------------
+
+    def _progress(self) -> None:
+        sleep_s = 0.0
+        next_liveness = time.monotonic() + 0.1
+        while True:
+            with self._lock:
+                if self._closed or self._error is not None:
+                    return
+                self._kicked = False
+                busy = bool(self._incoming) or any(self._sends.values()) or any(self._posted.values())
+            progressed = False
+            try:
+                for dst in range(self._size):
+                    if self._sends.get(dst):
+                        progressed |= self._push(dst)
+                for src in range(self._size):
+                    if src != self._rank:
+                        progressed |= self._pull(src)
+            except BaseException as error:   # a failed copy fails every pending operation, never the thread
+                self.fail(error)
+                return
+            if progressed:
+                sleep_s = 0.0
+                continue
+            now = time.monotonic()
+            if busy and now >= next_liveness:
+                next_liveness = now + 0.1
+                self._check_peers()
+            if sleep_s == 0.0:
+                time.sleep(0)
+            else:
+                with self._lock:
+                    if not self._kicked:
+                        self._wake.wait(timeout=sleep_s)
+            # Idle, the thread still polls the rings (every 10 ms at most) so that messages sent before
+            # their irecv is posted are drained and a peer's blocking send can finish.
+            sleep_s = min(2e-3 if busy else 10e-3, sleep_s + 5e-5)
+
+    def _check_peers(self) -> None:
+        segment = self._segment
+        assert segment is not None
+        error = segment.abort_error(f"point-to-point on rank {self._spec.global_rank}")
+        if error is None:
+            dead = segment.dead_peer(range(self._size))
+            if dead is not None:
+                error = PeerLostError(f"point-to-point on rank {self._spec.global_rank}: "
+                                      f"{segment.peer_lost_message(dead)}")
+        if error is not None:
+            self.fail(error)
+
+    def _ring(self, src: int, dst: int) -> tuple[int, int, int]:
+        """Indices of the write and read position words, and the byte offset of the data, of ring src->dst."""
+        assert self._segment is not None
+        base = self._segment.layout.ring(src, dst)
+        return base >> 3, (base + CACHELINE) >> 3, base + 2 * CACHELINE
+
+    def _push(self, dst: int) -> bool:
+        """Write as much of the oldest send to `dst` as the ring has room for."""
+        segment = self._segment
+        assert segment is not None
+        send = self._sends[dst][0]
+        words, capacity = segment.words, segment.layout.ring_bytes
+        w_index, r_index, data = self._ring(self._rank, dst)
+        written, free = words[w_index], capacity - (words[w_index] - words[r_index])
+        progressed = False
+        if send.sent < 0:
+            if free < HEADER:
+                return False
+            at = data + written % capacity
+            segment.write_word(at, send.tag)
+            segment.write_word(at + 8, send.data.numel())
+            segment.write_word(at + 16, send.numel)
+            segment.write_word(at + 24, send.dtype_code)
+            send.sent = 0
+            written += HEADER
+            free -= HEADER
+            words[w_index] = written
+            progressed = True
+        remaining = send.data.numel() - send.sent
+        index = written % capacity
+        piece = min(remaining, free, capacity - index)
+        if piece < remaining:
+            piece = piece // CACHELINE * CACHELINE
+        if piece > 0:
+            segment.bytes[data + index:data + index + piece].copy_(send.data[send.sent:send.sent + piece])
+            send.sent += piece
+            words[w_index] = written + _pad(piece)
+            progressed = True
+        if send.sent < send.data.numel():
+            return progressed
+        with self._lock:
+            self._sends[dst].popleft()
+        send.work.to_completed()
+        return True
+
+    def _pull(self, src: int) -> bool:
+        """Receive the next header or payload piece from `src`, if the ring holds one."""
+        segment = self._segment
+        assert segment is not None
+        words, capacity = segment.words, segment.layout.ring_bytes
+        w_index, r_index, data = self._ring(src, self._rank)
+        consumed, available = words[r_index], words[w_index] - words[r_index]
+        if available <= 0:
+            return False
+        message = self._incoming.get(src)
+        if message is None:
+            at = data + consumed % capacity
+            tag, nbytes, numel, code = (segment.word(at + offset) for offset in (0, 8, 16, 24))
+            words[r_index] = consumed + HEADER
+            message = self._incoming[src] = self._match(src, tag, nbytes, numel, code)
+            if nbytes > 0:
+                return True
+        else:
+            index = consumed % capacity
+            piece = min(_pad(message.nbytes - message.received), available, capacity - index)
+            useful = min(piece, message.nbytes - message.received)
+            if message.target is not None:
+                message.target[message.received:message.received + useful].copy_(
+                    segment.bytes[data + index:data + index + useful])
+            message.received += useful
+            words[r_index] = consumed + piece
+            if message.received < message.nbytes:
+                return True
+        del self._incoming[src]
+        self._complete(message)
+        return True
+
+    def _match(self, src: int, tag: int, nbytes: int, numel: int, code: int) -> _Message:
+        """Pick the destination of a message whose header just arrived (see Note: matching)."""
+        with self._lock:
+            waiting = self._posted.get((src, tag))
+            recv = waiting.popleft() if waiting else None
+        message = _Message(src, tag, nbytes, numel, code, None, recv)
+        if recv is None:
+            message.target = torch.empty(nbytes, dtype=torch.uint8)
+        elif self._fits(message, recv):
+            message.target = _as_bytes(recv.tensor)
+        return message
+
+    def _complete(self, message: _Message) -> None:
+        if message.recv is not None:
+            self._deliver(message, message.target)
+            return
+        with self._lock:
+            waiting = self._posted.get((message.src, message.tag))
+            message.recv = waiting.popleft() if waiting else None
+            if message.recv is None:
+                self._unexpected[(message.src, message.tag)].append(message)
+        if message.recv is not None:
+            self._deliver(message, message.target)
+
+    # -- lifetime -------------------------------------------------------------------------------------------
+
+    def fail(self, error: BaseException) -> None:
+        """Fail every pending operation with `error`; later posts raise GroupAbortedError."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            works = [send.work for queue in self._sends.values() for send in queue]
+            works += [recv.work for queue in self._posted.values() for recv in queue]
+            works += [message.recv.work for message in self._incoming.values() if message.recv is not None]
+            self._sends.clear()
+            self._posted.clear()
+            self._wake.notify_all()
+        for work in works:
+            work.to_failed(error)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+        self.fail(GroupAbortedError(f"rank {self._spec.global_rank}: the group was destroyed with point-to-point "
+                                    f"operations still pending"))

@@ -1,0 +1,367 @@
+"""Shared-memory segments of the shm transport: layout, lifecycle, control words, liveness and waits.
+
+Layer: comm. One segment per group (and host). It is a file in /dev/shm that group rank 0 creates and
+every rank maps; once all ranks have mapped it, every rank unlinks the name, so the memory lives exactly as
+long as some rank still maps it: a group destroyed, a process exiting normally and a process killed with
+SIGKILL all leave nothing behind in /dev/shm. Only the short set-up window (create -> all attached) holds
+a name; a process that exits normally in that window unlinks it (atexit), and `remove_orphan_segments`
+(for launchers and tests) removes names whose creating process died.
+
+Note: segment layout
+All offsets are multiples of 64 (a cache line), so words written by different ranks never share one.
+
+    header       HEADER_BYTES: magic, layout (group size, slot bytes, ring bytes), the abort word, the
+                 abort kind, the length of the abort message, and the message itself
+    control      one CTRL block per rank: its phase counter, pid, start time, attached flag, and per phase
+                 parity its fingerprint digest, its encoded fingerprint and its all_to_all split sizes
+    slots        2 staging slots of SLOT bytes per rank (rank r writes only its own), then 2 shared
+                 result slots (each rank writes only its own slice of them)
+    rings        one P2P ring per ordered pair of ranks: a write position (sender's cache line), a read
+                 position (receiver's cache line) and RING bytes of data
+
+The total is fixed by the group size, never by the tensors: HEADER + n*CTRL + (2n+2)*SLOT + n*n*(128+RING)
+(SLOT = 1 MiB and RING = 1 MiB by default; RING shrinks for large groups). tmpfs allocates a page only
+when it is first touched, so rings of pairs that never exchange messages cost nothing.
+
+Note: phases
+Each rank has one phase counter, only ever incremented by itself. A sync adds one to it and waits until
+every peer's counter is at least as large. Since every rank runs the same sequence of syncs, the time
+between two syncs is a phase everybody is in together. Rule of every algorithm here: in phase p a rank
+writes only buffers of parity p % 2 (its own staging slot, its own slice of the result slot, its own
+fingerprint) and reads only buffers of parity (p - 1) % 2 written by the others in phase p - 1. A buffer
+of parity x is therefore read one phase after it was written and overwritten one phase after that, with
+a sync in between, so no further handshake is needed and a collective costs one sync per chunk.
+Ordering relies on x86-64's total store order (data stores become visible before the counter store).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import mmap
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from spmd._core.deadline import Deadline
+from spmd._core.errors import CommTimeoutError, GroupAbortedError, PeerLostError
+
+SHM_DIR = "/dev/shm"
+NAME_PREFIX = "spmd-"         # spmd-<creator pid>-<random>: remove_orphan_segments finds a dead creator's names
+SLOT_BYTES = 1 << 20          # one staging slot; a chunk of a large collective is at most this per rank
+RING_BYTES = 1 << 20          # P2P ring per ordered pair of ranks (shrunk for large groups, see ring_bytes_for)
+HEADER_BYTES = 4096
+FP_BYTES = 2048               # per parity: 16-byte digest of Fingerprint.key() + length + encoded fingerprint
+CACHELINE = 64
+MAGIC = 0x73706D6473686D31    # "spmdshm1"
+
+# header words (byte offsets)
+_H_MAGIC, _H_SIZE, _H_SLOT, _H_RING, _H_ABORT, _H_ABORT_KIND, _H_ABORT_LEN = 0, 8, 16, 24, 64, 72, 80
+_H_ABORT_MSG, _ABORT_MSG_BYTES = 128, HEADER_BYTES - 128
+# control block words (byte offsets inside a rank's block)
+_C_PHASE, _C_PID, _C_START, _C_ATTACHED, _C_FP = 0, 64, 72, 80, 128
+
+ABORT_OTHER, ABORT_PEER_LOST = 1, 2
+
+DescribeFn = Callable[[], str]   # builds the "op #seq on group, rank r" prefix of an error, only when needed
+
+_linked: set[str] = set()     # names this process created and has not unlinked yet (the set-up window)
+_linked_lock = threading.Lock()
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def ring_bytes_for(group_size: int) -> int:
+    """P2P ring size: RING_BYTES, shrunk so that all n*(n-1) rings together stay under 64 MiB."""
+    pairs = max(1, group_size * (group_size - 1))
+    return max(64 << 10, min(RING_BYTES, _round_up((64 << 20) // pairs, 4096) if pairs > 64 else RING_BYTES))
+
+
+class Layout:
+    """Byte offsets of every region of a segment (see Note: segment layout)."""
+
+    def __init__(self, group_size: int, slot_bytes: int, ring_bytes: int) -> None:
+        self.group_size = group_size
+        self.slot_bytes = slot_bytes
+        self.ring_bytes = ring_bytes
+        self.splits_offset = _C_FP + 2 * FP_BYTES                         # per parity: 2n int64 split sizes
+        self.ctrl_bytes = _round_up(self.splits_offset + 2 * 2 * group_size * 8, 4096)
+        self.ctrl_offset = HEADER_BYTES
+        self.slots_offset = self.ctrl_offset + group_size * self.ctrl_bytes
+        self.result_offset = self.slots_offset + 2 * group_size * slot_bytes
+        self.rings_offset = self.result_offset + 2 * slot_bytes
+        self.ring_stride = 2 * CACHELINE + ring_bytes
+        self.total = self.rings_offset + group_size * group_size * self.ring_stride
+
+    def ctrl(self, rank: int) -> int:
+        return self.ctrl_offset + rank * self.ctrl_bytes
+
+    def slot(self, rank: int, parity: int) -> int:
+        return self.slots_offset + (2 * rank + parity) * self.slot_bytes
+
+    def result(self, parity: int) -> int:
+        return self.result_offset + parity * self.slot_bytes
+
+    def ring(self, src: int, dst: int) -> int:
+        """Offset of the ring src -> dst: write position, then read position one cache line later, then data."""
+        return self.rings_offset + (src * self.group_size + dst) * self.ring_stride
+
+
+def _process_start_time(pid: int) -> int | None:
+    """The start time of `pid` (clock ticks since boot), or None if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def remove_orphan_segments(directory: str = SHM_DIR) -> list[str]:
+    """Unlink spmd segments whose creating process is dead; returns their names.
+
+    A segment's name is unlinked by its group as soon as every rank has mapped it, so names only outlive a
+    job that was killed during group set-up. Launchers call this after their workers exit.
+    """
+    removed = []
+    for name in os.listdir(directory):
+        if not name.startswith(NAME_PREFIX):
+            continue
+        try:
+            pid = int(name.split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and _process_start_time(pid) is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+    return removed
+
+
+def _unlink(name: str) -> None:
+    with _linked_lock:
+        _linked.discard(name)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(SHM_DIR, name))
+
+
+@atexit.register
+def _unlink_at_exit() -> None:
+    with _linked_lock:
+        names = list(_linked)
+    for name in names:
+        _unlink(name)
+
+
+class Segment:
+    """One mapped segment: a uint8 tensor over all of it, int64 control words, and waits on peers."""
+
+    def __init__(self, name: str, fd: int, layout: Layout, rank: int, created: bool) -> None:
+        self.name = name
+        self.layout = layout
+        self.rank = rank
+        self.size = layout.group_size
+        self.created = created
+        self._mmap = mmap.mmap(fd, layout.total)
+        os.close(fd)
+        self.bytes: Tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.words = memoryview(self._mmap).cast("q")
+        self.pids = [0] * self.size
+        self.start_times = [0] * self.size
+        self.global_ranks = list(range(self.size))   # for messages; the transport sets the real ones
+        self.same_process = True           # every peer is a thread of this process (run_ranks over shm)
+        self.spin = 2000                   # busy polls before a wait starts yielding the CPU
+
+    # -- creation -------------------------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, group_size: int, slot_bytes: int = 0, ring_bytes: int = 0) -> Segment:
+        """Create and map a new segment (group rank 0). Its name stays linked until `unlink_name`."""
+        layout = Layout(group_size, slot_bytes or SLOT_BYTES, ring_bytes or ring_bytes_for(group_size))
+        name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        with _linked_lock:
+            _linked.add(name)
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, layout.total)
+            except OSError:
+                os.close(fd)
+                raise
+            segment = cls(name, fd, layout, 0, created=True)
+        except BaseException:
+            _unlink(name)
+            raise
+        segment.write_word(_H_SIZE, group_size)
+        segment.write_word(_H_SLOT, layout.slot_bytes)
+        segment.write_word(_H_RING, layout.ring_bytes)
+        segment.write_word(_H_MAGIC, MAGIC)
+        return segment
+
+    @classmethod
+    def attach(cls, name: str, rank: int, group_size: int) -> Segment:
+        """Map the segment group rank 0 created (every other rank)."""
+        if not name.startswith(NAME_PREFIX) or "/" in name:
+            raise ValueError(f"shm transport: refusing segment name {name!r}")
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        with open(fd, "rb", closefd=False) as f:
+            header = f.read(32)
+        magic, size, slot_bytes, ring_bytes = (int.from_bytes(header[i:i + 8], "little") for i in range(0, 32, 8))
+        if magic != MAGIC or size != group_size:
+            os.close(fd)
+            raise RuntimeError(f"shm transport: segment {name} is not a segment of this {group_size}-rank group")
+        return cls(name, fd, Layout(size, slot_bytes, ring_bytes), rank, created=False)
+
+    def announce(self) -> None:
+        """Publish this rank's pid and start time, then mark it attached."""
+        pid = os.getpid()
+        base = self.layout.ctrl(self.rank)
+        self.write_word(base + _C_PID, pid)
+        self.write_word(base + _C_START, _process_start_time(pid) or 0)
+        self.write_word(base + _C_ATTACHED, 1)
+
+    def await_attached(self, deadline: Deadline, what: str) -> None:
+        """Wait until every rank has announced itself, then learn their pids (during group set-up)."""
+        for peer in range(self.size):
+            base = self.layout.ctrl(peer)
+            while self.word(base + _C_ATTACHED) != 1:
+                if deadline.expired():
+                    raise CommTimeoutError(f"{what}: group rank {peer} did not map the shared segment within "
+                                           f"{deadline.timeout:.1f}s")
+                time.sleep(0.001)
+            self.pids[peer] = self.word(base + _C_PID)
+            self.start_times[peer] = self.word(base + _C_START)
+        self.same_process = all(pid == os.getpid() for pid in self.pids)
+        if self.same_process:
+            self.spin = 20     # peers need this thread's GIL to make progress: yield it almost at once
+
+    def unlink_name(self) -> None:
+        """Remove the segment's name (idempotent); the mapping stays valid until every rank closes it."""
+        _unlink(self.name)
+
+    def close(self) -> None:
+        """Unmap (once nothing else views the memory; otherwise garbage collection unmaps it later)."""
+        self.unlink_name()
+        self.words.release()
+        del self.bytes
+        with contextlib.suppress(BufferError):
+            self._mmap.close()
+
+    # -- words ----------------------------------------------------------------------------------------------
+
+    def word(self, offset: int) -> int:
+        return self.words[offset >> 3]
+
+    def write_word(self, offset: int, value: int) -> None:
+        self.words[offset >> 3] = value
+
+    def write_bytes(self, offset: int, data: bytes) -> None:
+        self._mmap[offset:offset + len(data)] = data
+
+    def read_bytes(self, offset: int, length: int) -> bytes:
+        return self._mmap[offset:offset + length]
+
+    def phase_index(self, rank: int) -> int:
+        """Index into `words` of `rank`'s phase counter."""
+        return (self.layout.ctrl(rank) + _C_PHASE) >> 3
+
+    def fp_offset(self, rank: int, parity: int) -> int:
+        return self.layout.ctrl(rank) + _C_FP + parity * FP_BYTES
+
+    def splits_offset(self, rank: int, parity: int) -> int:
+        return self.layout.ctrl(rank) + self.layout.splits_offset + parity * 2 * self.size * 8
+
+    # -- abort ----------------------------------------------------------------------------------------------
+
+    def set_abort(self, kind: int, message: str) -> None:
+        """Record the first failure for every rank's waits to see (later aborts keep the first message)."""
+        if self.word(_H_ABORT):
+            return
+        data = message.encode(errors="replace")[:_ABORT_MSG_BYTES]
+        self.write_bytes(_H_ABORT_MSG, data)
+        self.write_word(_H_ABORT_LEN, len(data))
+        self.write_word(_H_ABORT_KIND, kind)
+        self.write_word(_H_ABORT, self.rank + 1)
+
+    def abort_error(self, what: str) -> Exception | None:
+        """The error a wait raises once some rank aborted the group; None while nobody has."""
+        aborter = self.word(_H_ABORT)
+        if not aborter:
+            return None
+        message = self.read_bytes(_H_ABORT_MSG, self.word(_H_ABORT_LEN)).decode(errors="replace")
+        if self.word(_H_ABORT_KIND) == ABORT_PEER_LOST:
+            return PeerLostError(f"{what}: {message}")
+        return GroupAbortedError(f"{what}: group rank {aborter - 1} aborted the group: {message}")
+
+    def dead_peer(self, peers: list[int] | range) -> int | None:
+        """The first rank in `peers` whose process has exited (checked through /proc), or None."""
+        for peer in peers:
+            pid = self.pids[peer]
+            if pid and pid != os.getpid() and _process_start_time(pid) != self.start_times[peer]:
+                return peer
+        return None
+
+    # -- waits ----------------------------------------------------------------------------------------------
+
+    def wait_phase(self, target: int, deadline: Deadline, describe: DescribeFn) -> None:
+        """Wait until every peer's phase counter reaches `target` (see Note: phases)."""
+        words = self.words
+        for peer in range(self.size):
+            index = self.phase_index(peer)
+            if words[index] < target:
+                self.wait_word(index, target, peer, deadline, describe)
+
+    def wait_word(self, index: int, target: int, peer: int, deadline: Deadline, describe: DescribeFn) -> None:
+        """Wait until words[index] >= target: spin, then yield the CPU, then sleep with a growing backoff.
+
+        Every slow iteration checks the abort word and the deadline; every 50 ms it checks that the peer
+        processes are alive, so a dead peer is reported within a fraction of a second.
+        """
+        words = self.words
+        for _ in range(self.spin):
+            if words[index] >= target:
+                return
+        started = time.monotonic()
+        next_liveness = started + 0.05
+        sleep_s = 0.0
+        while words[index] < target:
+            error = self.abort_error(describe())
+            if error is not None:
+                raise error
+            now = time.monotonic()
+            if now >= deadline.at:
+                raise CommTimeoutError(f"{describe()}: timed out after {deadline.timeout:.1f}s waiting for "
+                                       f"group rank {peer}")
+            if now >= next_liveness:
+                next_liveness = now + 0.05
+                dead = self.dead_peer(range(self.size))
+                if dead is not None:
+                    raise PeerLostError(f"{describe()}: {self.peer_lost_message(dead)}")
+            if self.same_process:
+                time.sleep(sleep_s)
+                sleep_s = min(5e-4, sleep_s + 2e-5)
+            elif now - started < 0.002:
+                os.sched_yield()
+            else:
+                time.sleep(sleep_s)
+                sleep_s = min(1e-3, sleep_s + 5e-5)
+
+    def peer_lost_message(self, peer: int) -> str:
+        return (f"rank {self.global_ranks[peer]} (group rank {peer}, pid {self.pids[peer]}) died; the group "
+                f"can't continue")
+
+
+def fingerprint_digest(key: tuple) -> bytes:
+    """A 16-byte digest of Fingerprint.key(), equal across processes (Python's hash() is salted)."""
+    return hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
