@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from spmd._core.errors import StoreError, StoreTimeoutError
+from spmd.comm import tcp_store
 from spmd.comm.file_store import FileStore
 from spmd.comm.store import HashStore, PrefixStore, Store
 from spmd.comm.tcp_store import TCPStore
@@ -370,6 +371,19 @@ def test_tcp_server_drops_strangers_before_reading_their_requests() -> None:
         master.close()
 
 
+def test_tcp_server_drops_silent_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tcp_store, "_HELLO_TIMEOUT_S", 0.2)
+    master = _master()
+    try:
+        with _raw_connect(master.port) as silent:
+            start = time.monotonic()
+            assert silent.recv(100) == b""   # dropped without ever having said HELLO
+            assert 0.1 < time.monotonic() - start < 5
+        assert master.add("served", 1) == 1   # its own connection said HELLO at once and stays
+    finally:
+        master.close()
+
+
 def test_tcp_client_blocked_in_get_fails_when_master_closes() -> None:
     master = _master(timeout=60)
     client = TCPStore("127.0.0.1", master.port, timeout=60)
@@ -405,7 +419,16 @@ def test_tcp_close_interrupts_own_blocked_call_and_clone_close_keeps_server() ->
         master.close()
 
 
-_MASTER_SCRIPT = textwrap.dedent("""
+# Child processes import the store modules without running spmd/__init__, which imports torch (about 3 s per
+# process on this machine); the stores themselves need only the standard library.
+_LIGHT_IMPORT = textwrap.dedent("""
+    import importlib.util, sys, types
+    _spmd = types.ModuleType("spmd")
+    _spmd.__path__ = list(importlib.util.find_spec("spmd").submodule_search_locations)
+    sys.modules["spmd"] = _spmd
+""")
+
+_MASTER_SCRIPT = _LIGHT_IMPORT + textwrap.dedent("""
     import os, signal, sys, time
     from spmd.comm.tcp_store import TCPStore
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=60)
@@ -415,12 +438,14 @@ _MASTER_SCRIPT = textwrap.dedent("""
     os.kill(os.getpid(), signal.SIGKILL)
 """)
 
-_WORKER_SCRIPT = textwrap.dedent("""
+_WORKER_SCRIPT = _LIGHT_IMPORT + textwrap.dedent("""
     import sys
     from spmd.comm.file_store import FileStore
     from spmd.comm.tcp_store import TCPStore
-    port, path, count = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    port, path, count, name = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
     tcp, file = TCPStore("127.0.0.1", port, timeout=60), FileStore(path, timeout=60)
+    tcp.set("ready/" + name, "1")
+    tcp.get("go")   # every worker starts adding at once, so their adds interleave
     for _ in range(count):
         tcp.add("counter", 1)
         file.add("counter", 1)
@@ -447,13 +472,15 @@ def test_processes_adding_to_tcp_and_file_stores_lose_nothing(tmp_path: os.PathL
     master = _master(timeout=60)
     path = os.path.join(tmp_path, "store")
     checker = FileStore(path, timeout=60)
-    procs = [_python(_WORKER_SCRIPT, str(master.port), path, "150") for _ in range(3)]
+    procs = [_python(_WORKER_SCRIPT, str(master.port), path, "300", str(i)) for i in range(4)]
     try:
+        master.wait([f"ready/{i}" for i in range(4)])
+        master.set("go", "1")
         for proc in procs:
             _, err = proc.communicate(timeout=60)
             assert proc.returncode == 0, err
-        assert master.get("counter") == b"450"
-        assert checker.get("counter") == b"450"
+        assert master.get("counter") == b"1200"
+        assert checker.get("counter") == b"1200"
     finally:
         _stop(procs)
         checker.close()

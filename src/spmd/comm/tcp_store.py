@@ -13,6 +13,7 @@ the connection before reading anything else; before that HELLO it accepts no fra
 
 from __future__ import annotations
 
+import collections
 import datetime
 import errno
 import heapq
@@ -38,6 +39,7 @@ _HEADER = struct.Struct("!IB")
 _LEN = struct.Struct("!I")
 _MAGIC = b"spmd-store/1"
 _MAX_HELLO = 4096
+_HELLO_TIMEOUT_S = 30.0   # a connection that has not said HELLO by then is dropped (a stranger holding a socket)
 _RECV_CHUNK = 1 << 18
 _REPLY_GRACE_S = 10.0     # how much longer than a blocking call's own timeout a client waits for its reply
 _JOIN_KEY = "spmd_store/joined"   # counts the clients that joined, for wait_for_workers (torch keeps one too)
@@ -119,6 +121,7 @@ class _StoreServer:
         self._seq = itertools.count()
         self._conns: set[_Conn] = set()
         self._resume: list[_Conn] = []
+        self._unauthed: collections.deque[tuple[float, _Conn]] = collections.deque()
         self._stopping = False
         self._pid = os.getpid()
         self._listener = self._bind(port)
@@ -194,9 +197,12 @@ class _StoreServer:
     def _next_deadline_in(self) -> float | None:
         while self._deadlines and self._deadlines[0][2].done:
             heapq.heappop(self._deadlines)
-        if not self._deadlines:
-            return None
-        return max(0.0, self._deadlines[0][0] - time.monotonic())
+        while self._unauthed and (self._unauthed[0][1].authed or self._unauthed[0][1] not in self._conns):
+            self._unauthed.popleft()
+        times = [self._deadlines[0][0]] if self._deadlines else []
+        if self._unauthed:
+            times.append(self._unauthed[0][0])
+        return max(0.0, min(times) - time.monotonic()) if times else None
 
     def _drain_wake(self) -> None:
         try:
@@ -217,6 +223,7 @@ class _StoreServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock)
             self._conns.add(conn)
+            self._unauthed.append((time.monotonic() + _HELLO_TIMEOUT_S, conn))
             self._selector.register(sock, selectors.EVENT_READ, conn)
 
     def _read(self, conn: _Conn) -> None:
@@ -359,6 +366,10 @@ class _StoreServer:
 
     def _expire(self) -> None:
         now = time.monotonic()
+        while self._unauthed and self._unauthed[0][0] <= now:
+            _, conn = self._unauthed.popleft()
+            if not conn.authed:
+                self._drop(conn)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, waiter = heapq.heappop(self._deadlines)
             if not waiter.done:
