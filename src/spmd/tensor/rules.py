@@ -13,7 +13,7 @@ may be slow-ish; it must be a pure function of its schema (it may read `schema.m
 
 Writing a rule
 ==============
-Three ways to register, from simplest to most general. Import from `spmd.tensor.rules`:
+Four ways to register, from simplest to most general. Import from `spmd.tensor.rules`:
 
 1. `@register_strategy(*ops)` with `fn(schema) -> list[Strategy]`: list the placements that work on ONE mesh
    dim. Each `Strategy(inputs, output)` gives the placement every DTensor input needs on that mesh dim
@@ -50,11 +50,14 @@ Three ways to register, from simplest to most general. Import from `spmd.tensor.
    `pick_per_mesh_dim(schema, strategies)` (what register_strategy calls), `transition_cost`,
    `redistribute_cost`, `replicated(mesh)`, and on a spec: `local_shape()`, `shard_mesh_dims(dim)`.
 
-3. `@register_handler(*ops)` with `fn(op, args, kwargs) -> result`: full control, no caching; `args` hold
+3. `register_family(predicate, rule)`: one rule for every op matching `predicate(op)` that has no rule of its
+   own (ops/pointwise.py uses it for every op tagged torch.Tag.pointwise).
+
+4. `@register_handler(*ops)` with `fn(op, args, kwargs) -> result`: full control, no caching; `args` hold
    the DTensors themselves. For ops that aren't a placement decision (random ops, `.item()`), or that are
    easiest written as other DTensor ops (call torch functions on the DTensor args: they dispatch again).
 
-Contract for rules (all three kinds):
+Contract for rules (all kinds):
 - Input placements: one entry per DTensor input (`schema.input_specs` order: positional args, then keyword
   args, entering lists in order), a placements tuple (one Placement per mesh dim) or None to keep it.
 - In-place ops (a mutated input, e.g. `add_`, `_foreach_mul_`): mutated inputs can't change placements; keep
@@ -153,6 +156,8 @@ Handler = Callable[[OpOverload, tuple[Any, ...], dict[str, Any]], Any]
 
 RULES: dict[OpOverload, Rule] = {}
 HANDLERS: dict[OpOverload, Handler] = {}
+_FAMILIES: list[tuple[Callable[[OpOverload], bool], Rule]] = []
+_FAMILY_RULES: dict[OpOverload, Rule | None] = {}
 
 
 def _check_new(op: object) -> None:
@@ -192,6 +197,23 @@ def register_handler(*ops: OpOverload) -> Callable[[Handler], Handler]:
             HANDLERS[op] = fn
         return fn
     return decorate
+
+
+def register_family(predicate: Callable[[OpOverload], bool], rule: Rule) -> None:
+    """Use `rule` for every op without its own rule or handler for which `predicate(op)` is true (e.g. every op
+    tagged torch.Tag.pointwise). Families are tried in registration order; explicit registrations win."""
+    _FAMILIES.append((predicate, rule))
+    _FAMILY_RULES.clear()
+
+
+def lookup_rule(op: OpOverload) -> Rule | None:
+    """The rule for `op`: its own, else its family's, else None (the fallback runs)."""
+    rule = RULES.get(op)
+    if rule is not None:
+        return rule
+    if op not in _FAMILY_RULES:
+        _FAMILY_RULES[op] = next((rule for predicate, rule in _FAMILIES if predicate(op)), None)
+    return _FAMILY_RULES[op]
 
 
 # -- cost model ---------------------------------------------------------------------------------------------
@@ -242,18 +264,22 @@ def replicated(mesh: DeviceMesh) -> Placements:
     return (Replicate(),) * mesh.ndim
 
 
-def pick_per_mesh_dim(schema: OpSchema, strategies: Sequence[Strategy]) -> ShardingDecision:
+def pick_per_mesh_dim(schema: OpSchema,
+                      strategies: Sequence[Strategy] | Callable[[int], Sequence[Strategy]]) -> ShardingDecision:
     """For each mesh dim, choose the cheapest strategy (earliest on ties); assemble the ShardingDecision.
 
+    `strategies` is one list for every mesh dim, or a function of the mesh dim returning that dim's list (for
+    rules whose candidates depend on the inputs' placement there, e.g. in-place ops keeping self's).
     Raises ShardingError if no strategy is possible on some mesh dim (all need an unsupported transition).
     """
     specs = schema.input_specs
-    if not strategies:
-        raise ShardingError("the rule listed no strategies")
     chosen: list[Strategy] = []
     for mesh_dim in range(schema.mesh.ndim):
+        candidates = strategies(mesh_dim) if callable(strategies) else strategies
+        if not candidates:
+            raise ShardingError(f"the rule listed no strategies for mesh dim {mesh_dim}")
         best, best_cost = None, math.inf
-        for strategy in strategies:
+        for strategy in candidates:
             if len(strategy.inputs) != len(specs):
                 raise ShardingError(f"strategy {strategy} has {len(strategy.inputs)} input placements for "
                                     f"{len(specs)} DTensor inputs")
@@ -267,7 +293,7 @@ def pick_per_mesh_dim(schema: OpSchema, strategies: Sequence[Strategy]) -> Shard
         if best is None:
             have = [spec.placements[mesh_dim] for spec in specs]
             raise ShardingError(f"no strategy accepts inputs placed {have} on mesh dim {mesh_dim} (candidates: "
-                                f"{[s.inputs for s in strategies]})")
+                                f"{[s.inputs for s in candidates]})")
         chosen.append(best)
     input_placements = []
     for k, spec in enumerate(specs):

@@ -1,0 +1,202 @@
+"""Out-of-place collectives, and the autograd-aware ones in adjoint pairs, for the layers above comm.
+
+Layer: comm. Two kinds:
+- Plain out-of-place collectives (`all_reduced`, `all_gathered`, `reduce_scattered`, `all_to_all_dims`): return a
+  new tensor and never touch their input. They gather/scatter along any tensor dim and accept uneven
+  (torch.chunk-sized) pieces. Autograd does not see through them: DTensor's redistribute uses them below its
+  own autograd functions.
+- Autograd-aware collectives, defined in adjoint pairs side by side (STYLE rule 4). Each is named by what it
+  does forward and backward, and its docstring names its adjoint.
+Every function here is collective over `group`: all its ranks call it, in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from spmd.comm.collectives import all_gather_into_tensor, all_reduce, all_to_all_single, reduce_scatter_tensor
+from spmd.comm.group import ProcessGroup
+from spmd.comm.reduce_op import ReduceOp
+
+
+def _pad_dim(tensor: Tensor, dim: int, size: int) -> Tensor:
+    """`tensor` zero-padded at the end of `dim` to `size` (no copy when already that size)."""
+    missing = size - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    pad_shape = list(tensor.shape)
+    pad_shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
+
+
+def _even_sizes(tensor: Tensor, dim: int, group: ProcessGroup) -> list[int]:
+    return [tensor.shape[dim]] * group.size()
+
+
+# -- plain out-of-place collectives -------------------------------------------------------------------------
+
+def all_reduced(tensor: Tensor, op: ReduceOp, group: ProcessGroup) -> Tensor:
+    """A new tensor holding the reduction of `tensor` over the group."""
+    out = tensor.clone(memory_format=torch.contiguous_format)
+    all_reduce(out, op, group=group)
+    return out
+
+
+def all_gathered(tensor: Tensor, dim: int, group: ProcessGroup, sizes: list[int] | None = None) -> Tensor:
+    """Every rank's `tensor` concatenated along `dim` in rank order. `sizes[r]` is rank r's extent of `dim`
+    (default: all equal to this rank's); uneven pieces are padded to the largest for the collective."""
+    sizes = sizes if sizes is not None else _even_sizes(tensor, dim, group)
+    block = max(sizes)
+    send = _pad_dim(tensor, dim, block).movedim(dim, 0).contiguous()
+    out = send.new_empty((block * group.size(), *send.shape[1:]))
+    all_gather_into_tensor(out, send, group=group)
+    if any(size != block for size in sizes):
+        out = torch.cat([out.narrow(0, r * block, size) for r, size in enumerate(sizes)], dim=0)
+    return out.movedim(0, dim).contiguous()
+
+
+def reduce_scattered(tensor: Tensor, op: ReduceOp, dim: int, group: ProcessGroup) -> Tensor:
+    """This rank's torch.chunk piece along `dim` of the reduction of `tensor` over the group (uneven allowed)."""
+    n = group.size()
+    extent = tensor.shape[dim]
+    block = -(-extent // n)
+    send = _pad_dim(tensor, dim, block * n).movedim(dim, 0).contiguous()
+    out = send.new_empty((block, *send.shape[1:]))
+    reduce_scatter_tensor(out, send, op, group=group)
+    mine = min(block, max(0, extent - block * group.rank()))
+    return out.narrow(0, 0, mine).movedim(0, dim).contiguous()
+
+
+def all_to_all_dims(tensor: Tensor, split_dim: int, cat_dim: int, group: ProcessGroup,
+                    split_sizes: list[int], cat_sizes: list[int]) -> Tensor:
+    """Split `tensor` along `split_dim` into pieces of `split_sizes` (piece r goes to rank r), and concatenate
+    the pieces received along `cat_dim` in rank order; rank r's piece has extent `cat_sizes[r]` on `cat_dim`.
+
+    Shard(cat_dim) -> Shard(split_dim) on a 1-d group in one collective. Self-adjoint (with the dims swapped).
+    """
+    pieces = [piece.contiguous().reshape(-1) for piece in tensor.split(split_sizes, dim=split_dim)]
+    send = torch.cat(pieces) if pieces else tensor.new_empty(0)
+    my_split = split_sizes[group.rank()]
+    piece_shapes = []
+    for size in cat_sizes:
+        shape = list(tensor.shape)
+        shape[split_dim] = my_split
+        shape[cat_dim] = size
+        piece_shapes.append(shape)
+    recv_numels = [int(torch.Size(shape).numel()) for shape in piece_shapes]
+    out = send.new_empty(sum(recv_numels))
+    all_to_all_single(out, send, recv_numels, [p.numel() for p in pieces], group=group)
+    received = [chunk.view(shape) for chunk, shape in zip(out.split(recv_numels), piece_shapes)]
+    return torch.cat(received, dim=cat_dim)
+
+
+# -- autograd-aware adjoint pairs ---------------------------------------------------------------------------
+
+class _AllReduceFwdIdentityBwd(torch.autograd.Function):
+    """Forward y = all-reduce-sum(x); backward dx = dy. Adjoint of _IdentityFwdAllReduceBwd.
+
+    Placed where row-sharded partial sums leave a tensor-parallel region.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
+        return all_reduced(x, ReduceOp.SUM, group)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor, None]:
+        return grad_y, None
+
+
+class _IdentityFwdAllReduceBwd(torch.autograd.Function):
+    """Forward y = x; backward dx = all-reduce-sum(dy). Adjoint of _AllReduceFwdIdentityBwd.
+
+    Placed where a replicated activation enters a column-sharded matmul.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor, None]:
+        return all_reduced(grad_y, ReduceOp.SUM, ctx.group), None
+
+
+class _AllGatherFwdReduceScatterBwd(torch.autograd.Function):
+    """Forward y = all-gather(x) along `dim` (equal pieces); backward dx = reduce-scatter-sum(dy) along `dim`.
+    Adjoint of _ReduceScatterFwdAllGatherBwd."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return all_gathered(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor, None, None]:
+        return reduce_scattered(grad_y, ReduceOp.SUM, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterFwdAllGatherBwd(torch.autograd.Function):
+    """Forward y = reduce-scatter-sum(x) along `dim` (extent divisible by the group size); backward
+    dx = all-gather(dy) along `dim`. Adjoint of _AllGatherFwdReduceScatterBwd."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
+        if x.shape[dim] % group.size():
+            raise ValueError(f"reduce_scatter_fwd_all_gather_bwd on rank {group.global_rank} of "
+                             f"{group.description}: dim {dim} of shape {tuple(x.shape)} does not divide into "
+                             f"{group.size()} equal pieces")
+        ctx.dim, ctx.group = dim, group
+        return reduce_scattered(x, ReduceOp.SUM, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor, None, None]:
+        return all_gathered(grad_y, ctx.dim, ctx.group), None, None
+
+
+class _AllToAllFwdAllToAllBwd(torch.autograd.Function):
+    """Forward: split along `split_dim`, exchange, concatenate along `cat_dim` (equal pieces); backward: the
+    same with the dims swapped. Its own adjoint."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, split_dim: int, cat_dim: int, group: ProcessGroup) -> Tensor:
+        n = group.size()
+        if x.shape[split_dim] % n:
+            raise ValueError(f"all_to_all_fwd_all_to_all_bwd on rank {group.global_rank} of {group.description}: "
+                             f"dim {split_dim} of shape {tuple(x.shape)} does not divide into {n} equal pieces")
+        ctx.split_dim, ctx.cat_dim, ctx.group = split_dim, cat_dim, group
+        return all_to_all_dims(x, split_dim, cat_dim, group, [x.shape[split_dim] // n] * n, [x.shape[cat_dim]] * n)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor, None, None, None]:
+        n = ctx.group.size()
+        grad_x = all_to_all_dims(grad_y, ctx.cat_dim, ctx.split_dim, ctx.group,
+                                 [grad_y.shape[ctx.cat_dim] // n] * n, [grad_y.shape[ctx.split_dim]] * n)
+        return grad_x, None, None, None
+
+
+def all_reduce_fwd_identity_bwd(x: Tensor, group: ProcessGroup) -> Tensor:
+    """y = sum of x over the group; the gradient passes through unchanged. Adjoint: identity_fwd_all_reduce_bwd."""
+    return _AllReduceFwdIdentityBwd.apply(x, group)
+
+
+def identity_fwd_all_reduce_bwd(x: Tensor, group: ProcessGroup) -> Tensor:
+    """y = x; the gradient is summed over the group. Adjoint: all_reduce_fwd_identity_bwd."""
+    return _IdentityFwdAllReduceBwd.apply(x, group)
+
+
+def all_gather_fwd_reduce_scatter_bwd(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
+    """y = x gathered along `dim`; dx = dy reduce-scattered. Adjoint: reduce_scatter_fwd_all_gather_bwd."""
+    return _AllGatherFwdReduceScatterBwd.apply(x, dim, group)
+
+
+def reduce_scatter_fwd_all_gather_bwd(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
+    """y = this rank's piece of sum(x) along `dim`; dx = dy gathered. Adjoint: all_gather_fwd_reduce_scatter_bwd."""
+    return _ReduceScatterFwdAllGatherBwd.apply(x, dim, group)
+
+
+def all_to_all_fwd_all_to_all_bwd(x: Tensor, split_dim: int, cat_dim: int, group: ProcessGroup) -> Tensor:
+    """Move the sharded dim from `cat_dim` to `split_dim` (equal pieces); its own adjoint."""
+    return _AllToAllFwdAllToAllBwd.apply(x, split_dim, cat_dim, group)

@@ -1,0 +1,277 @@
+"""DeviceMesh: an N-d array of global ranks with one process group per mesh dim, and init_device_mesh.
+
+Layer: mesh. Imports only _core and comm.
+
+Note: mesh groups are created once
+`new_group` is collective over the WHOLE world: every rank must create every group, in the same order, members
+or not. So a mesh creates, for each mesh dim in order, the group of every 1-d row along that dim (all other
+coordinates fixed), in row-major order of the other coordinates; each rank keeps the row that contains it.
+Groups are remembered per world by their rank list, so building the same mesh again, slicing it, or another
+mesh that needs the same rows, creates no new group. A row that is the whole world in order reuses the
+default group. All ranks must therefore build the same meshes in the same order (as with torch).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from spmd.comm.group import NonMemberGroup
+from spmd.comm.world import AnyGroup, World, current_world, init_process_group, is_initialized, new_group
+
+# Note: mesh groups are created once. One registry per world (per rank), keyed by the group's rank list.
+_GROUP_REGISTRY: weakref.WeakKeyDictionary[World, dict[tuple[int, ...], AnyGroup]] = weakref.WeakKeyDictionary()
+
+
+def _group_for(ranks: tuple[int, ...], world: World) -> AnyGroup:
+    """The group of `ranks`, created on first use. Collective over the world (see Note: mesh groups...)."""
+    registry = _GROUP_REGISTRY.setdefault(world, {})
+    group = registry.get(ranks)
+    if group is None:
+        if ranks == tuple(range(world.world_size)):
+            group = world.default_group
+        else:
+            group = new_group(list(ranks))
+            if not isinstance(group, NonMemberGroup) and list(group.ranks) != list(ranks):
+                raise ValueError(f"DeviceMesh: a mesh row must list ranks in ascending order; got {list(ranks)}")
+        registry[ranks] = group
+    return group
+
+
+def _rows(mesh: torch.Tensor, mesh_dim: int) -> list[tuple[int, ...]]:
+    """Every 1-d row of `mesh` along `mesh_dim`, in row-major order of the other coordinates."""
+    moved = mesh.movedim(mesh_dim, -1).reshape(-1, mesh.shape[mesh_dim])
+    return [tuple(int(r) for r in row) for row in moved.tolist()]
+
+
+class DeviceMesh:
+    """An N-d array of global ranks (`mesh`) on `device_type`, with one process group per mesh dim.
+
+    Collective to build: every rank of the world constructs the same mesh (see Note: mesh groups are created
+    once). A rank not in `mesh` gets `get_coordinate() is None` and no groups. Equal meshes (same ranks, names
+    and device type on the same rank) compare equal and share their groups.
+    """
+
+    def __init__(self, device_type: str, mesh: torch.Tensor | Sequence[Any], *,
+                 mesh_dim_names: tuple[str, ...] | None = None, _groups: list[AnyGroup] | None = None,
+                 _root: DeviceMesh | None = None) -> None:
+        if ":" in device_type:
+            raise ValueError(f"DeviceMesh: device_type must not name a device index, got {device_type!r}; "
+                             f"pass {device_type.split(':')[0]!r}")
+        mesh_tensor = mesh.detach().cpu() if isinstance(mesh, torch.Tensor) else torch.tensor(mesh)
+        self.mesh = mesh_tensor.to(torch.int64).contiguous()
+        if self.mesh.ndim == 0:
+            self.mesh = self.mesh.reshape(1)
+        self.device_type = device_type
+        self.mesh_dim_names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
+        self._check_names_and_ranks()
+        self._world = current_world() if is_initialized() else None
+        if self._world is None:
+            raise RuntimeError("DeviceMesh: this rank has no process group; call spmd.init_process_group() first "
+                               "(or use init_device_mesh, which does it from the environment)")
+        flat = self.mesh.reshape(-1).tolist()
+        if max(flat) >= self._world.world_size or min(flat) < 0:
+            raise ValueError(f"DeviceMesh: mesh {self.mesh.tolist()} names ranks outside the world of size "
+                             f"{self._world.world_size}")
+        self._root = _root if _root is not None else self
+        self._flattened: dict[str, DeviceMesh] = {}
+        self._submeshes: dict[tuple[str, ...], DeviceMesh] = {}
+        self.dispatch_cache: dict[Any, Any] = {}    # owned by spmd.tensor.dispatch: decisions for this mesh
+        rank = self._world.rank
+        hits = (self.mesh == rank).nonzero()
+        self._coordinate = [int(c) for c in hits[0].tolist()] if len(hits) else None
+        self._groups = _groups if _groups is not None else self._create_groups()
+        self._key = (device_type, tuple(self.mesh.shape), tuple(flat), self.mesh_dim_names, id(self._world))
+        self._hash = hash(self._key)
+
+    def _check_names_and_ranks(self) -> None:
+        flat = self.mesh.reshape(-1).tolist()
+        if len(set(flat)) != len(flat):
+            raise ValueError(f"DeviceMesh: mesh {self.mesh.tolist()} lists a rank twice")
+        if self.mesh_dim_names is not None:
+            if len(self.mesh_dim_names) != self.mesh.ndim:
+                raise ValueError(f"DeviceMesh: {len(self.mesh_dim_names)} mesh_dim_names {self.mesh_dim_names} "
+                                 f"for a {self.mesh.ndim}-d mesh of shape {tuple(self.mesh.shape)}")
+            if len(set(self.mesh_dim_names)) != len(self.mesh_dim_names):
+                raise ValueError(f"DeviceMesh: mesh_dim_names {self.mesh_dim_names} must be unique")
+
+    def _create_groups(self) -> list[AnyGroup]:
+        """Collective over the world: one group per row of every mesh dim; keep this rank's row's group."""
+        assert self._world is not None
+        mine: list[AnyGroup] = []
+        for mesh_dim in range(self.mesh.ndim):
+            found: AnyGroup | None = None
+            for row in _rows(self.mesh, mesh_dim):
+                group = _group_for(row, self._world)
+                if self._world.rank in row:
+                    found = group
+            mine.append(found if found is not None else NonMemberGroup(f"mesh_dim{mesh_dim}", [], self._world.rank))
+        return mine
+
+    # -- identity -------------------------------------------------------------------------------------------
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, DeviceMesh) and self._key == other._key)
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
+
+    # -- queries --------------------------------------------------------------------------------------------
+
+    @property
+    def ndim(self) -> int:
+        return self.mesh.ndim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.mesh.shape)
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        """Ranks along `mesh_dim` (index or name), or in the whole mesh with None."""
+        if mesh_dim is None:
+            return self.mesh.numel()
+        return self.mesh.shape[self._dim_index(mesh_dim)]
+
+    def get_rank(self) -> int:
+        """This rank's global rank."""
+        assert self._world is not None
+        return self._world.rank
+
+    def get_coordinate(self) -> list[int] | None:
+        """This rank's coordinate in the mesh, or None for a rank outside it."""
+        return self._coordinate
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        """This rank's index along `mesh_dim` (= its rank in that dim's group); mesh_dim may be omitted on 1-d."""
+        index = self._dim_or_only(mesh_dim, "get_local_rank")
+        if self._coordinate is None:
+            raise ValueError(f"DeviceMesh.get_local_rank: rank {self.get_rank()} is not in {self}")
+        return self._coordinate[index]
+
+    def get_group(self, mesh_dim: int | str | None = None) -> AnyGroup:
+        """The process group along `mesh_dim` that contains this rank; mesh_dim may be omitted on a 1-d mesh."""
+        return self._groups[self._dim_or_only(mesh_dim, "get_group")]
+
+    def get_all_groups(self) -> list[AnyGroup]:
+        return list(self._groups)
+
+    def _dim_or_only(self, mesh_dim: int | str | None, what: str) -> int:
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"DeviceMesh.{what}: this mesh has {self.ndim} dims {self.shape}; name the mesh "
+                                 f"dim (an index or one of {self.mesh_dim_names})")
+            return 0
+        return self._dim_index(mesh_dim)
+
+    def _dim_index(self, mesh_dim: int | str) -> int:
+        if isinstance(mesh_dim, str):
+            if self.mesh_dim_names is None or mesh_dim not in self.mesh_dim_names:
+                raise KeyError(f"DeviceMesh: no mesh dim named {mesh_dim!r}; this mesh's dims are named "
+                               f"{self.mesh_dim_names}")
+            return self.mesh_dim_names.index(mesh_dim)
+        if not -self.ndim <= mesh_dim < self.ndim:
+            raise IndexError(f"DeviceMesh: mesh dim {mesh_dim} is out of range for a {self.ndim}-d mesh")
+        return mesh_dim % self.ndim
+
+    # -- slicing and flattening -----------------------------------------------------------------------------
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        """The sub-mesh over the named dims that contains this rank (no new groups are created).
+
+        Names must be in this mesh's dim order; a name made by `flatten` on the root mesh also works.
+        """
+        key = (names,) if isinstance(names, str) else tuple(names)
+        cached = self._submeshes.get(key)
+        if cached is not None:
+            return cached
+        if self.mesh_dim_names is None:
+            raise KeyError("DeviceMesh: slicing needs mesh_dim_names; build the mesh with mesh_dim_names=(...)")
+        if len(key) == 1 and key[0] not in self.mesh_dim_names and key[0] in self._root._flattened:
+            return self._root._flattened[key[0]]
+        for name in key:
+            if name not in self.mesh_dim_names:
+                raise KeyError(f"DeviceMesh: no mesh dim named {name!r}; this mesh's dims are {self.mesh_dim_names}"
+                               f" (flattened: {sorted(self._root._flattened)})")
+        dims = [self.mesh_dim_names.index(name) for name in key]
+        if dims != sorted(dims) or len(set(dims)) != len(dims):
+            raise KeyError(f"DeviceMesh: slice {key} must name distinct dims in the mesh's order {self.mesh_dim_names}")
+        if self._coordinate is None:
+            raise ValueError(f"DeviceMesh: rank {self.get_rank()} is not in {self}, so it has no sub-mesh {key}")
+        index = tuple(slice(None) if d in dims else self._coordinate[d] for d in range(self.ndim))
+        sub = DeviceMesh(self.device_type, self.mesh[index], mesh_dim_names=key,
+                         _groups=[self._groups[d] for d in dims], _root=self._root)
+        self._submeshes[key] = sub
+        return sub
+
+    def flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
+        """A 1-d mesh over all of this (sub-)mesh's dims, named `mesh_dim_name` (default "a_b"); idempotent.
+
+        Collective over the world: creates one group per flattened slice of the ROOT mesh (every rank takes
+        part). The result is also reachable as `root[mesh_dim_name]`.
+        """
+        name = mesh_dim_name or "_".join(self.mesh_dim_names or (f"dim{d}" for d in range(self.ndim)))
+        existing = self._root._flattened.get(name)
+        flat_ranks = self.mesh.reshape(-1)
+        if existing is not None:
+            if self._coordinate is not None and not torch.equal(existing.mesh, flat_ranks):
+                raise ValueError(f"DeviceMesh.flatten: {name!r} already names a flattened mesh "
+                                 f"{existing.mesh.tolist()}, not {flat_ranks.tolist()}")
+            return existing
+        root = self._root
+        if root.mesh_dim_names is not None and self.mesh_dim_names is not None and root is not self:
+            dims = [root.mesh_dim_names.index(n) for n in self.mesh_dim_names]
+        else:
+            dims = list(range(self.ndim))
+        others = [d for d in range(root.ndim) if d not in dims]
+        moved = root.mesh.permute(*others, *dims).reshape(-1, flat_ranks.numel())
+        assert self._world is not None
+        mine: AnyGroup | None = None
+        for row in moved.tolist():
+            group = _group_for(tuple(int(r) for r in row), self._world)
+            if self._world.rank in row:
+                mine = group
+        flat = DeviceMesh(self.device_type, flat_ranks, mesh_dim_names=(name,),
+                          _groups=[mine if mine is not None else NonMemberGroup(name, [], self._world.rank)],
+                          _root=root)
+        root._flattened[name] = flat
+        return flat
+
+    _flatten = flatten    # torch's spelling (DeviceMesh._flatten), for code ported from torch
+
+
+def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], *,
+                     mesh_dim_names: tuple[str, ...] | None = None) -> DeviceMesh:
+    """Build a DeviceMesh over all ranks of the world, laid out row-major (rank r at the r-th position).
+
+    Collective over the world. Initializes the default process group from the environment first if needed.
+
+    >>> from spmd.testing import run_ranks
+    >>> def body(rank, world_size):
+    ...     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ...     return mesh["tp"].size(), mesh.get_local_rank("dp")
+    >>> run_ranks(body, world_size=4)
+    [(2, 0), (2, 0), (2, 1), (2, 1)]
+    """
+    shape = tuple(mesh_shape)
+    if not shape or any(not isinstance(s, int) or s < 1 for s in shape):
+        raise ValueError(f"init_device_mesh: mesh_shape must be positive ints, got {mesh_shape}")
+    if not is_initialized():
+        init_process_group()
+    world = current_world()
+    numel = 1
+    for size in shape:
+        numel *= size
+    if numel != world.world_size:
+        raise ValueError(f"init_device_mesh: mesh_shape {shape} holds {numel} ranks but the world has "
+                         f"{world.world_size} (rank {world.rank}); the mesh must cover every rank")
+    return DeviceMesh(device_type, torch.arange(numel).reshape(shape), mesh_dim_names=mesh_dim_names)
+
+
+__all__ = ["DeviceMesh", "init_device_mesh"]

@@ -1,0 +1,14 @@
+"""DTensor: tensors laid out over a DeviceMesh (Shard / Replicate / Partial per mesh dim), torch.distributed.tensor's
+API names.
+
+Layer: tensor (may import _core, comm, device_mesh). Importing it registers every op family's sharding rules.
+`spmd.tensor.parallel` (layer 4) is NOT imported here.
+"""
+
+from spmd.device_mesh import DeviceMesh, init_device_mesh
+from spmd.tensor import ops as _ops  # noqa: F401  (registers the sharding rules)
+from spmd.tensor.api import DTensor, distribute_module, distribute_tensor
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard
+
+__all__ = ["DTensor", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "distribute_module",
+           "distribute_tensor", "init_device_mesh"]

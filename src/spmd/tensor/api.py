@@ -1,0 +1,276 @@
+"""The DTensor subclass, its conversions (from_local / to_local / full_tensor / redistribute) and
+distribute_tensor / distribute_module.
+
+Layer: tensor. A DTensor is a wrapper subclass: it reports the GLOBAL shape, stride and dtype, holds this
+rank's `_local_tensor` and a `_spec` (DTensorSpec). Ops on it go through `__torch_dispatch__` (dispatch.py).
+
+Note: DTensor autograd
+Autograd runs above dispatch, on DTensors: every gradient is a DTensor whose full value is the gradient of
+the logical (global) tensor. The conversions are autograd functions with adjoint backwards:
+- from_local: backward redistributes the gradient to the forward placements with Partial -> Replicate (or to
+  `grad_placements`) and returns its local tensor. No communication when the gradient already has them.
+- to_local: backward wraps the plain local gradient as a DTensor with the forward placements, Partial ->
+  Replicate (or `grad_placements`, e.g. [Partial()] when each rank computed a partial loss). No communication.
+- redistribute(src -> dst): backward redistributes the gradient back to src, Partial -> Replicate (the
+  gradient of a sum is the same on every term). So Replicate -> Shard is undone by an all-gather, and
+  Shard -> Replicate by a local chunk; a Partial gradient arriving at a Shard source is reduce-scattered.
+A parameter's gradient may come out Partial (e.g. a Replicate weight times Shard(0) activations). It is never
+read as if it were reduced: every rule that needs its value (optimizer foreach ops, norms, full_tensor)
+reduces it first, and `.placements` shows it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._ops import OpOverload
+
+from spmd.comm.collectives import broadcast
+from spmd.device_mesh import DeviceMesh
+from spmd.tensor.dispatch import dispatch
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard, normalize_placements
+from spmd.tensor.redistribute import run_plan
+from spmd.tensor.spec import DTensorSpec, Placements, contiguous_stride
+
+
+class DTensor(torch.Tensor):
+    """A tensor laid out over a DeviceMesh: the global view of the local shards given by `placements`."""
+
+    _local_tensor: Tensor
+    _spec: DTensorSpec
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, local_tensor: Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> DTensor:
+        out = Tensor._make_wrapper_subclass(cls, spec.shape, strides=spec.stride, dtype=spec.dtype,
+                                            device=local_tensor.device, layout=local_tensor.layout,
+                                            requires_grad=requires_grad)
+        out._local_tensor = local_tensor
+        out._spec = spec
+        return out
+
+    @classmethod
+    def _wrap_local(cls, local_tensor: Tensor, spec: DTensorSpec) -> DTensor:
+        """Wrap a local tensor computed by dispatch (no autograd; the caller guarantees it matches `spec`)."""
+        out = Tensor._make_wrapper_subclass(cls, spec.shape, strides=spec.stride, dtype=spec.dtype,
+                                            device=local_tensor.device, requires_grad=False)
+        out._local_tensor = local_tensor
+        out._spec = spec
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func: OpOverload, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return dispatch(cls, func, types, args, kwargs)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:   # torch passes tensor_contents to subclasses
+        return (f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
+                f"placements={list(self._spec.placements)}, shape={tuple(self._spec.shape)})")
+
+    # -- layout ---------------------------------------------------------------------------------------------
+
+    @property
+    def placements(self) -> Placements:
+        return self._spec.placements
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    # -- conversions ----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def from_local(local_tensor: Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None,
+                   *, run_check: bool = False, shape: torch.Size | Sequence[int] | None = None,
+                   stride: Sequence[int] | None = None,
+                   grad_placements: Sequence[Placement] | None = None) -> DTensor:
+        """Wrap this rank's `local_tensor` as its piece of a DTensor; no communication unless `run_check`.
+
+        Without `shape`, the global shape assumes EVEN shards (local size x number of shards); pass `shape`
+        (and `stride`) for uneven ones: this rank's local shape is then checked against it. `run_check=True`
+        also broadcasts Replicate dims from the first rank of each mesh dim (collective).
+        Differentiable (see Note: DTensor autograd).
+        """
+        placements = placements if placements is not None else [Replicate()] * device_mesh.ndim
+        placements = normalize_placements(placements, local_tensor.ndim, device_mesh.ndim, "DTensor.from_local")
+        if shape is None:
+            global_shape = list(local_tensor.shape)
+            for mesh_dim, placement in enumerate(placements):
+                if isinstance(placement, Shard):
+                    global_shape[placement.dim] *= device_mesh.size(mesh_dim)
+            shape = global_shape
+        spec = DTensorSpec(device_mesh, placements, torch.Size(shape),
+                           tuple(stride) if stride is not None else contiguous_stride(shape), local_tensor.dtype)
+        if spec.ndim != local_tensor.ndim or (
+                device_mesh.get_coordinate() is not None and spec.local_shape() != local_tensor.shape):
+            raise ValueError(f"DTensor.from_local on rank {device_mesh.get_rank()}: the local tensor has shape "
+                             f"{tuple(local_tensor.shape)}, but global shape {tuple(spec.shape)} with placements "
+                             f"{list(placements)} gives this rank {tuple(spec.local_shape())}")
+        if run_check:
+            local_tensor = _broadcast_replicated(local_tensor, spec)
+        grad = None if grad_placements is None else normalize_placements(
+            grad_placements, local_tensor.ndim, device_mesh.ndim, "DTensor.from_local grad_placements")
+        return _FromLocal.apply(local_tensor, spec, grad)
+
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> Tensor:
+        """This rank's local tensor (no communication). Differentiable (see Note: DTensor autograd)."""
+        grad = None if grad_placements is None else normalize_placements(
+            grad_placements, self.ndim, self._spec.mesh.ndim, "DTensor.to_local grad_placements")
+        if not torch.is_grad_enabled():
+            return self._local_tensor
+        return _ToLocal.apply(self, grad)
+
+    def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
+                     *, async_op: bool = False) -> DTensor:
+        """This DTensor laid out with `placements` on the same mesh, with the cheapest collectives.
+
+        Collective over the mesh. `async_op` is accepted for torch compatibility; the result is always ready.
+        Differentiable (see Note: DTensor autograd).
+        """
+        mesh = device_mesh if device_mesh is not None else self._spec.mesh
+        if mesh != self._spec.mesh:
+            raise ValueError(f"DTensor.redistribute on rank {mesh.get_rank()}: moving from {self._spec.mesh} to "
+                             f"another mesh {mesh} is not supported; redistribute within one mesh")
+        if placements is None:
+            raise ValueError("DTensor.redistribute: pass the target placements (one per mesh dim)")
+        target = normalize_placements(placements, self.ndim, mesh.ndim, "DTensor.redistribute")
+        if target == self._spec.placements:
+            return self
+        return _Redistribute.apply(self, target)
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> Tensor:
+        """The whole global value as a plain tensor on every rank (collective: gathers and reduces as needed)."""
+        replicated = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
+        return replicated.to_local(grad_placements=grad_placements)
+
+
+def _with_partial_as_replicate(placements: Placements) -> Placements:
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
+def _broadcast_replicated(local: Tensor, spec: DTensorSpec) -> Tensor:
+    mesh = spec.mesh
+    out = local.detach().clone(memory_format=torch.contiguous_format)
+    for mesh_dim, placement in enumerate(spec.placements):
+        if isinstance(placement, Replicate) and mesh.size(mesh_dim) > 1:
+            broadcast(out, group=mesh.get_group(mesh_dim), group_src=0)
+    return out
+
+
+class _FromLocal(torch.autograd.Function):
+    """Forward: wrap the local tensor. Backward: redistribute the gradient to the forward placements
+    (Partial -> Replicate) or `grad_placements`, and unwrap. Adjoint of _ToLocal."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, spec: DTensorSpec, grad_placements: Placements | None) -> DTensor:
+        ctx.spec, ctx.grad_placements = spec, grad_placements
+        return DTensor(local.detach(), spec, requires_grad=False)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        if not isinstance(grad, DTensor):
+            return grad, None, None
+        target = ctx.grad_placements or _with_partial_as_replicate(ctx.spec.placements)
+        return grad.redistribute(placements=target).to_local(), None, None
+
+
+class _ToLocal(torch.autograd.Function):
+    """Forward: the local tensor. Backward: wrap the local gradient with the forward placements (Partial ->
+    Replicate) or `grad_placements`; no communication. Adjoint of _FromLocal."""
+
+    @staticmethod
+    def forward(ctx, dtensor: DTensor, grad_placements: Placements | None) -> Tensor:
+        ctx.spec, ctx.grad_placements = dtensor._spec, grad_placements
+        return dtensor._local_tensor.view_as(dtensor._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[DTensor, None]:
+        spec: DTensorSpec = ctx.spec
+        placements = ctx.grad_placements or _with_partial_as_replicate(spec.placements)
+        grad_spec = DTensorSpec(spec.mesh, placements, spec.shape, spec.stride, grad.dtype)
+        return DTensor(grad, grad_spec), None
+
+
+class _Redistribute(torch.autograd.Function):
+    """Forward: redistribute to the target placements. Backward: redistribute the gradient back to the source
+    placements, Partial -> Replicate. Twice differentiable (the backward is this function again)."""
+
+    @staticmethod
+    def forward(ctx, dtensor: DTensor, target: Placements) -> DTensor:
+        source = dtensor._spec
+        ctx.source_placements = source.placements
+        local = run_plan(dtensor._local_tensor, source, target)
+        if local is dtensor._local_tensor:
+            local = local.view_as(local)
+        return DTensor(local, source.with_placements(target))
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> tuple[DTensor, None]:
+        target = _with_partial_as_replicate(ctx.source_placements)
+        if grad._spec.placements == target:
+            return grad, None
+        return _Redistribute.apply(grad, target), None
+
+
+def distribute_tensor(tensor: Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None, *,
+                      src_data_rank: int | None = 0) -> DTensor:
+    """Lay out the full `tensor` over `device_mesh` with `placements` (default all Replicate); a new leaf.
+
+    Collective over the mesh when `src_data_rank` is set: the value of the rank at group rank
+    `src_data_rank` of every mesh dim is broadcast, then each rank keeps its piece. With None, every rank
+    must pass the same value and no communication happens.
+    """
+    if isinstance(tensor, DTensor):
+        if tensor.device_mesh == device_mesh and placements is not None and tuple(placements) == tensor.placements:
+            return tensor
+        raise ValueError(f"distribute_tensor on rank {device_mesh.get_rank()}: got a DTensor "
+                         f"({list(tensor.placements)} on {tensor.device_mesh}); use .redistribute() instead")
+    placements = placements if placements is not None else [Replicate()] * device_mesh.ndim
+    placements = normalize_placements(placements, tensor.ndim, device_mesh.ndim, "distribute_tensor")
+    full = tensor.detach().to(device_mesh.device_type)
+    if src_data_rank is not None:
+        full = full.clone(memory_format=torch.contiguous_format)
+        for mesh_dim in range(device_mesh.ndim):
+            if device_mesh.size(mesh_dim) > 1:
+                broadcast(full, group=device_mesh.get_group(mesh_dim), group_src=src_data_rank)
+    spec = DTensorSpec(device_mesh, placements, full.shape, contiguous_stride(full.shape), full.dtype)
+    return DTensor(spec.local_from_full(full), spec, requires_grad=tensor.requires_grad)
+
+
+PartitionFn = Callable[[str, nn.Module, DeviceMesh], None]
+InputFn = Callable[[nn.Module, Any, DeviceMesh], Any]
+OutputFn = Callable[[nn.Module, Any, DeviceMesh], Any]
+
+
+def distribute_module(module: nn.Module, device_mesh: DeviceMesh, partition_fn: PartitionFn | None = None,
+                      input_fn: InputFn | None = None, output_fn: OutputFn | None = None) -> nn.Module:
+    """Make `module`'s parameters and buffers DTensors, in place; returns `module`.
+
+    1. `partition_fn(name, submodule, mesh)` runs on every submodule (it replaces parameters as it likes);
+    2. every parameter and buffer still a plain tensor becomes a Replicate DTensor (names unchanged);
+    3. `input_fn(module, inputs, mesh)` becomes a forward pre-hook, `output_fn(module, outputs, mesh)` a forward
+       hook (each may return replacements).
+    Collective over the mesh (distribute_tensor). A module may be distributed once.
+    """
+    if getattr(module, "_spmd_distributed", False):
+        raise RuntimeError(f"distribute_module: {type(module).__name__} was already distributed; call it once")
+    replicate = [Replicate()] * device_mesh.ndim
+    for name, submodule in module.named_modules():
+        if partition_fn is not None:
+            partition_fn(name, submodule, device_mesh)
+        for param_name, param in list(submodule._parameters.items()):
+            if param is not None and not isinstance(param, DTensor):
+                dt = distribute_tensor(param.data, device_mesh, replicate)
+                submodule.register_parameter(param_name, nn.Parameter(dt, requires_grad=param.requires_grad))
+        for buffer_name, buffer in list(submodule._buffers.items()):
+            if buffer is not None and not isinstance(buffer, DTensor):
+                submodule._buffers[buffer_name] = distribute_tensor(buffer, device_mesh, replicate)
+    if input_fn is not None:
+        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+    if output_fn is not None:
+        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
+    module._spmd_distributed = True
+    return module

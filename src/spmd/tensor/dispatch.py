@@ -1,0 +1,358 @@
+"""Op dispatch for DTensor: look up the rule -> redistribute inputs -> run the local op -> wrap the outputs.
+
+Layer: tensor. Runs below autograd (`__torch_dispatch__`), on local tensors only; collectives happen only in
+redistribution (redistribute.run_plan).
+
+Note: the dispatch fast path
+The decision for a call is cached on the mesh (`DeviceMesh.dispatch_cache`, so per rank and freed with the
+mesh) under a key of the op, every DTensor input's spec (hash precomputed), and every other argument (Python
+numbers keyed with their type, so 1 and 1.0 differ; plain scalar tensors by shape/dtype/device). A hit costs
+one pass over the arguments, one dict lookup, the local op and one wrapper allocation per output. A miss
+runs the rule, propagates the global output metadata with meta tensors, checks everything and caches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._ops import OpOverload
+
+from spmd.tensor.placement import Replicate, normalize_placements
+from spmd.tensor.redistribute import run_plan
+from spmd.tensor.rules import HANDLERS, OpSchema, ShardingDecision, ShardingError, lookup_rule, warn_fallback_once
+from spmd.tensor.spec import DTensorSpec, Placements, contiguous_stride
+
+_CACHE_LIMIT = 8192
+
+
+class MixedTensorError(TypeError):
+    """A DTensor and a plain (non-scalar) tensor met in one op, where the plain tensor's layout is ambiguous."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _OpInfo:
+    """What the op's schema says about mutation: which arguments it writes and what its outputs alias."""
+
+    mutated_args: frozenset[int]                 # positional indices written in place
+    mutated_kwargs: frozenset[str]
+    returns_mutated: tuple[int | str, ...] | None  # per output, the written argument it returns; None: fresh
+
+
+_OP_INFO: dict[OpOverload, _OpInfo] = {}
+
+
+def _op_info(op: OpOverload) -> _OpInfo:
+    info = _OP_INFO.get(op)
+    if info is None:
+        schema = op._schema
+        written: dict[str, int | str] = {}
+        mutated_args, mutated_kwargs = set(), set()
+        positional = 0
+        for argument in schema.arguments:
+            alias = argument.alias_info
+            is_written = alias is not None and alias.is_write
+            where: int | str = argument.name if argument.kwarg_only else positional
+            if not argument.kwarg_only:
+                positional += 1
+            if is_written:
+                (mutated_kwargs if argument.kwarg_only else mutated_args).add(where)
+                for name in alias.before_set:
+                    written[name] = where
+        returns = []
+        for ret in schema.returns:
+            alias = ret.alias_info
+            if alias is not None and alias.is_write:
+                returns.append(next(written[name] for name in alias.before_set))
+            else:
+                returns.append(None)
+        returns_mutated = tuple(returns) if returns and all(r is not None for r in returns) else None
+        info = _OpInfo(frozenset(mutated_args), frozenset(mutated_kwargs), returns_mutated)
+        _OP_INFO[op] = info
+    return info
+
+
+# -- argument walking ---------------------------------------------------------------------------------------
+
+def _key_of(value: Any, dtensor_type: type, dtensors: list, plain: list) -> Any:
+    """The cache-key form of one argument; collects DTensors and plain tensors in order."""
+    if isinstance(value, dtensor_type):
+        dtensors.append(value)
+        return value._spec
+    if isinstance(value, (list, tuple)):
+        return tuple(_key_of(item, dtensor_type, dtensors, plain) for item in value)
+    if isinstance(value, Tensor):
+        plain.append(value)
+        return (Tensor, value.shape, value.dtype, value.device)
+    if isinstance(value, (bool, int, float, complex)):
+        return (type(value), value)
+    return value
+
+
+def _substitute(value: Any, dtensor_type: type, spec_type: type, locals_: Iterator[Tensor],
+                plain: Iterator[Tensor]) -> Any:
+    """`value` with each DTensor (or DTensorSpec) replaced by the next local tensor, and each plain tensor by the
+    next plain tensor of this call."""
+    if isinstance(value, (dtensor_type, spec_type)):
+        return next(locals_)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_substitute(item, dtensor_type, spec_type, locals_, plain) for item in value)
+    if isinstance(value, Tensor):
+        return next(plain)
+    return value
+
+
+def _to_schema(value: Any, dtensor_type: type) -> Any:
+    if isinstance(value, dtensor_type):
+        return value._spec
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_schema(item, dtensor_type) for item in value)
+    return value
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, DTensorSpec):
+        return torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(item) for item in value)
+    if isinstance(value, Tensor):
+        return value.to("meta")
+    return value
+
+
+def _mutated_positions(op: OpOverload, args: tuple, kwargs: dict, dtensor_type: type) -> set[int]:
+    """Indices (in input_specs order) of the DTensor inputs the op writes in place."""
+    info = _op_info(op)
+    positions: set[int] = set()
+    counter = [0]
+
+    def walk(value: Any, written: bool) -> None:
+        if isinstance(value, dtensor_type):
+            if written:
+                positions.add(counter[0])
+            counter[0] += 1
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item, written)
+
+    for index, value in enumerate(args):
+        walk(value, index in info.mutated_args)
+    for name, value in kwargs.items():
+        walk(value, name in info.mutated_kwargs)
+    return positions
+
+
+# -- compiled decisions -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Compiled:
+    """A cached decision: where inputs go, what outputs are, and how to call the local op."""
+
+    op: OpOverload
+    input_targets: tuple[Placements | None, ...]   # per DTensor input: redistribute to these, or keep
+    output_specs: tuple[DTensorSpec | None, ...]   # per output (None: not a tensor)
+    single_output: bool
+    returns_mutated: tuple[int | str, ...] | None
+    local_args: tuple | None
+    local_kwargs: dict | None
+    fallback: bool = False
+
+
+def _where(op: OpOverload, specs: tuple[DTensorSpec, ...]) -> str:
+    rank = specs[0].mesh.get_rank() if specs else "?"
+    shown = ", ".join(f"{list(s.placements)} {tuple(s.shape)}" for s in specs)
+    return f"spmd DTensor: {op} on rank {rank} with inputs [{shown}]"
+
+
+def _compile(op: OpOverload, args: tuple, kwargs: dict, dtensors: list, dtensor_type: type) -> _Compiled:
+    specs = tuple(dt._spec for dt in dtensors)
+    mesh = specs[0].mesh
+    for spec in specs[1:]:
+        if spec.mesh != mesh:
+            raise ValueError(f"{_where(op, specs)}: DTensors on different meshes ({mesh} and {spec.mesh}) can't "
+                             f"meet in one op; redistribute one onto the other's mesh first")
+    info = _op_info(op)
+    mutated = _mutated_positions(op, args, kwargs, dtensor_type)
+    rule = lookup_rule(op)
+    if rule is None:
+        return _Compiled(op, (), (), False, info.returns_mutated, None, None, fallback=True)
+    schema = OpSchema(op, _to_schema(args, dtensor_type), _to_schema(kwargs, dtensor_type), specs)
+    try:
+        decision = rule(schema)
+    except ShardingError as error:
+        raise ShardingError(f"{_where(op, specs)}: {error}") from None
+    targets = _input_targets(op, decision, specs, mutated)
+    meta_out = _propagate_meta(op, decision, schema)
+    single = not isinstance(meta_out, (tuple, list))
+    outputs = [meta_out] if single else list(meta_out)
+    placements = _output_placements(op, decision, specs, len(outputs), single)
+    output_specs = []
+    for out, out_placements in zip(outputs, placements):
+        if not isinstance(out, Tensor) or out_placements is None:
+            output_specs.append(None)
+            continue
+        normalized = normalize_placements(out_placements, out.ndim, mesh.ndim, f"{_where(op, specs)}: output")
+        output_specs.append(DTensorSpec(mesh, normalized, out.shape, out.stride(), out.dtype))
+    return _Compiled(op, targets, tuple(output_specs), single, info.returns_mutated, decision.local_args,
+                     decision.local_kwargs)
+
+
+def _input_targets(op: OpOverload, decision: ShardingDecision, specs: tuple[DTensorSpec, ...],
+                   mutated: set[int]) -> tuple[Placements | None, ...]:
+    wanted = decision.input_placements
+    if wanted is None:
+        return (None,) * len(specs)
+    if len(wanted) != len(specs):
+        raise ShardingError(f"{_where(op, specs)}: the rule gave {len(wanted)} input placements for "
+                            f"{len(specs)} DTensor inputs")
+    targets: list[Placements | None] = []
+    for k, (spec, placements) in enumerate(zip(specs, wanted)):
+        if placements is not None:
+            placements = normalize_placements(placements, spec.ndim, spec.mesh.ndim, f"{_where(op, specs)}: input {k}")
+        if placements is None or placements == spec.placements:
+            targets.append(None)
+            continue
+        if k in mutated:
+            raise ShardingError(f"{_where(op, specs)}: the op writes input {k} in place, which would first have to "
+                                f"change from {list(spec.placements)} to {list(placements)}; redistribute it "
+                                f"yourself first (x = x.redistribute(mesh, {list(placements)}))")
+        targets.append(placements)
+    return tuple(targets)
+
+
+def _propagate_meta(op: OpOverload, decision: ShardingDecision, schema: OpSchema) -> Any:
+    """Run the op on meta tensors with the GLOBAL shapes: the outputs' global shape, stride and dtype."""
+    try:
+        return op(*_to_meta(schema.args), **{k: _to_meta(v) for k, v in schema.kwargs.items()})
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
+        raise ShardingError(f"{_where(op, schema.input_specs)}: could not compute the output shapes on meta "
+                            f"tensors ({type(error).__name__}: {error})") from error
+
+
+def _output_placements(op: OpOverload, decision: ShardingDecision, specs: tuple[DTensorSpec, ...], count: int,
+                       single: bool) -> list[Placements | None]:
+    placements = decision.output_placements
+    if placements is None:
+        return [None] * count
+    if single:
+        return [tuple(placements)]     # type: ignore[arg-type]
+    if len(placements) and not isinstance(placements[0], (tuple, list, type(None))):
+        return [tuple(placements)] * count   # one Placements tuple given for every output
+    if len(placements) != count:
+        raise ShardingError(f"{_where(op, specs)}: the rule gave {len(placements)} output placements for "
+                            f"{count} outputs")
+    return [None if p is None else tuple(p) for p in placements]
+
+
+# -- running ------------------------------------------------------------------------------------------------
+
+def dispatch(cls: type, op: OpOverload, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """DTensor.__torch_dispatch__ (see Note: the dispatch fast path)."""
+    kwargs = kwargs or {}
+    handler = HANDLERS.get(op)
+    if handler is not None:
+        return handler(op, args, kwargs)
+    dtensors: list = []
+    plain: list[Tensor] = []
+    key_parts: list[Any] = [op]
+    for value in args:
+        key_parts.append(_key_of(value, cls, dtensors, plain))
+    for name, value in kwargs.items():
+        key_parts.append(name)
+        key_parts.append(_key_of(value, cls, dtensors, plain))
+    if not dtensors:
+        return op(*args, **kwargs)
+    for tensor in plain:
+        if tensor.numel() != 1:
+            raise MixedTensorError(
+                f"{_where(op, tuple(dt._spec for dt in dtensors))}: got a plain torch.Tensor of shape "
+                f"{tuple(tensor.shape)} beside DTensors; its layout is ambiguous. Make it a DTensor first "
+                f"(distribute_tensor(t, mesh, placements) or DTensor.from_local(...)). Only one-element plain "
+                f"tensors are treated as replicated scalars.")
+    mesh = dtensors[0]._spec.mesh
+    key = tuple(key_parts)
+    cache = mesh.dispatch_cache
+    try:
+        compiled = cache.get(key)
+    except TypeError:          # an unhashable argument: decide without caching
+        key, compiled = None, None
+    if compiled is None:
+        compiled = _compile(op, args, kwargs, dtensors, cls)
+        if key is not None:
+            if len(cache) >= _CACHE_LIMIT:
+                cache.clear()
+            cache[key] = compiled
+    if compiled.fallback:
+        return _run_fallback(cls, op, args, kwargs, dtensors, plain, compiled)
+    return _run(cls, args, kwargs, dtensors, plain, compiled)
+
+
+def _run(cls: type, args: tuple, kwargs: dict, dtensors: list, plain: list[Tensor], compiled: _Compiled) -> Any:
+    locals_ = []
+    for dt, target in zip(dtensors, compiled.input_targets) if compiled.input_targets else ():
+        local = dt._local_tensor
+        locals_.append(local if target is None else run_plan(local, dt._spec, target))
+    if not compiled.input_targets:
+        locals_ = [dt._local_tensor for dt in dtensors]
+    spec_type = DTensorSpec
+    local_args = compiled.local_args if compiled.local_args is not None else args
+    local_kwargs = compiled.local_kwargs if compiled.local_kwargs is not None else kwargs
+    local_iter, plain_iter = iter(locals_), iter(plain)
+    call_args = [_substitute(a, cls, spec_type, local_iter, plain_iter) for a in local_args]
+    call_kwargs = {k: _substitute(v, cls, spec_type, local_iter, plain_iter) for k, v in local_kwargs.items()}
+    out = compiled.op(*call_args, **call_kwargs)
+    return _wrap(cls, out, args, kwargs, compiled)
+
+
+def _wrap(cls: type, out: Any, args: tuple, kwargs: dict, compiled: _Compiled) -> Any:
+    if compiled.returns_mutated is not None:
+        returned = [args[w] if isinstance(w, int) else kwargs[w] for w in compiled.returns_mutated]
+        if not returned:
+            return None if out is None else out
+        return returned[0] if compiled.single_output and len(returned) == 1 else tuple(returned)
+    if compiled.single_output:
+        spec = compiled.output_specs[0]
+        return out if spec is None else cls._wrap_local(out, spec)
+    wrapped = [item if spec is None else cls._wrap_local(item, spec)
+               for item, spec in zip(out, compiled.output_specs)]
+    return type(out)(wrapped) if isinstance(out, tuple) else wrapped
+
+
+def _run_fallback(cls: type, op: OpOverload, args: tuple, kwargs: dict, dtensors: list, plain: list[Tensor],
+                  compiled: _Compiled) -> Any:
+    """Replicate-compute-reshard (see the rules module docstring); writes mutated inputs back."""
+    warn_fallback_once(op)
+    mesh = dtensors[0]._spec.mesh
+    full_locals = [run_plan(dt._local_tensor, dt._spec, _replicated(mesh.ndim)) for dt in dtensors]
+    local_iter, plain_iter = iter(full_locals), iter(plain)
+    call_args = [_substitute(a, cls, DTensorSpec, local_iter, plain_iter) for a in args]
+    call_kwargs = {k: _substitute(v, cls, DTensorSpec, local_iter, plain_iter) for k, v in kwargs.items()}
+    out = op(*call_args, **call_kwargs)
+    for position in _mutated_positions(op, args, kwargs, cls):
+        dt, full = dtensors[position], full_locals[position]
+        if full is not dt._local_tensor:
+            dt._local_tensor.copy_(dt._spec.local_from_full(full))
+    if compiled.returns_mutated is not None:
+        return _wrap(cls, out, args, kwargs, compiled)
+    first = dtensors[0]._spec
+
+    def reshard(value: Any) -> Any:
+        if not isinstance(value, Tensor):
+            return value
+        stride = contiguous_stride(value.shape)
+        if value.shape == first.shape and not first.has_partial():
+            spec = DTensorSpec(mesh, first.placements, value.shape, stride, value.dtype)
+            return cls._wrap_local(spec.local_from_full(value), spec)
+        spec = DTensorSpec(mesh, _replicated(mesh.ndim), value.shape, stride, value.dtype)
+        return cls._wrap_local(value.contiguous(), spec)
+
+    if isinstance(out, (tuple, list)):
+        return type(out)(reshard(item) for item in out)
+    return reshard(out)
+
+
+def _replicated(ndim: int) -> Placements:
+    return (Replicate(),) * ndim
