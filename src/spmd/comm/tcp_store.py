@@ -493,7 +493,8 @@ class _Client:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     sock.settimeout(max(0.05, min(deadline.remaining(), 10.0)))
                     sock.sendall(_frame(_HELLO, [_MAGIC, token]))
-                    status, fields = self._read_reply(sock)
+                    self._buf.clear()
+                    status, fields = self._read_reply(sock, max_size=_MAX_HELLO)
                     if status == _REFUSED:
                         raise _Refused(fields[0].decode(errors="replace") if fields else "refused")
                     if status != _OK:
@@ -515,11 +516,13 @@ class _Client:
             time.sleep(min(delay, deadline.remaining()))
             delay = min(delay * 2, 0.5)
 
-    def _read_reply(self, sock: socket.socket) -> tuple[int, list[bytes]]:
+    def _read_reply(self, sock: socket.socket, max_size: int | None = None) -> tuple[int, list[bytes]]:
         buf = self._buf
         while len(buf) < _HEADER.size:
             self._recv_more(sock, buf)
         size, status = _HEADER.unpack_from(buf)
+        if max_size is not None and size > max_size:
+            raise ConnectionError(f"a {size}-byte handshake reply; is {self.address} an spmd store?")
         end = _HEADER.size + size
         while len(buf) < end:
             self._recv_more(sock, buf)
