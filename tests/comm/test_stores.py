@@ -202,6 +202,26 @@ def test_concurrent_adds_from_threads_lose_nothing(store: Store) -> None:
                 handle.close()
 
 
+def test_same_results_as_torch_store(store: Store) -> None:
+    import torch.distributed as torch_dist
+
+    script: list[tuple[str, tuple[object, ...]]] = [
+        ("compare_set", ("k", "old", "new")), ("check", (["k"],)), ("compare_set", ("k", "", "first")),
+        ("compare_set", ("k", "first", "second")), ("compare_set", ("k", "first", "third")), ("get", ("k",)),
+        ("add", ("n", 5)), ("add", ("n", -7)), ("get", ("n",)), ("set", ("s", "text")), ("set", ("b", b"\x00\x01")),
+        ("multi_get", (["s", "b", "n"],)), ("check", (["s", "n"],)), ("check", (["s", "zz"],)),
+        ("delete_key", ("zz",)), ("delete_key", ("s",)), ("check", (["s"],)), ("num_keys", ()),
+        ("multi_set", (["x", "y"], ["1", "2"])), ("num_keys", ()), ("add", ("x", 10)), ("multi_get", (["y", "x"],)),
+    ]
+    oracle = torch_dist.HashStore()
+    base = store.num_keys()
+    for name, args in script:
+        ours, theirs = getattr(store, name)(*args), getattr(oracle, name)(*args)
+        if name == "num_keys":
+            ours -= base   # TCPStore and FileStore hold one internal key, as torch's do
+        assert ours == theirs, f"{name}{args}: spmd {ours!r}, torch {theirs!r}"
+
+
 def test_prefix_store_namespaces_keys() -> None:
     base = HashStore()
     job = PrefixStore("job", base)
