@@ -354,5 +354,10 @@ def _run_fallback(cls: type, op: OpOverload, args: tuple, kwargs: dict, dtensors
     return reshard(out)
 
 
+def local_as(dtensor: Any, placements: Placements) -> Tensor:
+    """`dtensor`'s local tensor laid out as `placements` (for handlers; collective over the mesh when it moves)."""
+    return run_plan(dtensor._local_tensor, dtensor._spec, tuple(placements))
+
+
 def _replicated(ndim: int) -> Placements:
     return (Replicate(),) * ndim
