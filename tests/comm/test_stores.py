@@ -279,6 +279,26 @@ def test_tcp_hundreds_of_clients_all_parked_then_released() -> None:
         master.close()
 
 
+def test_tcp_parked_wait_needs_every_key_present_at_once() -> None:
+    master = _master()
+    client = TCPStore("127.0.0.1", master.port, timeout=10)
+    waiter, errors = _in_thread(lambda: client.wait(["a", "b"]))
+    try:
+        _until(_parked(master, "b"))
+        master.set("a", "1")
+        master.delete_key("a")   # seen, then gone again before "b" arrives
+        master.set("b", "1")
+        _until(_parked(master, "a"))   # the server parked the wait again, now on "a" only
+        assert waiter.is_alive()
+        master.set("a", "2")
+        waiter.join(timeout=10)
+        assert not waiter.is_alive() and not errors
+        assert not master._server._watchers
+    finally:
+        client.close()
+        master.close()
+
+
 def test_tcp_wait_for_workers() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

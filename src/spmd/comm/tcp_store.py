@@ -100,13 +100,14 @@ class _Conn:
 class _Waiter:
     """A blocking request parked on the server until its keys exist (or a counter reaches `target`)."""
 
-    __slots__ = ("conn", "done", "keys", "op", "target")
+    __slots__ = ("conn", "done", "keys", "missing", "op", "target")
 
     def __init__(self, conn: _Conn, op: int, keys: list[bytes], target: int) -> None:
         self.conn = conn
         self.op = op
         self.keys = keys
         self.target = target
+        self.missing: set[bytes] = set()   # the keys it is watching: those absent when last checked
         self.done = False
 
 
@@ -322,20 +323,26 @@ class _StoreServer:
             self._time_out(waiter)
             return
         conn.waiter = waiter
-        for key in keys:
-            self._watchers.setdefault(key, set()).add(waiter)
+        self._watch(waiter)
         heapq.heappush(self._deadlines, (time.monotonic() + timeout, next(self._seq), waiter))
 
     def _ready(self, waiter: _Waiter) -> bool:
+        """Whether `waiter` can be answered now; sets `waiter.missing` to the keys it must still watch."""
         if waiter.op == _WAIT_COUNT:
+            waiter.missing = {waiter.keys[0]}
             value = self._data.get(waiter.keys[0], b"")
             return value.lstrip(b"-").isdigit() and int(value) >= waiter.target
-        return all(key in self._data for key in waiter.keys)
+        waiter.missing = {key for key in waiter.keys if key not in self._data}
+        return not waiter.missing
+
+    def _watch(self, waiter: _Waiter) -> None:
+        for key in waiter.missing:
+            self._watchers.setdefault(key, set()).add(waiter)
 
     def _unpark(self, waiter: _Waiter) -> None:
         waiter.done = True
         waiter.conn.waiter = None
-        for key in waiter.keys:
+        for key in waiter.missing:
             watching = self._watchers.get(key)
             if watching is not None:
                 watching.discard(waiter)
@@ -376,10 +383,22 @@ class _StoreServer:
                 self._time_out(waiter)
 
     def _changed(self, key: bytes) -> None:
+        """`key` was just written: answer the waiters it completes (O(1) each until their last key arrives)."""
         watching = self._watchers.get(key)
-        if watching:
-            for waiter in [w for w in watching if self._ready(w)]:
+        if not watching:
+            return
+        for waiter in list(watching):
+            if waiter.op != _WAIT_COUNT:
+                waiter.missing.discard(key)
+                watching.discard(waiter)
+                if waiter.missing:
+                    continue
+            if self._ready(waiter):   # re-checks every key: one may have been deleted since it was seen
                 self._finish(waiter)
+            else:
+                self._watch(waiter)
+        if not watching and self._watchers.get(key) is watching:
+            del self._watchers[key]
 
     # Handlers: one per opcode; `fields` are the request's fields.
 
