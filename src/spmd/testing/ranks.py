@@ -29,7 +29,8 @@ class _Run:
         with self.lock:
             groups = [group for per_rank in self.groups for group in per_rank]
         for group in groups:
-            group.abort(error)
+            if isinstance(group, ProcessGroup):   # a NonMemberGroup has nothing to abort
+                group.abort(error)
 
 
 def run_ranks(fn: Callable[[int, int], Any], world_size: int, timeout: float = 60.0,
