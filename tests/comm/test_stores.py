@@ -563,6 +563,18 @@ def test_file_store_deleted_when_world_size_users_closed(tmp_path: os.PathLike[s
     second.close()   # closing twice is harmless
 
 
+def test_file_store_kept_while_a_late_joiner_uses_it(tmp_path: os.PathLike[str]) -> None:
+    path = os.path.join(tmp_path, "rendezvous")
+    first, second = FileStore(path, world_size=2), FileStore(path, world_size=2)
+    first.close()
+    again = FileStore(path, world_size=2)   # re-joins before `second` closed
+    second.close()
+    assert os.path.exists(path)
+    again.set("k", "v")
+    again.close()
+    assert not os.path.exists(path)
+
+
 def test_file_store_kept_when_world_size_unknown(tmp_path: os.PathLike[str]) -> None:
     path = os.path.join(tmp_path, "kept")
     store = FileStore(path)

@@ -4,7 +4,8 @@ Layer: comm. The file is an append-only log of records (set key=value, delete ke
 log into a dict and reads only what was appended since. Writers hold an exclusive `flock` while they read the
 tail and append, readers a shared one, so processes (and clones inside one process) never see a torn record.
 A blocking `get`/`wait` polls the file with a short backoff. Each instance joining adds 1 to a user counter and
-each closing adds 1 to a done counter; when `world_size` users have closed, the last one deletes the file.
+each closing adds 1 to a done counter; when `world_size` users (and any late joiner) have closed, the last one
+deletes the file.
 Like torch's, a fresh store holds one key (the user counter), so `num_keys()` starts at 1.
 """
 
@@ -39,8 +40,9 @@ def _record(kind: int, key: bytes, value: bytes = b"") -> bytes:
 class FileStore(Store):
     """A store in the file `file_name`, shared by every process (and thread) that opens the same path.
 
-    `world_size` is how many instances will use the file; when that many have closed it, it is deleted
-    (-1: never delete, the caller owns the file). Clones share the file but are not counted as users.
+    `world_size` is how many instances will use the file; when that many have closed it (and no instance that
+    joined later is still open), it is deleted (-1: never delete, the caller owns the file). Clones share the
+    file but are not counted as users.
     """
 
     def __init__(self, file_name: str, world_size: int = -1,
@@ -88,16 +90,22 @@ class FileStore(Store):
         return clone
 
     def close(self) -> None:
-        """Release the file; the `world_size`-th counted instance to close deletes it."""
+        """Release the file; it is deleted once `world_size` counted instances, and every one that joined, closed.
+
+        (An instance that joined late, say a rank re-initialising before a slow one closed, keeps it alive.)
+        """
         if self._closed:
             return
         self._own_descriptor()
         try:
             if self._counted:
-                done = self.add(_DONE_KEY, 1)
-                if 0 < self.world_size <= done:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.path)
+                with self._locked(exclusive=True):
+                    done = int(self._data.get(_DONE_KEY.encode(), b"0")) + 1
+                    self._append(_record(_SET, _DONE_KEY.encode(), str(done).encode()))
+                    users = int(self._data.get(_USERS_KEY.encode(), b"0"))
+                    if 0 < self.world_size <= done and done >= users:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(self.path)
         finally:
             self._closed = True
             self._finalizer()
