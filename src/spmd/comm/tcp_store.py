@@ -585,6 +585,9 @@ class _Client:
                 raise StoreError(f"TCPStore: lost the connection to the store server at {self.address} during "
                                  f"{_OP_NAMES[op]}({what}): {error}. The server's process (the master rank or the "
                                  f"launcher agent) has probably exited.") from None
+            except BaseException:
+                self._break()   # interrupted (KeyboardInterrupt) between request and reply: the stream is unusable
+                raise
 
     def _break(self) -> None:
         sock, self._sock = self._sock, None
