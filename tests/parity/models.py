@@ -1,5 +1,6 @@
 """Small models shared by the parity tests: an MLP, a CNN with BatchNorm, and a GPT-style decoder.
 
+Branchy and Reentrant exercise unused parameters and gradients arriving in nested (reentrant) backwards.
 Sizes are odd on purpose (7, 15, 13 ...) so nothing divides evenly by 2 or 4 ranks by accident. Every builder
 takes a seed, so the single-process reference and each rank build bit-identical initial weights.
 Shape letters: B batch, S sequence, H hidden, V vocabulary, C channels.
@@ -7,17 +8,20 @@ Shape letters: B batch, S sequence, H hidden, V vocabulary, C channels.
 
 from __future__ import annotations
 
+import itertools
 import math
+import threading
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 class MLP(nn.Module):
     def __init__(self, dims: tuple[int, ...] = (7, 15, 13, 3), unused_branch: bool = False) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
         # A layer the forward skips (for find_unused_parameters tests).
         self.skipped = nn.Linear(dims[0], dims[-1]) if unused_branch else None
 
@@ -82,15 +86,48 @@ class TinyGPT(nn.Module):
         return self.ln(x) @ self.embed.weight.t()                                 # (B, S, V)
 
 
+class Branchy(nn.Module):
+    """An MLP whose `extra` layer only rank 0 uses and whose `never` layer nobody uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = MLP((7, 9, 3))
+        self.extra = nn.Linear(7, 3)
+        self.never = nn.Linear(7, 3)
+
+    def forward(self, x: Tensor, use_extra: bool) -> Tensor:
+        out = self.body(x)
+        return out + self.extra(x) if use_extra else out
+
+
+class Reentrant(nn.Module):
+    """Uses `shared` twice, once inside reentrant checkpointing: its gradient arrives in two backwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(7, 7)
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.tanh(self.shared(x))
+        x = checkpoint(lambda t: torch.tanh(self.shared(t)), x, use_reentrant=True)
+        return self.head(x)
+
+
+_BUILD_LOCK = threading.Lock()
+
+
 def build(kind: str, seed: int = 0, **kwargs: object) -> nn.Module:
-    torch.manual_seed(seed)
-    return {"mlp": MLP, "cnn": CNN, "gpt": TinyGPT}[kind](**kwargs)
+    """A model of `kind` initialized from `seed` (thread-safe: thread ranks build concurrently)."""
+    with _BUILD_LOCK, torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return {"mlp": MLP, "cnn": CNN, "gpt": TinyGPT, "branchy": Branchy, "reentrant": Reentrant}[kind](**kwargs)
 
 
 def batch(kind: str, size: int, seed: int = 1) -> tuple[Tensor, Tensor]:
     """A global batch (inputs, targets) for `kind`, deterministic in `seed`."""
     gen = torch.Generator().manual_seed(seed)
-    if kind == "mlp":
+    if kind in ("mlp", "branchy", "reentrant"):
         return torch.randn(size, 7, generator=gen), torch.randn(size, 3, generator=gen)
     if kind == "cnn":
         return torch.randn(size, 3, 9, 9, generator=gen), torch.randint(0, 5, (size,), generator=gen)
@@ -99,6 +136,6 @@ def batch(kind: str, size: int, seed: int = 1) -> tuple[Tensor, Tensor]:
 
 
 def loss_fn(kind: str, output: Tensor, target: Tensor) -> Tensor:
-    if kind == "mlp":
+    if kind in ("mlp", "branchy", "reentrant"):
         return F.mse_loss(output, target)
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))

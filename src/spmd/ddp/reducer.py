@@ -191,7 +191,7 @@ class Reducer:
             return _waiter(work, bucket.buffer)
         view = GradBucket(bucket, bucket.index == len(self.buckets) - 1, self.div_factor, self.group)
         future = self.comm_hook(self.comm_hook_state, view)
-        if not isinstance(future, torch.futures.Future):
+        if not isinstance(future, torch._C.Future):   # what Future.then returns too
             raise TypeError(f"DistributedDataParallel: the comm hook must return a torch.futures.Future of the "
                             f"reduced bucket, got {type(future).__name__}")
         return future.wait
