@@ -1,0 +1,424 @@
+"""The shm transport: every collective and P2P op through shared memory, chunking, mismatches, timeouts,
+aborts, segment hygiene (no name left in /dev/shm, whatever happens), dead-peer detection across real
+processes, and the hierarchical algorithm across two fake hosts.
+
+Most tests run thread ranks over the shm transport (run_ranks(..., backend="shm")): the same segment code,
+one process. Tests that need several processes (kill a rank, exit without cleanup) spawn them with timeouts.
+Small staging slots and rings (monkeypatched) make modest tensors span many chunks and ring laps.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import spmd
+from spmd._core.errors import CollectiveMismatchError, CommError, CommTimeoutError
+from spmd.comm import shm_local, shm_segment
+from spmd.testing import run_ranks
+
+SHM = "shm"
+
+
+def _segments_of(pids: list[int]) -> list[str]:
+    """Names in /dev/shm created by any of `pids` (segment names start with spmd-<creator pid>-)."""
+    prefixes = tuple(f"{shm_segment.NAME_PREFIX}{pid}-" for pid in pids)
+    return [name for name in os.listdir(shm_segment.SHM_DIR) if name.startswith(prefixes)]
+
+
+@pytest.fixture
+def small_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 KiB staging slots and rings: a few thousand elements take many chunks (and ring laps)."""
+    monkeypatch.setattr(shm_segment, "SLOT_BYTES", 4096)
+    monkeypatch.setattr(shm_segment, "RING_BYTES", 4096)
+    monkeypatch.setattr(shm_local, "SMALL_BYTES", 256)
+
+
+def _inputs(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank-dependent values that every dtype represents exactly (so sums compare bit for bit)."""
+    values = (torch.arange(n) * 7 + rank * 3) % 11
+    if dtype is torch.bool:
+        return values % 3 == rank % 2
+    return values.to(dtype)
+
+
+# -- collectives --------------------------------------------------------------------------------------------
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int8, torch.uint8, torch.bool]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_collective_matches_the_local_computation(world_size: int, small_slots: None) -> None:
+    sizes = [0, 1, 7, 1000, 5003]      # with 4 KiB slots: one chunk, and many uneven chunks
+
+    def body(rank: int, size: int) -> None:
+        for dtype in DTYPES:
+            for n in sizes:
+                everyone = [_inputs(r, n, dtype) for r in range(size)]
+                op = spmd.ReduceOp.SUM
+                total = everyone[0].clone()
+                for other in everyone[1:]:
+                    total = total | other if dtype is torch.bool else total + other
+
+                t = everyone[rank].clone()
+                spmd.all_reduce(t, op=op)
+                assert torch.equal(t, total), (dtype, n)
+
+                t = everyone[rank].clone()
+                spmd.reduce(t, dst=size - 1, op=op)
+                assert torch.equal(t, total if rank == size - 1 else everyone[rank]), (dtype, n)
+
+                t = everyone[rank].clone()
+                spmd.broadcast(t, src=size // 2)
+                assert torch.equal(t, everyone[size // 2])
+
+                out = torch.empty(n * size, dtype=dtype)
+                spmd.all_gather_into_tensor(out, everyone[rank])
+                assert torch.equal(out, torch.cat(everyone))
+
+                full = [_inputs(r, n * size, dtype) for r in range(size)]
+                full_total = full[0].clone()
+                for other in full[1:]:
+                    full_total = full_total | other if dtype is torch.bool else full_total + other
+                out = torch.empty(n, dtype=dtype)
+                spmd.reduce_scatter_tensor(out, full[rank])
+                assert torch.equal(out, full_total[rank * n:(rank + 1) * n]), (dtype, n)
+
+                gathered = [torch.empty(n, dtype=dtype) for _ in range(size)] if rank == 0 else None
+                spmd.gather(everyone[rank], gathered, dst=0)
+                if rank == 0:
+                    assert all(torch.equal(a, b) for a, b in zip(gathered, everyone))
+
+                out = torch.empty(n, dtype=dtype)
+                spmd.scatter(out, [_inputs(r, n, dtype) for r in range(size)] if rank == 1 % size else None,
+                             src=1 % size)
+                assert torch.equal(out, everyone[rank])
+        spmd.barrier()
+
+    run_ranks(body, world_size=world_size, timeout=90, backend=SHM)
+
+
+@pytest.mark.parametrize("op", list(spmd.ReduceOp))
+def test_every_reduce_op_small_and_chunked(op: spmd.ReduceOp, small_slots: None) -> None:
+    dtype = torch.float64 if op in (spmd.ReduceOp.AVG, spmd.ReduceOp.PRODUCT) else torch.int32
+
+    def body(rank: int, size: int) -> None:
+        for n in (5, 40, 3001):          # below SMALL_BYTES, one chunk, many chunks
+            everyone = [_inputs(r, n, dtype) + 1 for r in range(size)]
+            expected = everyone[0].clone()
+            for other in everyone[1:]:
+                expected = {
+                    spmd.ReduceOp.SUM: torch.add, spmd.ReduceOp.AVG: torch.add, spmd.ReduceOp.PRODUCT: torch.mul,
+                    spmd.ReduceOp.MIN: torch.minimum, spmd.ReduceOp.MAX: torch.maximum,
+                    spmd.ReduceOp.BAND: torch.bitwise_and, spmd.ReduceOp.BOR: torch.bitwise_or,
+                    spmd.ReduceOp.BXOR: torch.bitwise_xor}[op](expected, other)
+            if op is spmd.ReduceOp.AVG:
+                expected = expected / size
+            t = everyone[rank].clone()
+            spmd.all_reduce(t, op=op)
+            torch.testing.assert_close(t, expected, rtol=0, atol=0)
+            block = n // size            # reduce_scatter of the first block * size elements
+            out = torch.empty(block, dtype=dtype)
+            spmd.reduce_scatter_tensor(out, everyone[rank][:block * size], op=op)
+            torch.testing.assert_close(out, expected[rank * block:(rank + 1) * block], rtol=0, atol=0)
+
+    run_ranks(body, world_size=3, timeout=60, backend=SHM)
+
+
+def test_large_tensors_with_the_default_slots_are_bit_identical_on_every_rank() -> None:
+    n = (3 << 20) // 4 + 5     # 3 MiB of float32 and a bit: several default 1 MiB chunks, an odd tail
+
+    def body(rank: int, size: int) -> torch.Tensor:
+        t = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+        expected = sum(torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(size))
+        spmd.all_reduce(t)
+        torch.testing.assert_close(t, expected)
+        return t
+
+    results = run_ranks(body, world_size=3, timeout=60, backend=SHM)
+    assert all(torch.equal(results[0], other) for other in results[1:])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_all_to_all_with_uneven_and_empty_splits(world_size: int, small_slots: None) -> None:
+    def body(rank: int, size: int) -> None:
+        sends = [(rank * 7 + dst * 13) % 5 * 300 if dst != rank else 3 for dst in range(size)]   # 0..1200
+        receives = [(src * 7 + rank * 13) % 5 * 300 if src != rank else 3 for src in range(size)]
+        inp = torch.cat([torch.full((count,), rank * 100 + dst, dtype=torch.int32)
+                         for dst, count in enumerate(sends)])
+        out = torch.empty(sum(receives), dtype=torch.int32)
+        spmd.all_to_all_single(out, inp, receives, sends)
+        expected = torch.cat([torch.full((count,), src * 100 + rank, dtype=torch.int32)
+                              for src, count in enumerate(receives)])
+        assert torch.equal(out, expected)
+        outs = [torch.empty(2 + src, dtype=torch.float16) for src in range(size)]
+        spmd.all_to_all(outs, [torch.full((2 + rank,), float(rank)).half() for _ in range(size)])
+        assert all(torch.equal(o, torch.full((2 + src,), float(src)).half()) for src, o in enumerate(outs))
+
+    run_ranks(body, world_size=world_size, timeout=60, backend=SHM)
+
+
+def test_subgroups_async_ops_and_in_place_all_gather(small_slots: None) -> None:
+    def body(rank: int, size: int) -> None:
+        pair, _ = spmd.new_subgroups(2)
+        works = [spmd.all_reduce(t, group=pair, async_op=True) for t in [torch.full((900,), float(rank))] * 3]
+        for work in works:
+            work.wait()
+        big = torch.empty(4 * 1000)
+        mine = big[rank * 1000:(rank + 1) * 1000]
+        mine.fill_(rank)
+        spmd.all_gather_into_tensor(big, mine)              # FSDP's in-place form: input is a view of the output
+        assert torch.equal(big, torch.arange(4.0).repeat_interleave(1000))
+
+    run_ranks(body, world_size=4, timeout=60, backend=SHM)
+
+
+# -- point to point -----------------------------------------------------------------------------------------
+
+def test_p2p_both_sides_send_first_large_messages_and_tags_in_order(small_slots: None) -> None:
+    def body(rank: int, size: int) -> None:
+        peer = 1 - rank
+        big = torch.arange(50_000, dtype=torch.float64) + rank      # 400 KB through a 4 KiB ring
+        sends = [spmd.isend(big, peer), spmd.isend(torch.tensor([rank, 1]), peer, tag=5),
+                 spmd.isend(torch.tensor([rank, 2]), peer, tag=5), spmd.isend(torch.tensor([rank, 3]), peer, tag=7)]
+        got7, got5a, got5b = torch.empty(2, dtype=torch.int64), torch.empty(2, dtype=torch.int64), torch.empty(
+            2, dtype=torch.int64)
+        spmd.recv(got7, peer, tag=7)                         # a later tag first: the earlier ones wait unmatched
+        recvs = [spmd.irecv(got5a, peer, tag=5), spmd.irecv(got5b, peer, tag=5)]
+        received = torch.empty(50_000, dtype=torch.float64)
+        spmd.recv(received, peer)
+        for work in sends + recvs:
+            work.wait()
+        assert torch.equal(received, torch.arange(50_000, dtype=torch.float64) + peer)
+        assert got7.tolist() == [peer, 3] and got5a.tolist() == [peer, 1] and got5b.tolist() == [peer, 2]
+        # blocking sends on both sides first: the progress threads buffer, so neither waits for the other
+        spmd.send(torch.full((20_000,), float(rank)), peer)
+        back = torch.empty(20_000)
+        spmd.recv(back, peer)
+        assert torch.equal(back, torch.full((20_000,), float(peer)))
+        mine = torch.tensor([3.5, rank])
+        to_self = spmd.isend(mine, rank, tag=2)
+        echo = torch.empty(2)
+        spmd.irecv(echo, rank, tag=2).wait()
+        to_self.wait()
+        assert echo.tolist() == [3.5, rank]
+        for dtype in (torch.bool, torch.complex64, torch.bfloat16):
+            if rank == 0:
+                spmd.send(torch.ones(3, dtype=dtype), peer)
+            else:
+                z = torch.zeros(3, dtype=dtype)
+                spmd.recv(z, 0)
+                assert torch.equal(z, torch.ones(3, dtype=dtype))
+
+    run_ranks(body, world_size=2, timeout=60, backend=SHM)
+
+
+def test_p2p_size_mismatch_fails_the_receive() -> None:
+    def body(rank: int, size: int) -> None:
+        if rank == 0:
+            spmd.send(torch.ones(4), 1)
+        else:
+            with pytest.raises(CommError, match=r"holds 4 torch\.float32 elements but the receive buffer holds 5"):
+                spmd.recv(torch.empty(5), 0)
+
+    run_ranks(body, world_size=2, timeout=30, backend=SHM)
+
+
+# -- failures -----------------------------------------------------------------------------------------------
+
+def test_mismatched_collectives_raise_on_every_rank_with_both_call_sites() -> None:
+    def body(rank: int, size: int) -> str:
+        with pytest.raises(CollectiveMismatchError) as raised:
+            if rank == 0:
+                spmd.all_reduce(torch.ones(4))
+            else:
+                spmd.all_reduce(torch.ones(5))
+        return str(raised.value)
+
+    messages = run_ranks(body, world_size=2, timeout=30, backend=SHM)
+    for message in messages:
+        assert "shape=[4]" in message and "shape=[5]" in message
+        assert len(set(re.findall(r"test_shm\.py:\d+", message))) == 2     # both ranks' call sites
+
+
+def test_mismatched_op_and_root_are_caught() -> None:
+    def body(rank: int, size: int) -> None:
+        with pytest.raises(CollectiveMismatchError, match="broadcast"):
+            if rank == 0:
+                spmd.broadcast(torch.ones(3), src=0)
+            else:
+                spmd.all_reduce(torch.ones(3))
+
+    run_ranks(body, world_size=2, timeout=30, backend=SHM)
+
+    def roots(rank: int, size: int) -> None:
+        with pytest.raises(CollectiveMismatchError, match="root="):
+            spmd.broadcast(torch.ones(3), src=rank)
+
+    run_ranks(roots, world_size=2, timeout=30, backend=SHM)
+
+
+def test_all_to_all_split_mismatch_is_reported_on_every_rank() -> None:
+    def body(rank: int, size: int) -> None:
+        out = torch.empty(4)
+        with pytest.raises(CollectiveMismatchError, match="expects 2 elements from rank 0, which sends 1"):
+            spmd.all_to_all_single(out, torch.ones(4), [2, 2], [1, 3] if rank == 0 else [2, 2])
+
+    run_ranks(body, world_size=2, timeout=30, backend=SHM)
+
+
+def test_a_missing_peer_times_out_at_the_deadline() -> None:
+    def body(rank: int, size: int) -> None:
+        if rank == 0:
+            started = time.monotonic()
+            with pytest.raises(CommTimeoutError, match="all_reduce"):
+                spmd.all_reduce(torch.ones(3))
+            assert 0.9 < time.monotonic() - started < 10
+
+    run_ranks(body, world_size=2, timeout=30, comm_timeout=1.0, backend=SHM)
+
+
+def test_a_failing_rank_wakes_the_waiting_peers_at_once() -> None:
+    started = time.monotonic()
+
+    def body(rank: int, size: int) -> None:
+        if rank == 0:
+            raise KeyError("rank 0 gave up")
+        spmd.all_reduce(torch.ones(10))
+
+    with pytest.raises(KeyError, match="gave up"):
+        run_ranks(body, world_size=3, timeout=60, comm_timeout=60, backend=SHM)
+    assert time.monotonic() - started < 10
+
+
+def test_no_segment_name_outlives_the_group_set_up(small_slots: None) -> None:
+    def body(rank: int, size: int) -> list[str]:
+        spmd.new_group([0, 1])
+        spmd.barrier()                  # every group's set-up is over on every rank
+        return _segments_of([os.getpid()])
+
+    assert run_ranks(body, world_size=3, timeout=30, backend=SHM) == [[], [], []]
+    assert _segments_of([os.getpid()]) == []
+
+
+# -- real processes -----------------------------------------------------------------------------------------
+
+def _spawn(target: Callable[..., None], count: int, *args: Any) -> tuple[list[multiprocessing.Process], Any]:
+    """Start `count` processes running target(rank, count, results_queue, *args).
+
+    A forkserver that has imported torch and spmd once forks them, so each costs milliseconds, not the
+    seconds of a fresh interpreter importing torch, and none inherits this process's threads.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "spmd", "spmd.comm.shm", __name__])
+    results = ctx.Queue()
+    processes = [ctx.Process(target=target, args=(rank, count, results, *args), daemon=True) for rank in range(count)]
+    for process in processes:
+        process.start()
+    return processes, results
+
+
+def _reap(processes: list[multiprocessing.Process]) -> None:
+    for process in processes:
+        process.join(timeout=20)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+
+
+def _kill_worker(rank: int, world_size: int, results: Any, store_path: str) -> None:
+    """Check a few collectives across processes, then loop on all_reduce until a peer is killed."""
+    torch.set_num_threads(1)
+    spmd.init_process_group("shm", init_method=f"file://{store_path}", rank=rank, world_size=world_size, timeout=60)
+    try:
+        t = torch.full((300_000,), float(rank + 1))
+        spmd.all_reduce(t)
+        out = torch.empty(3 * 1000, dtype=torch.int64)
+        spmd.all_gather_into_tensor(out, torch.full((1000,), rank, dtype=torch.int64))
+        p2p = torch.empty(70_000)
+        sent = spmd.isend(torch.full((70_000,), float(rank)), (rank + 1) % world_size)
+        spmd.recv(p2p, (rank - 1) % world_size)
+        sent.wait()
+        results.put(("checked", rank, os.getpid(), t[0].item() == 6.0 and torch.equal(
+            out, torch.arange(3).repeat_interleave(1000)) and p2p[0].item() == (rank - 1) % world_size))
+        big = torch.ones(4 << 20)
+        started = None
+        try:
+            while True:
+                spmd.all_reduce(big)
+                if started is None:
+                    started = time.monotonic()
+                    results.put(("looping", rank, os.getpid(), None))
+        except Exception as error:   # what the survivors report is the point of the test
+            results.put(("failed", rank, type(error).__name__, (time.monotonic(), str(error))))
+    finally:
+        spmd.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_fails_the_survivors_fast_and_leaves_no_segment(tmp_path) -> None:
+    processes, results = _spawn(_kill_worker, 3, str(tmp_path / "store"))
+    try:
+        pids, checked, looping = {}, [], 0
+        while looping < 3:
+            kind, rank, pid, value = results.get(timeout=90)
+            pids[rank] = pid
+            checked += [value] if kind == "checked" else []
+            looping += kind == "looping"
+        assert checked == [True, True, True]
+        os.kill(pids[2], signal.SIGKILL)
+        killed_at = time.monotonic()
+        reports = [results.get(timeout=30) for _ in range(2)]
+    finally:
+        _reap(processes)
+    for kind, rank, error_type, (failed_at, message) in reports:
+        assert kind == "failed" and rank in (0, 1)
+        assert error_type == "PeerLostError", message
+        assert "rank 2 " in message
+        assert failed_at - killed_at < 5.0
+    assert _segments_of(list(pids.values())) == []
+
+
+def _die_in_set_up_window(rank: int, world_size: int, results: Any) -> None:
+    segment = shm_segment.Segment.create(2)     # created, never attached by a peer: the name is still linked
+    results.put((segment.name, os.path.exists(os.path.join(shm_segment.SHM_DIR, segment.name))))
+    results.close()
+    results.join_thread()         # the message is in the pipe before the process dies
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+def test_set_up_window_names_are_removed_at_exit_and_by_the_orphan_sweep() -> None:
+    script = ("import os, sys; from spmd.comm import shm_segment; s = shm_segment.Segment.create(2); "
+              "print(s.name, os.path.exists(os.path.join(shm_segment.SHM_DIR, s.name)))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90, check=True)
+    name, existed = done.stdout.split()
+    assert existed == "True" and not os.path.exists(os.path.join(shm_segment.SHM_DIR, name))   # atexit unlinked it
+
+    processes, results = _spawn(_die_in_set_up_window, 1)
+    name, existed = results.get(timeout=60)
+    _reap(processes)
+    assert existed and os.path.exists(os.path.join(shm_segment.SHM_DIR, name))       # SIGKILL: no atexit
+    assert name in shm_segment.remove_orphan_segments()
+    assert not os.path.exists(os.path.join(shm_segment.SHM_DIR, name))
+
+
+def test_orphan_sweep_keeps_live_creators_segments() -> None:
+    segment = shm_segment.Segment.create(2)
+    try:
+        assert segment.name not in shm_segment.remove_orphan_segments()
+        assert os.path.exists(os.path.join(shm_segment.SHM_DIR, segment.name))
+    finally:
+        segment.close()
+    assert not os.path.exists(os.path.join(shm_segment.SHM_DIR, segment.name))
+
