@@ -324,6 +324,10 @@ class _StoreServer:
             return
         conn.waiter = waiter
         self._watch(waiter)
+        if len(self._deadlines) > 64 and len(self._deadlines) > 4 * len(self._conns):
+            # Answered waiters leave their entries behind until they reach the top; drop them in one pass.
+            self._deadlines = [entry for entry in self._deadlines if not entry[2].done]
+            heapq.heapify(self._deadlines)
         heapq.heappush(self._deadlines, (time.monotonic() + timeout, next(self._seq), waiter))
 
     def _ready(self, waiter: _Waiter) -> bool:
