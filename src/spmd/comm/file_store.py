@@ -128,9 +128,11 @@ class FileStore(Store):
     def _read_tail(self) -> None:
         """Apply the records appended since the last read (the caller holds the file lock)."""
         size = os.fstat(self._fd).st_size
-        if size <= self._offset:
-            return
-        tail = os.pread(self._fd, size - self._offset, self._offset)
+        while self._offset < size and self._apply(os.pread(self._fd, size - self._offset, self._offset)):
+            pass
+
+    def _apply(self, tail: bytes) -> bool:
+        """Apply the complete records at the start of `tail`; False if there was none."""
         pos, data = 0, self._data
         while pos + _RECORD.size <= len(tail):
             kind, key_len, value_len = _RECORD.unpack_from(tail, pos)
@@ -144,10 +146,13 @@ class FileStore(Store):
                 data.pop(key, None)
             pos = end
         self._offset += pos
+        return pos > 0
 
     def _append(self, records: bytes) -> None:
         """Append `records` (the caller holds the exclusive lock and has read the tail) and apply them."""
-        os.write(self._fd, records)
+        view = memoryview(records)
+        while view:
+            view = view[os.write(self._fd, view):]
         self._read_tail()
 
     def _snapshot(self, keys: list[bytes]) -> list[bytes | None]:
