@@ -248,6 +248,20 @@ def test_tcp_port_zero_and_attributes() -> None:
         master.close()
 
 
+@pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="this host has no dual-stack IPv6")
+def test_tcp_master_serves_ipv4_and_ipv6_clients() -> None:
+    master = _master()
+    try:
+        over_v6 = TCPStore("::1", master.port, timeout=5)
+        over_v6.set("k", "v6")
+        over_v4 = TCPStore("127.0.0.1", master.port, timeout=5)
+        assert over_v4.get("k") == b"v6"
+        over_v6.close()
+        over_v4.close()
+    finally:
+        master.close()
+
+
 def test_tcp_hundreds_of_clients_all_parked_then_released() -> None:
     master = _master(timeout=30)
     clients = [master.clone() for _ in range(200)]

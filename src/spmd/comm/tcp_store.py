@@ -140,19 +140,22 @@ class _StoreServer:
 
     @staticmethod
     def _bind(port: int) -> socket.socket:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # lets a restart reuse a TIME_WAIT port
-        try:
-            listener.bind(("0.0.0.0", port))
-            listener.listen(4096)
-        except OSError as error:
-            listener.close()
-            if error.errno == errno.EADDRINUSE:
-                raise StoreError(f"TCPStore: port {port} on 0.0.0.0 is already in use; pick another MASTER_PORT "
-                                 f"or use port 0 (the OS picks a free one)") from None
-            raise StoreError(f"TCPStore: could not listen on 0.0.0.0:{port}: {error}") from error
-        listener.setblocking(False)
-        return listener
+        """Listen on every interface: IPv4 and IPv6 where the host has both, else IPv4 only."""
+        families = [socket.AF_INET6, socket.AF_INET] if socket.has_dualstack_ipv6() else [socket.AF_INET]
+        failure: OSError | None = None
+        for family in families:
+            try:
+                listener = socket.create_server(("", port), family=family, backlog=4096,
+                                                dualstack_ipv6=family == socket.AF_INET6)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    raise StoreError(f"TCPStore: port {port} on 0.0.0.0 is already in use; pick another MASTER_PORT "
+                                     f"or use port 0 (the OS picks a free one)") from None
+                failure = error   # e.g. IPv6 present but unusable here: try IPv4 only
+                continue
+            listener.setblocking(False)
+            return listener
+        raise StoreError(f"TCPStore: could not listen on 0.0.0.0:{port}: {failure}") from failure
 
     def stop(self) -> None:
         """Close every connection and the listening socket; clients see their connection end."""
