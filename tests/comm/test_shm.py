@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,8 +24,15 @@ import pytest
 import torch
 
 import spmd
+from spmd._core.deadline import Deadline
 from spmd._core.errors import CollectiveMismatchError, CommError, CommTimeoutError
 from spmd.comm import shm_local, shm_segment
+from spmd.comm.debug import Fingerprint
+from spmd.comm.shm import ShmTransport
+from spmd.comm.shm_hier import HierarchicalTransport
+from spmd.comm.shm_local import LocalShmTransport
+from spmd.comm.transport import OpContext, TransportSpec
+from spmd.comm.work import Work
 from spmd.testing import run_ranks
 
 SHM = "shm"
@@ -422,3 +430,85 @@ def test_orphan_sweep_keeps_live_creators_segments() -> None:
         segment.close()
     assert not os.path.exists(os.path.join(shm_segment.SHM_DIR, segment.name))
 
+
+
+# -- hierarchical -------------------------------------------------------------------------------------------
+
+def _on_fake_hosts(hosts: tuple[str, ...], fn: Callable[[ShmTransport, int], Any], timeout: float = 60) -> list[Any]:
+    """Run fn(transport, group_rank) on one thread per rank, each rank's transport built with `hosts`."""
+    store = spmd.HashStore(timeout=timeout)
+    results: list[Any] = [None] * len(hosts)
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        spec = TransportSpec(store=store, group_name="hier", group_rank=rank, global_ranks=tuple(range(len(hosts))),
+                             hosts=hosts, timeout=timeout, token=b"t")
+        transport = ShmTransport(spec)
+        try:
+            results[rank] = fn(transport, rank)
+        except BaseException as error:   # reported below, after the other ranks are released
+            errors.append(error)
+            transport.abort(error)
+        finally:
+            transport.close()
+
+    threads = [threading.Thread(target=rank_main, args=(rank,), daemon=True) for rank in range(len(hosts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    if errors:
+        raise errors[0]
+    assert not any(thread.is_alive() for thread in threads), "a rank is still running"
+    return results
+
+
+def _ctx(op: str, seq: int, tensor: torch.Tensor, reduce_op: spmd.ReduceOp | None = None,
+         root: int | None = None) -> OpContext:
+    fingerprint = Fingerprint(op, seq, tuple(tensor.shape), str(tensor.dtype), reduce_op and reduce_op.name, root)
+    return OpContext(fingerprint, Deadline(30.0), "test group")
+
+
+@pytest.mark.parametrize("hosts", [("a", "a", "b", "b"), ("a", "b", "a", "b"), ("a", "a", "a", "b")])
+def test_hierarchical_collectives_equal_the_flat_algorithm(hosts: tuple[str, ...], small_slots: None) -> None:
+    n = 3001
+
+    def body(transport: ShmTransport, rank: int) -> list[torch.Tensor]:
+        assert isinstance(transport.engine, HierarchicalTransport if len(set(hosts)) > 1 else LocalShmTransport)
+        results = []
+        for seq, op in enumerate((spmd.ReduceOp.SUM, spmd.ReduceOp.AVG, spmd.ReduceOp.MAX)):
+            t = _inputs(rank, n, torch.float64) * (rank + 1)
+            transport.all_reduce(t, op, _ctx("all_reduce", seq, t, op))
+            results.append(t)
+        for root in range(len(hosts)):
+            t = torch.full((n,), float(rank))
+            transport.broadcast(t, root, _ctx("broadcast", 10 + root, t, root=root))
+            results.append(t)
+        transport.barrier(_ctx("barrier", 20, torch.empty(0)))
+        out = torch.empty(4 * 5, dtype=torch.int32)
+        transport.all_gather(out, torch.full((5,), rank, dtype=torch.int32), _ctx("all_gather", 21, out))
+        results.append(out)
+        works = []
+        for peer in range(len(hosts)):      # to every peer, on this host (shm) or another (tcp)
+            work = Work(f"isend to {peer}")
+            transport.isend(torch.full((700,), rank * 10.0 + peer), peer, 3, work)
+            works.append(work)
+        for peer in range(len(hosts)):
+            got, work = torch.empty(700), Work(f"irecv from {peer}")
+            transport.irecv(got, peer, 3, work)
+            work.wait(timeout=30)
+            results.append(got)
+        for work in works:
+            work.wait(timeout=30)
+        return results
+
+    hierarchical = _on_fake_hosts(hosts, body)
+    hosts = ("a",) * len(hosts)
+    flat = _on_fake_hosts(hosts, body)
+    for rank, (mine, reference) in enumerate(zip(hierarchical, flat)):
+        for got, want in zip(mine, reference):
+            assert torch.equal(got, want), rank
+    assert torch.equal(flat[0][0], sum(_inputs(r, n, torch.float64) * (r + 1) for r in range(len(hosts))))
+    assert flat[2][5].tolist() == [2.0] * n                                       # broadcast from rank 2
+    assert flat[1][7].tolist() == [0] * 5 + [1] * 5 + [2] * 5 + [3] * 5              # all_gather
+    assert flat[2][-1].tolist() == [32.0] * 700                                   # rank 3 sent 3*10+2

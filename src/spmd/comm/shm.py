@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.shm_hier import HierarchicalTransport
 from spmd.comm.shm_local import LocalShmTransport
 from spmd.comm.transport import OpContext, Transport, TransportSpec
 from spmd.comm.work import Work
@@ -23,10 +24,8 @@ class ShmTransport(Transport):
 
     def __init__(self, spec: TransportSpec) -> None:
         super().__init__(spec)
-        if len(set(spec.hosts)) > 1:
-            raise ValueError(f"shm transport: group '{spec.group_name}' spans hosts {sorted(set(spec.hosts))}; "
-                             f"use the tcp backend")
-        self.engine: Transport = LocalShmTransport(spec)
+        hierarchical = len(set(spec.hosts)) > 1
+        self.engine: Transport = HierarchicalTransport(spec) if hierarchical else LocalShmTransport(spec)
 
     def all_reduce(self, tensor: Tensor, op: ReduceOp, ctx: OpContext) -> None:
         self.engine.all_reduce(tensor, op, ctx)

@@ -1,0 +1,141 @@
+"""The hierarchical shm transport: a group spanning hosts, shared memory inside each host, tcp between hosts.
+
+Layer: comm. Built by ShmTransport when the group's ranks are on more than one host (spec.hosts). The
+bandwidth-heavy collectives whose hierarchical form is cheap run in three steps:
+
+    all_reduce   1. (every host)   reduce to the host's leader through shared memory (sliced, see shm_local)
+                 2. (leaders)      all_reduce over tcp, one rank per host
+                 3. (every host)   broadcast from the leader through shared memory
+    broadcast    1. (root's host)  broadcast from the root through shared memory (the leader gets it)
+                 2. (leaders)      broadcast from the root's host leader over tcp
+                 3. (other hosts)  broadcast from the leader through shared memory
+    barrier      local barrier, leaders' barrier, local barrier
+
+so each byte crosses the network once per host instead of once per rank. The leader of a host is its
+lowest group rank. Every other operation (all_gather, reduce_scatter, reduce, gather, scatter, all_to_all)
+runs on a tcp transport over the whole group, and point-to-point messages go through shared memory to a
+peer on the same host and over tcp to a peer elsewhere (each peer always on one route, so messages of a
+(peer, tag) stay in order). Every step gets the caller's OpContext, so fingerprints are checked inside each
+host and between leaders, and all steps share the op's deadline.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.shm_local import LocalShmTransport
+from spmd.comm.store import PrefixStore
+from spmd.comm.tcp import TcpTransport
+from spmd.comm.transport import OpContext, Transport, TransportSpec
+from spmd.comm.work import Work
+
+
+class HierarchicalTransport(Transport):
+    """Shared memory inside each host, tcp between hosts; see the module docstring for the algorithms."""
+
+    name = "shm"
+
+    def __init__(self, spec: TransportSpec) -> None:
+        super().__init__(spec)
+        host_order = list(dict.fromkeys(spec.hosts))                    # hosts in order of their first rank
+        self.host_index = host_order.index(spec.hosts[self.group_rank])
+        self.host_of = [host_order.index(host) for host in spec.hosts]
+        self.local_ranks = [r for r in range(self.group_size) if self.host_of[r] == self.host_index]
+        self.leaders = [self.host_of.index(h) for h in range(len(host_order))]
+        self.is_leader = self.group_rank == self.leaders[self.host_index]
+        self._transports: list[Transport] = []
+        try:
+            self.local = self._add(LocalShmTransport(self._subspec(
+                f"local{self.host_index}", self.local_ranks, self.local_ranks.index(self.group_rank))))
+            self.leader_group: Transport | None = None
+            if self.is_leader:
+                self.leader_group = self._add(TcpTransport(self._subspec(
+                    "leaders", self.leaders, self.host_index)))
+            self.flat = self._add(TcpTransport(self._subspec("flat", list(range(self.group_size)), self.group_rank)))
+        except BaseException:
+            self.close()
+            raise
+
+    def _subspec(self, name: str, members: list[int], my_index: int) -> TransportSpec:
+        """The spec of a sub-group of `members` (group ranks), with its own prefix of the group's store."""
+        spec = self.spec
+        return TransportSpec(store=PrefixStore(f"hier/{name}", spec.store), group_name=f"{spec.group_name}/{name}",
+                             group_rank=my_index, global_ranks=tuple(spec.global_ranks[r] for r in members),
+                             hosts=tuple(spec.hosts[r] for r in members), timeout=spec.timeout, token=spec.token)
+
+    def _add(self, transport: Transport) -> Transport:
+        self._transports.append(transport)
+        return transport
+
+    # -- hierarchical collectives ---------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: Tensor, op: ReduceOp, ctx: OpContext) -> None:
+        partial = ReduceOp.SUM if op is ReduceOp.AVG else op     # AVG: sum everywhere, divide once at the end
+        self.local.reduce(tensor, 0, partial, ctx)
+        if self.leader_group is not None:
+            self.leader_group.all_reduce(tensor, partial, ctx)
+            if op is ReduceOp.AVG:
+                tensor.div_(self.group_size)
+        self.local.broadcast(tensor, 0, ctx)
+
+    def broadcast(self, tensor: Tensor, root: int, ctx: OpContext) -> None:
+        root_host = self.host_of[root]
+        if self.host_index == root_host:
+            self.local.broadcast(tensor, self.local_ranks.index(root), ctx)
+        if self.leader_group is not None:
+            self.leader_group.broadcast(tensor, root_host, ctx)
+        if self.host_index != root_host:
+            self.local.broadcast(tensor, 0, ctx)
+
+    def barrier(self, ctx: OpContext) -> None:
+        self.local.barrier(ctx)
+        if self.leader_group is not None:
+            self.leader_group.barrier(ctx)
+        self.local.barrier(ctx)
+
+    # -- flat over tcp --------------------------------------------------------------------------------------
+
+    def reduce(self, tensor: Tensor, root: int, op: ReduceOp, ctx: OpContext) -> None:
+        self.flat.reduce(tensor, root, op, ctx)
+
+    def all_gather(self, output: Tensor, input: Tensor, ctx: OpContext) -> None:
+        self.flat.all_gather(output, input, ctx)
+
+    def reduce_scatter(self, output: Tensor, input: Tensor, op: ReduceOp, ctx: OpContext) -> None:
+        self.flat.reduce_scatter(output, input, op, ctx)
+
+    def gather(self, output: Tensor | None, input: Tensor, root: int, ctx: OpContext) -> None:
+        self.flat.gather(output, input, root, ctx)
+
+    def scatter(self, output: Tensor, input: Tensor | None, root: int, ctx: OpContext) -> None:
+        self.flat.scatter(output, input, root, ctx)
+
+    def all_to_all(self, output: Tensor, input: Tensor, output_splits: list[int], input_splits: list[int],
+                   ctx: OpContext) -> None:
+        self.flat.all_to_all(output, input, output_splits, input_splits, ctx)
+
+    # -- point to point -------------------------------------------------------------------------------------
+
+    def isend(self, tensor: Tensor, dst: int, tag: int, work: Work) -> None:
+        if self.host_of[dst] == self.host_index:
+            self.local.isend(tensor, self.local_ranks.index(dst), tag, work)
+        else:
+            self.flat.isend(tensor, dst, tag, work)
+
+    def irecv(self, tensor: Tensor, src: int, tag: int, work: Work) -> None:
+        if self.host_of[src] == self.host_index:
+            self.local.irecv(tensor, self.local_ranks.index(src), tag, work)
+        else:
+            self.flat.irecv(tensor, src, tag, work)
+
+    # -- lifetime -------------------------------------------------------------------------------------------
+
+    def abort(self, error: BaseException) -> None:
+        for transport in self._transports:
+            transport.abort(error)
+
+    def close(self) -> None:
+        for transport in reversed(self._transports):
+            transport.close()
+        self._transports.clear()
