@@ -1,0 +1,96 @@
+"""Shared checks for the sharding-rule tests: run a function on DTensors laid out every supported way and
+compare the full result, and the full gradients, with the same function on plain tensors.
+
+The reference is the function itself on plain tensors, so a rule test states only WHAT to compute and which
+layouts to try. Every rank runs the same combinations in the same order (full_tensor is collective).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from spmd.device_mesh import DeviceMesh, init_device_mesh
+from spmd.tensor import DTensor, Partial, Placement, Replicate, Shard
+from spmd.tensor.spec import DTensorSpec, contiguous_stride
+from spmd.testing import run_ranks
+
+MESH_SHAPES: tuple[tuple[int, ...], ...] = ((1,), (2,), (4,), (2, 2))
+
+# fp32 on CPU: a sharded computation sums the same products in a different order (per-shard partial sums
+# reduced across ranks), so results agree to a few ulps of the magnitudes involved, not bit for bit.
+RTOL = 1e-5
+ATOL = 1e-5
+
+
+def on_meshes(body: Callable[[DeviceMesh], None], shapes: Iterable[tuple[int, ...]] = MESH_SHAPES,
+              timeout: float = 60.0) -> None:
+    """Run `body(mesh)` on every rank of a threads world for each mesh shape (raises the first failure)."""
+    for shape in shapes:
+        run_ranks(lambda rank, world_size, shape=shape: body(init_device_mesh("cpu", shape)),
+                  world_size=math.prod(shape), timeout=timeout)
+
+
+def layouts(ndim: int, mesh: DeviceMesh, *, partial: bool = False,
+            shard_dims: Sequence[int] | None = None) -> list[tuple[Placement, ...]]:
+    """Every placements tuple for a `ndim`-d tensor on `mesh`: Replicate or Shard(d) per mesh dim, plus
+    Partial() when `partial` (only one Partial op per spec, as DTensorSpec requires)."""
+    dims = range(ndim) if shard_dims is None else shard_dims
+    choices: list[Placement] = [Replicate(), *(Shard(d) for d in dims)]
+    if partial:
+        choices.append(Partial())
+    return list(itertools.product(choices, repeat=mesh.ndim))
+
+
+def make_dtensor(full: Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
+                 requires_grad: bool = False) -> DTensor:
+    """A DTensor whose global value is `full` (identical on every rank) laid out as `placements`, a leaf.
+
+    No communication: each rank takes its piece (Partial: the value on the first rank of the mesh dim, zeros
+    elsewhere, which is exact)."""
+    spec = DTensorSpec(mesh, tuple(placements), full.shape, contiguous_stride(full.shape), full.dtype)
+    return DTensor(spec.local_from_full(full.detach()), spec, requires_grad=requires_grad)
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def check(fn: Callable[..., Any], inputs: Sequence[Tensor], mesh: DeviceMesh,
+          placements: Sequence[Sequence[Placement]], *, grad: bool = True, rtol: float = RTOL, atol: float = ATOL,
+          expect_placements: Sequence[Placement] | None = None, seed: int = 0) -> Any:
+    """Compare `fn(*dtensors)` with `fn(*inputs)`: every tensor output's full value and, if `grad`, the full
+    gradient of every floating input for a random output gradient. Returns the DTensor output."""
+    where = f"{getattr(fn, '__name__', fn)} on mesh {tuple(mesh.shape)} with placements {list(placements)}"
+    wants_grad = [grad and t.is_floating_point() for t in inputs]
+    plain = [t.detach().clone().requires_grad_(g) for t, g in zip(inputs, wants_grad)]
+    expected = _as_list(fn(*plain))
+    dtensors = [make_dtensor(t, mesh, p, requires_grad=g) for t, p, g in zip(inputs, placements, wants_grad)]
+    got = _as_list(fn(*dtensors))
+    if expect_placements is not None:
+        assert tuple(got[0].placements) == tuple(expect_placements), f"{where}: got {got[0].placements}"
+    for k, (want, have) in enumerate(zip(expected, got)):
+        if not isinstance(want, Tensor):
+            continue
+        assert isinstance(have, DTensor), f"{where}: output {k} is {type(have).__name__}, not a DTensor"
+        torch.testing.assert_close(have.full_tensor(), want.detach(), rtol=rtol, atol=atol,
+                                   msg=lambda m, k=k: f"{where}: output {k}: {m}")
+    if not any(wants_grad):
+        return got[0]
+    generator = torch.Generator().manual_seed(seed)
+    outs = [(w, h) for w, h in zip(expected, got) if isinstance(w, Tensor) and w.requires_grad]
+    grads = [torch.randn(w.shape, generator=generator, dtype=w.dtype) for w, _ in outs]
+    torch.autograd.backward([w for w, _ in outs], grads)
+    torch.autograd.backward([h for _, h in outs], [make_dtensor(g, mesh, [Replicate()] * mesh.ndim) for g in grads])
+    for k, (t_plain, t_dist) in enumerate(zip(plain, dtensors)):
+        if not wants_grad[k]:
+            continue
+        assert isinstance(t_dist.grad, DTensor), f"{where}: input {k} got no DTensor gradient"
+        torch.testing.assert_close(t_dist.grad.full_tensor(), t_plain.grad, rtol=rtol, atol=atol,
+                                   msg=lambda m, k=k: f"{where}: gradient of input {k}: {m}")
+    return got[0]
