@@ -318,6 +318,10 @@ class _StoreServer:
     # Parked requests.
 
     def _park(self, conn: _Conn, op: int, keys: list[bytes], timeout: float, target: int = 0) -> None:
+        data = self._data
+        if op != _WAIT_COUNT and all(key in data for key in keys):   # the common case: answer at once
+            self._reply(conn, _OK, [data[key] for key in keys] if op != _WAIT else ())
+            return
         waiter = _Waiter(conn, op, keys, target)
         if self._ready(waiter):
             self._finish(waiter)
