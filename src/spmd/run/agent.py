@@ -121,7 +121,7 @@ class Agent:
             return self._stop_for_signal(interrupt.signum)
         except (LaunchError, StoreError, OSError) as error:
             self._say(str(error) if isinstance(error, LaunchError) else
-                      f"lost the rendezvous: {error}. If another node's agent died, its log says why.")
+                      f"lost the rendezvous: {str(error).rstrip('.')}. If another node's agent died, its log says why.")
             self._stop_workers(signal.SIGTERM)
             return 1
         finally:

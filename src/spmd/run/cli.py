@@ -123,6 +123,8 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
         min_nodes = max_nodes = found.nnodes
         node_rank, rdzv_host, rdzv_port = found.node_rank, found.host, found.port
         rdzv_id = rdzv_id or found.job_id
+    if rdzv_id is None and rdzv_host is not None:
+        rdzv_id = "default"  # every node must name the same job; one store serves one job, so a constant does
     local_filter = None
     if ns.local_ranks_filter:
         try:

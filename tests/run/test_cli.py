@@ -1,0 +1,142 @@
+"""spmdrun's argument parsing, LaunchConfig validation and Slurm detection: pure functions, no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from spmd.run.cli import parse_args, parse_endpoint, parse_nnodes
+from spmd.run.config import DEFAULT_RDZV_PORT, EntryKind, LaunchConfig, RendezvousTimeouts, Std, StdPolicy
+from spmd.run.slurm import detect, expand_hostlist, in_srun_step
+
+
+def test_script_arguments_pass_through_untouched() -> None:
+    config = parse_args(["--nproc-per-node", "4", "train.py", "--lr", "1e-3", "--nnodes", "7", "-m"], environ={})
+    assert config.entrypoint == "train.py"
+    assert config.args == ("--lr", "1e-3", "--nnodes", "7", "-m")
+    assert config.nproc_per_node == 4
+    assert (config.min_nodes, config.max_nodes) == (1, 1)
+    assert not config.is_multinode and config.kind is EntryKind.SCRIPT
+    assert config.omp_num_threads == 1  # torchrun's default when several workers share a node
+
+
+def test_torchrun_spellings_module_and_no_python() -> None:
+    config = parse_args(["--nproc_per_node=2", "--max_restarts", "3", "-m", "pkg.train", "x"], environ={})
+    assert (config.kind, config.entrypoint, config.args, config.max_restarts) == (EntryKind.MODULE, "pkg.train",
+                                                                                  ("x",), 3)
+    assert parse_args(["--no-python", "echo", "hi"], environ={}).kind is EntryKind.BINARY
+    with pytest.raises(ValueError, match="exclude each other"):
+        parse_args(["-m", "--no-python", "x"], environ={})
+
+
+def test_multinode_flags() -> None:
+    config = parse_args(["--nnodes", "1:4", "--rdzv-endpoint", "node0:1234", "--rdzv-conf",
+                         "join_timeout=5,last_call_timeout=0.5", "t.py"], environ={})
+    assert (config.min_nodes, config.max_nodes, config.is_elastic) == (1, 4, True)
+    assert (config.rdzv_host, config.rdzv_port, config.rdzv_id) == ("node0", 1234, "default")
+    assert config.timeouts.join_timeout == 5 and config.timeouts.last_call_timeout == 0.5
+    fixed = parse_args(["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h", "--rdzv-id", "j", "t.py"],
+                       environ={})
+    assert (fixed.node_rank, fixed.rdzv_port, fixed.rdzv_id) == (1, DEFAULT_RDZV_PORT, "j")
+
+
+def test_nproc_auto_and_cpu() -> None:
+    assert parse_args(["--nproc-per-node", "cpu", "t.py"], environ={}).nproc_per_node >= 1
+    assert parse_args(["--nproc-per-node", "auto", "t.py"], environ={}).nproc_per_node >= 1
+    with pytest.raises(ValueError, match="--nproc-per-node 'lots'"):
+        parse_args(["--nproc-per-node", "lots", "t.py"], environ={})
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--nnodes", "2", "t.py"], "needs --rdzv-endpoint"),
+    (["--nnodes", "3:2", "--rdzv-endpoint", "h", "t.py"], "1 <= MIN <= MAX"),
+    (["--nnodes", "x", "t.py"], "N or MIN:MAX"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h", "t.py"], "out of range"),
+    (["--nnodes", "1:2", "--node-rank", "0", "--rdzv-endpoint", "h", "t.py"], "can't be combined with an elastic"),
+    (["--standalone", "--nnodes", "2", "t.py"], "--standalone runs one node"),
+    (["--nproc-per-node", "0", "t.py"], "at least 1"),
+    (["--max-restarts", "-1", "t.py"], "--max-restarts"),
+    (["--rdzv-endpoint", "h:port", "t.py"], "is not a number"),
+    (["--rdzv-conf", "join=3", "t.py"], "expected key=seconds"),
+    (["--rdzv-conf", "heartbeat_interval=5,heartbeat_timeout=6", "t.py"], "must exceed twice"),
+    (["--redirects", "4", "t.py"], "0 \\(none\\)"),
+    (["--tee", "a:1", "t.py"], "LOCAL_RANK:FLAG"),
+    (["--local-ranks-filter", "0,x", "t.py"], "like 0,2,3"),
+    (["--master-port", "70000", "t.py"], "not a TCP port"),
+])
+def test_bad_arguments_say_what_to_fix(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_args(argv, environ={})
+
+
+def test_missing_script_is_an_argparse_error() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--nproc-per-node", "2"], environ={})
+
+
+def test_endpoint_and_nnodes_parsing() -> None:
+    assert parse_endpoint("[::1]:5") == ("::1", 5)
+    assert parse_endpoint("[::1]") == ("::1", DEFAULT_RDZV_PORT)
+    assert parse_endpoint("10.0.0.1:29500") == ("10.0.0.1", 29500)
+    assert parse_nnodes("3") == (3, 3) and parse_nnodes("2:8") == (2, 8)
+    with pytest.raises(ValueError, match="has no host"):
+        parse_endpoint(":5")
+
+
+def test_std_policies() -> None:
+    assert StdPolicy.parse("3", "--tee").for_rank(5) is Std.ALL
+    mixed = StdPolicy.parse("0:3,1:1", "--redirects")
+    assert (mixed.for_rank(0), mixed.for_rank(1), mixed.for_rank(2)) == (Std.ALL, Std.OUT, Std.NONE)
+    assert mixed.any() and not StdPolicy.parse("0", "--tee").any()
+    config = parse_args(["-r", "1", "-t", "2", "--log-dir", "/tmp/x", "--local-ranks-filter", "0,2", "t.py"],
+                        environ={})
+    assert config.redirects.default is Std.OUT and config.tee.default is Std.ERR
+    assert config.local_ranks_filter == frozenset({0, 2}) and config.log_dir == "/tmp/x"
+
+
+def test_rendezvous_timeouts_parse() -> None:
+    assert RendezvousTimeouts.parse("") == RendezvousTimeouts()
+    with pytest.raises(ValueError, match="is not a number"):
+        RendezvousTimeouts.parse("join_timeout=soon")
+    with pytest.raises(ValueError, match="must be positive"):
+        RendezvousTimeouts(join_timeout=0)
+
+
+def test_launch_config_needs_an_entrypoint() -> None:
+    with pytest.raises(ValueError, match="missing the training script"):
+        LaunchConfig(entrypoint="")
+
+
+# ---- Slurm -------------------------------------------------------------------------------------------------------
+
+SRUN_ENV = {
+    "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "3", "SLURM_STEP_NUM_TASKS": "3",
+    "SLURM_PROCID": "2", "SLURM_STEP_NODELIST": "gpu[007-008],cpu1",
+}
+
+
+def test_slurm_hostlists() -> None:
+    assert expand_hostlist("gpu[01-03,07],login") == ["gpu01", "gpu02", "gpu03", "gpu07", "login"]
+    assert expand_hostlist("rack[1-2]-n[1-2]") == ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]
+    assert expand_hostlist("single") == ["single"]
+    assert expand_hostlist("") == []
+    with pytest.raises(ValueError, match="can't parse Slurm host list"):
+        expand_hostlist("gpu[a-b]")
+
+
+def test_slurm_step_gives_the_node_set() -> None:
+    assert in_srun_step(SRUN_ENV) and not in_srun_step({"SLURM_JOB_ID": "1"})  # a batch script is not a step
+    found = detect(SRUN_ENV)
+    assert (found.nnodes, found.node_rank, found.host) == (3, 2, "gpu007")
+    assert found.port == DEFAULT_RDZV_PORT + 4242 % 1000
+    config = parse_args(["--nproc-per-node", "8", "train.py"], environ=SRUN_ENV)
+    assert (config.min_nodes, config.max_nodes, config.node_rank) == (3, 3, 2)
+    assert (config.rdzv_host, config.rdzv_port, config.rdzv_id) == ("gpu007", found.port, "slurm-4242.0")
+    explicit = parse_args(["--nnodes", "1", "train.py"], environ=SRUN_ENV)  # flags win over Slurm
+    assert not explicit.is_multinode
+
+
+def test_slurm_with_several_tasks_per_node_is_refused() -> None:
+    with pytest.raises(ValueError, match="ntasks-per-node=1"):
+        detect({**SRUN_ENV, "SLURM_STEP_NUM_TASKS": "6"})
+    with pytest.raises(ValueError, match="SLURM_PROCID"):
+        detect({key: value for key, value in SRUN_ENV.items() if key != "SLURM_PROCID"})
