@@ -226,7 +226,8 @@ def _input_targets(op: OpOverload, decision: ShardingDecision, specs: tuple[DTen
 def _propagate_meta(op: OpOverload, decision: ShardingDecision, schema: OpSchema) -> Any:
     """Run the op on meta tensors with the GLOBAL shapes: the outputs' global shape, stride and dtype."""
     try:
-        return op(*_to_meta(schema.args), **{k: _to_meta(v) for k, v in schema.kwargs.items()})
+        kwargs = {k: "meta" if k == "device" and v is not None else _to_meta(v) for k, v in schema.kwargs.items()}
+        return op(*_to_meta(schema.args), **kwargs)
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
         raise ShardingError(f"{_where(op, schema.input_specs)}: could not compute the output shapes on meta "
                             f"tensors ({type(error).__name__}: {error})") from error
@@ -247,6 +248,22 @@ def _output_placements(op: OpOverload, decision: ShardingDecision, specs: tuple[
     return [None if p is None else tuple(p) for p in placements]
 
 
+# Autograd builds the gradients of unused outputs (of split, unbind, ...) as plain zeros and concatenates them
+# with DTensor gradients; for these ops a plain tensor is taken as a Replicate DTensor (same value everywhere).
+_PLAIN_AS_REPLICATE = frozenset({torch.ops.aten.cat.default, torch.ops.aten.stack.default})
+
+
+def _replicate_plain(cls: type, args: tuple, mesh: Any) -> tuple:
+    def convert(value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return type(value)(convert(item) for item in value)
+        if isinstance(value, Tensor) and not isinstance(value, cls):
+            spec = DTensorSpec(mesh, _replicated(mesh.ndim), value.shape, contiguous_stride(value.shape), value.dtype)
+            return cls._wrap_local(value.contiguous(), spec)
+        return value
+    return tuple(convert(value) for value in args)
+
+
 # -- running ------------------------------------------------------------------------------------------------
 
 def dispatch(cls: type, op: OpOverload, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -265,6 +282,9 @@ def dispatch(cls: type, op: OpOverload, types: tuple, args: tuple = (), kwargs: 
         key_parts.append(_key_of(value, cls, dtensors, plain))
     if not dtensors:
         return op(*args, **kwargs)
+    if plain and op in _PLAIN_AS_REPLICATE:
+        args = _replicate_plain(cls, args, dtensors[0]._spec.mesh)
+        return dispatch(cls, op, types, args, kwargs)
     for tensor in plain:
         if tensor.numel() != 1:
             raise MixedTensorError(

@@ -62,7 +62,7 @@ def _linear_positions(schema: OpSchema) -> tuple[int, ...] | str | None:
             return None
         return (0,) if isinstance(schema.args[0], DTensorSpec) else None
     if op is aten.copy_.default:
-        return (1,) if len(specs) == 2 else None
+        return (1,) if len(specs) == 2 else None     # see partial_strategies: copy_ is handled on its own
     return None
 
 
@@ -105,6 +105,9 @@ def pointwise_rule(schema: OpSchema) -> ShardingDecision:
     def partial_strategies(mesh_dim: int) -> list[Strategy]:
         if linear is None:
             return []
+        if schema.op is aten.copy_.default:       # self takes the copied value: both Partial, no reduction
+            own = specs[0].placements[mesh_dim]
+            return [Strategy((own, own), own)] if isinstance(own, Partial) and own.is_linear else []
         found: list[Strategy] = []
         for k, spec in enumerate(specs):
             placement = spec.placements[mesh_dim]
@@ -113,11 +116,9 @@ def pointwise_rule(schema: OpSchema) -> ShardingDecision:
             if linear == "all":
                 found.append(Strategy((placement,) * len(specs), placement))
             elif k in linear:
-                if mutated_self and k != 0 and schema.op is not aten.copy_.default:
+                if mutated_self and k != 0:
                     continue
                 inputs = tuple(placement if j == k else Replicate() for j in range(len(specs)))
-                if schema.op is aten.copy_.default:
-                    inputs = (placement, placement)
                 found.append(Strategy(inputs, placement))
         return found
 
@@ -145,7 +146,14 @@ def pointwise_rule(schema: OpSchema) -> ShardingDecision:
 
 
 def _is_pointwise(op: OpOverload) -> bool:
-    return torch.Tag.pointwise in op.tags
+    """Tagged pointwise, or the in-place form (`masked_fill_`) of an op tagged pointwise."""
+    if torch.Tag.pointwise in op.tags:
+        return True
+    name = op._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.startswith("_"):
+        return False
+    functional = getattr(getattr(aten, name[:-1], None), op._overloadname, None)
+    return isinstance(functional, OpOverload) and torch.Tag.pointwise in functional.tags
 
 
 register_family(_is_pointwise, pointwise_rule)

@@ -1,0 +1,195 @@
+"""Pointwise, view/shape and factory rules: for every mesh and every input placement combination, the DTensor
+result and gradients equal the plain computation (shapes uneven: 7 rows over 2 or 4 ranks)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from tests.tensor.conftest import check_parity, placement_combos, run_on_mesh, spread
+
+TIMEOUT = 60
+
+
+def _full(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _run(mesh_shape: tuple[int, ...], body) -> None:
+    run_on_mesh(mesh_shape, body, timeout=TIMEOUT)
+
+
+def _per_combo(mesh) -> int:
+    """Every fn on every combo on 1-d meshes; on the 2-d mesh (16 combos per input) a rotating pair of them."""
+    return 1000 if mesh.ndim == 1 else 2
+
+
+UNARY = [torch.exp, torch.neg, torch.sigmoid, F.gelu, torch.tanh, lambda x: x.clamp(-0.5, 0.5), lambda x: x * 2.5,
+         lambda x: x / 3, lambda x: (x + 1) ** 2, lambda x: x.to(torch.float64)]
+
+
+def test_unary_every_placement(mesh_shape: tuple[int, ...]) -> None:
+    a = _full(7, 5)
+
+    def body(mesh) -> None:
+        for placements, fn in spread(placement_combos(2, mesh.ndim), UNARY, _per_combo(mesh)):
+            check_parity(fn, [a], mesh, [placements])
+
+    _run(mesh_shape, body)
+
+
+BINARY = [torch.add, torch.sub, torch.mul, torch.div, lambda x, y: torch.where(x > y, x, y), torch.maximum,
+          lambda x, y: torch.add(x, y, alpha=0.5)]
+
+
+def test_binary_broadcasting_every_placement(mesh_shape: tuple[int, ...]) -> None:
+    shapes = [((7, 5), (7, 5)), ((7, 5), (5,)), ((7, 1), (1, 5))]
+
+    def body(mesh) -> None:
+        for (sa, sb) in shapes:
+            a, b = _full(*sa, seed=1), _full(*sb, seed=2)
+            combos = list(itertools.product(placement_combos(len(sa), mesh.ndim),
+                                            placement_combos(len(sb), mesh.ndim)))
+            if mesh.ndim == 2:
+                combos = combos[::9]            # every 9th of the 2-d mesh's pairs, spread over both inputs
+            for (pa, pb), fn in spread(combos, BINARY, 1):
+                check_parity(fn, [a, b], mesh, [pa, pb])
+
+    _run(mesh_shape, body)
+
+
+def test_partial_stays_partial_only_where_linear() -> None:
+    def body(mesh) -> None:
+        a, b = _full(7, 5), _full(7, 5, seed=1)
+        pa = distribute_tensor(a, mesh, [Partial()])
+        pb = distribute_tensor(b, mesh, [Partial()])
+        rb = distribute_tensor(b, mesh, [Replicate()])
+        assert (pa + pb).placements == (Partial(),)
+        assert (pa * 3).placements == (Partial(),)
+        assert (pa * rb).placements == (Partial(),)
+        assert (-pa).placements == (Partial(),)
+        assert (pa + 1).placements == (Replicate(),)        # +1 on each rank would add world_size
+        assert pa.exp().placements == (Replicate(),)
+        assert (pa * pb).placements == (Partial(),)          # one side all-reduced, the other stays Partial
+        assert pa.to(torch.int32).placements == (Replicate(),)
+        torch.testing.assert_close((pa + 1).full_tensor(), a + 1)
+        torch.testing.assert_close((pa * pb).full_tensor(), a * b)
+        torch.testing.assert_close(pa.to(torch.int32).full_tensor(), a.to(torch.int32))
+
+    _run((4,), body)
+
+
+def test_inplace_keeps_placements_and_redistributes_the_other(mesh_shape: tuple[int, ...]) -> None:
+    def body(mesh) -> None:
+        a, b = _full(7, 5), _full(7, 5, seed=1)
+        for pa, pb in itertools.product(placement_combos(2, mesh.ndim, partial=False), placement_combos(2, mesh.ndim)):
+            x = distribute_tensor(a, mesh, list(pa))
+            y = distribute_tensor(b, mesh, list(pb))
+            x.mul_(y).add_(y, alpha=2).sub_(1.5)
+            assert x.placements == pa
+            torch.testing.assert_close(x.full_tensor(), (a * b + 2 * b) - 1.5)
+        # a Partial self stays Partial through linear in-place ops, and refuses non-linear ones
+        p = distribute_tensor(a, mesh, [Partial()] * mesh.ndim)
+        p.add_(distribute_tensor(b, mesh, [Replicate()] * mesh.ndim)).mul_(2)
+        torch.testing.assert_close(p.full_tensor(), (a + b) * 2)
+        if mesh.size() > 1:
+            with pytest.raises(ValueError, match="not linear"):
+                p.exp_()
+
+    _run(mesh_shape, body)
+
+
+def test_comparisons_and_type_conversion(mesh_shape: tuple[int, ...]) -> None:
+    def body(mesh) -> None:
+        a, b = _full(7, 5), _full(7, 5, seed=1)
+        pairs = list(itertools.product(placement_combos(2, mesh.ndim), repeat=2))
+        for pa, pb in pairs if mesh.ndim == 1 else pairs[::9]:
+            x, y = distribute_tensor(a, mesh, list(pa)), distribute_tensor(b, mesh, list(pb))
+            for got, want in [(x > y, a > b), (x == x, a == a), (x.le(0.1), a.le(0.1)),
+                              (x.to(torch.float16), a.to(torch.float16)), (x.int(), a.int()),
+                              (x.double() * y.double(), a.double() * b.double())]:
+                assert got.dtype == want.dtype
+                torch.testing.assert_close(got.full_tensor(), want)
+
+    _run(mesh_shape, body)
+
+
+def test_plain_scalar_tensor_is_a_replicated_scalar() -> None:
+    def body(mesh) -> None:
+        a = _full(7, 5)
+        x = distribute_tensor(a, mesh, [Shard(0)])
+        torch.testing.assert_close((x * torch.tensor(3.0)).full_tensor(), a * 3)
+        torch.testing.assert_close((x + torch.tensor([2.0])).full_tensor(), a + 2)
+
+    _run((2,), body)
+
+
+VIEWS = [
+    lambda x: x.view(7, 2, 3), lambda x: x.reshape(42), lambda x: x.flatten(), lambda x: x.unflatten(1, (3, 2)),
+    lambda x: x.transpose(0, 1), lambda x: x.permute(1, 0), lambda x: x.t(), lambda x: x.t().contiguous(),
+    lambda x: x.unsqueeze(1).squeeze(1), lambda x: x[None].expand(3, 7, 6), lambda x: x.split(4, dim=1)[1],
+    lambda x: x.chunk(3, dim=0)[0], lambda x: torch.cat([x, x * 2], dim=1), lambda x: torch.cat([x, x], dim=0),
+    lambda x: torch.stack([x, x + 1], dim=1), lambda x: x[:, 1:5:2], lambda x: x[2:5], lambda x: x.select(1, 3),
+    lambda x: x[:, 4], lambda x: x[..., None], lambda x: x.narrow(1, 1, 3), lambda x: x.unbind(1)[2],
+    lambda x: x.view(7, 6, 1).squeeze(), lambda x: x.view(-1, 3),
+    lambda x: x.detach() * 1, lambda x: x.clone(),
+]
+
+
+def test_views_every_placement(mesh_shape: tuple[int, ...]) -> None:
+    a = _full(7, 6)
+
+    def body(mesh) -> None:
+        for index, (placements, fn) in enumerate(spread(placement_combos(2, mesh.ndim), VIEWS,
+                                                        len(VIEWS) if mesh.ndim == 1 else 4)):
+            check_parity(fn, [a], mesh, [placements], seed=index)
+
+    _run(mesh_shape, body)
+
+
+def test_view_keeps_shards_when_it_can() -> None:
+    def body(mesh) -> None:
+        x = distribute_tensor(_full(8, 6), mesh, [Shard(0)])
+        assert x.view(2, 4, 6).placements == (Shard(0),)       # 8 -> (2, 4): both divisible by 2 ranks
+        assert x.view(48).placements == (Shard(0),)            # flatten with the sharded dim leading
+        assert x.view(8, 2, 3).placements == (Shard(0),)
+        assert x.t().placements == (Shard(1),)
+        y = distribute_tensor(_full(7, 6), mesh, [Shard(1)])
+        assert y.transpose(0, 1).placements == (Shard(0),)
+        assert y[3].placements == (Shard(0),)
+        assert y[:, 2].placements == (Replicate(),)
+
+    _run((2,), body)
+
+
+def test_factories_and_fills(mesh_shape: tuple[int, ...]) -> None:
+    def body(mesh) -> None:
+        a, b = _full(7, 5), _full(7, 5, seed=1)
+        for placements in placement_combos(2, mesh.ndim):
+            x = distribute_tensor(a, mesh, list(placements))
+            keep = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+            for made, value in [(torch.zeros_like(x), 0.0), (torch.ones_like(x), 1.0), (torch.full_like(x, 2.5), 2.5)]:
+                assert made.placements == keep
+                torch.testing.assert_close(made.full_tensor(), torch.full((7, 5), value))
+            assert torch.empty_like(x).shape == (7, 5)
+            assert x.new_zeros(3, 2).full_tensor().shape == (3, 2)
+            y = distribute_tensor(a, mesh, list(placements))
+            y.fill_(4.0)
+            torch.testing.assert_close(y.full_tensor(), torch.full((7, 5), 4.0))
+            y.zero_()
+            torch.testing.assert_close(y.full_tensor(), torch.zeros(7, 5))
+            y.copy_(distribute_tensor(b, mesh, [Replicate()] * mesh.ndim))
+            assert y.placements == placements
+            torch.testing.assert_close(y.full_tensor(), b)
+            z = x.detach().clone()
+            assert z.placements == placements and not z.requires_grad
+            torch.testing.assert_close(z.full_tensor(), a)
+            assert x[2, 3].item() == a[2, 3].item()
+            assert torch.equal(x, distribute_tensor(a, mesh, [Replicate()] * mesh.ndim))
+            assert isinstance(x.to(torch.float64), DTensor)
+
+    _run(mesh_shape, body)
