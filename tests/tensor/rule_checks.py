@@ -63,11 +63,12 @@ def _as_list(value: Any) -> list[Any]:
 
 def check(fn: Callable[..., Any], inputs: Sequence[Tensor], mesh: DeviceMesh,
           placements: Sequence[Sequence[Placement]], *, grad: bool = True, rtol: float = RTOL, atol: float = ATOL,
-          expect_placements: Sequence[Placement] | None = None, seed: int = 0) -> Any:
+          expect_placements: Sequence[Placement] | None = None, constants: Sequence[int] = (), seed: int = 0) -> Any:
     """Compare `fn(*dtensors)` with `fn(*inputs)`: every tensor output's full value and, if `grad`, the full
-    gradient of every floating input for a random output gradient. Returns the DTensor output."""
+    gradient of every floating input (but those at positions `constants`) for a random output gradient.
+    `expect_placements` pins the first output's placements. Returns the DTensor output."""
     where = f"{getattr(fn, '__name__', fn)} on mesh {tuple(mesh.shape)} with placements {list(placements)}"
-    wants_grad = [grad and t.is_floating_point() for t in inputs]
+    wants_grad = [grad and t.is_floating_point() and k not in constants for k, t in enumerate(inputs)]
     plain = [t.detach().clone().requires_grad_(g) for t, g in zip(inputs, wants_grad)]
     expected = _as_list(fn(*plain))
     dtensors = [make_dtensor(t, mesh, p, requires_grad=g) for t, p, g in zip(inputs, placements, wants_grad)]

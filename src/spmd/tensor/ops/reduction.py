@@ -233,7 +233,7 @@ def _var_rule(schema: OpSchema) -> ShardingDecision:
     return ShardingDecision(value, decision.input_placements)
 
 
-def _all_reduce_mesh_dims(local: Tensor, spec: DTensorSpec, mesh_dims: Sequence[int], op: ReduceOp) -> Tensor:
+def all_reduce_mesh_dims(local: Tensor, spec: DTensorSpec, mesh_dims: Sequence[int], op: ReduceOp) -> Tensor:
     """All-reduce `local` over the groups of `mesh_dims`, one after the other (collective over them)."""
     for mesh_dim in mesh_dims:
         if spec.mesh.size(mesh_dim) > 1:
@@ -250,12 +250,12 @@ def _var_kernel(call: LocalCall) -> Any:
         return call.op(*call.args, **call.kwargs)
     dims = list(reduced)
     count = math.prod(spec.shape[d] for d in reduced)
-    mean = _all_reduce_mesh_dims(torch.sum(x, dim=dims, keepdim=True), spec, sharding, ReduceOp.SUM) / count
+    mean = all_reduce_mesh_dims(torch.sum(x, dim=dims, keepdim=True), spec, sharding, ReduceOp.SUM) / count
     deviation = x - mean
     squares = deviation.abs().square() if x.is_complex() else deviation.square()
     var = torch.sum(squares, dim=dims, keepdim=keepdim) / max(count - correction, 0)
     if call.op in _STD_OPS:
-        var = torch.sqrt(_all_reduce_mesh_dims(var, spec, sharding, ReduceOp.SUM))
+        var = torch.sqrt(all_reduce_mesh_dims(var, spec, sharding, ReduceOp.SUM))
     if call.op in _WITH_MEAN_OPS:
         return var, (mean if keepdim else mean.squeeze(dims))
     return var
@@ -309,7 +309,7 @@ def _norm_kernel(call: LocalCall) -> Tensor:
     if order == 1.0:
         return torch.sum(magnitude, dim=dims, keepdim=keepdim)
     power_sum = torch.sum(magnitude.pow(order), dim=dims, keepdim=keepdim)
-    return _all_reduce_mesh_dims(power_sum, spec, sharding, ReduceOp.SUM).pow(1.0 / order)
+    return all_reduce_mesh_dims(power_sum, spec, sharding, ReduceOp.SUM).pow(1.0 / order)
 
 
 @register_handler(aten.linalg_vector_norm.default)
