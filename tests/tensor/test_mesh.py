@@ -1,0 +1,128 @@
+"""DeviceMesh: construction, queries, slicing, flattening, group reuse, and the errors for bad meshes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spmd
+from spmd.comm.world import current_world
+from spmd.device_mesh import DeviceMesh, init_device_mesh
+from spmd.testing import run_ranks
+
+TIMEOUT = 30
+
+
+def test_2d_mesh_queries_and_slices() -> None:
+    def body(rank: int, world_size: int) -> dict:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dp, tp = mesh["dp"], mesh["tp"]
+        both = mesh["dp", "tp"]
+        with pytest.raises(ValueError, match="name the mesh dim"):
+            mesh.get_group()
+        return {
+            "coord": mesh.get_coordinate(), "shape": mesh.shape, "ndim": mesh.ndim, "size": mesh.size(),
+            "local": (mesh.get_local_rank("dp"), mesh.get_local_rank(1)),
+            "groups": (mesh.get_group("dp").ranks, mesh.get_group("tp").ranks),
+            "slices": (dp.mesh.tolist(), tp.mesh.tolist(), both.mesh.tolist(), dp.size(), tp.get_local_rank()),
+            "same_groups": dp.get_group() is mesh.get_group(0) and tp.get_group() is mesh.get_group(1),
+        }
+
+    results = run_ranks(body, 4, timeout=TIMEOUT)
+    assert [r["coord"] for r in results] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert all(r["shape"] == (2, 2) and r["ndim"] == 2 and r["size"] == 4 for r in results)
+    assert [r["local"] for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [r["groups"] for r in results] == [([0, 2], [0, 1]), ([1, 3], [0, 1]), ([0, 2], [2, 3]),
+                                              ([1, 3], [2, 3])]
+    assert results[3]["slices"] == ([1, 3], [2, 3], [[0, 1], [2, 3]], 2, 1)
+    assert all(r["same_groups"] for r in results)
+
+
+def test_groups_are_created_once_and_work() -> None:
+    def body(rank: int, world_size: int) -> tuple[int, int, float, float]:
+        world = current_world()
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        after_first = len(world.groups)
+        again = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        _ = again["tp"], again["dp"], mesh["dp", "tp"]
+        assert again == mesh and hash(again) == hash(mesh)
+        t = torch.tensor([float(rank)])
+        spmd.all_reduce(t, group=mesh.get_group("tp"))
+        u = torch.tensor([float(rank)])
+        spmd.all_reduce(u, group=mesh.get_group("dp"))
+        return after_first, len(world.groups), t.item(), u.item()
+
+    results = run_ranks(body, 4, timeout=TIMEOUT)
+    # default group + 2 dp rows + 2 tp rows; building the same mesh again and slicing it adds none
+    assert all(r[0] == 5 and r[1] == 5 for r in results)
+    assert [r[2] for r in results] == [1.0, 1.0, 5.0, 5.0]
+    assert [r[3] for r in results] == [2.0, 4.0, 2.0, 4.0]
+
+
+def test_flatten() -> None:
+    def body(rank: int, world_size: int) -> tuple:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+        flat = mesh["dp", "tp"].flatten()
+        assert mesh["dp_tp"] is flat and mesh["dp", "tp"].flatten() is flat     # reachable and idempotent
+        t = torch.tensor([float(rank)])
+        spmd.all_reduce(t, group=flat.get_group())
+        whole = mesh.flatten("all")
+        with pytest.raises(ValueError, match="already names"):
+            mesh["pp", "dp"].flatten("all")
+        return flat.mesh.tolist(), flat.get_local_rank(), t.item(), whole.size()
+
+    results = run_ranks(body, 8, timeout=TIMEOUT)
+    assert results[5] == ([4, 5, 6, 7], 1, 22.0, 8)
+    assert results[0] == ([0, 1, 2, 3], 0, 6.0, 8)
+
+
+@pytest.mark.parametrize("shape", [(1,), (2,), (4,)])
+def test_1d_meshes(shape: tuple[int, ...]) -> None:
+    def body(rank: int, world_size: int) -> tuple:
+        mesh = init_device_mesh("cpu", shape)
+        return mesh.get_local_rank(), mesh.size(0), mesh.get_group().ranks
+
+    results = run_ranks(body, shape[0], timeout=TIMEOUT)
+    assert results == [(r, shape[0], list(range(shape[0]))) for r in range(shape[0])]
+
+
+def test_mesh_over_some_ranks() -> None:
+    def body(rank: int, world_size: int) -> tuple:
+        mesh = DeviceMesh("cpu", [1, 3])      # every rank builds it; ranks 0 and 2 are outside
+        coordinate = mesh.get_coordinate()
+        if coordinate is not None:
+            t = torch.tensor([float(rank)])
+            spmd.all_reduce(t, group=mesh.get_group())
+            return coordinate, t.item()
+        with pytest.raises(ValueError, match="not in"):
+            mesh.get_local_rank()
+        return None, None
+
+    assert run_ranks(body, 4, timeout=TIMEOUT) == [(None, None), ([0], 4.0), (None, None), ([1], 4.0)]
+
+
+def test_bad_meshes_raise_clear_errors() -> None:
+    def body(rank: int, world_size: int) -> None:
+        with pytest.raises(ValueError, match="holds 6 ranks but the world has 4"):
+            init_device_mesh("cpu", (2, 3))
+        with pytest.raises(ValueError, match="mesh_dim_names"):
+            init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp",))
+        with pytest.raises(ValueError, match="unique"):
+            init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "dp"))
+        with pytest.raises(ValueError, match="device index"):
+            init_device_mesh("cpu:0", (4,))
+        with pytest.raises(ValueError, match="twice"):
+            DeviceMesh("cpu", [0, 0, 1, 2])
+        with pytest.raises(ValueError, match="outside the world"):
+            DeviceMesh("cpu", [0, 7])
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with pytest.raises(KeyError, match="no mesh dim named 'cp'"):
+            mesh["cp"]
+        with pytest.raises(KeyError, match="mesh's order"):
+            mesh["tp", "dp"]
+        with pytest.raises(IndexError, match="out of range"):
+            mesh.size(2)
+        with pytest.raises(KeyError, match="needs mesh_dim_names"):
+            init_device_mesh("cpu", (4,))["x"]
+
+    run_ranks(body, 4, timeout=TIMEOUT)
