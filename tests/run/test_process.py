@@ -15,25 +15,9 @@ import pytest
 
 from spmd.run.failure import WorkerFailure, describe_exit, format_summary, read_error_file
 from spmd.run.process import Console, WorkerGroup, WorkerSpec
+from tests.run.helpers import is_alive, wait_until
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def is_alive(pid: int) -> bool:
-    """Whether `pid` is a live process (a zombie waiting to be reaped counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 def spec(rank: int, code: str, tmp_path, **kwargs) -> WorkerSpec:

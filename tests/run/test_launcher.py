@@ -1,0 +1,262 @@
+"""spmdrun end to end: real agents and workers over loopback, each test with a timeout and a pid check.
+
+Worker scripts import only the standard library (torch costs seconds per process), except the one 2x2 job that
+checks an all_reduce across two agents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.run.helpers import Launcher, is_alive, spmdrun, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+FAST_RDZV = "last_call_timeout=0.5,heartbeat_interval=0.2,heartbeat_timeout=5,join_timeout=60"
+
+
+def script(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+PID_WRITER = """
+    import os, subprocess, sys, time
+    pids = sys.argv[1]
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    with open(os.path.join(pids, os.environ["RANK"]), "w") as f:
+        f.write(f"{os.getpid()} {helper.pid}")
+    print("ready", flush=True)
+    time.sleep(120)
+"""
+
+
+def read_pids(pid_dir: Path, nproc: int) -> list[int]:
+    wait_until(lambda: len(list(pid_dir.iterdir())) == nproc, 60, "every worker to write its pid")
+    wait_until(lambda: all(len(path.read_text().split()) == 2 for path in pid_dir.iterdir()), 10, "whole pid files")
+    return [int(pid) for path in pid_dir.iterdir() for pid in path.read_text().split()]
+
+
+def test_workers_get_their_environment_prefixed_output_and_a_free_port(tmp_path: Path) -> None:
+    worker = script(tmp_path, "env.py", """
+        import json, os, socket, sys
+        keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "RESTART_COUNT", "SPMD_RUN_ID", "SPMD_STORE_TOKEN", "OMP_NUM_THREADS"]
+        print(json.dumps({"argv": sys.argv[1:], **{key: os.environ.get(key) for key in keys}}))
+        if os.environ["RANK"] == "0":  # the port must be free for worker rank 0's store
+            socket.socket().bind(("0.0.0.0", int(os.environ["MASTER_PORT"])))
+        print("to stderr", file=sys.stderr)
+    """)
+    result = spmdrun("--standalone", "--nproc-per-node", "2", "--rdzv-id", "envjob", worker, "--lr", "1e-3", "-m")
+    assert result.returncode == 0, result.stderr
+    records = sorted((json.loads(line.split(": ", 1)[1]) for line in result.stdout.splitlines()),
+                     key=lambda record: record["RANK"])
+    assert [(r["RANK"], r["LOCAL_RANK"], r["WORLD_SIZE"], r["LOCAL_WORLD_SIZE"]) for r in records] == [
+        ("0", "0", "2", "2"), ("1", "1", "2", "2")]
+    assert all(r["argv"] == ["--lr", "1e-3", "-m"] for r in records)
+    assert all(r["GROUP_RANK"] == "0" and r["RESTART_COUNT"] == "0" and r["SPMD_RUN_ID"] == "envjob" for r in records)
+    assert all(r["MASTER_ADDR"] == "127.0.0.1" and r["OMP_NUM_THREADS"] == "1" for r in records)
+    assert len({r["MASTER_PORT"] for r in records}) == 1 and int(records[0]["MASTER_PORT"]) > 0
+    assert len({r["SPMD_STORE_TOKEN"] for r in records}) == 1 and len(records[0]["SPMD_STORE_TOKEN"]) == 32
+    assert all(line.startswith("[rank") for line in result.stdout.splitlines())
+    assert "[rank0]: to stderr" in result.stderr and "[rank1]: to stderr" in result.stderr
+
+
+def test_module_and_program_entry_points(tmp_path: Path) -> None:
+    package = tmp_path / "mypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "job.py").write_text("import os, sys\nprint('module', __name__, os.environ['RANK'], sys.argv[1:])\n")
+    result = spmdrun("--nproc-per-node", "2", "-m", "mypkg.job", "x", cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == ["[rank0]: module __main__ 0 ['x']",
+                                                  "[rank1]: module __main__ 1 ['x']"]
+    program = spmdrun("--nproc-per-node", "2", "--no-python", "sh", "-c", 'echo "program $RANK $0"', "arg0")
+    assert program.returncode == 0, program.stderr
+    assert sorted(program.stdout.splitlines()) == ["[rank0]: program 0 arg0", "[rank1]: program 1 arg0"]
+
+
+def test_worker_exiting_3_once_is_restarted_and_the_job_succeeds(tmp_path: Path) -> None:
+    worker = script(tmp_path, "flaky.py", """
+        import os, sys
+        print("attempt", os.environ["RESTART_COUNT"], flush=True)
+        if os.environ["RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+            sys.exit(3)
+    """)
+    result = spmdrun("--nproc-per-node", "2", "--max-restarts", "2", worker)
+    assert result.returncode == 0, result.stderr
+    assert "[rank1]: attempt 0" in result.stdout and "[rank1]: attempt 1" in result.stdout
+    assert "[rank1]: attempt 2" not in result.stdout
+    assert "rank 1 (local rank 1)" in result.stderr and "exit code 3" in result.stderr
+    assert "(restart 1 of 2)" in result.stderr
+
+
+def test_sigkilled_worker_without_restarts_is_reported_by_rank_and_signal(tmp_path: Path) -> None:
+    worker = script(tmp_path, "killed.py", """
+        import os, signal, time
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)
+    """)
+    started = time.monotonic()
+    result = spmdrun("--nproc-per-node", "2", "--max-restarts", "0", worker)
+    assert result.returncode == 1
+    assert time.monotonic() - started < 60  # rank 0 was stopped, not waited for
+    summary = result.stderr[result.stderr.index("spmdrun: job failed"):]
+    assert "first failure" in summary and "rank 1 (local rank 1)" in summary and "signal SIGKILL" in summary
+    assert "no Python traceback" in summary
+
+
+def test_python_exception_traceback_is_in_the_summary(tmp_path: Path) -> None:
+    worker = script(tmp_path, "boom.py", """
+        import os, time
+
+        def train():
+            raise ValueError("boom")
+
+        if os.environ["RANK"] == "1":
+            train()
+        time.sleep(120)
+    """)
+    result = spmdrun("--nproc-per-node", "2", worker)
+    assert result.returncode == 1
+    summary = result.stderr[result.stderr.index("spmdrun: job failed"):]
+    assert "rank 1 (local rank 1)" in summary and "raised ValueError: boom" in summary
+    assert 'raise ValueError("boom")' in summary and "boom.py" in summary and "in train" in summary
+    assert "runpy" not in summary and "bootstrap" not in summary  # the user's frames only
+
+
+def test_sigint_to_the_launcher_stops_every_worker_and_helper(tmp_path: Path) -> None:
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    launcher = Launcher("--nproc-per-node", "2", "--shutdown-timeout", "2", script(tmp_path, "w.py", PID_WRITER),
+                        str(pid_dir))
+    try:
+        pids = read_pids(pid_dir, 2)
+        launcher.popen.send_signal(signal.SIGINT)
+        assert launcher.finish(timeout=60) == 128 + signal.SIGINT
+    finally:
+        launcher.kill()
+    wait_until(lambda: not any(is_alive(pid) for pid in pids), 10, f"workers and helpers {pids} to be gone")
+    assert "got SIGINT" in launcher.output
+
+
+def test_sigkill_to_the_agent_takes_its_workers_down(tmp_path: Path) -> None:
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    launcher = Launcher("--nproc-per-node", "2", script(tmp_path, "w.py", PID_WRITER), str(pid_dir))
+    helpers: list[int] = []
+    try:
+        pids = read_pids(pid_dir, 2)
+        workers, helpers = pids[0::2], pids[1::2]
+        launcher.popen.kill()
+        launcher.finish(timeout=30)
+        wait_until(lambda: not any(is_alive(pid) for pid in workers), 10, f"workers {workers} to die with the agent")
+    finally:
+        for pid in helpers:  # the workers' own children are the user's to manage; clean up ours
+            if is_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_two_agents_run_a_2x2_all_reduce_over_loopback(tmp_path: Path) -> None:
+    worker = script(tmp_path, "allreduce.py", """
+        import os
+        import torch
+        import spmd
+        spmd.init_process_group(backend="tcp")
+        t = torch.tensor([float(spmd.get_rank() + 1)])
+        spmd.all_reduce(t)
+        print("sum", spmd.get_rank(), spmd.get_world_size(), os.environ["GROUP_RANK"], t.item(), flush=True)
+        spmd.destroy_process_group()
+    """)
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", endpoint, "--rdzv-conf", FAST_RDZV)
+    node0 = Launcher(*common, "--node-rank", "0", worker)
+    node1 = Launcher(*common, "--node-rank", "1", worker)
+    try:
+        assert node1.finish(timeout=100) == 0, node1.output
+        assert node0.finish(timeout=30) == 0, node0.output
+    finally:
+        node0.kill()
+        node1.kill()
+    sums = sorted(line for line in node0.lines + node1.lines if "sum" in line)
+    assert sums == [f"[rank{rank}]: sum {rank} 4 {rank // 2} 10.0" for rank in range(4)]
+
+
+def test_a_late_node_in_an_elastic_job_triggers_a_new_round(tmp_path: Path) -> None:
+    worker = script(tmp_path, "elastic.py", """
+        import os, time
+        print("world", os.environ["WORLD_SIZE"], "round", os.environ["SPMD_ROUND"], flush=True)
+        if os.environ["WORLD_SIZE"] == "1":
+            time.sleep(120)  # alone: wait to be regrouped
+    """)
+    common = ("--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+              "--rdzv-conf", FAST_RDZV, worker)
+    first = Launcher(*common)
+    second: Launcher | None = None
+    try:
+        first.wait_for_line("[rank0]: world 1 round 0", timeout=60)
+        second = Launcher(*common)
+        assert second.finish(timeout=60) == 0, second.output
+        assert first.finish(timeout=30) == 0, first.output
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
+    assert "[rank0]: world 2 round 1" in first.output and "[rank1]: world 2 round 1" in second.output
+    assert "round 1: 2 node(s), world size 2" in first.output
+
+
+def test_busy_ports_give_errors_naming_them(tmp_path: Path) -> None:
+    worker = script(tmp_path, "ok.py", "print('ran')\n")
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rdzv = spmdrun("--nnodes", "1", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}", worker)
+        assert rdzv.returncode == 1 and f"port {port} is already in use" in rdzv.stderr
+        master = spmdrun("--standalone", "--master-port", str(port), worker)
+        assert master.returncode == 1 and f"--master-port {port} is already in use" in master.stderr
+    assert "ran" not in rdzv.stdout + master.stdout
+
+
+def test_a_node_that_never_comes_times_out_naming_the_missing_count(tmp_path: Path) -> None:
+    worker = script(tmp_path, "ok.py", "print('ran')\n")
+    result = spmdrun("--nnodes", "3", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                     "--rdzv-conf", "join_timeout=1", worker)
+    assert result.returncode == 1
+    assert "rendezvous timed out after 1s: 1 of the 3 nodes needed are here, 2 node(s) missing" in result.stderr
+
+
+def test_redirects_tee_and_log_dir(tmp_path: Path) -> None:
+    worker = script(tmp_path, "logs.py", """
+        import os, sys
+        print("out", os.environ["RANK"])
+        print("err", os.environ["RANK"], file=sys.stderr)
+    """)
+    logs = tmp_path / "logs"
+    result = spmdrun("--nproc-per-node", "2", "--rdzv-id", "logjob", "--log-dir", str(logs), "--redirects", "0:1",
+                     "--tee", "1:3", worker)
+    assert result.returncode == 0, result.stderr
+    attempt = logs / "logjob" / "attempt_0"
+    assert (attempt / "0" / "stdout.log").read_text() == "out 0\n"
+    assert not (attempt / "0" / "stderr.log").exists()
+    assert (attempt / "1" / "stdout.log").read_text() == "out 1\n"
+    assert (attempt / "1" / "stderr.log").read_text() == "err 1\n"
+    assert "[rank0]: out 0" not in result.stdout and "[rank1]: out 1" in result.stdout
+    assert "[rank0]: err 0" in result.stderr and "[rank1]: err 1" in result.stderr
