@@ -227,7 +227,7 @@ def distribute_tensor(tensor: Tensor, device_mesh: DeviceMesh, placements: Seque
         if tensor.device_mesh == device_mesh and placements is not None and tuple(placements) == tensor.placements:
             return tensor
         raise ValueError(f"distribute_tensor on rank {device_mesh.get_rank()}: got a DTensor "
-                         f"({list(tensor.placements)} on {tensor.device_mesh}); use .redistribute() instead")
+                         f"({list(tensor.placements)} on {tensor.device_mesh}); use redistribute() instead")
     placements = placements if placements is not None else [Replicate()] * device_mesh.ndim
     placements = normalize_placements(placements, tensor.ndim, device_mesh.ndim, "distribute_tensor")
     full = tensor.detach().to(device_mesh.device_type)

@@ -29,8 +29,12 @@ from spmd.tensor.spec import DTensorSpec, Placements, contiguous_stride
 _CACHE_LIMIT = 8192
 
 
-class MixedTensorError(TypeError):
-    """A DTensor and a plain (non-scalar) tensor met in one op, where the plain tensor's layout is ambiguous."""
+class MixedTensorError(ValueError):
+    """A DTensor and a plain (non-scalar) tensor met in one op, where the plain tensor's layout is ambiguous.
+
+    A ValueError, not a TypeError: torch turns a TypeError raised inside `a + b` into NotImplemented, which
+    would hide this message behind "unsupported operand type(s)".
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +182,8 @@ def _compile(op: OpOverload, args: tuple, kwargs: dict, dtensors: list, dtensor_
     mutated = _mutated_positions(op, args, kwargs, dtensor_type)
     rule = lookup_rule(op)
     if rule is None:
-        return _Compiled(op, (), (), False, info.returns_mutated, None, None, fallback=True)
+        single = info.returns_mutated is not None and len(info.returns_mutated) == 1
+        return _Compiled(op, (), (), single, info.returns_mutated, None, None, fallback=True)
     schema = OpSchema(op, _to_schema(args, dtensor_type), _to_schema(kwargs, dtensor_type), specs)
     try:
         decision = rule(schema)
