@@ -11,7 +11,8 @@ Note: one iteration of the reducer
      gradient into its bucket slot (or finds it already there, with gradient_as_bucket_view) and marks it ready.
   3. (backward) a bucket whose last slot became ready is launched, but only in bucket order: every rank
      launches bucket k before bucket k+1, so collectives line up across ranks whatever order hooks fire in.
-     Launching runs the comm hook (default: divide by the group size, async all_reduce).
+     Launching runs the comm hook, or by default an async all_reduce (SUM) of slots already divided by the
+     group size as they were filled, which spares a pass over the bucket.
   4. (end of backward) `_finalize`: parameters whose hook never fired are unused. Without
      find_unused_parameters that is an error naming them (raised here, not as a hang or at the next forward);
      with it their slots are zero-filled and the remaining buckets launched, and one all_reduce of the
@@ -152,10 +153,17 @@ class Reducer:
         bucket_index, slot = self.locate[index]
         view = self.buckets[bucket_index].views[slot]
         grad = param.grad
+        divide = self.comm_hook is None   # the default reduction averages here, in the copy; hooks divide themselves
         if grad is None:
             view.zero_()
-        elif not _aliases(grad, view):
-            view.copy_(grad)
+        elif _aliases(grad, view):
+            if divide:
+                view.div_(self.div_factor)
+        else:
+            if divide:
+                torch.div(grad, self.div_factor, out=view)
+            else:
+                view.copy_(grad)
             if self.as_view:
                 param.grad = view
 
@@ -185,8 +193,7 @@ class Reducer:
 
     def launch(self, bucket: Bucket) -> Callable[[], Tensor]:
         """Start reducing `bucket`; returns a function that waits and gives the averaged gradient."""
-        if self.comm_hook is None:
-            bucket.buffer.div_(self.div_factor)
+        if self.comm_hook is None:   # the slots were divided by div_factor as they filled (see _take_grad)
             work = all_reduce(bucket.buffer, ReduceOp.SUM, group=self.group, async_op=True)
             return _waiter(work, bucket.buffer)
         view = GradBucket(bucket, bucket.index == len(self.buckets) - 1, self.div_factor, self.group)
