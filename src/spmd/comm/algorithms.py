@@ -8,7 +8,8 @@ Note: the Exchange protocol
 One Exchange serves one collective on one rank. The algorithm calls, in this order:
   1. `post(recvs)` once, with every receive the collective will make on this rank, in the order each
      peer sends them (the transport matches messages from a peer to its posted receives first in, first out);
-  2. `send(peer, tensor)` and `wait(handle)` in any interleaving. `send` returns once `tensor` may be
+  2. `send(peer, tensor)` and `wait(handle)` in any interleaving. Receives from one peer complete in the
+     order they were posted, so waiting for the last of them waits for all. `send` returns once `tensor` may be
      reused; a transport must keep receiving while it sends (full duplex), so ranks that send to each
      other at the same time never deadlock.
 Posting everything first lets the transport tell a message that belongs to a later collective (keep it)
@@ -79,6 +80,11 @@ def split(numel: int, parts: int) -> list[tuple[int, int]]:
 def _pieces(start: int, length: int, element_size: int) -> list[tuple[int, int]]:
     step = max(1, PIECE_BYTES // element_size)
     return [(s, min(step, start + length - s)) for s in range(start, start + length, step)]
+
+
+def _wait_last(ex: Exchange, handles: list[Any]) -> None:
+    if handles:
+        ex.wait(handles[-1])
 
 
 def _is_small(tensor: Tensor) -> bool:
@@ -167,10 +173,12 @@ def _all_reduce_ring(ex: Exchange, tensor: Tensor, op: ReduceOp) -> None:
             offset += length
             ex.send(nxt, mine)      # the next step's partial, or (last step) the first all-gather piece
     for step, pieces in enumerate(ag_pieces):
+        if step == n - 2:    # nothing to forward: wait for the last piece (a peer's pieces arrive in order)
+            _wait_last(ex, list(handles))
+            break
         for start, length in pieces:
             ex.wait(next(handles))
-            if step < n - 2:
-                ex.send(nxt, tensor[start:start + length])
+            ex.send(nxt, tensor[start:start + length])
 
 
 # -- all_gather / reduce_scatter ------------------------------------------------------------------------------
@@ -198,10 +206,12 @@ def all_gather(ex: Exchange, output: Tensor, input: Tensor) -> None:
     for a, length in _pieces(r * m, m, size):
         ex.send(nxt, output[a:a + length])
     for step, pieces in enumerate(steps):
+        if step == n - 2:    # nothing to forward: wait for the last piece (a peer's pieces arrive in order)
+            _wait_last(ex, list(handles))
+            break
         for a, length in pieces:
             ex.wait(next(handles))
-            if step < n - 2:
-                ex.send(nxt, output[a:a + length])
+            ex.send(nxt, output[a:a + length])
 
 
 def reduce_scatter(ex: Exchange, output: Tensor, input: Tensor, op: ReduceOp) -> None:

@@ -58,7 +58,9 @@ def byte_view(tensor: Tensor) -> memoryview:
     """A writable byte memoryview of a flat contiguous tensor's memory, for any dtype (bool and bf16 too)."""
     if tensor.numel() == 0:
         return memoryview(bytearray())
-    return memoryview(tensor.detach().view(torch.uint8).numpy())
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    return memoryview(tensor.view(torch.uint8).numpy())
 
 
 def pack_header(kind: Kind, seq: int, payload_len: int, key: bytes = b"", site: bytes = b"") -> bytes:

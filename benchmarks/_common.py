@@ -1,0 +1,99 @@
+"""Helpers shared by the benchmark scripts: free ports, rank processes, robust timing, memcpy bandwidth, tables.
+
+Benchmarks are scripts, not tests. Each one runs spmd and torch.distributed side by side in the same processes,
+repeats every measurement and reports medians, so the noise of a shared machine hits both alike.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_processes(worker: Callable[..., Any], world_size: int, args: tuple, timeout: float) -> list[Any]:
+    """Run worker(rank, world_size, queue, *args) in `world_size` spawned processes; returns what each put on
+    the queue. Processes still alive after `timeout` seconds are killed, and the run raises."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(rank, world_size, queue, *args), daemon=True)
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"benchmark ranks did not finish within {timeout:.0f}s")
+            try:
+                rank, result = queue.get(timeout=min(remaining, 1.0))
+            except Exception:   # queue.Empty: check whether a rank died
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a benchmark rank exited with code {dead[0]}") from None
+                continue
+            if isinstance(result, BaseException):
+                raise result
+            results[rank] = result
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [results[rank] for rank in range(world_size)]
+
+
+def median_time(fn: Callable[[], None], sync: Callable[[], None], iters: int, reps: int) -> float:
+    """Median over `reps` of the mean time of `iters` calls of fn, each repetition started in step (`sync`)."""
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        times.append((time.perf_counter() - start) / iters)
+    return statistics.median(times)
+
+
+def memcpy_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Single-thread memcpy bandwidth in bytes/s (best of `reps`): the limit for moving bytes on one host."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start)
+        return nbytes / best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def machine_line() -> str:
+    return f"{os.cpu_count()} CPUs, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}"

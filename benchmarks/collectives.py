@@ -1,0 +1,209 @@
+"""Collective bandwidth and latency: spmd's transports and torch gloo side by side, columns as nccl-tests.
+
+    python benchmarks/collectives.py [--world-size 2] [--transports tcp] [--max-size 256M] [--ops all_reduce,...]
+
+Every rank is a process with one compute thread (torch.set_num_threads(1)) that joins both an spmd world per
+transport and a torch.distributed gloo world, so each size is measured on every backend in the same run,
+interleaved. Times are the slowest rank's median over repetitions; algbw = size / time and busbw = algbw x the
+nccl-tests factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast 1), where size
+is the largest buffer (all_gather's output, reduce_scatter's input). "vs gloo" is gloo's time / spmd's time:
+above 1 means spmd is faster. send/recv is a ping-pong between ranks 0 and 1, reported as one-way latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from _common import free_port, human_bytes, machine_line, median_time, memcpy_bandwidth, run_processes
+
+import spmd
+
+OPS = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single",
+       "send_recv"]
+BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather_into_tensor": lambda n: (n - 1) / n,
+    "reduce_scatter_tensor": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "all_to_all_single": lambda n: (n - 1) / n,
+    "send_recv": lambda n: 1.0,
+}
+SEND_RECV_MAX = 4 << 20
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def sizes_up_to(max_size: int) -> list[int]:
+    sizes, size = [], 8
+    while size <= max_size:
+        sizes.append(size)
+        size *= 8 if size < (1 << 20) else 4
+    if (1 << 20) <= max_size and (1 << 20) not in sizes:
+        sizes.append(1 << 20)
+    return sorted(sizes)
+
+
+class Backend:
+    """One way of running the ops: spmd over a transport, or torch.distributed (gloo)."""
+
+    def __init__(self, name: str, module: Any, group: Any) -> None:
+        self.name = name
+        self.dist = module
+        self.group = group
+
+    def barrier(self) -> None:
+        self.dist.barrier(group=self.group)
+
+    def op(self, op: str, nbytes: int, rank: int, n: int) -> Callable[[], None] | None:
+        """A closure running one `op` of `nbytes` (the nccl-tests size), or None when it does not apply."""
+        dist, group = self.dist, self.group
+        numel = max(1, nbytes // 4)
+        if op == "all_reduce":
+            t = torch.ones(numel)
+            return lambda: dist.all_reduce(t, group=group)
+        if op == "all_gather_into_tensor":
+            if numel < n:
+                return None
+            inp, out = torch.ones(numel // n), torch.empty(numel // n * n)
+            return lambda: dist.all_gather_into_tensor(out, inp, group=group)
+        if op == "reduce_scatter_tensor":
+            if numel < n:
+                return None
+            inp, out = torch.ones(numel // n * n), torch.empty(numel // n)
+            return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+        if op == "broadcast":
+            t = torch.ones(numel)
+            return lambda: dist.broadcast(t, src=0, group=group)
+        if op == "all_to_all_single":
+            if numel < n:
+                return None
+            inp, out = torch.ones(numel // n * n), torch.empty(numel // n * n)
+            return lambda: dist.all_to_all_single(out, inp, group=group)
+        if op == "send_recv":
+            if nbytes > SEND_RECV_MAX:
+                return None
+            t = torch.ones(numel)
+            if rank == 0:
+                return lambda: (dist.send(t, 1, group=group), dist.recv(t, 1, group=group))
+            if rank == 1:
+                return lambda: (dist.recv(t, 0, group=group), dist.send(t, 0, group=group))
+            return lambda: None
+        raise ValueError(op)
+
+
+def iterations(nbytes: int) -> tuple[int, int]:
+    """(iterations per repetition, repetitions) for a size: ~ constant work per repetition."""
+    if nbytes <= 64 << 10:
+        return 50, 11
+    if nbytes <= 4 << 20:
+        return 10, 7
+    return 1, 5
+
+
+def worker(rank: int, world_size: int, queue: Any, ports: dict[str, int], transports: list[str], ops: list[str],
+           sizes: list[int]) -> None:
+    try:
+        torch.set_num_threads(1)
+        timeout = datetime.timedelta(seconds=300)
+        tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports['gloo']}", rank=rank,
+                                 world_size=world_size, timeout=timeout)
+        backends = []
+        spmd.init_process_group(transports[0], init_method=f"tcp://127.0.0.1:{ports['spmd']}", rank=rank,
+                                world_size=world_size, timeout=300)
+        for transport in transports:
+            group = None if transport == transports[0] else spmd.new_group(list(range(world_size)), backend=transport)
+            backends.append(Backend(f"spmd-{transport}", spmd, group))
+        backends.append(Backend("gloo", tdist, None))
+        results: list[tuple[str, int, str, float]] = []
+        for op in ops:
+            for nbytes in sizes:
+                iters, reps = iterations(nbytes)
+                for backend in backends:
+                    fn = backend.op(op, nbytes, rank, world_size)
+                    if fn is None:
+                        continue
+                    for _ in range(2):   # warm-up: connections, buffers, caches
+                        fn()
+                    seconds = median_time(fn, backend.barrier, iters, reps)
+                    if op == "send_recv":
+                        seconds /= 2   # one way of the ping-pong
+                    slowest = torch.tensor([seconds], dtype=torch.float64)
+                    tdist.all_reduce(slowest, op=tdist.ReduceOp.MAX)
+                    results.append((op, nbytes, backend.name, slowest.item()))
+        spmd.destroy_process_group()
+        tdist.destroy_process_group()
+        queue.put((rank, results))
+    except BaseException as error:   # reported by the parent
+        queue.put((rank, RuntimeError(f"rank {rank}: {type(error).__name__}: {error}")))
+
+
+def print_tables(results: list[tuple[str, int, str, float]], world_size: int, names: list[str]) -> None:
+    table: dict[tuple[str, int], dict[str, float]] = {}
+    for op, nbytes, name, seconds in results:
+        table.setdefault((op, nbytes), {})[name] = seconds
+    for op in dict.fromkeys(op for op, *_ in results):
+        factor = BUS_FACTOR[op](world_size)
+        print(f"\n## {op}, {world_size} ranks" + (" (one-way latency of a ping-pong)" if op == "send_recv" else ""))
+        head = f"| {'size':>9} |"
+        rule = "|----------:|"
+        for name in names:
+            head += f" {name + ' time (us)':>20} | {'algbw GB/s':>10} | {'busbw GB/s':>10} |"
+            rule += "---------------------:|-----------:|-----------:|"
+        spmd_names = [name for name in names if name != "gloo"]
+        for name in spmd_names:
+            head += f" {name + ' vs gloo':>16} |"
+            rule += "-----------------:|"
+        print(head)
+        print(rule)
+        for (row_op, nbytes), times in table.items():
+            if row_op != op:
+                continue
+            line = f"| {human_bytes(nbytes):>9} |"
+            for name in names:
+                seconds = times.get(name)
+                if seconds is None:
+                    line += f" {'-':>20} | {'-':>10} | {'-':>10} |"
+                    continue
+                algbw = nbytes / seconds / 1e9
+                line += f" {seconds * 1e6:>20.1f} | {algbw:>10.3f} | {algbw * factor:>10.3f} |"
+            for name in spmd_names:
+                ratio = times["gloo"] / times[name] if name in times and "gloo" in times else float("nan")
+                line += f" {ratio:>15.2f}x |"
+            print(line)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--transports", default="tcp", help="comma-separated spmd transports, e.g. tcp,shm")
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {OPS}")
+    parser.add_argument("--min-size", default="8")
+    parser.add_argument("--max-size", default="256M")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    args = parser.parse_args(argv)
+    transports = [t for t in args.transports.split(",") if t]
+    ops = [op for op in args.ops.split(",") if op]
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown:
+        parser.error(f"unknown ops {unknown}; choose from {OPS}")
+    sizes = [s for s in sizes_up_to(parse_size(args.max_size)) if s >= parse_size(args.min_size)]
+    print(f"# spmd collectives benchmark: {args.world_size} ranks, 1 thread per rank; {machine_line()}")
+    print(f"# single-thread memcpy bandwidth (the limit for one copy): {memcpy_bandwidth() / 1e9:.2f} GB/s")
+    ports = {"gloo": free_port(), "spmd": free_port()}
+    per_rank = run_processes(worker, args.world_size, (ports, transports, ops, sizes), args.timeout)
+    print_tables(per_rank[0], args.world_size, [f"spmd-{t}" for t in transports] + ["gloo"])
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
