@@ -50,10 +50,32 @@ def _random_inplace(op: OpOverload, args: tuple, kwargs: dict) -> Any:
     return self
 
 
-@register_handler(aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
-                  aten.randint_like.low_dtype, aten.bernoulli.default, aten.bernoulli.p)
-def _random_out_of_place(op: OpOverload, args: tuple, kwargs: dict) -> Any:
+# The *_like factories have no generator argument; each is the in-place fill of a fresh tensor (as torch itself
+# implements rand = empty().uniform_(), ...), which takes one and draws the same numbers.
+_LIKE_FILLS = {
+    aten.rand_like.default: lambda t, args, g: t.uniform_(0, 1, generator=g),
+    aten.randn_like.default: lambda t, args, g: t.normal_(0, 1, generator=g),
+    aten.randint_like.default: lambda t, args, g: t.random_(0, args[1], generator=g),
+    aten.randint_like.low_dtype: lambda t, args, g: t.random_(args[1], args[2], generator=g),
+}
+
+
+@register_handler(*_LIKE_FILLS)
+def _random_like(op: OpOverload, args: tuple, kwargs: dict) -> Any:
     """A fresh random tensor shaped like the input, laid out like it (Partial -> Replicate)."""
+    like = args[0]
+    spec = like._spec
+    placements = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
+    full = torch.empty(spec.shape, dtype=kwargs.get("dtype") or spec.dtype)
+    _LIKE_FILLS[op](full, args, get_generator())
+    out_spec = type(spec)(spec.mesh, placements, full.shape, full.stride(), full.dtype)
+    return type(like)._wrap_local(out_spec.local_from_full(full), out_spec)
+
+
+@register_handler(aten.bernoulli.default, aten.bernoulli.p)
+def _bernoulli(op: OpOverload, args: tuple, kwargs: dict) -> Any:
+    """torch.bernoulli(probabilities): drawn for the global tensor, laid out like the input (Partial ->
+    Replicate: the probabilities are reduced first)."""
     like = args[0]
     spec = like._spec
     placements = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
