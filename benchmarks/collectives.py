@@ -185,7 +185,7 @@ def print_tables(results: list[tuple[str, int, str, float]], world_size: int, na
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--transports", default="tcp", help="comma-separated spmd transports, e.g. tcp,shm")
+    parser.add_argument("--transports", default="tcp,shm", help="comma-separated spmd transports, e.g. tcp,shm")
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {OPS}")
     parser.add_argument("--min-size", default="8")
     parser.add_argument("--max-size", default="256M")
