@@ -142,7 +142,7 @@ class LocalShmTransport(Transport):
         segment = self.segment
         assert segment is not None
         self._phase += 1
-        segment.words[segment.phase_index(self.group_rank)] = self._phase
+        segment.end_phase(self._phase)
         segment.wait_phase(self._phase, ctx.deadline, lambda: self._describe(ctx))
         if self._pending_ctx is not None:
             self._pending_ctx = None

@@ -32,6 +32,16 @@ fingerprint) and reads only buffers of parity (p - 1) % 2 written by the others 
 of parity x is therefore read one phase after it was written and overwritten one phase after that, with
 a sync in between, so no further handshake is needed and a collective costs one sync per chunk.
 Ordering relies on x86-64's total store order (data stores become visible before the counter store).
+
+Note: waiting
+A wait first polls the peer's counter (a few microseconds: when both ranks have a core, that is the
+fastest hand-off there is). Then it sets its SLEEPING word, polls once more, and blocks on its own wake
+socket (an abstract-namespace unix datagram socket, named after the segment and the rank, so it needs no
+cleanup). A rank that ends a phase sends one byte to every peer whose SLEEPING word is set. Blocking
+matters on a loaded machine: the kernel runs the waiter exactly when its peer has made progress, and the
+waiter's core is free for the peer meanwhile, instead of being burnt by spinning. A wake that races with
+the SLEEPING store can be missed; the blocking receive times out after WAKE_TIMEOUT_S, which bounds the
+damage and also paces the checks of the abort word, the deadline and the peers' liveness.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import hashlib
 import mmap
 import os
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -64,10 +75,14 @@ MAGIC = 0x73706D6473686D31    # "spmdshm1"
 # header words (byte offsets)
 _H_MAGIC, _H_SIZE, _H_SLOT, _H_RING, _H_ABORT, _H_ABORT_KIND, _H_ABORT_LEN = 0, 8, 16, 24, 64, 72, 80
 _H_ABORT_MSG, _ABORT_MSG_BYTES = 128, HEADER_BYTES - 128
-# control block words (byte offsets inside a rank's block)
-_C_PHASE, _C_PID, _C_START, _C_ATTACHED, _C_FP = 0, 64, 72, 80, 128
+# control block words (byte offsets inside a rank's block); _C_SLEEPING is set while the rank blocks on its
+# wake socket, so that a rank ending a phase knows whom to wake (see Note: waiting)
+_C_PHASE, _C_PID, _C_START, _C_ATTACHED, _C_SLEEPING, _C_FP = 0, 64, 72, 80, 96, 128
 
 ABORT_OTHER, ABORT_PEER_LOST = 1, 2
+SPIN_POLLS = 300              # counter polls (about 20-50 us) before a wait blocks on its wake socket
+WAKE_TIMEOUT_S = 0.01         # a blocked wait re-checks its counter, the abort word, the deadline this often
+LIVENESS_S = 0.05             # how often a wait checks that its peers' processes are alive
 
 DescribeFn = Callable[[], str]   # builds the "op #seq on group, rank r" prefix of an error, only when needed
 
@@ -181,7 +196,10 @@ class Segment:
         self.start_times = [0] * self.size
         self.global_ranks = list(range(self.size))   # for messages; the transport sets the real ones
         self.same_process = True           # every peer is a thread of this process (run_ranks over shm)
-        self.spin = 2000                   # busy polls before a wait starts yielding the CPU
+        self.spin = SPIN_POLLS
+        self._wake = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._wake.bind(self._wake_address(rank))
+        self._wake_peers = [self._wake_address(peer) for peer in range(self.size)]
 
     # -- creation -------------------------------------------------------------------------------------------
 
@@ -244,7 +262,11 @@ class Segment:
             self.start_times[peer] = self.word(base + _C_START)
         self.same_process = all(pid == os.getpid() for pid in self.pids)
         if self.same_process:
-            self.spin = 20     # peers need this thread's GIL to make progress: yield it almost at once
+            self.spin = 0      # peers are threads that need this thread's GIL to make progress: block at once
+
+    def _wake_address(self, rank: int) -> bytes:
+        """The abstract unix socket address of `rank`'s wake socket (a leading NUL: no file, no cleanup)."""
+        return f"\0{self.name}-{rank}".encode()
 
     def unlink_name(self) -> None:
         """Remove the segment's name (idempotent); the mapping stays valid until every rank closes it."""
@@ -253,6 +275,7 @@ class Segment:
     def close(self) -> None:
         """Unmap (once nothing else views the memory; otherwise garbage collection unmaps it later)."""
         self.unlink_name()
+        self._wake.close()
         self.words.release()
         del self.bytes
         with contextlib.suppress(BufferError):
@@ -293,6 +316,7 @@ class Segment:
         self.write_word(_H_ABORT_LEN, len(data))
         self.write_word(_H_ABORT_KIND, kind)
         self.write_word(_H_ABORT, self.rank + 1)
+        self.wake_peers(force=True)
 
     def abort_error(self, what: str) -> Exception | None:
         """The error a wait raises once some rank aborted the group; None while nobody has."""
@@ -314,6 +338,19 @@ class Segment:
 
     # -- waits ----------------------------------------------------------------------------------------------
 
+    def end_phase(self, phase: int) -> None:
+        """Publish that this rank has ended `phase` - 1 (its counter becomes `phase`) and wake sleeping peers."""
+        self.words[self.phase_index(self.rank)] = phase
+        self.wake_peers()
+
+    def wake_peers(self, force: bool = False) -> None:
+        """Send a wake byte to every peer blocked on its wake socket (every peer with `force`)."""
+        words, layout = self.words, self.layout
+        for peer in range(self.size):
+            if peer != self.rank and (force or words[(layout.ctrl(peer) + _C_SLEEPING) >> 3]):
+                with contextlib.suppress(OSError):      # the peer is gone or already has a wake queued
+                    self._wake.sendto(b"w", socket.MSG_DONTWAIT, self._wake_peers[peer])
+
     def wait_phase(self, target: int, deadline: Deadline, describe: DescribeFn) -> None:
         """Wait until every peer's phase counter reaches `target` (see Note: phases)."""
         words = self.words
@@ -323,39 +360,51 @@ class Segment:
                 self.wait_word(index, target, peer, deadline, describe)
 
     def wait_word(self, index: int, target: int, peer: int, deadline: Deadline, describe: DescribeFn) -> None:
-        """Wait until words[index] >= target: spin, then yield the CPU, then sleep with a growing backoff.
+        """Wait until words[index] >= target: poll, then block on the wake socket (see Note: waiting).
 
-        Every slow iteration checks the abort word and the deadline; every 50 ms it checks that the peer
+        Every wake-up checks the abort word and the deadline; every LIVENESS_S it checks that the peer
         processes are alive, so a dead peer is reported within a fraction of a second.
         """
         words = self.words
         for _ in range(self.spin):
             if words[index] >= target:
                 return
-        started = time.monotonic()
-        next_liveness = started + 0.05
-        sleep_s = 0.0
-        while words[index] < target:
+        sleeping = (self.layout.ctrl(self.rank) + _C_SLEEPING) >> 3
+        next_liveness = time.monotonic() + LIVENESS_S
+        while True:
+            words[sleeping] = 1
+            if words[index] >= target:
+                words[sleeping] = 0
+                return
             error = self.abort_error(describe())
             if error is not None:
+                words[sleeping] = 0
                 raise error
             now = time.monotonic()
             if now >= deadline.at:
+                words[sleeping] = 0
                 raise CommTimeoutError(f"{describe()}: timed out after {deadline.timeout:.1f}s waiting for "
                                        f"group rank {peer}")
             if now >= next_liveness:
-                next_liveness = now + 0.05
+                next_liveness = now + LIVENESS_S
                 dead = self.dead_peer(range(self.size))
                 if dead is not None:
+                    words[sleeping] = 0
                     raise PeerLostError(f"{describe()}: {self.peer_lost_message(dead)}")
-            if self.same_process:
-                time.sleep(sleep_s)
-                sleep_s = min(5e-4, sleep_s + 2e-5)
-            elif now - started < 0.002:
-                os.sched_yield()
-            else:
-                time.sleep(sleep_s)
-                sleep_s = min(1e-3, sleep_s + 5e-5)
+            self._wake.settimeout(min(WAKE_TIMEOUT_S, max(1e-4, deadline.at - now)))
+            with contextlib.suppress(TimeoutError):
+                self._wake.recv(16)
+            words[sleeping] = 0
+            self._drain_wakes()
+            if words[index] >= target:
+                return
+
+    def _drain_wakes(self) -> None:
+        """Drop wake bytes queued while this rank was not blocked (they would only cause spurious wake-ups)."""
+        self._wake.settimeout(0.0)
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            while True:
+                self._wake.recv(16)
 
     def peer_lost_message(self, peer: int) -> str:
         return (f"rank {self.global_ranks[peer]} (group rank {peer}, pid {self.pids[peer]}) died; the group "
