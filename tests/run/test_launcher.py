@@ -198,28 +198,33 @@ def test_two_agents_run_a_2x2_all_reduce_over_loopback(tmp_path: Path) -> None:
     assert sums == [f"[rank{rank}]: sum {rank} 4 {rank // 2} 10.0" for rank in range(4)]
 
 
-def test_a_late_node_in_an_elastic_job_triggers_a_new_round(tmp_path: Path) -> None:
+def test_elastic_job_regroups_when_a_node_joins_late_and_when_it_dies(tmp_path: Path) -> None:
     worker = script(tmp_path, "elastic.py", """
         import os, time
-        print("world", os.environ["WORLD_SIZE"], "round", os.environ["SPMD_ROUND"], flush=True)
-        if os.environ["WORLD_SIZE"] == "1":
-            time.sleep(120)  # alone: wait to be regrouped
+        print("world", os.environ["WORLD_SIZE"], "round", os.environ["SPMD_ROUND"], os.getpid(), flush=True)
+        if os.environ["SPMD_ROUND"] != "2":
+            time.sleep(120)  # round 0: wait for the second node; round 1: for its death
     """)
     common = ("--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-              "--rdzv-conf", FAST_RDZV, worker)
+              "--rdzv-conf", "last_call_timeout=0.5,heartbeat_interval=0.2,heartbeat_timeout=3", worker)
     first = Launcher(*common)
     second: Launcher | None = None
     try:
         first.wait_for_line("[rank0]: world 1 round 0", timeout=60)
         second = Launcher(*common)
-        assert second.finish(timeout=60) == 0, second.output
-        assert first.finish(timeout=30) == 0, first.output
+        second.wait_for_line("[rank1]: world 2 round 1", timeout=60)
+        first.wait_for_line("[rank0]: world 2 round 1", timeout=30)
+        late_worker = int(next(line for line in second.lines if "world 2 round 1" in line).split()[-1])
+        second.popen.kill()  # the node dies: its worker goes with it, the other node regroups alone
+        second.finish(timeout=30)
+        wait_until(lambda: not is_alive(late_worker), 10, "the dead node's worker to die")
+        assert first.finish(timeout=60) == 0, first.output
     finally:
         first.kill()
         if second is not None:
             second.kill()
-    assert "[rank0]: world 2 round 1" in first.output and "[rank1]: world 2 round 1" in second.output
     assert "round 1: 2 node(s), world size 2" in first.output
+    assert "round 2: 1 node(s), world size 1" in first.output and "[rank0]: world 1 round 2" in first.output
 
 
 def test_busy_ports_give_errors_naming_them(tmp_path: Path) -> None:

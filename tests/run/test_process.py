@@ -20,6 +20,12 @@ from tests.run.helpers import is_alive, wait_until
 pytestmark = pytest.mark.timeout(60)
 
 
+def start_group(specs: list[WorkerSpec], console: Console, host: str) -> WorkerGroup:
+    group = WorkerGroup(console, host)
+    group.start(specs)
+    return group
+
+
 def spec(rank: int, code: str, tmp_path, **kwargs) -> WorkerSpec:
     return WorkerSpec(rank=rank, local_rank=rank, argv=(sys.executable, "-c", code), env=dict(os.environ),
                       error_file=str(tmp_path / f"err{rank}.json"), **kwargs)
@@ -33,7 +39,7 @@ def test_lines_are_prefixed_and_never_interleaved(tmp_path) -> None:
             "        sys.stdout.write(piece); sys.stdout.flush()\n"
             "sys.stdout.write('no newline at the end')\n")
     out, err = io.BytesIO(), io.BytesIO()
-    group = WorkerGroup([spec(rank, code, tmp_path) for rank in range(3)], Console(out, err), host="h")
+    group = start_group([spec(rank, code, tmp_path) for rank in range(3)], Console(out, err), "h")
     wait_until(lambda: all(code is not None for code in group.poll()), 30, "the writers to finish")
     group.stop(grace=1.0)
     lines = out.getvalue().decode().splitlines()
@@ -49,7 +55,7 @@ def test_log_files_get_raw_lines_and_console_can_be_muted(tmp_path) -> None:
     out, err = io.BytesIO(), io.BytesIO()
     logs = [tmp_path / "0" / "stdout.log", tmp_path / "0" / "stderr.log"]
     worker = spec(0, code, tmp_path, stdout_log=str(logs[0]), stderr_log=str(logs[1]), stdout_to_console=False)
-    group = WorkerGroup([worker], Console(out, err), host="h")
+    group = start_group([worker], Console(out, err), "h")
     wait_until(lambda: group.poll() == [0], 30, "the worker to finish")
     group.stop(grace=1.0)
     assert logs[0].read_text() == "to out\n" and logs[1].read_text() == "to err\n"
@@ -64,7 +70,7 @@ def test_stop_kills_the_whole_tree_even_when_sigterm_is_ignored(tmp_path) -> Non
             "print(child.pid, flush=True)\n"
             "time.sleep(60)\n")
     out = io.BytesIO()
-    group = WorkerGroup([spec(0, code, tmp_path)], Console(out, io.BytesIO()), host="h")
+    group = start_group([spec(0, code, tmp_path)], Console(out, io.BytesIO()), "h")
     wait_until(lambda: out.getvalue().endswith(b"\n"), 30, "the grandchild's pid")
     grandchild = int(out.getvalue().decode().split(": ")[1])
     worker_pid = group.workers[0].pid
@@ -77,9 +83,9 @@ def test_stop_kills_the_whole_tree_even_when_sigterm_is_ignored(tmp_path) -> Non
 
 
 def test_failures_read_exit_status_and_error_file(tmp_path) -> None:
-    group = WorkerGroup([spec(0, "import sys; sys.exit(3)", tmp_path),
+    group = start_group([spec(0, "import sys; sys.exit(3)", tmp_path),
                          spec(1, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", tmp_path),
-                         spec(2, "pass", tmp_path)], Console(io.BytesIO(), io.BytesIO()), host="hostA")
+                         spec(2, "pass", tmp_path)], Console(io.BytesIO(), io.BytesIO()), "hostA")
     wait_until(lambda: all(code is not None for code in group.poll()), 30, "the workers to end")
     failures = group.failures()
     group.stop(grace=1.0)

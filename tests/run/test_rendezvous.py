@@ -72,21 +72,50 @@ def test_late_joiner_triggers_a_new_round_and_a_full_job_keeps_extra_nodes_waiti
     assert c.node_id not in {node.node_id for node in second.nodes}
 
 
-def test_failure_restarts_until_the_budget_is_spent_then_closes_with_the_failure() -> None:
+def failure(rank: int, timestamp: float) -> dict[str, float]:
+    return {"rank": rank, "timestamp": timestamp}
+
+
+def test_failure_restarts_until_the_budget_is_spent_then_closes_with_the_failures() -> None:
     job = Job(1, 1, max_restarts=1)
     a = job.join("host0")
     first = job.step(0.0)
-    job.client.report_failure(first.number, {"rank": 1, "exit_code": 3})
+    job.client.report_failures(first.number, a.node_id, [failure(1, 5.0)])
     job.beat(a)
-    second = job.step(0.5)
+    second = job.step(0.1)  # every member reported: no need to wait for more reports
     assert (second.number, second.restart_count) == (1, 1)
-    job.client.report_failure(second.number, {"rank": 0, "exit_code": -9})
-    job.client.report_failure(second.number, {"rank": 1, "exit_code": 1})  # later reports don't replace the first
-    job.step(0.6)
+    job.client.report_failures(second.number, a.node_id, [failure(1, 7.0), failure(0, 6.0)])
+    job.step(0.2)
     outcome = job.client.outcome()
     assert outcome is not None and outcome.status == "failed"
-    assert outcome.failure == {"rank": 0, "exit_code": -9}
+    assert outcome.failures == (failure(0, 6.0), failure(1, 7.0))  # earliest first
     assert "1 of 1 restarts used" in outcome.message
+
+
+def test_the_earliest_failure_wins_even_when_reported_second() -> None:
+    job = Job(2, 2)
+    a, b = job.join("host0"), job.join("host1")
+    first = job.step(0.0)
+    job.client.report_failures(first.number, b.node_id, [failure(3, 10.5)])  # a consequence, reported first
+    job.beat(a, b)
+    job.step(0.2)
+    assert job.client.outcome() is None  # waiting failure_settle for the other member's report
+    job.client.report_failures(first.number, a.node_id, [failure(0, 10.0)])
+    job.step(0.3)
+    outcome = job.client.outcome()
+    assert outcome is not None and [f["rank"] for f in outcome.failures] == [0, 3]
+
+
+def test_a_lone_failure_report_is_acted_on_after_the_settle_time() -> None:
+    job = Job(2, 2)
+    a, b = job.join("host0"), job.join("host1")
+    first = job.step(0.0)
+    job.client.report_failures(first.number, b.node_id, [failure(2, 1.0)])
+    job.beat(a, b)
+    job.step(0.1)
+    assert job.client.outcome() is None
+    job.step(0.7)
+    assert job.client.outcome().failures == (failure(2, 1.0),)
 
 
 def test_all_done_closes_succeeded() -> None:

@@ -107,6 +107,7 @@ class Agent:
         self.me: NodeInfo | None = None
         self.workers: WorkerGroup | None = None
         self._raise_on_signal = True
+        self._member = False  # whether this node is in the latest round (else it waits, and may leave alone)
         self._log_root, self._own_log_root = self._make_log_root()
 
     # ---- entry -------------------------------------------------------------------------------------------
@@ -201,12 +202,14 @@ class Agent:
             latest = self.client.latest_round()
             if latest is not None and (seen is None or latest.number > seen.number):
                 self._stop_workers(signal.SIGTERM)
-                seen, pending, running = latest, None, None
+                seen, running = latest, None
+                self._member = latest.group_rank(self.me.node_id) is not None
                 pending = self._enter_round(latest)
             if pending is not None:
                 master = self.client.master(pending.number)
                 if master is not None:
-                    self.workers = WorkerGroup(self._worker_specs(pending, *master), self.console, self.hostname)
+                    self.workers = WorkerGroup(self.console, self.hostname)  # stopped on any exit from here
+                    self.workers.start(self._worker_specs(pending, *master))
                     pending, running = None, pending
             if running is not None and self.workers is not None and self._round_finished(running):
                 running = None
@@ -245,10 +248,10 @@ class Agent:
         codes = self.workers.poll()
         if any(code not in (None, 0) for code in codes):
             failures = self.workers.failures()
+            # Report before stopping the rest: the coordinator compares reports by time to find the root cause.
+            self.client.report_failures(current.number, self.me.node_id, [f.to_json() for f in failures])
+            self._say(f"round {current.number}: {first_failure(failures).headline()}; stopping this node's workers")
             self._stop_workers(signal.SIGTERM)
-            first = first_failure(failures)
-            self._say(f"round {current.number}: {first.headline()}; stopping this node's workers")
-            self.client.report_failure(current.number, first.to_json())
             return True
         if all(code == 0 for code in codes):
             self._stop_workers(signal.SIGTERM)  # reaps and drains their output
@@ -305,21 +308,25 @@ class Agent:
         self._stop_workers(signal.SIGTERM)
         if outcome.status == "succeeded":
             return 0
-        if outcome.status == "failed" and outcome.failure is not None:
-            failure = WorkerFailure.from_json(outcome.failure)
-            self.console.message(format_summary([failure], f"{self.config.rdzv_id}: {outcome.message}"))
+        if outcome.status == "failed" and outcome.failures:
+            failures = [WorkerFailure.from_json(failure) for failure in outcome.failures]
+            self.console.message(format_summary(failures, f"{self.config.rdzv_id}: {outcome.message}"))
         else:
             self._say(outcome.message)
         return 1
 
     def _stop_for_signal(self, signum: int) -> int:
         name = signal.Signals(signum).name
-        self._say(f"got {name}: stopping the workers and the job")
         self._stop_workers(signum)
-        if self.client is not None:
+        if self.client is not None and self.me is not None:
             with contextlib.suppress(StoreError, OSError):
-                self.client.close(Outcome("interrupted", f"spmdrun: stopped by {name} to the agent on "
-                                          f"{self.hostname}"))
+                if self._member:
+                    self._say(f"got {name}: stopped this node's workers; stopping the job")
+                    self.client.close(Outcome("interrupted", f"spmdrun: stopped by {name} to the agent on "
+                                              f"{self.hostname}"))
+                else:  # a waiting node leaves without disturbing the running job
+                    self._say(f"got {name}: leaving the rendezvous")
+                    self.client.leave(self.me.node_id)
         return 128 + signum
 
     def _shut_down(self) -> None:

@@ -130,11 +130,15 @@ class Worker:
 class WorkerGroup:
     """The workers of one node for one rendezvous round."""
 
-    def __init__(self, specs: list[WorkerSpec], console: Console, host: str) -> None:
+    def __init__(self, console: Console, host: str) -> None:
+        self.console = console
         self.host = host
         self.workers: list[Worker] = []
-        for spec in specs:  # appended one by one, so a failed start still stops the ones already running
-            self.workers.append(Worker(spec, console))
+
+    def start(self, specs: list[WorkerSpec]) -> None:
+        """Start the workers; each is tracked as soon as it exists, so an interrupted start still stops them all."""
+        for spec in specs:
+            self.workers.append(Worker(spec, self.console))
 
     def poll(self) -> list[int | None]:
         """Each worker's exit code (None while it runs), in local rank order."""

@@ -15,9 +15,11 @@ Protocol (keys are under `spmd/rdzv/<run id>/`):
   4. (every agent)  polls `round`; on a newer round it stops its workers; if it is in the round, the node
                     with group rank 0 publishes the workers' store `set("round/<r>/master", "addr:port:token")`
                     and every member starts its workers with it.
-  5. (an agent)     a worker failed: `compare_set("round/<r>/failure", "", WorkerFailure)` (the first wins).
-                    All its workers succeeded: `set("round/<r>/done/<id>", "1")`.
-  6. (coordinator)  failure -> a new round (restart_count + 1) while restarts remain, else close "failed";
+  5. (an agent)     its workers failed: `set("round/<r>/failure/<id>", [WorkerFailure, ...])`, then it stops
+                    the rest. All its workers succeeded: `set("round/<r>/done/<id>", "1")`.
+  6. (coordinator)  failure -> after failure_settle (or once every member reported) the earliest failure of all
+                    reports is the root cause; a new round (restart_count + 1) while restarts remain, else close
+                    "failed" with every report (other nodes' failures are often consequences of the first);
                     a member dead (heartbeat stale or `left/<id>`) -> a new round with the live nodes;
                     a waiting node and room below MAX (and no member done) -> a new round with it;
                     every member done -> close "succeeded"; too few nodes for join_timeout -> close "timeout".
@@ -94,14 +96,15 @@ class Outcome:
 
     status: str
     message: str
-    failure: dict[str, Any] | None = None  # the first WorkerFailure, as JSON, when status is 'failed'
+    failures: tuple[dict[str, Any], ...] = ()  # the WorkerFailures (as JSON) reported, when status is 'failed'
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
     @staticmethod
     def from_json(text: bytes | str) -> Outcome:
-        return Outcome(**json.loads(text))
+        data = json.loads(text)
+        return Outcome(data["status"], data["message"], tuple(data["failures"]))
 
 
 class RendezvousClient:
@@ -141,8 +144,8 @@ class RendezvousClient:
         addr, port, token = self.store.get(key).decode().split("\n")
         return addr, int(port), token
 
-    def report_failure(self, round_number: int, failure: dict[str, Any]) -> None:
-        self.store.compare_set(f"round/{round_number}/failure", "", json.dumps(failure))
+    def report_failures(self, round_number: int, node_id: int, failures: list[dict[str, Any]]) -> None:
+        self.store.set(f"round/{round_number}/failure/{node_id}", json.dumps(failures))
 
     def report_done(self, round_number: int, node_id: int) -> None:
         self.store.set(f"round/{round_number}/done/{node_id}", "1")
@@ -190,16 +193,17 @@ class Coordinator:
     `start()` runs it on a thread every `tick` seconds. Tests drive `step` with their own clock."""
 
     def __init__(self, store: Store, run_id: str, min_nodes: int, max_nodes: int, max_restarts: int,
-                 timeouts: RendezvousTimeouts, now: float, tick: float = 0.05) -> None:
+                 timeouts: RendezvousTimeouts, now: float, tick: float = 0.05, failure_settle: float = 0.5) -> None:
         self.store = PrefixStore(f"spmd/rdzv/{run_id}", store)
         self.min_nodes, self.max_nodes, self.max_restarts = min_nodes, max_nodes, max_restarts
-        self.timeouts, self.tick = timeouts, tick
+        self.timeouts, self.tick, self.failure_settle = timeouts, tick, failure_settle
         self.nodes: dict[int, _Tracked] = {}
         self.current: Round | None = None
         self.next_number = 0
         self.restart_count = 0
         self.wait_started = now  # when the job last had no running round (for join_timeout)
         self.settle_started: float | None = None  # when MIN nodes were first alive while waiting
+        self.failure_seen_at: float | None = None  # when the running round's first failure report was seen
         self.closed: Outcome | None = None
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
@@ -257,12 +261,18 @@ class Coordinator:
                 f"missing node(s) with the same --rdzv-endpoint and --rdzv-id, or lower --nnodes.")))
 
     def _while_running(self, current: Round, alive: list[NodeInfo], now: float) -> None:
-        failure_key = f"round/{current.number}/failure"
-        if self.store.check([failure_key]):
-            failure = json.loads(self.store.get(failure_key))
+        reports = [json.loads(self.store.get(key)) for key in
+                   (f"round/{current.number}/failure/{node.node_id}" for node in current.nodes)
+                   if self.store.check([key])]
+        if reports:
+            self.failure_seen_at = now if self.failure_seen_at is None else self.failure_seen_at
+            if len(reports) < len(current.nodes) and now - self.failure_seen_at < self.failure_settle:
+                return  # let the root cause's report arrive even if a consequence was reported first
+            failures = tuple(sorted((failure for report in reports for failure in report),
+                                    key=lambda failure: (failure["timestamp"], failure["rank"])))
             if self.restart_count >= self.max_restarts:
                 self._close(Outcome("failed", f"worker failure with {self.restart_count} of {self.max_restarts} "
-                                    "restarts used", failure))
+                                    "restarts used", failures))
                 return
             self.restart_count += 1
             log.info("round %d failed; restart %d of %d", current.number, self.restart_count, self.max_restarts)
@@ -284,7 +294,7 @@ class Coordinator:
             self._publish(alive, now)
             return
         self._write_round(Round(self.next_number, (), self.restart_count))
-        self.current, self.wait_started, self.settle_started = None, now, None
+        self.current, self.wait_started, self.settle_started, self.failure_seen_at = None, now, None, None
 
     def _publish(self, alive: list[NodeInfo], now: float) -> None:
         members = {node.node_id for node in self.current.nodes} if self.current else set()
@@ -299,7 +309,7 @@ class Coordinator:
             return
         self.current = Round(self.next_number, ranked, self.restart_count)
         self._write_round(self.current)
-        self.settle_started = None
+        self.settle_started = self.failure_seen_at = None
 
     def _write_round(self, new: Round) -> None:
         self.store.set(f"round/{new.number}", new.to_json())
