@@ -240,6 +240,11 @@ def test_busy_ports_give_errors_naming_them(tmp_path: Path) -> None:
     assert "ran" not in rdzv.stdout + master.stdout
 
 
+def test_a_missing_script_fails_before_anything_starts(tmp_path: Path) -> None:
+    result = spmdrun("--nproc-per-node", "2", str(tmp_path / "nope.py"))
+    assert result.returncode == 2 and "nope.py' does not exist" in result.stderr
+
+
 def test_a_node_that_never_comes_times_out_naming_the_missing_count(tmp_path: Path) -> None:
     worker = script(tmp_path, "ok.py", "print('ran')\n")
     result = spmdrun("--nnodes", "3", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",

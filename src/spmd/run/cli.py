@@ -149,6 +149,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
+        if config.kind is EntryKind.SCRIPT and not os.path.isfile(config.entrypoint):
+            raise ValueError(f"spmdrun: the training script {config.entrypoint!r} does not exist (working "
+                             f"directory {os.getcwd()}); use -m for a module or --no-python for a program")
     except ValueError as error:
         print(error, file=sys.stderr)
         raise SystemExit(2) from None
