@@ -123,13 +123,10 @@ class LocalShmTransport(Transport):
         """Publish this op's fingerprint for the current phase; returns the segment and this phase's parity."""
         segment = self.segment
         assert segment is not None
-        error = segment.abort_error(self._describe(ctx))
-        if error is not None:
-            raise error
+        if segment.aborted():
+            raise segment.abort_error(self._describe(ctx))
         parity = self._phase & 1
-        encoded = ctx.fingerprint.encode()
-        if len(encoded) > FP_BYTES - 24:
-            encoded = ctx.fingerprint.encode()[:FP_BYTES - 24]
+        encoded = ctx.fingerprint.encode()[:FP_BYTES - 24]    # cut only for absurd shapes: then shown unreadable
         offset = segment.fp_offset(self.group_rank, parity)
         segment.write_bytes(offset, fingerprint_digest(ctx.fingerprint.key()))
         segment.write_word(offset + 16, len(encoded))
@@ -189,17 +186,24 @@ class LocalShmTransport(Transport):
     def reduce(self, tensor: Tensor, root: int, op: ReduceOp, ctx: OpContext) -> None:
         if self.group_size == 1:
             return
-        self._reduce_sliced(tensor, op, ctx, self._views_of(tensor.dtype), root=root)
+        views = self._views_of(tensor.dtype)
+        if tensor.numel() * tensor.element_size() <= SMALL_BYTES:
+            self._all_reduce_small(tensor, op, ctx, views, root)
+        else:
+            self._reduce_sliced(tensor, op, ctx, views, root=root)
 
-    def _all_reduce_small(self, tensor: Tensor, op: ReduceOp, ctx: OpContext, views: _Views) -> None:
-        """One phase: everyone copies its tensor in, then every rank reduces all copies (in rank order)."""
+    def _all_reduce_small(self, tensor: Tensor, op: ReduceOp, ctx: OpContext, views: _Views,
+                          root: int | None = None) -> None:
+        """One phase: everyone copies its tensor in, then every rank (or only `root`) reduces all copies in
+        rank order, so all ranks compute bit-identical results."""
         n = tensor.numel()
         _, parity = self._begin(ctx)
         views.staging[self.group_rank][parity][:n].copy_(tensor)
         parity = self._sync(ctx) ^ 1
-        reduce_into(tensor, [views.staging[rank][parity][:n] for rank in range(self.group_size)], op)
-        if op is ReduceOp.AVG:
-            tensor.div_(self.group_size)
+        if root is None or root == self.group_rank:
+            reduce_into(tensor, [views.staging[rank][parity][:n] for rank in range(self.group_size)], op)
+            if op is ReduceOp.AVG:
+                tensor.div_(self.group_size)
 
     def _reduce_sliced(self, tensor: Tensor, op: ReduceOp, ctx: OpContext, views: _Views, root: int | None) -> None:
         """all_reduce (root None) or reduce to `root`, pipelined in chunks; see Note: sliced reduction."""

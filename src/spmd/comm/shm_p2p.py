@@ -211,8 +211,10 @@ class P2PEngine:
     def _check_peers(self) -> None:
         segment = self._segment
         assert segment is not None
-        error = segment.abort_error(f"point-to-point on rank {self._spec.global_rank}")
-        if error is None:
+        error: Exception | None = None
+        if segment.aborted():
+            error = segment.abort_error(f"point-to-point on rank {self._spec.global_rank}")
+        else:
             dead = segment.dead_peer(range(self._size))
             if dead is not None:
                 error = PeerLostError(f"point-to-point on rank {self._spec.global_rank}: "

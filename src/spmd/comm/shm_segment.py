@@ -318,11 +318,12 @@ class Segment:
         self.write_word(_H_ABORT, self.rank + 1)
         self.wake_peers(force=True)
 
-    def abort_error(self, what: str) -> Exception | None:
-        """The error a wait raises once some rank aborted the group; None while nobody has."""
+    def aborted(self) -> bool:
+        return self.words[_H_ABORT >> 3] != 0
+
+    def abort_error(self, what: str) -> Exception:
+        """The error a wait raises once some rank aborted the group (call only when `aborted()`)."""
         aborter = self.word(_H_ABORT)
-        if not aborter:
-            return None
         message = self.read_bytes(_H_ABORT_MSG, self.word(_H_ABORT_LEN)).decode(errors="replace")
         if self.word(_H_ABORT_KIND) == ABORT_PEER_LOST:
             return PeerLostError(f"{what}: {message}")
@@ -376,10 +377,9 @@ class Segment:
             if words[index] >= target:
                 words[sleeping] = 0
                 return
-            error = self.abort_error(describe())
-            if error is not None:
+            if self.aborted():
                 words[sleeping] = 0
-                raise error
+                raise self.abort_error(describe())
             now = time.monotonic()
             if now >= deadline.at:
                 words[sleeping] = 0
