@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import Tensor
 
 from spmd.device_mesh import DeviceMesh, init_device_mesh
 from spmd.tensor import DTensor, Partial, Placement, Replicate, Shard
+from spmd.tensor.placement import normalize_placements
 from spmd.tensor.spec import DTensorSpec, contiguous_stride
 from spmd.testing import run_ranks
 
@@ -47,13 +49,26 @@ def layouts(ndim: int, mesh: DeviceMesh, *, partial: bool = False,
     return list(itertools.product(choices, repeat=mesh.ndim))
 
 
+def combos(*choices: Sequence[Any], limit: int | None = None, seed: int = 0) -> list[tuple[Any, ...]]:
+    """The product of `choices`, or a fixed random `limit` of it (the same on every rank and every run)."""
+    return sample(list(itertools.product(*choices)), limit, seed)
+
+
+def sample(items: Sequence[Any], limit: int | None, seed: int = 0) -> list[Any]:
+    """`items`, or a fixed random `limit` of them (the same on every rank and every run)."""
+    if limit is None or len(items) <= limit:
+        return list(items)
+    return random.Random(seed).sample(list(items), limit)
+
+
 def make_dtensor(full: Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
                  requires_grad: bool = False) -> DTensor:
     """A DTensor whose global value is `full` (identical on every rank) laid out as `placements`, a leaf.
 
     No communication: each rank takes its piece (Partial: the value on the first rank of the mesh dim, zeros
     elsewhere, which is exact)."""
-    spec = DTensorSpec(mesh, tuple(placements), full.shape, contiguous_stride(full.shape), full.dtype)
+    placements = normalize_placements(tuple(placements), full.ndim, mesh.ndim, "make_dtensor")
+    spec = DTensorSpec(mesh, placements, full.shape, contiguous_stride(full.shape), full.dtype)
     return DTensor(spec.local_from_full(full.detach()), spec, requires_grad=requires_grad)
 
 

@@ -241,13 +241,23 @@ def all_reduce_mesh_dims(local: Tensor, spec: DTensorSpec, mesh_dims: Sequence[i
     return local
 
 
+def _local_reduction(call: LocalCall) -> Any:
+    """The op itself on this rank's piece, or empty outputs for an empty piece (which the op would compute
+    while warning about zero degrees of freedom)."""
+    x = call.args[0]
+    if x.numel() != 0:
+        return call.op(*call.args, **call.kwargs)
+    empty = [x.new_empty(spec.local_shape(), dtype=spec.dtype) for spec in call.output_specs if spec is not None]
+    return empty[0] if len(empty) == 1 else tuple(empty)
+
+
 def _var_kernel(call: LocalCall) -> Any:
     x = call.args[0]
     spec = call.input_specs[0]
     reduced, correction, keepdim = _var_args(call, spec.ndim)
     sharding = _sharded_mesh_dims(spec, reduced)
     if not sharding:
-        return call.op(*call.args, **call.kwargs)
+        return _local_reduction(call)
     dims = list(reduced)
     count = math.prod(spec.shape[d] for d in reduced)
     mean = all_reduce_mesh_dims(torch.sum(x, dim=dims, keepdim=True), spec, sharding, ReduceOp.SUM) / count
