@@ -16,12 +16,15 @@ Posting everything first lets the transport tell a message that belongs to a lat
 from one this rank will never ask for (a mismatched call: fail), and lets it receive straight into the
 destination tensors.
 
-Note: every rank receives something
-A rank that only sends in a collective (the root of broadcast and scatter, the non-roots of gather and
-reduce) could return before any peer's fingerprint reached it, and a mismatched call (say, two ranks that
-each think they are the broadcast's root) would go unnoticed. So in those collectives the silent side gets
-an empty "hello" message: non-roots send one to the root of broadcast/scatter, and the root of
-gather/reduce sends one to each rank that otherwise receives nothing.
+Note: rooted collectives are confirmed
+In broadcast, scatter, gather and reduce most ranks talk only to the root, so a rank that agrees with the
+root could finish while another rank called something else, and two ranks that both believe they are the
+root would wait for each other forever. So a rooted collective starts with a handshake through the root:
+the root sends every rank an empty "hello", and every rank sends the root its hello (broadcast, scatter) or
+its data (gather, reduce). Two would-be roots thus receive each other's hello where they expected a
+non-root's message, and fail. The root sends data (broadcast, scatter) or an empty "ack" (gather, reduce)
+only after every rank's message arrived with a matching fingerprint, so a rooted collective completes on a
+rank only after the root has checked every rank, and a mismatch fails it everywhere.
 
 Reductions combine in a fixed order for each element (rank order at a root, ring order around the ring,
 and pairwise-commutative steps in recursive doubling), so every rank ends with bit-identical results.
@@ -267,47 +270,72 @@ def _reduce_scatter_ring(ex: Exchange, output: Tensor, input: Tensor, op: Reduce
                 ex.send(nxt, partial)
 
 
-# -- rooted collectives -----------------------------------------------------------------------------------------
+# -- rooted collectives (see Note: rooted collectives are confirmed) -------------------------------------------
 
 
 def broadcast(ex: Exchange, tensor: Tensor, root: int) -> None:
-    """tensor <- root's tensor. Non-roots greet the root (see Note: every rank receives something)."""
+    """tensor <- root's tensor."""
     r, n = ex.group_rank, ex.group_size
     if n == 1:
         return
+    chain = n > 2 and not _is_small(tensor)
+    pieces = _pieces(0, tensor.numel(), tensor.element_size()) if chain else [(0, tensor.numel())]
     if r == root:
         hellos = ex.post([(p, _EMPTY) for p in range(n) if p != root])
-    if n == 2 or _is_small(tensor):
-        if r == root:
+        _greet_all(ex, root)
+        _wait_all(ex, hellos)
+        if chain:       # pipelined chain root -> root+1 -> ...: every link carries the tensor once
+            for a, length in pieces:
+                ex.send((r + 1) % n, tensor[a:a + length])
+        else:
             for k in range(1, n):
                 ex.send((root + k) % n, tensor)
-        else:
-            (handle,) = ex.post([(root, tensor)])
-            ex.send(root, _EMPTY)
-            ex.wait(handle)
-    else:
-        _broadcast_chain(ex, tensor, root)
-    if r == root:
-        for handle in hellos:
-            ex.wait(handle)
-
-
-def _broadcast_chain(ex: Exchange, tensor: Tensor, root: int) -> None:
-    # Pipelined chain root -> root+1 -> ... : every link carries the tensor once, piece by piece.
-    r, n = ex.group_rank, ex.group_size
-    position = (r - root) % n
-    nxt = (r + 1) % n
-    pieces = _pieces(0, tensor.numel(), tensor.element_size())
-    if position == 0:
-        for a, length in pieces:
-            ex.send(nxt, tensor[a:a + length])
         return
-    handles = ex.post([((r - 1) % n, tensor[a:a + length]) for a, length in pieces])
+    source = (r - 1) % n if chain else root
+    hello, *handles = ex.post([(root, _EMPTY)] + [(source, tensor[a:a + length]) for a, length in pieces])
     ex.send(root, _EMPTY)
+    forward = chain and (r - root) % n < n - 1
     for (a, length), handle in zip(pieces, handles):
         ex.wait(handle)
-        if position < n - 1:
-            ex.send(nxt, tensor[a:a + length])
+        if forward:
+            ex.send((r + 1) % n, tensor[a:a + length])
+    ex.wait(hello)
+
+
+def scatter(ex: Exchange, output: Tensor, input: Tensor | None, root: int) -> None:
+    """output <- block `group_rank` of root's input."""
+    r, n = ex.group_rank, ex.group_size
+    m = output.numel()
+    if r != root:
+        _, data = ex.post([(root, _EMPTY), (root, output)])
+        ex.send(root, _EMPTY)
+        ex.wait(data)
+        return
+    assert input is not None
+    peers = [(root + k) % n for k in range(1, n)]
+    hellos = ex.post([(p, _EMPTY) for p in peers])
+    _greet_all(ex, root)
+    _wait_all(ex, hellos)
+    for p in peers:
+        ex.send(p, input[p * m:(p + 1) * m])
+    output.copy_(input[r * m:(r + 1) * m])
+
+
+def gather(ex: Exchange, output: Tensor | None, input: Tensor, root: int) -> None:
+    """On root, output <- every rank's input in rank order."""
+    r, n = ex.group_rank, ex.group_size
+    m = input.numel()
+    if r != root:
+        _, ack = ex.post([(root, _EMPTY), (root, _EMPTY)])
+        ex.send(root, input)
+        ex.wait(ack)
+        return
+    assert output is not None
+    output[r * m:(r + 1) * m].copy_(input)
+    handles = ex.post([(p, output[p * m:(p + 1) * m]) for p in range(n) if p != root])
+    _greet_all(ex, root)
+    _wait_all(ex, handles)
+    _greet_all(ex, root)     # the ack
 
 
 def reduce(ex: Exchange, tensor: Tensor, root: int, op: ReduceOp) -> None:
@@ -321,23 +349,21 @@ def reduce(ex: Exchange, tensor: Tensor, root: int, op: ReduceOp) -> None:
         _reduce_chain(ex, tensor, root, op)
     if r == root:
         finish_average(tensor, op, n)
+        _greet_all(ex, root)     # the ack
 
 
 def _reduce_direct(ex: Exchange, tensor: Tensor, root: int, op: ReduceOp) -> None:
     r, n = ex.group_rank, ex.group_size
     if r != root:
-        (hello,) = ex.post([(root, _EMPTY)])
+        _, ack = ex.post([(root, _EMPTY), (root, _EMPTY)])
         ex.send(root, tensor)
-        ex.wait(hello)
+        ex.wait(ack)
         return
     m = tensor.numel()
     temp = ex.scratch(n * m, tensor.dtype).view(n, m)
-    peers = [p for p in range(n) if p != root]
-    handles = ex.post([(p, temp[p]) for p in peers])
-    for p in peers:
-        ex.send(p, _EMPTY)
-    for handle in handles:
-        ex.wait(handle)
+    handles = ex.post([(p, temp[p]) for p in range(n) if p != root])
+    _greet_all(ex, root)
+    _wait_all(ex, handles)
     temp[root].copy_(tensor)
     tensor.copy_(temp[0])
     for rank in range(1, n):
@@ -351,15 +377,18 @@ def _reduce_chain(ex: Exchange, tensor: Tensor, root: int, op: ReduceOp) -> None
     downstream = (r - 1) % n
     pieces = _pieces(0, tensor.numel(), tensor.element_size())
     if position == n - 1:
-        (hello,) = ex.post([(root, _EMPTY)])
+        _, ack = ex.post([(root, _EMPTY), (root, _EMPTY)])
         for a, length in pieces:
             ex.send(downstream, tensor[a:a + length])
-        ex.wait(hello)
+        ex.wait(ack)
         return
     temp = ex.scratch(tensor.numel(), tensor.dtype)
-    handles = ex.post([((r + 1) % n, temp[a:a + length]) for a, length in pieces])
+    recvs = [((r + 1) % n, temp[a:a + length]) for a, length in pieces]
     if position == 0:
-        ex.send((root + n - 1) % n, _EMPTY)
+        handles = ex.post(recvs)
+        _greet_all(ex, root)
+    else:
+        _, *handles, ack = ex.post([(root, _EMPTY), *recvs, (root, _EMPTY)])
     for (a, length), handle in zip(pieces, handles):
         ex.wait(handle)
         if position == 0:
@@ -368,43 +397,18 @@ def _reduce_chain(ex: Exchange, tensor: Tensor, root: int, op: ReduceOp) -> None
             partial = temp[a:a + length]
             combine_(partial, tensor[a:a + length], op)
             ex.send(downstream, partial)
+    if position != 0:
+        ex.wait(ack)
 
 
-def gather(ex: Exchange, output: Tensor | None, input: Tensor, root: int) -> None:
-    """On root, output <- every rank's input in rank order."""
-    r, n = ex.group_rank, ex.group_size
-    m = input.numel()
-    if r != root:
-        (hello,) = ex.post([(root, _EMPTY)])
-        ex.send(root, input)
-        ex.wait(hello)
-        return
-    assert output is not None
-    output[r * m:(r + 1) * m].copy_(input)
-    peers = [p for p in range(n) if p != root]
-    handles = ex.post([(p, output[p * m:(p + 1) * m]) for p in peers])
-    for p in peers:
-        ex.send(p, _EMPTY)
+def _greet_all(ex: Exchange, root: int) -> None:
+    """The root sends every other rank an empty message (its hello, or its ack)."""
+    for k in range(1, ex.group_size):
+        ex.send((root + k) % ex.group_size, _EMPTY)
+
+
+def _wait_all(ex: Exchange, handles: list[Any]) -> None:
     for handle in handles:
-        ex.wait(handle)
-
-
-def scatter(ex: Exchange, output: Tensor, input: Tensor | None, root: int) -> None:
-    """output <- block `group_rank` of root's input."""
-    r, n = ex.group_rank, ex.group_size
-    m = output.numel()
-    if r != root:
-        (handle,) = ex.post([(root, output)])
-        ex.send(root, _EMPTY)
-        ex.wait(handle)
-        return
-    assert input is not None
-    output.copy_(input[r * m:(r + 1) * m])
-    peers = [(root + k) % n for k in range(1, n)]
-    hellos = ex.post([(p, _EMPTY) for p in peers])
-    for p in peers:
-        ex.send(p, input[p * m:(p + 1) * m])
-    for handle in hellos:
         ex.wait(handle)
 
 
