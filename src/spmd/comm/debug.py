@@ -157,8 +157,10 @@ class StatusService:
     It waits on the store in slices of `poll_s`, so a stopped service's thread ends within that time.
     """
 
-    def __init__(self, store: Store, rank: int, recorder: FlightRecorder, poll_s: float = 1.0) -> None:
+    def __init__(self, store: Store, rank: int, recorder: FlightRecorder, poll_s: float = 1.0,
+                 owns_store: bool = False) -> None:
         self._store = store
+        self._owns_store = owns_store   # a clone with its own connection, closed when the service ends
         self._rank = rank
         self._recorder = recorder
         self._poll_s = poll_s
@@ -182,6 +184,9 @@ class StatusService:
                 gen += 1
         except (StoreError, OSError, ValueError):
             return   # the store is gone: the job is ending, nobody can ask any more
+        finally:
+            if self._owns_store:
+                self._store.close()
 
 
 def collect_statuses(store: Store, ranks: list[int], wait_s: float = 3.0) -> dict[int, dict[str, Any] | None]:

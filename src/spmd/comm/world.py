@@ -42,7 +42,8 @@ class World:
         self.groups: list[AnyGroup] = []
         self.hosts = self._exchange_hosts()
         self.token = self._agree_token()
-        self.status_service = StatusService(store.clone(), rank, self.recorder)
+        status_store = store.clone()
+        self.status_service = StatusService(status_store, rank, self.recorder, owns_store=status_store is not store)
         self.default_group = self.create_group(list(range(world_size)), timeout, backend, name="default")
 
     def _exchange_hosts(self) -> tuple[str, ...]:
