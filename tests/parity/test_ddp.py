@@ -199,6 +199,39 @@ def test_unused_parameters_without_flag_name_them() -> None:
         run_ranks(body, 2, timeout=TIMEOUT)
 
 
+def test_unused_on_one_rank_only_fails_fast_on_both() -> None:
+    # Rank 1 skips `extra`, rank 0 uses it: rank 0's bucket holding it can never be matched by rank 1. Rank 1
+    # names the parameter and aborts the group, so rank 0 stops waiting at once instead of at the timeout.
+    class OnRankZero(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(7, 3)
+            self.extra = nn.Linear(7, 3)
+
+        def forward(self, x: Tensor, use_extra: bool) -> Tensor:
+            return self.body(x) + self.extra(x) if use_extra else self.body(x)
+
+    def body(rank: int, size: int) -> None:
+        model = spmd.DistributedDataParallel(OnRankZero())
+        model(torch.randn(2, 7), rank == 0).sum().backward()
+
+    with pytest.raises((SpmdError, GroupAbortedError), match=r"on rank 1 .* no gradient in this backward: "
+                                                             r"'extra\.weight', 'extra\.bias'"):
+        run_ranks(body, 2, timeout=TIMEOUT, comm_timeout=300)
+
+
+def test_peer_failing_before_backward_does_not_hang_the_others() -> None:
+    def body(rank: int, size: int) -> None:
+        model = spmd.DistributedDataParallel(MLP())
+        out = model(torch.randn(2, 7))
+        if rank == 1:
+            raise ValueError("rank 1 gave up before backward")
+        out.sum().backward()    # rank 0 waits on its bucket until rank 1's failure aborts the group
+
+    with pytest.raises(ValueError, match="rank 1 gave up"):
+        run_ranks(body, 2, timeout=TIMEOUT, comm_timeout=300)
+
+
 def test_static_graph_handles_reentrant_checkpointing() -> None:
     results = run_ranks(lambda rank, size: ddp_train("reentrant", rank, size, static_graph=True), 2,
                         timeout=TIMEOUT)
