@@ -189,6 +189,40 @@ def test_find_unused_parameters(static_graph: bool) -> None:
         assert result["counts"] == {"all_reduce": STEPS * buckets + used_maps}
 
 
+def test_output_left_out_of_the_loss_counts_as_unused() -> None:
+    # `aux` is computed in forward but the loss ignores it: its parameters never get a gradient although the
+    # graph reaches them. Detecting unused parameters at the end of backward (not by walking the graph after
+    # forward) handles this, which torch's DDP reports as an error.
+    class WithAux(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(7, 3)
+            self.aux = nn.Linear(7, 2)
+
+        def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+            return self.body(x), self.aux(x)
+
+    reference_model = WithAux()
+    initial = {name: tensor.clone() for name, tensor in reference_model.state_dict().items()}
+
+    def body(rank: int, size: int) -> list[Tensor | None]:
+        local = WithAux()
+        local.load_state_dict(initial)
+        model = spmd.DistributedDataParallel(local, find_unused_parameters=True)
+        x, y = batch("mlp", 8)
+        out, _aux = model(x.chunk(size)[rank])
+        loss_fn("mlp", out, y.chunk(size)[rank]).backward()
+        return [p.grad for p in model.module.parameters()]
+
+    results = run_ranks(body, 2, timeout=TIMEOUT)
+    x, y = batch("mlp", 8)
+    loss_fn("mlp", reference_model(x)[0], y).backward()
+    for grads in results:
+        assert grads[2] is None and grads[3] is None          # aux.weight, aux.bias: untouched
+        torch.testing.assert_close(grads[:2], [reference_model.body.weight.grad, reference_model.body.bias.grad],
+                                   rtol=1e-5, atol=1e-6)
+
+
 def test_unused_parameters_without_flag_name_them() -> None:
     def body(rank: int, size: int) -> None:
         model = spmd.DistributedDataParallel(MLP(unused_branch=True))
