@@ -163,6 +163,29 @@ class _Compiled:
     local_args: tuple | None
     local_kwargs: dict | None
     fallback: bool = False
+    fast: int = dataclasses.field(init=False)      # _FAST_WRAP / _FAST_INPLACE: runnable by the fast path
+    fn: Any = dataclasses.field(init=False)        # the op's C++ callable (skips OpOverload.__call__)
+
+    def __post_init__(self) -> None:
+        self.fn = self.op._op
+        flat_local_args = self.local_args is None or not any(
+            isinstance(item, (Tensor, list, tuple)) and not _is_int_list(item) for item in self.local_args)
+        simple = (not self.fallback and self.single_output and flat_local_args and self.local_kwargs is None
+                  and all(target is None for target in self.input_targets))
+        if simple and self.returns_mutated is None and self.output_specs[0] is not None:
+            self.fast = _FAST_WRAP
+        elif simple and self.returns_mutated == (0,):
+            self.fast = _FAST_INPLACE
+        else:
+            self.fast = 0
+
+
+_FAST_WRAP, _FAST_INPLACE = 1, 2
+_NUMBERS = (bool, int, float)
+
+
+def _is_int_list(value: Any) -> bool:
+    return type(value) in (list, tuple) and all(type(item) is int for item in value)
 
 
 def _where(op: OpOverload, specs: tuple[DTensorSpec, ...]) -> str:
@@ -273,10 +296,14 @@ def _replicate_plain(cls: type, args: tuple, mesh: Any) -> tuple:
 
 def dispatch(cls: type, op: OpOverload, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
     """DTensor.__torch_dispatch__ (see Note: the dispatch fast path)."""
-    kwargs = kwargs or {}
     handler = HANDLERS.get(op)
     if handler is not None:
-        return handler(op, args, kwargs)
+        return handler(op, args, kwargs or {})
+    if not kwargs:
+        result = _fast_path(cls, op, args)
+        if result is not _MISS:
+            return result
+    kwargs = kwargs or {}
     dtensors: list = []
     plain: list[Tensor] = []
     key_parts: list[Any] = [op]
@@ -315,6 +342,53 @@ def dispatch(cls: type, op: OpOverload, types: tuple, args: tuple = (), kwargs: 
     return _run(cls, args, kwargs, dtensors, plain, compiled)
 
 
+_MISS = object()
+_make_wrapper_subclass = Tensor._make_wrapper_subclass
+
+
+def _fast_path(cls: type, op: OpOverload, args: tuple) -> Any:
+    """A cached call with flat positional args, no redistribution and one output (most calls): the key built
+    and the op run inline. Returns _MISS to take the general path. Keys match `_key_of`'s."""
+    key: list[Any] = [op]
+    first = None
+    for value in args:
+        kind = type(value)
+        if kind is cls:
+            key.append(value._spec)
+            if first is None:
+                first = value
+        elif kind in _NUMBERS:
+            key.append((kind, value))
+        elif kind is list or kind is tuple:
+            if not _is_int_list(value):
+                return _MISS
+            key.append(tuple((int, item) for item in value))
+        elif isinstance(value, Tensor):
+            return _MISS
+        else:
+            key.append(value)
+    if first is None:
+        return _MISS
+    try:
+        compiled = first._spec.mesh.dispatch_cache.get(tuple(key))
+    except TypeError:
+        return _MISS
+    if compiled is None or not compiled.fast:
+        return _MISS
+    if compiled.local_args is None:
+        out = compiled.fn(*[value._local_tensor if type(value) is cls else value for value in args])
+    else:         # e.g. view: the local sizes replace the global ones; specs stand for the DTensors in order
+        locals_ = iter([value._local_tensor for value in args if type(value) is cls])
+        out = compiled.fn(*[next(locals_) if type(value) is DTensorSpec else value for value in compiled.local_args])
+    if compiled.fast == _FAST_INPLACE:
+        return args[0]
+    spec = compiled.output_specs[0]
+    wrapped = _make_wrapper_subclass(cls, spec.shape, strides=spec.stride, dtype=spec.dtype, device=out.device)
+    wrapped._local_tensor = out
+    wrapped._spec = spec
+    return wrapped
+
+
 def _run(cls: type, args: tuple, kwargs: dict, dtensors: list, plain: list[Tensor], compiled: _Compiled) -> Any:
     locals_ = []
     for dt, target in zip(dtensors, compiled.input_targets) if compiled.input_targets else ():
@@ -328,7 +402,7 @@ def _run(cls: type, args: tuple, kwargs: dict, dtensors: list, plain: list[Tenso
     local_iter, plain_iter = iter(locals_), iter(plain)
     call_args = [_substitute(a, cls, spec_type, local_iter, plain_iter) for a in local_args]
     call_kwargs = {k: _substitute(v, cls, spec_type, local_iter, plain_iter) for k, v in local_kwargs.items()}
-    out = compiled.op(*call_args, **call_kwargs)
+    out = compiled.fn(*call_args, **call_kwargs)
     return _wrap(cls, out, args, kwargs, compiled)
 
 
