@@ -49,6 +49,13 @@ def layouts(ndim: int, mesh: DeviceMesh, *, partial: bool = False,
     return list(itertools.product(choices, repeat=mesh.ndim))
 
 
+def budget(mesh: DeviceMesh, on_two: int | None = None) -> int | None:
+    """How many layout combinations a test tries on `mesh`: all of them on 2 ranks (or `on_two`), a fixed
+    sample elsewhere. One rank is the identity case; on 4 ranks each check costs more, as the rank threads
+    share one interpreter."""
+    return {1: 6, 2: on_two}.get(mesh.size(), 8 if mesh.ndim == 1 else 6)
+
+
 def combos(*choices: Sequence[Any], limit: int | None = None, seed: int = 0) -> list[tuple[Any, ...]]:
     """The product of `choices`, or a fixed random `limit` of it (the same on every rank and every run)."""
     return sample(list(itertools.product(*choices)), limit, seed)

@@ -16,7 +16,7 @@ from spmd.tensor import Partial, Replicate, Shard
 from spmd.tensor.dispatch import MixedTensorError
 from spmd.tensor.rules import ShardingError
 from spmd.testing import run_ranks
-from tests.tensor.rule_checks import MESH_SHAPES, check, combos, layouts, make_dtensor, on_meshes, sample
+from tests.tensor.rule_checks import MESH_SHAPES, budget, check, combos, layouts, make_dtensor, on_meshes, sample
 
 torch.manual_seed(0)
 A = torch.randn(5, 7)
@@ -24,14 +24,6 @@ B = torch.randn(7, 3)
 BIAS = torch.randn(3)
 BATCH_A = torch.randn(3, 5, 6)
 BATCH_B = torch.randn(3, 6, 4)
-
-
-def _limit(mesh: DeviceMesh, on_two: int | None = None) -> int | None:
-    """Every layout combination on 1 rank and (unless `on_two` says how many) on 2; a fixed sample on 4 ranks,
-    where each check costs more (threads share the interpreter)."""
-    if mesh.size() == 1:
-        return None
-    return on_two if mesh.size() == 2 else 8 if mesh.ndim == 1 else 6
 
 
 def _not_both_partial(pair: tuple) -> bool:
@@ -43,10 +35,10 @@ def test_mm_and_addmm_every_layout(mesh_shape: tuple[int, ...]) -> None:
     def body(mesh: DeviceMesh) -> None:
         pairs = [pair for pair in combos(layouts(2, mesh, partial=True), layouts(2, mesh, partial=True))
                  if _not_both_partial(pair)]
-        for pa, pb in sample(pairs, _limit(mesh)):
+        for pa, pb in sample(pairs, budget(mesh)):
             check(torch.mm, [A, B], mesh, [pa, pb])
         for pbias, pa, pb in combos(layouts(1, mesh, partial=True), layouts(2, mesh), layouts(2, mesh),
-                                    limit=_limit(mesh, on_two=12)):
+                                    limit=budget(mesh, on_two=12)):
             check(lambda c, x, y: torch.addmm(c, x, y, beta=0.5, alpha=2.0), [BIAS, A, B], mesh, [pbias, pa, pb])
     on_meshes(body, [mesh_shape])
 
@@ -56,9 +48,9 @@ def test_bmm_and_baddbmm_every_layout(mesh_shape: tuple[int, ...]) -> None:
     added = torch.randn(5, 4)            # broadcast over the batch
 
     def body(mesh: DeviceMesh) -> None:
-        for pa, pb in combos(layouts(3, mesh), layouts(3, mesh), limit=_limit(mesh)):
+        for pa, pb in combos(layouts(3, mesh), layouts(3, mesh), limit=budget(mesh)):
             check(torch.bmm, [BATCH_A, BATCH_B], mesh, [pa, pb])
-        for pc, pa, pb in combos(layouts(2, mesh), layouts(3, mesh), layouts(3, mesh), limit=_limit(mesh, 12)):
+        for pc, pa, pb in combos(layouts(2, mesh), layouts(3, mesh), layouts(3, mesh), limit=budget(mesh, 12)):
             check(lambda c, x, y: torch.baddbmm(c, x, y, alpha=0.5), [added, BATCH_A, BATCH_B], mesh, [pc, pa, pb])
     on_meshes(body, [mesh_shape])
 
@@ -85,14 +77,14 @@ def test_dot_mv_and_matmul_decompositions(mesh_shape: tuple[int, ...]) -> None:
     x4, y4 = torch.randn(2, 3, 5, 6), torch.randn(3, 6, 4)
 
     def body(mesh: DeviceMesh) -> None:
-        for pa, pb in combos(layouts(1, mesh), layouts(1, mesh), limit=_limit(mesh)):
+        for pa, pb in combos(layouts(1, mesh), layouts(1, mesh), limit=budget(mesh)):
             check(torch.dot, [v7, v7b], mesh, [pa, pb])
-        for pa, pb in combos(layouts(2, mesh), layouts(1, mesh), limit=_limit(mesh, 8)):
+        for pa, pb in combos(layouts(2, mesh), layouts(1, mesh), limit=budget(mesh, 8)):
             check(torch.mv, [A, v7], mesh, [pa, pb])
-        for px, pw in combos(layouts(3, mesh, shard_dims=(0, 2)), layouts(2, mesh), limit=_limit(mesh)):
+        for px, pw in combos(layouts(3, mesh, shard_dims=(0, 2)), layouts(2, mesh), limit=budget(mesh)):
             check(lambda x, y: x @ y.t(), [x3, w], mesh, [px, pw])                  # 3-d @ 2-d folds to mm
         for px, py in combos(layouts(4, mesh, shard_dims=(0, 3)), layouts(3, mesh, shard_dims=(0,)),
-                             limit=_limit(mesh)):
+                             limit=budget(mesh)):
             check(torch.matmul, [x4, y4], mesh, [px, py])                           # broadcast batch -> bmm
     on_meshes(body, [mesh_shape])
 
@@ -111,7 +103,7 @@ def test_linear_tensor_parallel_layouts(mesh_shape: tuple[int, ...]) -> None:
         colwise, rowwise = [Shard(0)] * mesh.ndim, [Shard(1)] * mesh.ndim
         check(mlp, [x, w_up, b_up, w_down, b_down], mesh, [rep, colwise, colwise, rowwise, rep])   # Megatron MLP
         check(mlp, [x, w_up, b_up, w_down, b_down], mesh, [[Shard(0)] * mesh.ndim, rep, rep, rep, rep])   # DP
-        for pw, pb in combos(layouts(2, mesh), layouts(1, mesh), limit=_limit(mesh)):
+        for pw, pb in combos(layouts(2, mesh), layouts(1, mesh), limit=budget(mesh)):
             check(F.linear, [x, w_up, b_up], mesh, [rep, pw, pb])
     on_meshes(body, [mesh_shape])
 
