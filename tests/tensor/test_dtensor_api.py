@@ -3,6 +3,7 @@ distribute_module, Partial gradients reaching an optimizer, the fallback, and th
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -179,3 +180,16 @@ def test_bad_input_errors() -> None:
         torch.testing.assert_close((x * torch.tensor(2.0)).full_tensor(), FULL * 2)   # a scalar is fine
 
     run_ranks(body, 4, timeout=TIMEOUT)
+
+
+def test_deepcopy_keeps_layout_and_parameterness() -> None:
+    def body(mesh) -> None:
+        model = nn.Linear(5, 7)
+        model.weight = nn.Parameter(distribute_tensor(model.weight.data, mesh, [Shard(0)]))
+        clone = copy.deepcopy(model)
+        assert isinstance(clone.weight, nn.Parameter) and clone.weight.placements == (Shard(0),)
+        assert clone.weight.device_mesh is mesh
+        clone.weight.to_local().detach().zero_()
+        assert model.weight.to_local().abs().sum() > 0                 # the copy owns its local tensor
+
+    run_on_mesh((2,), body, timeout=TIMEOUT)

@@ -21,6 +21,7 @@ reduces it first, and `.placements` shows it.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,6 +70,17 @@ class DTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:   # torch passes tensor_contents to subclasses
         return (f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
                 f"placements={list(self._spec.placements)}, shape={tuple(self._spec.shape)})")
+
+    def __deepcopy__(self, memo: dict) -> DTensor:
+        """A copy with its own local tensor, sharing the spec (and so the mesh and its process groups)."""
+        if id(self) in memo:
+            return memo[id(self)]
+        out = DTensor(copy.deepcopy(self._local_tensor, memo), self._spec, requires_grad=self.requires_grad)
+        memo[id(self)] = out
+        for name, value in self.__dict__.items():       # e.g. nn.Parameter's _is_param flag
+            if name not in ("_local_tensor", "_spec"):
+                setattr(out, name, copy.deepcopy(value, memo))
+        return out
 
     # -- layout ---------------------------------------------------------------------------------------------
 
