@@ -33,6 +33,7 @@ from spmd.comm.shm_hier import HierarchicalTransport
 from spmd.comm.shm_local import LocalShmTransport
 from spmd.comm.transport import OpContext, TransportSpec
 from spmd.comm.work import Work
+from spmd.comm.world import current_world
 from spmd.testing import run_ranks
 
 SHM = "shm"
@@ -517,3 +518,31 @@ def test_hierarchical_collectives_equal_the_flat_algorithm(hosts: tuple[str, ...
     assert flat[2][5].tolist() == [2.0] * n                                       # broadcast from rank 2
     assert flat[1][7].tolist() == [0] * 5 + [1] * 5 + [2] * 5 + [3] * 5              # all_gather
     assert flat[2][-1].tolist() == [32.0] * 700                                   # rank 3 sent 3*10+2
+
+
+def _two_host_worker(rank: int, world_size: int, results: Any, store_path: str) -> None:
+    os.environ["SPMD_HOST_ID"] = "host-a" if rank < 2 else "host-b"     # read by init_process_group
+    torch.set_num_threads(1)
+    spmd.init_process_group("shm", init_method=f"file://{store_path}", rank=rank, world_size=world_size, timeout=60)
+    try:
+        engine = type(current_world().default_group.transport.engine).__name__
+        t = torch.arange(300_000, dtype=torch.float64) * (rank + 1)
+        spmd.all_reduce(t)
+        b = torch.full((1000,), float(rank))
+        spmd.broadcast(b, src=3)
+        out = torch.empty(4 * 10)
+        spmd.all_gather_into_tensor(out, torch.full((10,), float(rank)))
+        results.put((rank, engine, torch.equal(t, torch.arange(300_000, dtype=torch.float64) * 10)
+                     and b[0].item() == 3.0 and torch.equal(out, torch.arange(4.0).repeat_interleave(10))))
+    finally:
+        spmd.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_two_hosts_across_processes(tmp_path) -> None:
+    processes, results = _spawn(_two_host_worker, 4, str(tmp_path / "store"))
+    try:
+        reports = sorted(results.get(timeout=90) for _ in range(4))
+    finally:
+        _reap(processes)
+    assert reports == [(rank, "HierarchicalTransport", True) for rank in range(4)]
