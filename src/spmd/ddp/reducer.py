@@ -269,7 +269,10 @@ class Reducer:
                     param.grad.copy_(view)
 
     def shadow_iteration(self) -> None:
-        """Run the collectives of one iteration on zero gradients (a joined rank keeping pace; see join.py)."""
+        """Run the collectives of one iteration on zero gradients (a joined rank keeping pace; see join.py).
+
+        The buckets are zeroed, so with gradient_as_bucket_view the joined rank's .grad reads zero afterwards.
+        """
         self._reset()
         for bucket in self.buckets:
             bucket.buffer.zero_()
@@ -280,6 +283,7 @@ class Reducer:
         for _buffer, wait in self._in_flight:
             wait()
         self._in_flight = []
+        self.state = ReducerState.IDLE
 
     def _fail(self, error: BaseException) -> None:
         """Raise `error`, aborting the group first so peers waiting on our buckets fail fast instead of hanging."""
