@@ -9,12 +9,11 @@ Small staging slots and rings (monkeypatched) make modest tensors span many chun
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -403,24 +402,28 @@ def test_a_killed_rank_fails_the_survivors_fast_and_leaves_no_segment(tmp_path) 
     assert _segments_of(list(pids.values())) == []
 
 
-def _die_in_set_up_window(rank: int, world_size: int, results: Any) -> None:
+def _leave_in_set_up_window(rank: int, world_size: int, results: Any, how: str) -> None:
     segment = shm_segment.Segment.create(2)     # created, never attached by a peer: the name is still linked
-    results.put((segment.name, os.path.exists(os.path.join(shm_segment.SHM_DIR, segment.name))))
+    path = os.path.join(shm_segment.SHM_DIR, segment.name)
+    existed = os.path.exists(path)
+    if how == "exit":
+        atexit._run_exitfuncs()     # what interpreter shutdown runs (multiprocessing children skip it)
+    results.put((segment.name, existed, os.path.exists(path)))
     results.close()
-    results.join_thread()         # the message is in the pipe before the process dies
-    os.kill(os.getpid(), signal.SIGKILL)
+    results.join_thread()           # the message is in the pipe before the process dies
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @pytest.mark.timeout(120)
 def test_set_up_window_names_are_removed_at_exit_and_by_the_orphan_sweep() -> None:
-    script = ("import os, sys; from spmd.comm import shm_segment; s = shm_segment.Segment.create(2); "
-              "print(s.name, os.path.exists(os.path.join(shm_segment.SHM_DIR, s.name)))")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90, check=True)
-    name, existed = done.stdout.split()
-    assert existed == "True" and not os.path.exists(os.path.join(shm_segment.SHM_DIR, name))   # atexit unlinked it
+    processes, results = _spawn(_leave_in_set_up_window, 1, "exit")
+    name, existed, exists_after_exit = results.get(timeout=60)
+    _reap(processes)
+    assert existed and not exists_after_exit                                        # atexit unlinked it
 
-    processes, results = _spawn(_die_in_set_up_window, 1)
-    name, existed = results.get(timeout=60)
+    processes, results = _spawn(_leave_in_set_up_window, 1, "kill")
+    name, existed, _ = results.get(timeout=60)
     _reap(processes)
     assert existed and os.path.exists(os.path.join(shm_segment.SHM_DIR, name))       # SIGKILL: no atexit
     assert name in shm_segment.remove_orphan_segments()
