@@ -42,6 +42,13 @@ class DistributedDataParallel(nn.Module):
     `broadcast_buffers`, rank 0's buffers overwrite the others' before each forward that records gradients
     (so an evaluation forward under torch.no_grad() on one rank alone does not hang).
     `device_ids` moves the inputs to that device; `device_mesh` (1-D) may replace `process_group`.
+
+    Unused parameters are found at the end of backward, not by walking the graph after forward: a parameter
+    whose gradient never arrived (skipped by forward, or feeding only outputs the loss ignores) is reduced as
+    zeros with find_unused_parameters=True (its .grad untouched if no rank used it), and is a named error
+    without it. Forward under torch.autocast and torch.amp.GradScaler need nothing special (gradients stay
+    fp32; use bf16_compress_hook to halve the bytes). A torch.compile'd module can be wrapped (gradients
+    still reach each parameter's hook); compiling the wrapper also works, with graph breaks at DDP's hooks.
     """
 
     def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
