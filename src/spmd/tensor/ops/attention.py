@@ -1,8 +1,9 @@
 """Sharding rules for scaled dot-product attention: the fused kernels F.scaled_dot_product_attention reaches.
 
-Layer: tensor. Decisions only. On CPU, F.scaled_dot_product_attention runs
-`_scaled_dot_product_flash_attention_for_cpu` (and its backward) when dropout is off; with dropout it runs the
-math decomposition (bmm, softmax, dropout), which the matmul / norm / random rules shard.
+Layer: tensor. The rules decide; the kernel (ops/custom.py) guards an empty local shard. On CPU,
+F.scaled_dot_product_attention runs `_scaled_dot_product_flash_attention_for_cpu` (and its backward) when
+dropout is off; with dropout it runs the math decomposition (bmm, softmax, dropout), which the matmul / norm /
+random rules shard.
 
 Note: attention sharding
 Attention is independent per (batch, head): q, k, v of shape (B, H, L, E) / (B, H, S, E), the output
@@ -18,10 +19,14 @@ Partial gradient passes through as Partial.
 
 from __future__ import annotations
 
-from torch import ops
+from typing import Any
 
+from torch import ops
+from torch._ops import OpOverload
+
+from spmd.tensor.ops.custom import LocalCall, run_custom
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
-from spmd.tensor.rules import OpSchema, Strategy, register_strategy
+from spmd.tensor.rules import OpSchema, ShardingDecision, Strategy, pick_per_mesh_dim, register_handler
 from spmd.tensor.spec import DTensorSpec
 
 aten = ops.aten
@@ -46,7 +51,6 @@ def _shardable_dims(query: DTensorSpec, key: DTensorSpec, is_causal: bool) -> li
     return dims
 
 
-@register_strategy(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def _flash_cpu(schema: OpSchema) -> list[Strategy]:
     # args: query, key, value, dropout_p, is_causal; kwargs: attn_mask, scale -> (output, logsumexp)
     query, key = schema.input_specs[0], schema.input_specs[1]
@@ -62,7 +66,6 @@ def _flash_cpu(schema: OpSchema) -> list[Strategy]:
     return candidates
 
 
-@register_strategy(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 def _flash_cpu_backward(schema: OpSchema) -> list[Strategy]:
     # args: grad_out, query, key, value, out, logsumexp, dropout_p, is_causal; kwargs: attn_mask, scale
     grad, query, key = schema.input_specs[0], schema.input_specs[1], schema.input_specs[2]
@@ -83,3 +86,27 @@ def _flash_cpu_backward(schema: OpSchema) -> list[Strategy]:
         if isinstance(placement, Partial) and placement.is_linear:
             candidates.append(Strategy((placement,) + (Replicate(),) * (count - 1), (placement,) * 3))
     return candidates
+
+
+def _kernel(call: LocalCall) -> Any:
+    """The kernel on the local shards. A rank whose query-row shard is empty (5 rows over 4 ranks) returns
+    empty outputs and zero key/value gradient contributions itself: the CPU kernel faults on zero rows."""
+    query = call.args[1] if call.op is _BACKWARD else call.args[0]
+    if query.shape[2] != 0:
+        return call.op(*call.args, **call.kwargs)
+    return tuple(query.new_zeros(spec.local_shape(), dtype=spec.dtype) for spec in call.output_specs
+                 if spec is not None)
+
+
+_FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
+_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_STRATEGIES = {_FORWARD: _flash_cpu, _BACKWARD: _flash_cpu_backward}
+
+
+def _rule(schema: OpSchema) -> ShardingDecision:
+    return pick_per_mesh_dim(schema, _STRATEGIES[schema.op](schema))
+
+
+@register_handler(_FORWARD, _BACKWARD)
+def _flash_attention_cpu(op: OpOverload, args: tuple, kwargs: dict) -> Any:
+    return run_custom(op, args, kwargs, _rule, _kernel)
