@@ -227,32 +227,6 @@ def test_elastic_job_regroups_when_a_node_joins_late_and_when_it_dies(tmp_path: 
     assert "round 2: 1 node(s), world size 1" in first.output and "[rank0]: world 1 round 2" in first.output
 
 
-def test_busy_ports_give_errors_naming_them(tmp_path: Path) -> None:
-    worker = script(tmp_path, "ok.py", "print('ran')\n")
-    with socket.socket() as busy:
-        busy.bind(("0.0.0.0", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        rdzv = spmdrun("--nnodes", "1", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}", worker)
-        assert rdzv.returncode == 1 and f"port {port} is already in use" in rdzv.stderr
-        master = spmdrun("--standalone", "--master-port", str(port), worker)
-        assert master.returncode == 1 and f"--master-port {port} is already in use" in master.stderr
-    assert "ran" not in rdzv.stdout + master.stdout
-
-
-def test_a_missing_script_fails_before_anything_starts(tmp_path: Path) -> None:
-    result = spmdrun("--nproc-per-node", "2", str(tmp_path / "nope.py"))
-    assert result.returncode == 2 and "nope.py' does not exist" in result.stderr
-
-
-def test_a_node_that_never_comes_times_out_naming_the_missing_count(tmp_path: Path) -> None:
-    worker = script(tmp_path, "ok.py", "print('ran')\n")
-    result = spmdrun("--nnodes", "3", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-                     "--rdzv-conf", "join_timeout=1", worker)
-    assert result.returncode == 1
-    assert "rendezvous timed out after 1s: 1 of the 3 nodes needed are here, 2 node(s) missing" in result.stderr
-
-
 def test_redirects_tee_and_log_dir(tmp_path: Path) -> None:
     worker = script(tmp_path, "logs.py", """
         import os, sys

@@ -120,10 +120,14 @@ class Agent:
                 self._raise_on_signal = False  # from here on a signal can't interrupt the cleanup
         except Interrupted as interrupt:
             return self._stop_for_signal(interrupt.signum)
-        except (LaunchError, StoreError, OSError) as error:
-            self._say(str(error) if isinstance(error, LaunchError) else
-                      f"lost the rendezvous: {str(error).rstrip('.')}. If another node's agent died, its log says why.")
-            self._stop_workers(signal.SIGTERM)
+        except LaunchError as error:
+            self._say(str(error))
+            return 1
+        except StoreError as error:
+            self._say(f"lost the rendezvous: {str(error).rstrip('.')}. If another node's agent died, its log says why.")
+            return 1
+        except OSError as error:
+            self._say(f"spmdrun: could not run the workers: {error}")
             return 1
         finally:
             self._stop_workers(signal.SIGTERM)

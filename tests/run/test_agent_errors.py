@@ -1,0 +1,83 @@
+"""Launch errors an agent reports before any worker starts, run in this process (no interpreter start-up):
+busy ports, a rendezvous that never fills, a missing script. Each names what to change."""
+
+from __future__ import annotations
+
+import io
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from spmd.run.agent import Agent
+from spmd.run.cli import main, parse_args
+from spmd.run.process import Console
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run_agent(*argv: str) -> tuple[int, str, str]:
+    """Run one agent here; returns (exit status, console stdout, console stderr)."""
+    out, err = io.BytesIO(), io.BytesIO()
+    code = Agent(parse_args(list(argv), environ={}), console=Console(out, err)).run()
+    return code, out.getvalue().decode(), err.getvalue().decode()
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> str:
+    path = tmp_path / "ok.py"
+    path.write_text("print('ran')\n")
+    return str(path)
+
+
+def test_busy_rendezvous_port_is_named(busy_port: int, worker: str) -> None:
+    code, out, err = run_agent("--nnodes", "1", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{busy_port}",
+                               worker)
+    assert code == 1 and f"port {busy_port} is already in use" in err and "--rdzv-endpoint" in err
+    assert "ran" not in out
+
+
+def test_busy_master_port_is_named(busy_port: int, worker: str) -> None:
+    code, out, err = run_agent("--standalone", "--master-port", str(busy_port), worker)
+    assert code == 1 and f"--master-port {busy_port} is already in use" in err
+    assert "ran" not in out
+
+
+def test_a_node_that_never_comes_times_out_naming_the_missing_count(worker: str) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code, _, err = run_agent("--nnodes", "3", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                             "--rdzv-conf", "join_timeout=1", worker)
+    assert code == 1
+    assert "rendezvous timed out after 1s: 1 of the 3 nodes needed are here, 2 node(s) missing" in err
+
+
+def test_an_unreachable_rendezvous_is_reported(worker: str) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens here once the socket closes
+    code, _, err = run_agent("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                             "--rdzv-conf", "join_timeout=1", worker)
+    assert code == 1 and f"could not join the rendezvous at 127.0.0.1:{port}" in err
+
+
+def test_a_missing_script_fails_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--nproc-per-node", "2", str(tmp_path / "nope.py")])
+    assert exited.value.code == 2 and "nope.py' does not exist" in capsys.readouterr().err
+
+
+def test_bad_flags_exit_2_with_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--nnodes", "2", "train.py"])
+    assert exited.value.code == 2 and "needs --rdzv-endpoint" in capsys.readouterr().err
