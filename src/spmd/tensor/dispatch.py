@@ -299,10 +299,9 @@ def dispatch(cls: type, op: OpOverload, types: tuple, args: tuple = (), kwargs: 
     handler = HANDLERS.get(op)
     if handler is not None:
         return handler(op, args, kwargs or {})
-    if not kwargs:
-        result = _fast_path(cls, op, args)
-        if result is not _MISS:
-            return result
+    result = _fast_path(cls, op, args, kwargs)
+    if result is not _MISS:
+        return result
     kwargs = kwargs or {}
     dtensors: list = []
     plain: list[Tensor] = []
@@ -346,9 +345,9 @@ _MISS = object()
 _make_wrapper_subclass = Tensor._make_wrapper_subclass
 
 
-def _fast_path(cls: type, op: OpOverload, args: tuple) -> Any:
-    """A cached call with flat positional args, no redistribution and one output (most calls): the key built
-    and the op run inline. Returns _MISS to take the general path. Keys match `_key_of`'s."""
+def _fast_path(cls: type, op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
+    """A cached call with flat positional args, tensor-free kwargs, no redistribution and one output (most
+    calls): the key built and the op run inline. Returns _MISS to take the general path. Keys match `_key_of`'s."""
     key: list[Any] = [op]
     first = None
     for value in args:
@@ -369,17 +368,26 @@ def _fast_path(cls: type, op: OpOverload, args: tuple) -> Any:
             key.append(value)
     if first is None:
         return _MISS
+    if kwargs:
+        for name, value in kwargs.items():
+            kind = type(value)
+            if kind is cls or kind is list or kind is tuple or isinstance(value, Tensor):
+                return _MISS
+            key.append(name)
+            key.append((kind, value) if kind in _NUMBERS else value)
     try:
         compiled = first._spec.mesh.dispatch_cache.get(tuple(key))
     except TypeError:
         return _MISS
     if compiled is None or not compiled.fast:
         return _MISS
+    kwargs = kwargs or {}
     if compiled.local_args is None:
-        out = compiled.fn(*[value._local_tensor if type(value) is cls else value for value in args])
+        out = compiled.fn(*[value._local_tensor if type(value) is cls else value for value in args], **kwargs)
     else:         # e.g. view: the local sizes replace the global ones; specs stand for the DTensors in order
         locals_ = iter([value._local_tensor for value in args if type(value) is cls])
-        out = compiled.fn(*[next(locals_) if type(value) is DTensorSpec else value for value in compiled.local_args])
+        out = compiled.fn(*[next(locals_) if type(value) is DTensorSpec else value for value in compiled.local_args],
+                          **kwargs)
     if compiled.fast == _FAST_INPLACE:
         return args[0]
     spec = compiled.output_specs[0]
