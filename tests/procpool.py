@@ -50,7 +50,7 @@ def _serve(conn: multiprocessing.connection.Connection) -> None:
         except EOFError:
             return
         if job is None:
-            return
+            os._exit(0)    # don't wait for threads a test left behind (stores, gloo): the pool is done
         fn, rank, world_size, env, args = job
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
@@ -101,11 +101,13 @@ class _Worker:
         self.process.join(timeout=10)
         self.conn.close()
 
-    def stop(self) -> None:
+    def ask_to_stop(self) -> None:
         try:
             self.conn.send(None)
         except OSError:
             pass
+
+    def join_or_kill(self) -> None:
         self.process.join(timeout=5)
         if self.process.is_alive():
             self.kill()
@@ -129,10 +131,6 @@ class ProcPool:
         for worker in self._workers[:count]:
             worker.wait_ready(deadline)
         return self._workers[:count]
-
-    def pids(self, world_size: int) -> list[int]:
-        """The process ids of the workers that will run ranks 0..world_size-1 of the next call."""
-        return [worker.pid for worker in self._ensure(world_size)]   # type: ignore[misc]
 
     def _replace(self, index: int) -> None:
         self._workers[index].kill()
@@ -190,7 +188,9 @@ class ProcPool:
 
     def shutdown(self) -> None:
         for worker in self._workers:
-            worker.stop()
+            worker.ask_to_stop()
+        for worker in self._workers:
+            worker.join_or_kill()
         self._workers.clear()
 
 

@@ -20,7 +20,8 @@ Note: failure
 Every collective piece carries its fingerprint; the reader compares it with the receiver's own before a
 byte of payload is written anywhere. A mismatch, a lost connection, or an abort of the group on this rank
 fails every operation in flight here and sends an ABORT frame with the reason to every peer, which fail
-the same way, so all ranks raise (a mismatch as CollectiveMismatchError everywhere, naming both call sites).
+the same way and pass it on, so all ranks raise (a mismatch as CollectiveMismatchError everywhere, naming
+both call sites) and a rank's EOF never reaches a peer before the reason it closed.
 A peer that left normally (BYE, then EOF) only fails operations that still need it.
 """
 
@@ -150,10 +151,12 @@ class TcpTransport(Transport):
         self._current: _TcpExchange | None = None
         self._error: SpmdError | None = None
         self._abort_sent = False
+        self._abort_sending = threading.Lock()           # held while ABORT frames go out; close() waits for it
         self._closing = False
         self._scratch_buffer = torch.empty(0, dtype=torch.uint8)
         self._listener: socket.socket | None = None
         self._setup_threads: list[threading.Thread] = []
+        self._handshaking: set[socket.socket] = set()
         try:
             self._connect(Deadline(spec.timeout))
         except BaseException:
@@ -233,6 +236,11 @@ class TcpTransport(Transport):
 
     def _handshake(self, conn: socket.socket, deadline: Deadline) -> None:
         """Authenticate one incoming connection; a stranger is dropped before anything of it is used."""
+        with self._lock:
+            if self._closing:
+                conn.close()
+                return
+            self._handshaking.add(conn)
         try:
             conn.settimeout(max(0.01, min(deadline.remaining(), _HANDSHAKE_S)))
             hello = wire.read_hello(conn, self.spec.token, self.spec.group_name)
@@ -246,12 +254,15 @@ class TcpTransport(Transport):
                     return
         except (OSError, wire.PeerClosed, ValueError):
             pass
+        with self._lock:
+            self._handshaking.discard(conn)
         conn.close()
 
     def _register(self, peer: int, sock: socket.socket) -> None:
         _tune(sock)
         link = _Peer(peer, self.spec.global_ranks[peer], sock, self._lock)
         with self._cond:
+            self._handshaking.discard(sock)     # from now on close() shuts it down as a peer's connection
             if self._closing:
                 sock.close()
                 return
@@ -294,8 +305,7 @@ class TcpTransport(Transport):
                 elif kind == Kind.ABORT and nbytes <= wire.MAX_ABORT_REASON:
                     reason = wire.recv_bytes(sock, nbytes).decode(errors="replace")
                     error_type = _ERROR_TYPES.get(key.decode(errors="replace"), GroupAbortedError)
-                    self._fail(error_type(f"rank {peer.global_rank} aborted {self._desc}: {reason}"),
-                               tell_peers=False)
+                    self._fail(error_type(f"rank {seq} aborted {self._desc}: {reason}"), origin=seq, reason=reason)
                 elif kind == Kind.BYE:
                     with self._lock:
                         peer.left = True
@@ -318,7 +328,7 @@ class TcpTransport(Transport):
         for work in stranded:
             work.to_failed(_copy(lost))
         if not left:
-            self._fail(lost, tell_peers=True)
+            self._fail(lost)
 
     def _left_error(self, peer: _Peer) -> PeerLostError:
         return PeerLostError(f"rank {peer.global_rank} has left {self._desc} (it destroyed the group) while "
@@ -338,7 +348,7 @@ class TcpTransport(Transport):
         if error is not None or self._error is not None:
             wire.discard(peer.sock, nbytes)
             if error is not None:
-                self._fail(error, tell_peers=True)
+                self._fail(error)
             return
         data = bytearray(nbytes)
         if nbytes:
@@ -352,7 +362,7 @@ class TcpTransport(Transport):
             elif error is None:
                 peer.coll_early.append((seq, key, site, data))
         if error is not None:
-            self._fail(error, tell_peers=True)
+            self._fail(error)
 
     def _match_piece(self, peer: _Peer, seq: int, key: bytes, site: bytes,
                      nbytes: int) -> tuple[_Slot | None, SpmdError | None]:
@@ -457,7 +467,7 @@ class TcpTransport(Transport):
                         error = self._check_piece(ex, peer, key, site, len(data), None)
                         break
         if error is not None:
-            self._fail(error, tell_peers=True)
+            self._fail(error)
             raise _copy(error)
         return slots
 
@@ -482,7 +492,7 @@ class TcpTransport(Transport):
                     raise _copy(self._error) from None
                 lost = PeerLostError(f"lost the connection to rank {peer.global_rank} of {self._desc} while "
                                      f"sending ({type(error).__name__}: {error})")
-                self._fail(lost, tell_peers=True)
+                self._fail(lost)
                 raise _copy(lost) from None
 
     def _wait(self, ex: _TcpExchange, slot: _Slot) -> None:
@@ -611,7 +621,7 @@ class TcpTransport(Transport):
             failure = self._error or PeerLostError(
                 f"send to rank {peer.global_rank} of {self._desc} failed ({type(error).__name__}: {error})")
             work.to_failed(_copy(failure))
-            self._fail(failure, tell_peers=True)
+            self._fail(failure)
             return
         work.to_completed()
 
@@ -632,8 +642,12 @@ class TcpTransport(Transport):
 
     # -- lifetime -----------------------------------------------------------------------------------------------
 
-    def _fail(self, error: SpmdError, tell_peers: bool) -> None:
-        """Fail everything in flight on this rank with `error`; with `tell_peers`, send them ABORT frames."""
+    def _fail(self, error: SpmdError, origin: int | None = None, reason: str | None = None) -> None:
+        """Fail everything in flight on this rank with `error`, and send every peer an ABORT frame.
+
+        An abort received from a peer is passed on too (with its `origin` rank and `reason`), so a peer that
+        next sees this rank's connection close has already read why.
+        """
         with self._cond:
             if self._error is None:
                 self._error = error
@@ -644,14 +658,23 @@ class TcpTransport(Transport):
                     stranded.extend(item[2] for item in peer.send_queue)
                     peer.send_queue.clear()
                     peer.send_ready.notify_all()
+            send_aborts = not self._abort_sent and not self._closing
+            if send_aborts:
+                # Taken before the error is visible: a thread that sees it and closes the group waits for
+                # the ABORT frames, so no peer reads this rank's EOF before the reason.
+                self._abort_sending.acquire()
+            self._abort_sent = True
             self._cond.notify_all()
-            send_aborts = tell_peers and not self._abort_sent and not self._closing
-            self._abort_sent = self._abort_sent or send_aborts
         for work in stranded:
             work.to_failed(_copy(error))
         if send_aborts:
-            reason = str(error).encode()[:wire.MAX_ABORT_REASON]
-            self._send_to_all(wire.pack_header(Kind.ABORT, 0, len(reason), type(error).__name__.encode()), reason)
+            try:
+                text = (str(error) if reason is None else reason).encode()[:wire.MAX_ABORT_REASON]
+                origin = self.spec.global_rank if origin is None else origin
+                self._send_to_all(wire.pack_header(Kind.ABORT, origin, len(text), type(error).__name__.encode()),
+                                  text)
+            finally:
+                self._abort_sending.release()
 
     def _send_to_all(self, header: bytes, payload: bytes) -> None:
         """Best effort, bounded: a control frame to every connected peer (abort, bye)."""
@@ -667,7 +690,7 @@ class TcpTransport(Transport):
 
     def abort(self, error: BaseException) -> None:
         failure = error if isinstance(error, SpmdError) else GroupAbortedError(f"{type(error).__name__}: {error}")
-        self._fail(failure, tell_peers=True)
+        self._fail(failure)
 
     def close(self) -> None:
         with self._cond:
@@ -683,14 +706,22 @@ class TcpTransport(Transport):
             work.to_failed(GroupAbortedError(f"{self._desc} was destroyed on rank {self.spec.global_rank} "
                                              f"before this receive completed"))
         self._close_listener()
+        with self._lock:
+            handshaking = list(self._handshaking)
+        for conn in handshaking:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)    # wakes a handshake still waiting for a silent stranger
+            except OSError:
+                pass
         for thread in self._setup_threads:
             thread.join(timeout=_HANDSHAKE_S)
         peers = [peer for peer in self._peers if peer is not None]
         for peer in peers:
             if peer.sender is not None:
                 peer.sender.join(timeout=2 * _SEND_POLL_S + 1)
-        if self._error is None:
-            self._send_to_all(wire.pack_header(Kind.BYE, 0, 0), b"")
+        with self._abort_sending:
+            if self._error is None:
+                self._send_to_all(wire.pack_header(Kind.BYE, 0, 0), b"")
         for peer in peers:
             try:
                 peer.sock.shutdown(socket.SHUT_RDWR)   # wakes the reader

@@ -10,7 +10,8 @@ followed by `key_len` bytes of key, `site_len` bytes of call site and `payload_l
   COLL   a piece of a collective. seq = the collective's sequence number, key = the JSON of its
          Fingerprint.key() (compared byte for byte with the receiver's own), site = the sender's call site.
   P2P    a point-to-point message. seq = the tag, key = the dtype name; payload = the tensor's bytes.
-  ABORT  the sender failed the group. key = the error class name, payload = the UTF-8 reason.
+  ABORT  the group failed. seq = the rank where it failed first, key = the error class name, payload = the
+         UTF-8 reason. A rank passes the first ABORT it gets on to its other peers.
   BYE    the sender is closing the group normally; EOF follows.
 
 Note: handshake
