@@ -178,6 +178,7 @@ def test_bad_input_errors() -> None:
         with pytest.raises(MixedTensorError, match=r"plain torch\.Tensor of shape \(7, 5\)"):
             x + FULL
         torch.testing.assert_close((x * torch.tensor(2.0)).full_tensor(), FULL * 2)   # a scalar is fine
+        assert torch.equal(x, FULL) and torch.equal(FULL, x) and not torch.equal(x, FULL + 1)   # by value
 
     run_ranks(body, 4, timeout=TIMEOUT)
 

@@ -11,6 +11,7 @@ from typing import Any
 from torch import ops
 from torch._ops import OpOverload
 
+from spmd.tensor.api import DTensor
 from spmd.tensor.dispatch import local_as
 from spmd.tensor.placement import Partial, Replicate
 from spmd.tensor.rules import OpSchema, ShardingDecision, ShardingError, register_handler, register_rule, replicated
@@ -82,7 +83,8 @@ def _equal(op: OpOverload, args: tuple, kwargs: dict) -> bool:
     a, b = args
     if a.shape != b.shape:
         return False
-    return bool(op(local_as(a, replicated(a._spec.mesh)), local_as(b, replicated(b._spec.mesh))))
+    full = [local_as(t, replicated(t._spec.mesh)) if isinstance(t, DTensor) else t for t in (a, b)]
+    return bool(op(*full))
 
 
 @register_handler(aten.is_same_size.default)
