@@ -3,6 +3,10 @@
 Layer: comm. isend/irecv only queue work; a progress thread (started at the first P2P call of the group)
 streams queued sends into the ring to each peer and drains the rings from each peer, so large messages
 move in ring-sized pieces and both ranks of a pair may isend (or even send) before they receive.
+When it can make no progress the thread blocks on its own wake socket (as collective waits do, see
+shm_segment's Note: waiting) with its P2P_SLEEPING flag set; a peer that fills or drains a ring it shares
+with this rank, and a local isend/irecv, ring it. The wait has a timeout, which bounds a missed wake and
+paces the checks for a dead peer or an aborted group.
 
 Note: ring framing
 A ring is RING bytes of data plus two 8-byte positions, the total bytes ever written (by the sender) and
@@ -21,7 +25,9 @@ so messages of one (peer, tag) are always received in order whatever the interle
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import socket
 import threading
 import time
 
@@ -34,6 +40,9 @@ from spmd.comm.transport import TransportSpec
 from spmd.comm.work import Work
 
 HEADER = 64
+BUSY_WAIT_S = 0.05     # with operations pending, the thread wakes at least this often (liveness, missed wakes)
+IDLE_WAIT_S = 0.2      # with none pending, it still looks at the rings this often (a missed wake costs that)
+INLINE_BYTES = 256 << 10   # an isend this small, with nothing queued before it, is written by the caller
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
            torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 
@@ -89,7 +98,6 @@ class P2PEngine:
         self._size = size
         self._spec = spec
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
         self._sends: dict[int, collections.deque[_Send]] = collections.defaultdict(collections.deque)
         self._posted: dict[tuple[int, int], collections.deque[_Recv]] = collections.defaultdict(collections.deque)
         self._unexpected: dict[tuple[int, int], collections.deque[_Message]] = collections.defaultdict(
@@ -98,7 +106,12 @@ class P2PEngine:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._closed = False
-        self._kicked = False      # work was posted since the progress thread last looked
+        self._send_locks = [threading.Lock() for _ in range(size)]   # one writer at a time into a ring
+        self._sock: socket.socket | None = None
+        if segment is not None:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._sock.bind(segment.p2p_wake_address(rank))
+            self._addresses = [segment.p2p_wake_address(peer) for peer in range(size)]
 
     # -- posting (caller threads) ---------------------------------------------------------------------------
 
@@ -107,9 +120,20 @@ class P2PEngine:
         with self._lock:
             self._raise_if_failed(f"send to group rank {dst}")
             if dst != self._rank:
-                self._sends[dst].append(_Send(_as_bytes(tensor), tag, tensor.numel(), code, work))
+                send = _Send(_as_bytes(tensor), tag, tensor.numel(), code, work)
+                queue = self._sends[dst]
+                queue.append(send)
                 self._start_locked()
-                return
+                inline = len(queue) == 1 and send.data.numel() <= INLINE_BYTES
+        if dst != self._rank:
+            if inline:      # nothing queued before it: the caller writes it now, saving a thread hand-off
+                with self._send_locks[dst]:
+                    if queue and queue[0] is send:
+                        self._push(dst)
+            if not work.is_completed():
+                self._ring_bell(self._rank)
+            return
+        with self._lock:
             message = _Message(dst, tag, tensor.numel() * tensor.element_size(), tensor.numel(), code, None)
             waiting = self._posted.get((dst, tag))
             message.recv = waiting.popleft() if waiting else None
@@ -129,6 +153,7 @@ class P2PEngine:
                 self._posted[(src, tag)].append(_Recv(tensor, work))
                 if src != self._rank:
                     self._start_locked()
+                    self._ring_bell(self._rank)
                 return
         message.recv = _Recv(tensor, work)
         assert message.target is not None
@@ -145,8 +170,6 @@ class P2PEngine:
             self._thread = threading.Thread(target=self._progress, daemon=True,
                                             name=f"spmd-shm-p2p-{self._spec.group_name}-rank{self._spec.global_rank}")
             self._thread.start()
-        self._kicked = True
-        self._wake.notify()
 
     def _deliver(self, message: _Message, payload: Tensor | None) -> None:
         """Complete `message.recv` with the payload, or fail it when sizes or dtypes differ."""
@@ -172,41 +195,57 @@ class P2PEngine:
     # -- progress thread ------------------------------------------------------------------------------------
 
     def _progress(self) -> None:
-        sleep_s = 0.0
-        next_liveness = time.monotonic() + 0.1
+        assert self._segment is not None and self._sock is not None
+        words, sleeping = self._segment.words, self._segment.p2p_sleeping_index(self._rank)
+        next_liveness = time.monotonic() + BUSY_WAIT_S
         while True:
             with self._lock:
                 if self._closed or self._error is not None:
                     return
-                self._kicked = False
                 busy = bool(self._incoming) or any(self._sends.values()) or any(self._posted.values())
-            progressed = False
             try:
-                for dst in range(self._size):
-                    if self._sends.get(dst):
-                        progressed |= self._push(dst)
-                for src in range(self._size):
-                    if src != self._rank:
-                        progressed |= self._pull(src)
+                if self._step():
+                    continue
+                words[sleeping] = 1          # announce the sleep, then look once more (see Note: waiting)
+                if self._step():
+                    words[sleeping] = 0
+                    continue
             except BaseException as error:   # a failed copy fails every pending operation, never the thread
                 self.fail(error)
                 return
-            if progressed:
-                sleep_s = 0.0
-                continue
             now = time.monotonic()
             if busy and now >= next_liveness:
-                next_liveness = now + 0.1
+                next_liveness = now + BUSY_WAIT_S
                 self._check_peers()
-            if sleep_s == 0.0:
-                time.sleep(0)
-            else:
-                with self._lock:
-                    if not self._kicked:
-                        self._wake.wait(timeout=sleep_s)
-            # Idle, the thread still polls the rings (every 10 ms at most) so that messages sent before
-            # their irecv is posted are drained and a peer's blocking send can finish.
-            sleep_s = min(2e-3 if busy else 10e-3, sleep_s + 5e-5)
+            self._sock.settimeout(BUSY_WAIT_S if busy else IDLE_WAIT_S)
+            with contextlib.suppress(TimeoutError):
+                self._sock.recv(16)
+            words[sleeping] = 0
+            self._sock.settimeout(0.0)
+            with contextlib.suppress(BlockingIOError, InterruptedError):
+                while True:
+                    self._sock.recv(16)
+
+    def _step(self) -> bool:
+        """One pass over every queued send and every incoming ring; True if anything moved."""
+        progressed = False
+        for dst in range(self._size):
+            if self._sends.get(dst):
+                with self._send_locks[dst]:
+                    progressed |= bool(self._sends[dst]) and self._push(dst)
+        for src in range(self._size):
+            if src != self._rank:
+                progressed |= self._pull(src)
+        return progressed
+
+    def _ring_bell(self, rank: int, force: bool = False) -> None:
+        """Wake `rank`'s progress thread if it is blocked (always with `force`)."""
+        segment, sock = self._segment, self._sock
+        if segment is None or sock is None:
+            return
+        if force or segment.words[segment.p2p_sleeping_index(rank)]:
+            with contextlib.suppress(OSError):       # gone, or a wake is already queued
+                sock.sendto(b"w", socket.MSG_DONTWAIT, self._addresses[rank])
 
     def _check_peers(self) -> None:
         segment = self._segment
@@ -260,6 +299,8 @@ class P2PEngine:
             send.sent += piece
             words[w_index] = written + _pad(piece)
             progressed = True
+        if progressed:
+            self._ring_bell(dst)
         if send.sent < send.data.numel():
             return progressed
         with self._lock:
@@ -281,6 +322,7 @@ class P2PEngine:
             at = data + consumed % capacity
             tag, nbytes, numel, code = (segment.word(at + offset) for offset in (0, 8, 16, 24))
             words[r_index] = consumed + HEADER
+            self._ring_bell(src)
             message = self._incoming[src] = self._match(src, tag, nbytes, numel, code)
             if nbytes > 0:
                 return True
@@ -293,6 +335,7 @@ class P2PEngine:
                     segment.bytes[data + index:data + index + useful])
             message.received += useful
             words[r_index] = consumed + piece
+            self._ring_bell(src)
             if message.received < message.nbytes:
                 return True
         del self._incoming[src]
@@ -335,16 +378,18 @@ class P2PEngine:
             works += [message.recv.work for message in self._incoming.values() if message.recv is not None]
             self._sends.clear()
             self._posted.clear()
-            self._wake.notify_all()
+        self._ring_bell(self._rank, force=True)
         for work in works:
             work.to_failed(error)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._wake.notify_all()
             thread = self._thread
+        self._ring_bell(self._rank, force=True)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)
         self.fail(GroupAbortedError(f"rank {self._spec.global_rank}: the group was destroyed with point-to-point "
                                     f"operations still pending"))
+        if self._sock is not None:
+            self._sock.close()
