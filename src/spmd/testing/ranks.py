@@ -13,6 +13,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from spmd.comm.group import ProcessGroup
 from spmd.comm.store import HashStore
 from spmd.comm.world import current_world, destroy_process_group, init_process_group
@@ -43,7 +45,8 @@ def run_ranks(fn: Callable[[int, int], Any], world_size: int, timeout: float = 6
     The first exception any rank raises is re-raised here (its type kept, a note naming its rank added);
     the other ranks' groups are aborted so they stop instead of waiting for the failed rank. If the ranks
     are not done within `timeout` seconds, TimeoutError names the ranks still running and where they are.
-    `comm_timeout` bounds each collective (default: `timeout`).
+    `comm_timeout` bounds each collective (default: `timeout`). While the ranks run, torch's intra-op pool
+    is limited to one thread (the ranks are the parallelism; sharing the pool oversubscribes the cores).
 
     >>> run_ranks(lambda rank, world_size: rank * 10, world_size=3)
     [0, 10, 20]
@@ -72,11 +75,16 @@ def run_ranks(fn: Callable[[int, int], Any], world_size: int, timeout: float = 6
 
     threads = [threading.Thread(target=body, args=(rank,), name=f"spmd-rank{rank}", daemon=True)
                for rank in range(world_size)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + timeout
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
+    intra_op_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        torch.set_num_threads(intra_op_threads)
     stuck = [rank for rank, thread in enumerate(threads) if thread.is_alive()]
     if run.failures:
         _, rank, error = min(run.failures, key=lambda failure: failure[0])
