@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+
+from spmd.run.agent import Agent
+from spmd.run.cli import parse_args
+from spmd.run.process import Console
 
 SPMDRUN = (sys.executable, "-m", "spmd.run")
 
@@ -28,6 +33,20 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
+
+
+def run_agent(*argv: str, cwd: str | None = None) -> tuple[int, str, str]:
+    """Run one agent in this process (its workers are real processes); returns (status, stdout, stderr) of its
+    console. Saves the seconds a launcher process spends importing; the CLI entry itself is tested elsewhere."""
+    out, err = io.BytesIO(), io.BytesIO()
+    here = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        code = Agent(parse_args(list(argv), environ={}), console=Console(out, err)).run()
+    finally:
+        os.chdir(here)
+    return code, out.getvalue().decode(), err.getvalue().decode()
 
 
 def spmdrun(*args: str, timeout: float = 90.0, cwd: str | None = None,

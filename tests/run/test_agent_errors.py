@@ -3,25 +3,16 @@ busy ports, a rendezvous that never fills, a missing script. Each names what to 
 
 from __future__ import annotations
 
-import io
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from spmd.run.agent import Agent
-from spmd.run.cli import main, parse_args
-from spmd.run.process import Console
+from spmd.run.cli import main
+from tests.run.helpers import run_agent
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def run_agent(*argv: str) -> tuple[int, str, str]:
-    """Run one agent here; returns (exit status, console stdout, console stderr)."""
-    out, err = io.BytesIO(), io.BytesIO()
-    code = Agent(parse_args(list(argv), environ={}), console=Console(out, err)).run()
-    return code, out.getvalue().decode(), err.getvalue().decode()
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """spmdrun end to end: real agents and workers over loopback, each test with a timeout and a pid check.
 
 Worker scripts import only the standard library (torch costs seconds per process), except the one 2x2 job that
-checks an all_reduce across two agents.
+checks an all_reduce across two agents. Tests about what the agent does with its workers run the agent in this
+process (`run_agent`); those about the launcher process itself (signals, several nodes) start `spmdrun`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.run.helpers import Launcher, is_alive, spmdrun, wait_until
+from tests.run.helpers import Launcher, is_alive, run_agent, spmdrun, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -82,13 +83,12 @@ def test_module_and_program_entry_points(tmp_path: Path) -> None:
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "job.py").write_text("import os, sys\nprint('module', __name__, os.environ['RANK'], sys.argv[1:])\n")
-    result = spmdrun("--nproc-per-node", "2", "-m", "mypkg.job", "x", cwd=str(tmp_path))
-    assert result.returncode == 0, result.stderr
-    assert sorted(result.stdout.splitlines()) == ["[rank0]: module __main__ 0 ['x']",
-                                                  "[rank1]: module __main__ 1 ['x']"]
-    program = spmdrun("--nproc-per-node", "2", "--no-python", "sh", "-c", 'echo "program $RANK $0"', "arg0")
-    assert program.returncode == 0, program.stderr
-    assert sorted(program.stdout.splitlines()) == ["[rank0]: program 0 arg0", "[rank1]: program 1 arg0"]
+    code, out, err = run_agent("--nproc-per-node", "2", "-m", "mypkg.job", "x", cwd=str(tmp_path))
+    assert code == 0, err
+    assert sorted(out.splitlines()) == ["[rank0]: module __main__ 0 ['x']", "[rank1]: module __main__ 1 ['x']"]
+    code, out, err = run_agent("--nproc-per-node", "2", "--no-python", "sh", "-c", 'echo "program $RANK $0"', "arg0")
+    assert code == 0, err
+    assert sorted(out.splitlines()) == ["[rank0]: program 0 arg0", "[rank1]: program 1 arg0"]
 
 
 def test_worker_exiting_3_once_is_restarted_and_the_job_succeeds(tmp_path: Path) -> None:
@@ -98,12 +98,10 @@ def test_worker_exiting_3_once_is_restarted_and_the_job_succeeds(tmp_path: Path)
         if os.environ["RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
             sys.exit(3)
     """)
-    result = spmdrun("--nproc-per-node", "2", "--max-restarts", "2", worker)
-    assert result.returncode == 0, result.stderr
-    assert "[rank1]: attempt 0" in result.stdout and "[rank1]: attempt 1" in result.stdout
-    assert "[rank1]: attempt 2" not in result.stdout
-    assert "rank 1 (local rank 1)" in result.stderr and "exit code 3" in result.stderr
-    assert "(restart 1 of 2)" in result.stderr
+    code, out, err = run_agent("--nproc-per-node", "2", "--max-restarts", "2", worker)
+    assert code == 0, err
+    assert "[rank1]: attempt 0" in out and "[rank1]: attempt 1" in out and "[rank1]: attempt 2" not in out
+    assert "rank 1 (local rank 1)" in err and "exit code 3" in err and "(restart 1 of 2)" in err
 
 
 def test_sigkilled_worker_without_restarts_is_reported_by_rank_and_signal(tmp_path: Path) -> None:
@@ -114,10 +112,10 @@ def test_sigkilled_worker_without_restarts_is_reported_by_rank_and_signal(tmp_pa
         time.sleep(120)
     """)
     started = time.monotonic()
-    result = spmdrun("--nproc-per-node", "2", "--max-restarts", "0", worker)
-    assert result.returncode == 1
+    code, _, err = run_agent("--nproc-per-node", "2", "--max-restarts", "0", worker)
+    assert code == 1
     assert time.monotonic() - started < 60  # rank 0 was stopped, not waited for
-    summary = result.stderr[result.stderr.index("spmdrun: job failed"):]
+    summary = err[err.index("spmdrun: job failed"):]
     assert "first failure" in summary and "rank 1 (local rank 1)" in summary and "signal SIGKILL" in summary
     assert "no Python traceback" in summary
 
@@ -133,9 +131,9 @@ def test_python_exception_traceback_is_in_the_summary(tmp_path: Path) -> None:
             train()
         time.sleep(120)
     """)
-    result = spmdrun("--nproc-per-node", "2", worker)
-    assert result.returncode == 1
-    summary = result.stderr[result.stderr.index("spmdrun: job failed"):]
+    code, _, err = run_agent("--nproc-per-node", "2", worker)
+    assert code == 1
+    summary = err[err.index("spmdrun: job failed"):]
     assert "rank 1 (local rank 1)" in summary and "raised ValueError: boom" in summary
     assert 'raise ValueError("boom")' in summary and "boom.py" in summary and "in train" in summary
     assert "runpy" not in summary and "bootstrap" not in summary  # the user's frames only
@@ -234,13 +232,13 @@ def test_redirects_tee_and_log_dir(tmp_path: Path) -> None:
         print("err", os.environ["RANK"], file=sys.stderr)
     """)
     logs = tmp_path / "logs"
-    result = spmdrun("--nproc-per-node", "2", "--rdzv-id", "logjob", "--log-dir", str(logs), "--redirects", "0:1",
-                     "--tee", "1:3", worker)
-    assert result.returncode == 0, result.stderr
+    code, out, err = run_agent("--nproc-per-node", "2", "--rdzv-id", "logjob", "--log-dir", str(logs),
+                               "--redirects", "0:1", "--tee", "1:3", worker)
+    assert code == 0, err
     attempt = logs / "logjob" / "attempt_0"
     assert (attempt / "0" / "stdout.log").read_text() == "out 0\n"
     assert not (attempt / "0" / "stderr.log").exists()
     assert (attempt / "1" / "stdout.log").read_text() == "out 1\n"
     assert (attempt / "1" / "stderr.log").read_text() == "err 1\n"
-    assert "[rank0]: out 0" not in result.stdout and "[rank1]: out 1" in result.stdout
-    assert "[rank0]: err 0" in result.stderr and "[rank1]: err 1" in result.stderr
+    assert "[rank0]: out 0" not in out and "[rank1]: out 1" in out
+    assert "[rank0]: err 0" in err and "[rank1]: err 1" in err

@@ -20,13 +20,14 @@ pytestmark = pytest.mark.timeout(120)
 
 def record_env(index: int, out_dir: str) -> None:
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    Path(out_dir, str(index)).write_text(" ".join(os.environ[key] for key in keys))
+    Path(out_dir, f"{index}.tmp").write_text(" ".join([*(os.environ[key] for key in keys), str(os.getpid())]))
+    os.replace(Path(out_dir, f"{index}.tmp"), Path(out_dir, str(index)))
 
 
-def raise_on_one(index: int, pid_dir: str) -> None:
-    Path(pid_dir, str(index)).write_text(str(os.getpid()))
+def record_then_raise_on_one(index: int, out_dir: str) -> None:
+    record_env(index, out_dir)
     if index == 1:
-        wait_until(lambda: len(os.listdir(pid_dir)) == 2, 60, "both pids")
+        wait_until(lambda: os.path.exists(os.path.join(out_dir, "0")), 60, "rank 0's record")
         raise ValueError("boom")
     time.sleep(120)
 
@@ -35,32 +36,34 @@ def die_by_signal(index: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def test_spawn_runs_fn_with_index_and_launcher_environment(tmp_path: Path) -> None:
-    assert spawn(record_env, args=(str(tmp_path),), nprocs=2) is None
+def test_spawn_gives_the_launcher_environment_and_reports_a_raise_with_its_traceback(tmp_path: Path) -> None:
+    with pytest.raises(ProcessRaisedException) as caught:
+        spawn(record_then_raise_on_one, args=(str(tmp_path),), nprocs=2)
     records = [(tmp_path / str(index)).read_text().split() for index in range(2)]
     assert [record[:4] for record in records] == [["0", "0", "2", "127.0.0.1"], ["1", "1", "2", "127.0.0.1"]]
-    assert records[0][4] == records[1][4] and int(records[0][4]) > 0
-
-
-def test_spawn_failure_raises_with_the_childs_traceback_and_stops_the_others(tmp_path: Path) -> None:
-    with pytest.raises(ProcessRaisedException) as caught:
-        spawn(raise_on_one, args=(str(tmp_path),), nprocs=2)
+    assert records[0][4] == records[1][4] and int(records[0][4]) > 0  # one MASTER_PORT
     error = caught.value
     assert error.error_index == 1
     message = str(error)
     assert "rank 1 (local rank 1)" in message and "raised ValueError: boom" in message
-    assert 'raise ValueError("boom")' in message and "in raise_on_one" in message and "_child" not in message
-    survivor = int((tmp_path / "0").read_text())
+    assert 'raise ValueError("boom")' in message and "in record_then_raise_on_one" in message
+    assert "_child" not in message  # the user's frames only
+    survivor = int(records[0][5])
     wait_until(lambda: not is_alive(survivor), 10, "the other child to be stopped")
 
 
-def test_spawn_child_killed_by_signal_and_join_without_blocking() -> None:
-    context = spawn(die_by_signal, nprocs=1, join=False)
+def test_spawn_success_returns_none_and_join_false_gives_a_context(tmp_path: Path) -> None:
+    context = spawn(record_env, args=(str(tmp_path),), nprocs=1, join=False)
     assert context is not None and len(context.pids()) == 1
+    wait_until(lambda: context.join(timeout=0.1), 60, "the child to end")
+    assert (tmp_path / "0").read_text().split()[:3] == ["0", "0", "1"]
+
+
+def test_spawn_child_killed_by_signal() -> None:
     with pytest.raises(ProcessExitedException) as caught:
-        wait_until(lambda: context.join(timeout=0.1), 60, "the child to end")
+        spawn(die_by_signal, nprocs=1)
     assert caught.value.signal_name == "SIGKILL" and caught.value.exit_code == -signal.SIGKILL
-    assert "signal SIGKILL" in str(caught.value)
+    assert "signal SIGKILL" in str(caught.value) and "no Python traceback" in str(caught.value)
 
 
 def test_spawn_rejects_zero_processes() -> None:
