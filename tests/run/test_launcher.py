@@ -242,3 +242,15 @@ def test_redirects_tee_and_log_dir(tmp_path: Path) -> None:
     assert (attempt / "1" / "stderr.log").read_text() == "err 1\n"
     assert "[rank0]: out 0" not in out and "[rank1]: out 1" in out
     assert "[rank0]: err 0" in err and "[rank1]: err 1" in err
+
+
+def test_local_ranks_filter_shows_only_chosen_ranks(tmp_path: Path) -> None:
+    worker = script(tmp_path, "filtered.py", """
+        import os, sys
+        print("out", os.environ["RANK"])
+        print("err", os.environ["RANK"], file=sys.stderr)
+    """)
+    code, out, err = run_agent("--nproc-per-node", "3", "--local-ranks-filter", "0,2", worker)
+    assert code == 0, err
+    assert sorted(out.splitlines()) == ["[rank0]: out 0", "[rank2]: out 2"]
+    assert "[rank1]" not in err and "[rank2]: err 2" in err
