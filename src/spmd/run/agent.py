@@ -176,9 +176,11 @@ class Agent:
             try:
                 return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout), True
             except StoreError as error:
-                if config.node_rank == 0 or port_is_free(port):
+                if port_is_free(port):
+                    raise LaunchError(f"spmdrun: can't host the rendezvous at {host}:{port}: {error}") from None
+                if config.node_rank == 0:
                     raise LaunchError(f"spmdrun: can't host the rendezvous at {host}:{port}: port {port} is "
-                                      f"already in use on {self.hostname} (another job?) ({error}). Pick another "
+                                      f"already in use on {self.hostname} (another job?). Pick another "
                                       f"--rdzv-endpoint port.") from None
                 # Elastic agents on the endpoint's host race to host it; the losers join as clients.
         try:
