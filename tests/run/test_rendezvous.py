@@ -115,7 +115,27 @@ def test_a_lone_failure_report_is_acted_on_after_the_settle_time() -> None:
     job.step(0.1)
     assert job.client.outcome() is None
     job.step(0.7)
+    assert job.client.outcome() is None  # host0 has not beaten since the report: it may be dying
+    job.beat(a)
+    job.step(0.8)
     assert job.client.outcome().failures == (failure(2, 1.0),)
+
+
+def test_failures_caused_by_a_dying_node_use_no_restart() -> None:
+    job = Job(1, 2, max_restarts=0)
+    a, b = job.join("host0"), job.join("host1")
+    job.beat(a, b)
+    first = job.step(2.1)  # host1's last heartbeat is seen now
+    assert first.world_size == 4
+    job.client.report_failures(first.number, a.node_id, [failure(0, 3.0)])  # host1 died: its peers fail
+    for now in (3.0, 4.0, 5.0, 6.0):  # host1 is silent; its heartbeat verdict is awaited, not the restart budget
+        job.beat(a)
+        job.step(now)
+        assert job.client.outcome() is None
+    job.beat(a)
+    second = job.step(7.2)  # host1's heartbeat is now 5.2s old: dead
+    assert (second.number, second.restart_count, second.world_size) == (1, 0, 2)
+    assert job.client.outcome() is None
 
 
 def test_all_done_closes_succeeded() -> None:

@@ -17,12 +17,13 @@ Protocol (keys are under `spmd/rdzv/<run id>/`):
                     and every member starts its workers with it.
   5. (an agent)     its workers failed: `set("round/<r>/failure/<id>", [WorkerFailure, ...])`, then it stops
                     the rest. All its workers succeeded: `set("round/<r>/done/<id>", "1")`.
-  6. (coordinator)  failure -> after failure_settle (or once every member reported) the earliest failure of all
-                    reports is the root cause; a new round (restart_count + 1) while restarts remain, else close
-                    "failed" with every report (other nodes' failures are often consequences of the first);
-                    a member dead (heartbeat stale or `left/<id>`) -> a new round with the live nodes;
+  6. (coordinator)  every member done -> close "succeeded";
+                    a member dead (heartbeat stale or `left/<id>`) -> a new round with the live nodes (no restart
+                    used; see Note: failure reports and dying nodes);
+                    failure -> once settled, the earliest failure of all reports is the root cause; a new round
+                    (restart_count + 1) while restarts remain, else close "failed" with every report;
                     a waiting node and room below MAX (and no member done) -> a new round with it;
-                    every member done -> close "succeeded"; too few nodes for join_timeout -> close "timeout".
+                    too few nodes for join_timeout -> close "timeout".
   7. (anyone)       `compare_set("closed", "", Outcome)` ends the job (first writer wins); every agent stops
                     its workers, sets `ack/<id>` and exits; the store's host waits for those acks first.
 """
@@ -249,7 +250,7 @@ class Coordinator:
         if len(alive) >= self.min_nodes:
             self.settle_started = now if self.settle_started is None else self.settle_started
             if len(alive) >= self.max_nodes or now - self.settle_started >= self.timeouts.last_call_timeout:
-                self._publish(alive, now)
+                self._publish(alive)
             return
         self.settle_started = None
         if now - self.wait_started > self.timeouts.join_timeout:
@@ -261,42 +262,63 @@ class Coordinator:
                 f"missing node(s) with the same --rdzv-endpoint and --rdzv-id, or lower --nnodes.")))
 
     def _while_running(self, current: Round, alive: list[NodeInfo], now: float) -> None:
-        reports = [json.loads(self.store.get(key)) for key in
-                   (f"round/{current.number}/failure/{node.node_id}" for node in current.nodes)
-                   if self.store.check([key])]
-        if reports:
-            self.failure_seen_at = now if self.failure_seen_at is None else self.failure_seen_at
-            if len(reports) < len(current.nodes) and now - self.failure_seen_at < self.failure_settle:
-                return  # let the root cause's report arrive even if a consequence was reported first
-            failures = tuple(sorted((failure for report in reports for failure in report),
-                                    key=lambda failure: (failure["timestamp"], failure["rank"])))
-            if self.restart_count >= self.max_restarts:
-                self._close(Outcome("failed", f"worker failure with {self.restart_count} of {self.max_restarts} "
-                                    "restarts used", failures))
-                return
-            self.restart_count += 1
-            log.info("round %d failed; restart %d of %d", current.number, self.restart_count, self.max_restarts)
-            self._regroup(alive, now)
-            return
         done = [self.store.check([f"round/{current.number}/done/{node.node_id}"]) for node in current.nodes]
         if all(done):
             self._close(Outcome("succeeded", "every worker exited 0"))
             return
         alive_ids = {node.node_id for node in alive}
         if any(node.node_id not in alive_ids for node in current.nodes):
-            self._regroup(alive, now)  # a member died or left
+            self._regroup(alive, now)  # a member died or left: a membership change, not a restart
+            return
+        reported = {node.node_id: json.loads(self.store.get(key)) for node in current.nodes
+                    if self.store.check([key := f"round/{current.number}/failure/{node.node_id}"])}
+        if reported:
+            if self._failures_settled(current, set(reported), now):
+                self._fail_round(tuple(sorted((failure for report in reported.values() for failure in report),
+                                              key=lambda failure: (failure["timestamp"], failure["rank"]))),
+                                 alive, now)
         elif not any(done) and len(current.nodes) < self.max_nodes and len(alive) > len(current.nodes):
-            self._publish(alive, now)  # a node joined late and there is room: scale up
+            self._publish(alive)  # a node joined late and there is room: scale up
+
+    def _failures_settled(self, current: Round, reported: set[int], now: float) -> bool:
+        """Whether to act on the failure reports of the running round now.
+
+        Note: failure reports and dying nodes
+        A worker failure often causes others (peers lose their connection and fail too), so the earliest report
+        is the root cause; waiting failure_settle lets a root cause reported late still come first. When a
+        member dies, the survivors' workers fail at once but its heartbeat goes stale only later. So a member
+        that has not reported must show a heartbeat newer than the first report before the failure counts: a
+        live one does within a heartbeat interval; a dead one never does, and once its heartbeat times out the
+        round regroups as a membership change, which uses no restart.
+        """
+        if len(reported) == len(current.nodes):
+            return True  # every member is alive enough to report
+        self.failure_seen_at = now if self.failure_seen_at is None else self.failure_seen_at
+        if now - self.failure_seen_at < self.failure_settle:
+            return False
+        return all(self.nodes[node.node_id].changed_at > self.failure_seen_at
+                   for node in current.nodes if node.node_id not in reported)
+
+    def _fail_round(self, failures: tuple[dict[str, Any], ...], alive: list[NodeInfo], now: float) -> None:
+        """Restart after a worker failure while restarts remain, else end the job with the failures."""
+        if self.restart_count >= self.max_restarts:
+            self._close(Outcome("failed", f"worker failure with {self.restart_count} of {self.max_restarts} "
+                                "restarts used", failures))
+            return
+        self.restart_count += 1
+        log.info("round failed (first: rank %s); restart %d of %d", failures[0].get("rank"), self.restart_count,
+                 self.max_restarts)
+        self._regroup(alive, now)
 
     def _regroup(self, alive: list[NodeInfo], now: float) -> None:
         """Start a new round with the live nodes, or, with too few, publish an empty round and wait for more."""
         if len(alive) >= self.min_nodes:
-            self._publish(alive, now)
+            self._publish(alive)
             return
         self._write_round(Round(self.next_number, (), self.restart_count))
         self.current, self.wait_started, self.settle_started, self.failure_seen_at = None, now, None, None
 
-    def _publish(self, alive: list[NodeInfo], now: float) -> None:
+    def _publish(self, alive: list[NodeInfo]) -> None:
         members = {node.node_id for node in self.current.nodes} if self.current else set()
         chosen = sorted(alive, key=lambda node: (node.node_id not in members, node.node_id))[:self.max_nodes]
         ranked = tuple(sorted(chosen, key=lambda node: (node.node_rank is None, node.node_rank or 0, node.node_id)))
