@@ -30,6 +30,7 @@ from spmd.comm.shm_segment import (
     ABORT_OTHER,
     ABORT_PEER_LOST,
     FP_BYTES,
+    SHM_DIR,
     Segment,
     fingerprint_digest,
 )
@@ -104,7 +105,15 @@ class LocalShmTransport(Transport):
             spec.store.set(key, segment.name)
         else:
             spec.store.wait([key], timeout=deadline.remaining())
-            segment = Segment.attach(spec.store.get(key).decode(), self.group_rank, self.group_size)
+            name = spec.store.get(key).decode()
+            try:
+                segment = Segment.attach(name, self.group_rank, self.group_size)
+            except FileNotFoundError:
+                raise RuntimeError(
+                    f"{what}: segment {name} of group rank 0 (rank {spec.global_ranks[0]}) is not in this "
+                    f"process's {SHM_DIR}, although both report host {spec.hosts[0]!r}. Ranks in "
+                    f"separate containers don't share memory: give each container its own SPMD_HOST_ID, or "
+                    f"use backend='tcp'.") from None
         try:
             segment.announce()
             segment.await_attached(deadline, what)
