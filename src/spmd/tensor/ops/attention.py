@@ -24,7 +24,7 @@ from typing import Any
 from torch import ops
 from torch._ops import OpOverload
 
-from spmd.tensor.ops.custom import LocalCall, run_custom
+from spmd.tensor.ops.custom import LocalKernel, LocalPlan, empty_outputs, run_custom
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 from spmd.tensor.rules import OpSchema, ShardingDecision, Strategy, pick_per_mesh_dim, register_handler
 from spmd.tensor.spec import DTensorSpec
@@ -88,14 +88,16 @@ def _flash_cpu_backward(schema: OpSchema) -> list[Strategy]:
     return candidates
 
 
-def _kernel(call: LocalCall) -> Any:
+def _kernel(plan: LocalPlan) -> LocalKernel:
     """The kernel on the local shards. A rank whose query-row shard is empty (5 rows over 4 ranks) returns
     empty outputs and zero key/value gradient contributions itself: the CPU kernel faults on zero rows."""
-    query = call.args[1] if call.op is _BACKWARD else call.args[0]
-    if query.shape[2] != 0:
-        return call.op(*call.args, **call.kwargs)
-    return tuple(query.new_zeros(spec.local_shape(), dtype=spec.dtype) for spec in call.output_specs
-                 if spec is not None)
+    op, query_position = plan.op, 1 if plan.op is _BACKWARD else 0
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if args[query_position].shape[2] != 0:
+            return op(*args, **kwargs)
+        return empty_outputs(plan, args[query_position], zeros=True)
+    return kernel
 
 
 _FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default

@@ -1,15 +1,18 @@
 """Ops whose local computation is not the op itself: a sharding decision plus a custom local kernel.
 
 Layer: tensor. Used by handlers (rules.register_handler) in this package: `mean` over a sharded dim (a local
-sum scaled by the GLOBAL count, exact for uneven shards), the vocab-sharded `embedding` (mask ids outside this
-rank's rows), and `nll_loss` with mean reduction. The flow is dispatch's (decide -> redistribute -> run ->
-wrap) with the decision cached the same way, per mesh, so these ops cost what a rule costs.
+sum scaled by the GLOBAL count, exact for uneven shards), max/min with empty shards, var/std and norms over
+sharded dims (one small all-reduce inside the kernel), the vocab-sharded `embedding` (ids outside this rank's
+rows masked), `nll_loss` with mean reduction, and attention with an empty query shard. The flow is dispatch's
+(decide -> redistribute -> run -> wrap), and so is the cost: the decision AND the specialized kernel are
+cached per mesh under a key of the op and its arguments, so a repeated call is one pass over the arguments,
+one dict lookup, the kernel and the wrap.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,46 +26,57 @@ from spmd.tensor.redistribute import run_plan
 from spmd.tensor.rules import OpSchema, ShardingDecision, ShardingError
 from spmd.tensor.spec import DTensorSpec, Placements
 
-LocalKernel = Callable[["LocalCall"], Any]
+LocalKernel = Callable[..., Any]
 
 
 @dataclasses.dataclass(frozen=True)
-class LocalCall:
-    """What a local kernel receives: the op, the call's arguments with every DTensor replaced by its
-    (redistributed) local tensor, the specs those local tensors have (`input_specs`, in schema order), and the
-    output specs."""
+class LocalPlan:
+    """What a kernel factory sees once per distinct call: the call with GLOBAL specs (`schema`), the specs of
+    the local tensors the kernel will receive (after redistribution, in schema order), and the output specs."""
 
-    op: OpOverload
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+    schema: OpSchema
     input_specs: tuple[DTensorSpec, ...]
     output_specs: tuple[DTensorSpec | None, ...]
+
+    @property
+    def op(self) -> OpOverload:
+        return self.schema.op
+
+
+KernelFactory = Callable[[LocalPlan], LocalKernel]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    targets: tuple[Placements | None, ...]
-    input_specs: tuple[DTensorSpec, ...]
+    targets: tuple[Placements | None, ...] | None    # None: no input moves
     output_specs: tuple[DTensorSpec | None, ...]
     single_output: bool
+    kernel: LocalKernel
 
 
-def _schema_form(value: Any, dtensors: list[DTensor]) -> Any:
+_NUMBERS = (bool, int, float)
+
+
+def _key_of(value: Any, dtensors: list[DTensor], plain: list[Tensor]) -> Any:
+    """The cache-key form of one argument; collects DTensors and plain tensors in order."""
     if isinstance(value, DTensor):
         dtensors.append(value)
         return value._spec
     if isinstance(value, (list, tuple)):
-        return type(value)(_schema_form(item, dtensors) for item in value)
+        return tuple(_key_of(item, dtensors, plain) for item in value)
+    if isinstance(value, Tensor):
+        plain.append(value)
+        return (Tensor, value.shape, value.dtype, value.device)
+    if isinstance(value, _NUMBERS):
+        return (type(value), value)
     return value
 
 
-def _key_form(value: Any) -> Any:
+def _schema_form(value: Any) -> Any:
+    if isinstance(value, DTensor):
+        return value._spec
     if isinstance(value, (list, tuple)):
-        return tuple(_key_form(item) for item in value)
-    if isinstance(value, Tensor):
-        return (Tensor, value.shape, value.dtype, value.device)
-    if isinstance(value, (bool, int, float)):
-        return (type(value), value)
+        return type(value)(_schema_form(item) for item in value)
     return value
 
 
@@ -76,45 +90,43 @@ def _meta_form(value: Any) -> Any:
     return value
 
 
-def _local_form(value: Any, locals_: Iterator[Tensor]) -> Any:
-    if isinstance(value, DTensorSpec):
-        return next(locals_)
+def _local_form(value: Any, locals_: list[Tensor], index: list[int]) -> Any:
+    if isinstance(value, DTensor):
+        index[0] += 1
+        return locals_[index[0] - 1]
     if isinstance(value, (list, tuple)):
-        return type(value)(_local_form(item, locals_) for item in value)
+        return type(value)(_local_form(item, locals_, index) for item in value)
     return value
 
 
-def _check_plain_scalars(op: OpOverload, args: Any, kwargs: dict[str, Any], dtensors: list[DTensor]) -> None:
-    """Plain tensors beside DTensors must be one-element scalars, as in dispatch."""
-    def walk(value: Any) -> None:
-        if isinstance(value, (list, tuple)):
-            for item in value:
-                walk(item)
-        elif isinstance(value, Tensor) and value.numel() != 1:
-            shown = ", ".join(f"{list(dt.placements)} {tuple(dt.shape)}" for dt in dtensors)
-            raise MixedTensorError(
-                f"spmd DTensor: {op} on rank {dtensors[0]._spec.mesh.get_rank()} with inputs [{shown}]: got a "
-                f"plain torch.Tensor of shape {tuple(value.shape)} beside DTensors; its layout is ambiguous. "
-                f"Make it a DTensor first (distribute_tensor or DTensor.from_local).")
-    walk(args)
-    walk(list(kwargs.values()))
+def _where(op: OpOverload, specs: tuple[DTensorSpec, ...]) -> str:
+    shown = ", ".join(f"{list(s.placements)} {tuple(s.shape)}" for s in specs)
+    return f"spmd DTensor: {op} on rank {specs[0].mesh.get_rank()} with inputs [{shown}]"
 
 
-def _plan(op: OpOverload, schema: OpSchema, decision: ShardingDecision) -> _Plan:
-    mesh = schema.mesh
-    where = f"spmd DTensor: {op} on rank {mesh.get_rank()}"
-    wanted = decision.input_placements or [None] * len(schema.input_specs)
-    targets, specs = [], []
-    for k, (spec, placements) in enumerate(zip(schema.input_specs, wanted)):
+def _plan(op: OpOverload, args: tuple, kwargs: dict, dtensors: list[DTensor],
+          rule: Callable[[OpSchema], ShardingDecision], make_kernel: KernelFactory) -> _Plan:
+    specs = tuple(dt._spec for dt in dtensors)
+    mesh = specs[0].mesh
+    for spec in specs[1:]:
+        if spec.mesh != mesh:
+            raise ValueError(f"{_where(op, specs)}: DTensors on different meshes ({mesh} and {spec.mesh}) can't "
+                             f"meet in one op; redistribute one onto the other's mesh first")
+    schema = OpSchema(op, _schema_form(args), {k: _schema_form(v) for k, v in kwargs.items()}, specs)
+    try:
+        decision = rule(schema)
+        meta = op(*_meta_form(schema.args), **{k: _meta_form(v) for k, v in schema.kwargs.items()})
+    except ShardingError as error:
+        raise ShardingError(f"{_where(op, specs)}: {error}") from None
+    wanted = decision.input_placements or [None] * len(specs)
+    targets: list[Placements | None] = []
+    local_specs = []
+    for k, (spec, placements) in enumerate(zip(specs, wanted)):
         if placements is not None:
-            placements = normalize_placements(placements, spec.ndim, mesh.ndim, f"{where}: input {k}")
-        if placements is None or placements == spec.placements:
-            targets.append(None)
-            specs.append(spec)
-        else:
-            targets.append(placements)
-            specs.append(spec.with_placements(placements))
-    meta = op(*_meta_form(schema.args), **{k: _meta_form(v) for k, v in schema.kwargs.items()})
+            placements = normalize_placements(placements, spec.ndim, mesh.ndim, f"{_where(op, specs)}: input {k}")
+        moved = placements is not None and placements != spec.placements
+        targets.append(placements if moved else None)
+        local_specs.append(spec.with_placements(placements) if moved else spec)
     single = not isinstance(meta, (tuple, list))
     outputs = [meta] if single else list(meta)
     placements_out = decision.output_placements
@@ -124,55 +136,60 @@ def _plan(op: OpOverload, schema: OpSchema, decision: ShardingDecision) -> _Plan
         if not isinstance(out, Tensor) or out_placements is None:
             output_specs.append(None)
             continue
-        normalized = normalize_placements(tuple(out_placements), out.ndim, mesh.ndim, f"{where}: output")
+        normalized = normalize_placements(tuple(out_placements), out.ndim, mesh.ndim, f"{_where(op, specs)}: output")
         output_specs.append(DTensorSpec(mesh, normalized, out.shape, out.stride(), out.dtype))
-    return _Plan(tuple(targets), tuple(specs), tuple(output_specs), single)
+    kernel = make_kernel(LocalPlan(schema, tuple(local_specs), tuple(output_specs)))
+    moves = tuple(targets) if any(t is not None for t in targets) else None
+    return _Plan(moves, tuple(output_specs), single, kernel)
 
 
 def run_custom(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
-               rule: Callable[[OpSchema], ShardingDecision], kernel: LocalKernel) -> Any:
-    """Run `op` on DTensors: `rule` decides the placements (cached per mesh like dispatch's decisions), inputs
-    are redistributed, `kernel(LocalCall)` computes this rank's outputs, and they are wrapped as DTensors.
+               rule: Callable[[OpSchema], ShardingDecision], make_kernel: KernelFactory) -> Any:
+    """Run `op` on DTensors: `rule` decides the placements, `make_kernel(LocalPlan)` builds the local function
+    for that decision (both once per distinct call, cached per mesh), inputs are redistributed, the kernel
+    computes this rank's outputs from the call's arguments with DTensors replaced by local tensors, and they
+    are wrapped as DTensors.
 
-    Collective when the decision redistributes inputs. The kernel must return local tensors laid out as the
-    output specs say (a tensor, or a tuple with one entry per output).
+    Collective when the decision redistributes inputs or the kernel communicates. The kernel returns local
+    tensors laid out as the output specs say (a tensor, or a tuple with one entry per output).
     """
     dtensors: list[DTensor] = []
-    schema_args = _schema_form(args, dtensors)
-    schema_kwargs = {k: _schema_form(v, dtensors) for k, v in kwargs.items()}
-    mesh = dtensors[0]._spec.mesh
-    _check_plain_scalars(op, schema_args, schema_kwargs, dtensors)
-    key = ("spmd.tensor.ops.custom", op, *(_key_form(a) for a in schema_args),
-           *((k, _key_form(v)) for k, v in schema_kwargs.items()))
-    cache = mesh.dispatch_cache
-    plan = cache.get(key)
+    plain: list[Tensor] = []
+    key = (op, *(_key_of(value, dtensors, plain) for value in args),
+           *((name, _key_of(value, dtensors, plain)) for name, value in kwargs.items()))
+    for tensor in plain:
+        if tensor.numel() != 1:
+            raise MixedTensorError(
+                f"{_where(op, tuple(dt._spec for dt in dtensors))}: got a plain torch.Tensor of shape "
+                f"{tuple(tensor.shape)} beside DTensors; its layout is ambiguous. Make it a DTensor first "
+                f"(distribute_tensor or DTensor.from_local). Only one-element plain tensors are taken as scalars.")
+    cache = dtensors[0]._spec.mesh.dispatch_cache
+    try:
+        plan = cache.get(key)
+    except TypeError:          # an unhashable argument: decide without caching
+        key, plan = None, None
     if plan is None:
-        specs = tuple(dt._spec for dt in dtensors)
-        for spec in specs[1:]:
-            if spec.mesh != mesh:
-                raise ValueError(f"spmd DTensor: {op} on rank {mesh.get_rank()}: DTensors on different meshes "
-                                 f"({mesh} and {spec.mesh}) can't meet in one op")
-        schema = OpSchema(op, schema_args, schema_kwargs, specs)
-        try:
-            plan = _plan(op, schema, rule(schema))
-        except ShardingError as error:
-            shown = ", ".join(f"{list(s.placements)} {tuple(s.shape)}" for s in specs)
-            raise ShardingError(f"spmd DTensor: {op} on rank {mesh.get_rank()} with inputs [{shown}]: "
-                                f"{error}") from None
-        cache[key] = plan
-    locals_ = [dt._local_tensor if target is None else run_plan(dt._local_tensor, dt._spec, target)
-               for dt, target in zip(dtensors, plan.targets)]
-    it = iter(locals_)
-    call = LocalCall(op, _local_form(schema_args, it), {k: _local_form(v, it) for k, v in schema_kwargs.items()},
-                     plan.input_specs, plan.output_specs)
-    out = kernel(call)
-    return wrap_outputs(out, plan.output_specs, plan.single_output)
-
-
-def wrap_outputs(out: Any, output_specs: Sequence[DTensorSpec | None], single_output: bool) -> Any:
-    """Wrap local outputs as DTensors with `output_specs` (None: returned as they are)."""
-    if single_output:
-        spec = output_specs[0]
+        plan = _plan(op, args, kwargs, dtensors, rule, make_kernel)
+        if key is not None:
+            cache[key] = plan
+    if plan.targets is None:
+        locals_ = [dt._local_tensor for dt in dtensors]
+    else:
+        locals_ = [dt._local_tensor if target is None else run_plan(dt._local_tensor, dt._spec, target)
+                   for dt, target in zip(dtensors, plan.targets)]
+    index = [0]
+    local_args = [_local_form(value, locals_, index) for value in args]
+    local_kwargs = {name: _local_form(value, locals_, index) for name, value in kwargs.items()}
+    out = plan.kernel(*local_args, **local_kwargs)
+    if plan.single_output:
+        spec = plan.output_specs[0]
         return out if spec is None else DTensor._wrap_local(out, spec)
-    wrapped = [item if spec is None else DTensor._wrap_local(item, spec) for item, spec in zip(out, output_specs)]
-    return tuple(wrapped)
+    return tuple(item if spec is None else DTensor._wrap_local(item, spec)
+                 for item, spec in zip(out, plan.output_specs))
+
+
+def empty_outputs(plan: LocalPlan, like: Tensor, zeros: bool = False) -> Any:
+    """This rank's outputs for an empty local piece: empty (or zero) tensors of the output specs' local shapes."""
+    make = like.new_zeros if zeros else like.new_empty
+    outs = [make(spec.local_shape(), dtype=spec.dtype) for spec in plan.output_specs if spec is not None]
+    return outs[0] if len(outs) == 1 else tuple(outs)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, ops
 from torch._ops import OpOverload
 
-from spmd.tensor.ops.custom import LocalCall, run_custom
+from spmd.tensor.ops.custom import LocalKernel, LocalPlan, run_custom
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 from spmd.tensor.rules import (
     OpSchema,
@@ -63,20 +63,21 @@ def _lookup_rule(schema: OpSchema) -> ShardingDecision:
     return pick_per_mesh_dim(schema, _lookup_strategies(schema))
 
 
-def _lookup_kernel(call: LocalCall) -> Tensor:
-    weight_local, ids = call.args[0], call.args[1]
-    weight_spec = call.input_specs[0]
+def _lookup_kernel(plan: LocalPlan) -> LocalKernel:
+    weight_spec = plan.input_specs[0]
     if not weight_spec.shard_mesh_dims(0):
-        return call.op(*call.args, **call.kwargs)
+        return plan.op
     # vocab-sharded: look up the ids this rank's rows hold, zeros for the rest (see Note: embedding sharding)
-    _, offset = weight_spec.local_shape_and_offset(weight_spec.mesh.get_coordinate())
-    rows = weight_local.shape[0]
-    if rows == 0:
-        return weight_local.new_zeros((*ids.shape, weight_local.shape[1]))
-    outside = (ids < offset[0]) | (ids >= offset[0] + rows)
-    local_ids = (ids - offset[0]).masked_fill(outside, 0)
-    out = torch.embedding(weight_local, local_ids)
-    return out.masked_fill_(outside.unsqueeze(-1), 0)
+    local_shape, offset = weight_spec.local_shape_and_offset(weight_spec.mesh.get_coordinate())
+    first, rows = offset[0], local_shape[0]
+
+    def kernel(weight: Tensor, ids: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if rows == 0:
+            return weight.new_zeros((*ids.shape, weight.shape[1]))
+        outside = (ids < first) | (ids >= first + rows)
+        out = torch.embedding(weight, (ids - first).masked_fill_(outside, 0))
+        return out.masked_fill_(outside.unsqueeze(-1), 0)
+    return kernel
 
 
 @register_handler(aten.embedding.default)

@@ -24,11 +24,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import ops
+from torch import Tensor, ops
 from torch._ops import OpOverload
 
 from spmd.comm.reduce_op import ReduceOp
-from spmd.tensor.ops.custom import LocalCall, run_custom
+from spmd.tensor.ops.custom import LocalKernel, LocalPlan, run_custom
 from spmd.tensor.ops.reduction import all_reduce_mesh_dims
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 from spmd.tensor.rules import OpSchema, ShardingDecision, Strategy, pick_per_mesh_dim, register_handler, register_rule
@@ -91,15 +91,19 @@ def _forward_rule(schema: OpSchema) -> ShardingDecision:
     return ShardingDecision((loss, weight), decision.input_placements)
 
 
-def _forward_kernel(call: LocalCall) -> Any:
-    sharded = _row_sharding_mesh_dims(call.input_specs)
-    if call.args[3] != _MEAN or not sharded:
-        return call.op(*call.args, **call.kwargs)
-    x, target, weight, _, ignore_index = call.args
-    total, total_weight = call.op(x, target, weight, _SUM, ignore_index)
-    pair = all_reduce_mesh_dims(torch.stack([total, total_weight.to(total.dtype)]), call.input_specs[0],
-                                 sharded, ReduceOp.SUM)
-    return pair[0] / pair[1], pair[1].to(total_weight.dtype)
+def _forward_kernel(plan: LocalPlan) -> LocalKernel:
+    spec = plan.input_specs[0]
+    sharded = _row_sharding_mesh_dims(plan.input_specs)
+    op = plan.op
+    if plan.schema.args[3] != _MEAN or not sharded:
+        return op
+
+    def kernel(x: Tensor, target: Tensor, weight: Tensor | None, reduction: int, ignore_index: int) -> Any:
+        total, total_weight = op(x, target, weight, _SUM, ignore_index)
+        pair = torch.stack([total, total_weight.to(total.dtype)])       # one all-reduce for both
+        pair = all_reduce_mesh_dims(pair, spec, sharded, ReduceOp.SUM)
+        return pair[0] / pair[1], pair[1].to(total_weight.dtype)
+    return kernel
 
 
 @register_handler(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)

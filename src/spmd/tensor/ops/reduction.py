@@ -34,7 +34,7 @@ from torch._ops import OpOverload
 
 from spmd.comm.functional import all_reduced
 from spmd.comm.reduce_op import ReduceOp
-from spmd.tensor.ops.custom import LocalCall, run_custom
+from spmd.tensor.ops.custom import LocalKernel, LocalPlan, empty_outputs, run_custom
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 from spmd.tensor.rules import (
     OpSchema,
@@ -108,13 +108,11 @@ _EXTREMUM_OPS = {aten.amax.default: "max", aten.amin.default: "min", aten.max.de
                  aten.min.default: "min"}
 
 
-def _extremum_dims(schema_or_call: OpSchema | LocalCall, ndim: int) -> tuple[tuple[int, ...], bool]:
-    args, kwargs = schema_or_call.args, schema_or_call.kwargs
-    if schema_or_call.op in (aten.max.default, aten.min.default):
+def _extremum_dims(schema: OpSchema, ndim: int) -> tuple[tuple[int, ...], bool]:
+    if schema.op in (aten.max.default, aten.min.default):
         return tuple(range(ndim)), False
-    dims = args[1] if len(args) > 1 else kwargs.get("dim", [])
-    keepdim = bool(args[2]) if len(args) > 2 else bool(kwargs.get("keepdim", False))
-    return reduction_dims(dims, ndim), keepdim
+    dims = schema.args[1] if len(schema.args) > 1 else schema.kwargs.get("dim", [])
+    return reduction_dims(dims, ndim), _keepdim(schema, 2)
 
 
 def _extremum_rule(schema: OpSchema) -> ShardingDecision:
@@ -134,12 +132,15 @@ def _identity(dtype: torch.dtype, reduce_op: str) -> float | int | bool:
     return info.min if reduce_op == "max" else info.max
 
 
-def _extremum_kernel(call: LocalCall) -> Tensor:
-    x = call.args[0]
-    if x.numel() == 0 and call.output_specs[0] is not None:      # an empty trailing shard (torch.chunk)
-        out_spec = call.output_specs[0]
-        return x.new_full(out_spec.local_shape(), _identity(x.dtype, _EXTREMUM_OPS[call.op]))
-    return call.op(*call.args, **call.kwargs)
+def _extremum_kernel(plan: LocalPlan) -> LocalKernel:
+    op, out_spec = plan.op, plan.output_specs[0]
+    fill = _identity(plan.input_specs[0].dtype, _EXTREMUM_OPS[op])
+
+    def kernel(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if x.numel() == 0:                 # an empty trailing shard (torch.chunk) contributes the identity
+            return x.new_full(out_spec.local_shape(), fill)
+        return op(x, *args, **kwargs)
+    return kernel
 
 
 @register_handler(*_EXTREMUM_OPS)
@@ -173,13 +174,11 @@ def _sharded_mesh_dims(spec: DTensorSpec, reduced: Sequence[int]) -> list[int]:
     return [i for i, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim in reduced]
 
 
-def _mean_args(schema_or_call: OpSchema | LocalCall, ndim: int) -> tuple[tuple[int, ...], bool]:
-    if schema_or_call.op is aten.mean.default:
+def _mean_args(schema: OpSchema, ndim: int) -> tuple[tuple[int, ...], bool]:
+    if schema.op is aten.mean.default:
         return tuple(range(ndim)), False
-    args, kwargs = schema_or_call.args, schema_or_call.kwargs
-    dims = args[1] if len(args) > 1 else kwargs.get("dim")
-    keepdim = bool(args[2]) if len(args) > 2 else bool(kwargs.get("keepdim", False))
-    return reduction_dims(dims, ndim), keepdim
+    dims = schema.args[1] if len(schema.args) > 1 else schema.kwargs.get("dim")
+    return reduction_dims(dims, ndim), _keepdim(schema, 2)
 
 
 def _mean_rule(schema: OpSchema) -> ShardingDecision:
@@ -188,14 +187,17 @@ def _mean_rule(schema: OpSchema) -> ShardingDecision:
     return pick_per_mesh_dim(schema, reduction_strategies(spec, reduced, keepdim, "sum", ("sum", "avg")))
 
 
-def _mean_kernel(call: LocalCall) -> Tensor:
-    x = call.args[0]
-    spec = call.input_specs[0]
-    reduced, keepdim = _mean_args(call, spec.ndim)
+def _mean_kernel(plan: LocalPlan) -> LocalKernel:
+    spec = plan.input_specs[0]
+    reduced, keepdim = _mean_args(plan.schema, spec.ndim)
     if not _sharded_mesh_dims(spec, reduced):
-        return call.op(*call.args, **call.kwargs)
+        return plan.op
     count = math.prod(spec.shape[d] for d in reduced)
-    return torch.sum(x, dim=list(reduced), keepdim=keepdim, dtype=call.kwargs.get("dtype")) / count
+    dims = list(reduced)
+
+    def kernel(x: Tensor, *args: Any, dtype: torch.dtype | None = None) -> Tensor:
+        return torch.sum(x, dim=dims, keepdim=keepdim, dtype=dtype) / count
+    return kernel
 
 
 @register_handler(aten.mean.default, aten.mean.dim)
@@ -209,11 +211,11 @@ _STD_OPS = (aten.std.correction, aten.std_mean.correction)
 _WITH_MEAN_OPS = (aten.var_mean.correction, aten.std_mean.correction)
 
 
-def _var_args(schema_or_call: OpSchema | LocalCall, ndim: int) -> tuple[tuple[int, ...], float, bool]:
-    args, kwargs = schema_or_call.args, schema_or_call.kwargs
-    dims = args[1] if len(args) > 1 else kwargs.get("dim")
-    correction = kwargs.get("correction")
-    return reduction_dims(dims, ndim), 1.0 if correction is None else float(correction), bool(kwargs.get("keepdim"))
+def _var_args(schema: OpSchema, ndim: int) -> tuple[tuple[int, ...], float, bool]:
+    dims = schema.args[1] if len(schema.args) > 1 else schema.kwargs.get("dim")
+    correction = schema.kwargs.get("correction")
+    return (reduction_dims(dims, ndim), 1.0 if correction is None else float(correction),
+            bool(schema.kwargs.get("keepdim")))
 
 
 def _without_partial(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
@@ -241,34 +243,37 @@ def all_reduce_mesh_dims(local: Tensor, spec: DTensorSpec, mesh_dims: Sequence[i
     return local
 
 
-def _local_reduction(call: LocalCall) -> Any:
+def _local_reduction(plan: LocalPlan) -> LocalKernel:
     """The op itself on this rank's piece, or empty outputs for an empty piece (which the op would compute
     while warning about zero degrees of freedom)."""
-    x = call.args[0]
-    if x.numel() != 0:
-        return call.op(*call.args, **call.kwargs)
-    empty = [x.new_empty(spec.local_shape(), dtype=spec.dtype) for spec in call.output_specs if spec is not None]
-    return empty[0] if len(empty) == 1 else tuple(empty)
+    op = plan.op
+
+    def kernel(x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        return op(x, *args, **kwargs) if x.numel() != 0 else empty_outputs(plan, x)
+    return kernel
 
 
-def _var_kernel(call: LocalCall) -> Any:
-    x = call.args[0]
-    spec = call.input_specs[0]
-    reduced, correction, keepdim = _var_args(call, spec.ndim)
+def _var_kernel(plan: LocalPlan) -> LocalKernel:
+    spec = plan.input_specs[0]
+    reduced, correction, keepdim = _var_args(plan.schema, spec.ndim)
     sharding = _sharded_mesh_dims(spec, reduced)
     if not sharding:
-        return _local_reduction(call)
+        return _local_reduction(plan)
     dims = list(reduced)
     count = math.prod(spec.shape[d] for d in reduced)
-    mean = all_reduce_mesh_dims(torch.sum(x, dim=dims, keepdim=True), spec, sharding, ReduceOp.SUM) / count
-    deviation = x - mean
-    squares = deviation.abs().square() if x.is_complex() else deviation.square()
-    var = torch.sum(squares, dim=dims, keepdim=keepdim) / max(count - correction, 0)
-    if call.op in _STD_OPS:
-        var = torch.sqrt(all_reduce_mesh_dims(var, spec, sharding, ReduceOp.SUM))
-    if call.op in _WITH_MEAN_OPS:
-        return var, (mean if keepdim else mean.squeeze(dims))
-    return var
+    is_std, with_mean = plan.op in _STD_OPS, plan.op in _WITH_MEAN_OPS
+
+    def kernel(x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        mean = all_reduce_mesh_dims(torch.sum(x, dim=dims, keepdim=True), spec, sharding, ReduceOp.SUM) / count
+        deviation = x - mean
+        squares = deviation.abs().square() if x.is_complex() else deviation.square()
+        var = torch.sum(squares, dim=dims, keepdim=keepdim) / max(count - correction, 0)
+        if is_std:
+            var = torch.sqrt(all_reduce_mesh_dims(var, spec, sharding, ReduceOp.SUM))
+        if with_mean:
+            return var, (mean if keepdim else mean.squeeze(dims))
+        return var
+    return kernel
 
 
 @register_handler(aten.var.correction, aten.std.correction, *_WITH_MEAN_OPS)
@@ -278,8 +283,8 @@ def _var(op: OpOverload, args: tuple, kwargs: dict) -> Any:
 
 # -- vector norms -------------------------------------------------------------------------------------------
 
-def _norm_args(schema_or_call: OpSchema | LocalCall, ndim: int) -> tuple[float, tuple[int, ...], bool]:
-    args, kwargs = schema_or_call.args, schema_or_call.kwargs
+def _norm_args(schema: OpSchema, ndim: int) -> tuple[float, tuple[int, ...], bool]:
+    args, kwargs = schema.args, schema.kwargs
     order = float(args[1]) if len(args) > 1 else float(kwargs.get("ord", 2))
     dims = args[2] if len(args) > 2 else kwargs.get("dim")
     keepdim = bool(args[3]) if len(args) > 3 else bool(kwargs.get("keepdim", False))
@@ -299,27 +304,27 @@ def _norm_rule(schema: OpSchema) -> ShardingDecision:
     return ShardingDecision(out if stays_partial else _without_partial(out), decision.input_placements)
 
 
-def _norm_kernel(call: LocalCall) -> Tensor:
-    x = call.args[0]
-    spec = call.input_specs[0]
-    order, reduced, keepdim = _norm_args(call, spec.ndim)
+def _norm_kernel(plan: LocalPlan) -> LocalKernel:
+    spec = plan.input_specs[0]
+    order, reduced, keepdim = _norm_args(plan.schema, spec.ndim)
     sharding = _sharded_mesh_dims(spec, reduced)
     if not sharding:
-        return call.op(*call.args, **call.kwargs)
-    dtype = call.kwargs.get("dtype")
-    magnitude = (x if dtype is None else x.to(dtype)).abs()
-    dims = list(reduced)
-    if order == math.inf or order == -math.inf:
-        if magnitude.numel() == 0:
-            out_shape = call.output_specs[0].local_shape()
-            return magnitude.new_full(out_shape, 0.0 if order == math.inf else math.inf)
-        return torch.amax(magnitude, dims, keepdim) if order == math.inf else torch.amin(magnitude, dims, keepdim)
-    if order == 0.0:
-        return torch.sum(magnitude != 0, dim=dims, keepdim=keepdim, dtype=magnitude.dtype)
-    if order == 1.0:
-        return torch.sum(magnitude, dim=dims, keepdim=keepdim)
-    power_sum = torch.sum(magnitude.pow(order), dim=dims, keepdim=keepdim)
-    return all_reduce_mesh_dims(power_sum, spec, sharding, ReduceOp.SUM).pow(1.0 / order)
+        return plan.op
+    dims, out_spec = list(reduced), plan.output_specs[0]
+
+    def kernel(x: Tensor, *args: Any, dtype: torch.dtype | None = None) -> Tensor:
+        magnitude = (x if dtype is None else x.to(dtype)).abs()
+        if order in (math.inf, -math.inf):
+            if magnitude.numel() == 0:      # an empty shard: the identity of max/min over magnitudes
+                return magnitude.new_full(out_spec.local_shape(), 0.0 if order == math.inf else math.inf)
+            return torch.amax(magnitude, dims, keepdim) if order > 0 else torch.amin(magnitude, dims, keepdim)
+        if order == 0.0:
+            return torch.sum(magnitude != 0, dim=dims, keepdim=keepdim, dtype=magnitude.dtype)
+        if order == 1.0:
+            return torch.sum(magnitude, dim=dims, keepdim=keepdim)
+        power_sum = torch.sum(magnitude.pow(order), dim=dims, keepdim=keepdim)
+        return all_reduce_mesh_dims(power_sum, spec, sharding, ReduceOp.SUM).pow(1.0 / order)
+    return kernel
 
 
 @register_handler(aten.linalg_vector_norm.default)
