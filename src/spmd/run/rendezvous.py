@@ -113,6 +113,7 @@ class RendezvousClient:
 
     def __init__(self, store: Store, run_id: str) -> None:
         self.store = PrefixStore(f"spmd/rdzv/{run_id}", store)
+        self._latest: Round | None = None  # polled every monitor interval: fetch a round's body once
 
     def join(self, addr: str, hostname: str, nproc: int, node_rank: int | None, pid: int) -> NodeInfo:
         """Step 1: take a node id and announce this node."""
@@ -125,7 +126,10 @@ class RendezvousClient:
     def latest_round(self) -> Round | None:
         if not self.store.check(["round"]):
             return None
-        return Round.from_json(self.store.get(f"round/{int(self.store.get('round'))}"))
+        number = int(self.store.get("round"))
+        if self._latest is None or self._latest.number != number:
+            self._latest = Round.from_json(self.store.get(f"round/{number}"))
+        return self._latest
 
     def outcome(self) -> Outcome | None:
         return Outcome.from_json(self.store.get("closed")) if self.store.check(["closed"]) else None
