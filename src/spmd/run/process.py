@@ -65,7 +65,7 @@ class _Pump(threading.Thread):
         self.pipe, self.prefix, self.console, self.stream, self.log_path = pipe, prefix, console, stream, log_path
 
     def run(self) -> None:
-        log = open(self.log_path, "ab") if self.log_path else None
+        log = open(self.log_path, "wb") if self.log_path else None  # one file per rank and round
         try:
             for line in iter(self.pipe.readline, b""):
                 if not line.endswith(b"\n"):  # the last line of a worker that exited mid-line
