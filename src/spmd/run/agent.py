@@ -316,7 +316,7 @@ class Agent:
             return 0
         if outcome.status == "failed" and outcome.failures:
             failures = [WorkerFailure.from_json(failure) for failure in outcome.failures]
-            self.console.message(format_summary(failures, f"{self.config.rdzv_id}: {outcome.message}"))
+            self.console.message(format_summary(failures, f"run {self.config.rdzv_id}; {outcome.message}"))
         else:
             self._say(outcome.message)
         return 1
