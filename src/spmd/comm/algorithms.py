@@ -42,6 +42,8 @@ from spmd._core.errors import CollectiveMismatchError
 from spmd.comm.reduce_op import ReduceOp, combine_, finish_average
 
 SMALL_BYTES = 64 * 1024       # at or below: latency-optimal exchanges; above: ring with pipelined pieces
+DOUBLING_BYTES = 4 << 20      # all_reduce on 2^k ranks: pipelined recursive doubling up to this size (one hop
+                              # per round beats the ring's two phases until the extra reduction work dominates)
 PIECE_BYTES = 256 * 1024      # size of one pipelined piece of a ring step
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
@@ -102,28 +104,36 @@ def all_reduce(ex: Exchange, tensor: Tensor, op: ReduceOp) -> None:
     n = ex.group_size
     if n == 1:
         return
-    if _is_small(tensor) or tensor.numel() < n:
-        if n & (n - 1) == 0:
-            _all_reduce_recursive_doubling(ex, tensor, op)
-        else:
-            _all_reduce_via_root(ex, tensor, op)
+    nbytes = tensor.numel() * tensor.element_size()
+    if n & (n - 1) == 0 and (nbytes <= DOUBLING_BYTES or tensor.numel() < n):
+        _all_reduce_recursive_doubling(ex, tensor, op)
+    elif _is_small(tensor) or tensor.numel() < n:
+        _all_reduce_via_root(ex, tensor, op)
     else:
         _all_reduce_ring(ex, tensor, op)
     finish_average(tensor, op, n)
 
 
 def _all_reduce_recursive_doubling(ex: Exchange, tensor: Tensor, op: ReduceOp) -> None:
-    # Round k pairs rank r with r ^ 2^k; each pair combines two equal partial sums, so both partners
-    # compute a op b and b op a, which are the same bits for every ReduceOp (all are commutative).
+    # Round k pairs rank r with r ^ 2^k; each pair combines two equal partial results, so both partners
+    # compute a op b and b op a, which are the same bits for every ReduceOp (all are commutative). Pieces
+    # are pipelined: piece p goes to the next round's partner as soon as this round has combined it.
     r, n = ex.group_rank, ex.group_size
     rounds = n.bit_length() - 1
-    temp = ex.scratch(rounds * tensor.numel(), tensor.dtype).view(rounds, tensor.numel())
+    numel = tensor.numel()
+    temp = ex.scratch(rounds * numel, tensor.dtype).view(rounds, numel)
     partners = [r ^ (1 << k) for k in range(rounds)]
-    handles = ex.post([(p, temp[k]) for k, p in enumerate(partners)])
-    for k, partner in enumerate(partners):
-        ex.send(partner, tensor)
-        ex.wait(handles[k])
-        combine_(tensor, temp[k], op)
+    pieces = _pieces(0, numel, tensor.element_size()) or [(0, 0)]
+    handles = iter(ex.post([(partners[k], temp[k][a:a + length]) for k in range(rounds) for a, length in pieces]))
+    for a, length in pieces:
+        ex.send(partners[0], tensor[a:a + length])
+    for k in range(rounds):
+        for a, length in pieces:
+            ex.wait(next(handles))
+            mine = tensor[a:a + length]
+            combine_(mine, temp[k][a:a + length], op)
+            if k + 1 < rounds:
+                ex.send(partners[k + 1], mine)
 
 
 def _all_reduce_via_root(ex: Exchange, tensor: Tensor, op: ReduceOp) -> None:
