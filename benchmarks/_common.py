@@ -58,16 +58,22 @@ def run_processes(worker: Callable[..., Any], world_size: int, args: tuple, time
     return [results[rank] for rank in range(world_size)]
 
 
-def median_time(fn: Callable[[], None], sync: Callable[[], None], iters: int, reps: int) -> float:
-    """Median over `reps` of the mean time of `iters` calls of fn, each repetition started in step (`sync`)."""
-    times = []
+def interleaved_medians(candidates: dict[str, tuple[Callable[[], None], Callable[[], None]]], iters: int,
+                        reps: int) -> dict[str, float]:
+    """Median seconds per call of each candidate (name -> (fn, sync)).
+
+    Repetitions of the candidates alternate (A, B, A, B, ...), each `iters` calls started in step by its
+    `sync`, so a load spike on a shared machine hits every candidate alike instead of one whole series.
+    """
+    times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(reps):
-        sync()
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        times.append((time.perf_counter() - start) / iters)
-    return statistics.median(times)
+        for name, (fn, sync) in candidates.items():
+            sync()
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            times[name].append((time.perf_counter() - start) / iters)
+    return {name: statistics.median(samples) for name, samples in times.items()}
 
 
 def memcpy_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:

@@ -1,13 +1,14 @@
 """Collective bandwidth and latency: spmd's transports and torch gloo side by side, columns as nccl-tests.
 
-    python benchmarks/collectives.py [--world-size 2] [--transports tcp] [--max-size 256M] [--ops all_reduce,...]
+    python benchmarks/collectives.py [--world-size 2] [--transports tcp,shm] [--max-size 256M] [--ops ...]
 
-Every rank is a process with one compute thread (torch.set_num_threads(1)) that joins both an spmd world per
-transport and a torch.distributed gloo world, so each size is measured on every backend in the same run,
-interleaved. Times are the slowest rank's median over repetitions; algbw = size / time and busbw = algbw x the
-nccl-tests factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast 1), where size
-is the largest buffer (all_gather's output, reduce_scatter's input). "vs gloo" is gloo's time / spmd's time:
-above 1 means spmd is faster. send/recv is a ping-pong between ranks 0 and 1, reported as one-way latency.
+Every rank is a process with one compute thread (torch.set_num_threads(1)) that joins both an spmd world
+per transport and a torch.distributed gloo world, so each size is measured on every backend in the same
+run, with repetitions alternating between backends. Times are the slowest rank's median over repetitions;
+algbw = size / time and busbw = algbw x the nccl-tests factor (all_reduce 2(n-1)/n; all_gather,
+reduce_scatter, all_to_all (n-1)/n; broadcast 1), where size is the largest buffer (all_gather's output,
+reduce_scatter's input). "vs gloo" is gloo's time / spmd's time: above 1 means spmd is faster. send/recv
+is a ping-pong between ranks 0 and 1, reported as one-way latency.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as tdist
-from _common import free_port, human_bytes, machine_line, median_time, memcpy_bandwidth, run_processes
+from _common import free_port, human_bytes, interleaved_medians, machine_line, memcpy_bandwidth, run_processes
 
 import spmd
 
@@ -104,10 +105,10 @@ class Backend:
 def iterations(nbytes: int) -> tuple[int, int]:
     """(iterations per repetition, repetitions) for a size: ~ constant work per repetition."""
     if nbytes <= 64 << 10:
-        return 50, 11
+        return 20, 21
     if nbytes <= 4 << 20:
-        return 10, 7
-    return 1, 5
+        return 4, 15
+    return 1, 7
 
 
 def worker(rank: int, world_size: int, queue: Any, ports: dict[str, int], transports: list[str], ops: list[str],
@@ -128,18 +129,19 @@ def worker(rank: int, world_size: int, queue: Any, ports: dict[str, int], transp
         for op in ops:
             for nbytes in sizes:
                 iters, reps = iterations(nbytes)
+                candidates = {}
                 for backend in backends:
                     fn = backend.op(op, nbytes, rank, world_size)
-                    if fn is None:
-                        continue
-                    for _ in range(2):   # warm-up: connections, buffers, caches
-                        fn()
-                    seconds = median_time(fn, backend.barrier, iters, reps)
+                    if fn is not None:
+                        for _ in range(2):   # warm-up: connections, buffers, caches
+                            fn()
+                        candidates[backend.name] = (fn, backend.barrier)
+                for name, seconds in interleaved_medians(candidates, iters, reps).items():
                     if op == "send_recv":
                         seconds /= 2   # one way of the ping-pong
                     slowest = torch.tensor([seconds], dtype=torch.float64)
                     tdist.all_reduce(slowest, op=tdist.ReduceOp.MAX)
-                    results.append((op, nbytes, backend.name, slowest.item()))
+                    results.append((op, nbytes, name, slowest.item()))
         spmd.destroy_process_group()
         tdist.destroy_process_group()
         queue.put((rank, results))
