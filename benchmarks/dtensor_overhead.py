@@ -3,8 +3,9 @@
 What is measured: the CPU cost of running one op on a DTensor (look up the cached sharding decision, unwrap,
 run the local op, wrap the result) minus nothing: the plain-tensor time of the same local op is printed
 beside it, and "overhead" is DTensor time minus plain time. The ops need no communication (add of two
-Shard(0) tensors, mm of Shard(0) by Replicate, a view keeping the sharded dim, sum over a sharded dim giving
-Partial), so only dispatch is timed, on a 1-d (4,) mesh and a 2-d (2, 2) mesh.
+Shard(0) tensors, mm of Shard(0) by Replicate, a view keeping the sharded dim, sum and mean over a sharded dim
+giving Partial; mean runs spmd's custom-kernel path, a local sum scaled by the global count), so only dispatch
+is timed, on a 1-d (4,) mesh and a 2-d (2, 2) mesh.
 
 How: one process. spmd runs 4 rank threads (threads transport); rank 0 times while the others wait in a
 barrier. torch's DTensor needs a process group: a 4-rank "fake" group (torch's own test backend, no
@@ -46,14 +47,14 @@ def _ops(distribute: Callable, mesh: object, ndim: int) -> dict[str, Callable[[]
     b = distribute(torch.randn(64, 32), mesh, rows)
     w = distribute(torch.randn(32, 16), mesh, [rep_cls()] * ndim)
     return {"add": lambda: a + b, "mm": lambda: torch.mm(a, w), "view": lambda: a.view(64, 4, 8),
-            "sum(dim 0)": lambda: a.sum(0)}
+            "sum(dim 0)": lambda: a.sum(0), "mean(dim 0)": lambda: a.mean(0)}
 
 
 def _plain_ops() -> dict[str, Callable[[], object]]:
     """The same local ops on plain tensors of one shard's size (64 rows over 4 ranks: 16)."""
     a, b, w = torch.randn(16, 32), torch.randn(16, 32), torch.randn(32, 16)
     return {"add": lambda: a + b, "mm": lambda: torch.mm(a, w), "view": lambda: a.view(16, 4, 8),
-            "sum(dim 0)": lambda: a.sum(0)}
+            "sum(dim 0)": lambda: a.sum(0), "mean(dim 0)": lambda: a.mean(0)}
 
 
 def _per_call_us(fn: Callable[[], object], iters: int) -> float:
@@ -93,14 +94,14 @@ def _measure(iters: int, reps: int) -> list[dict[str, object]]:
 
 def _print(rows: list[dict[str, object]], iters: int, reps: int) -> None:
     print(f"DTensor dispatch overhead ({machine_line()}); median of {reps} x {iters} calls, µs per op")
-    header = (f"{'op':<11}{'mesh':<8}{'plain':>8}{'torch':>9}{'spmd':>9}{'torch ovh':>11}{'spmd ovh':>10}"
+    header = (f"{'op':<12}{'mesh':<8}{'plain':>8}{'torch':>9}{'spmd':>9}{'torch ovh':>11}{'spmd ovh':>10}"
               f"{'spmd/torch':>12}")
     print(header)
     print("-" * len(header))
     for row in rows:
         ours, theirs, plain = row["spmd"], row["torch"], row["plain"]
         ratio = (ours - plain) / max(theirs - plain, 1e-9)
-        print(f"{row['op']:<11}{row['mesh']!s:<8}{plain:>8.1f}{theirs:>9.1f}{ours:>9.1f}{theirs - plain:>11.1f}"
+        print(f"{row['op']:<12}{row['mesh']!s:<8}{plain:>8.1f}{theirs:>9.1f}{ours:>9.1f}{theirs - plain:>11.1f}"
               f"{ours - plain:>10.1f}{ratio:>11.2f}x")
 
 

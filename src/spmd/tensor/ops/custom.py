@@ -153,6 +153,9 @@ def run_custom(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
     Collective when the decision redistributes inputs or the kernel communicates. The kernel returns local
     tensors laid out as the output specs say (a tensor, or a tuple with one entry per output).
     """
+    fast = _flat_call(op, args, kwargs, rule, make_kernel)
+    if fast is not _NOT_FLAT:
+        return fast
     dtensors: list[DTensor] = []
     plain: list[Tensor] = []
     key = (op, *(_key_of(value, dtensors, plain) for value in args),
@@ -186,6 +189,66 @@ def run_custom(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
         return out if spec is None else DTensor._wrap_local(out, spec)
     return tuple(item if spec is None else DTensor._wrap_local(item, spec)
                  for item, spec in zip(out, plan.output_specs))
+
+
+def _flat_key(op: OpOverload, args: tuple, kwargs: dict, dtensors: list[DTensor]) -> tuple | None:
+    """The cache key of a call whose arguments are all DTensors, numbers, int lists, dtypes or None (most
+    calls), else None. Its form differs from `_key_of`'s, so the two never share an entry."""
+    key: list[Any] = [op, _FLAT]
+    for value in (*args, *kwargs.values()):
+        kind = type(value)
+        if kind is DTensor:
+            dtensors.append(value)
+            key.append(value._spec)
+        elif kind in _NUMBERS:
+            key.append((kind, value))
+        elif kind is list or kind is tuple:
+            for item in value:
+                if type(item) is not int:
+                    return None
+            key.append((kind, *value))
+        elif value is None or kind is torch.dtype:
+            key.append(value)
+        else:
+            return None
+    if kwargs:
+        if any(type(value) is DTensor for value in kwargs.values()):
+            return None              # the flat path substitutes positional DTensors only
+        key.extend(kwargs)
+    return tuple(key) if dtensors else None
+
+
+_FLAT = object()
+
+
+def _flat_call(op: OpOverload, args: tuple, kwargs: dict, rule: Callable[[OpSchema], ShardingDecision],
+               make_kernel: KernelFactory) -> Any:
+    """run_custom for a flat call (see `_flat_key`): one pass over the arguments. Returns _NOT_FLAT for any
+    other call."""
+    dtensors: list[DTensor] = []
+    key = _flat_key(op, args, kwargs, dtensors)
+    if key is None:
+        return _NOT_FLAT
+    cache = dtensors[0]._spec.mesh.dispatch_cache
+    plan = cache.get(key)
+    if plan is None:
+        plan = _plan(op, args, kwargs, dtensors, rule, make_kernel)
+        cache[key] = plan
+    if plan.targets is None:
+        local_args = [value._local_tensor if type(value) is DTensor else value for value in args]
+    else:
+        moved = iter([dt._local_tensor if target is None else run_plan(dt._local_tensor, dt._spec, target)
+                      for dt, target in zip(dtensors, plan.targets)])
+        local_args = [next(moved) if type(value) is DTensor else value for value in args]
+    out = plan.kernel(*local_args, **kwargs)
+    if plan.single_output:
+        spec = plan.output_specs[0]
+        return out if spec is None else DTensor._wrap_local(out, spec)
+    return tuple(item if spec is None else DTensor._wrap_local(item, spec)
+                 for item, spec in zip(out, plan.output_specs))
+
+
+_NOT_FLAT = object()
 
 
 def empty_outputs(plan: LocalPlan, like: Tensor, zeros: bool = False) -> Any:
