@@ -65,8 +65,11 @@ def _inputs(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int8, torch.uint8, torch.bool]
 
 
+@pytest.mark.parametrize("lag", [1, 3])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_every_collective_matches_the_local_computation(world_size: int, small_slots: None) -> None:
+def test_every_collective_matches_the_local_computation(world_size: int, lag: int, small_slots: None,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm_segment, "LAG", lag)      # lock-step phases, and ranks up to 2 phases apart
     sizes = [0, 1, 7, 1000, 5003]      # with 4 KiB slots: one chunk, and many uneven chunks
 
     def body(rank: int, size: int) -> None:

@@ -3,8 +3,17 @@
 Layer: comm. All ranks of the group run on one host and map one Segment (see shm_segment's Notes: segment
 layout, phases). Data moves by torch copies into and out of shared memory; only 8-byte phase counters
 synchronise. Large messages are cut into chunks of at most one staging slot (SLOT_BYTES) per rank and
-pipelined: in one phase a rank copies chunk t in, reduces its slice of chunk t-1 and copies chunk t-2 out,
-so the memory in use is fixed and the chunks stay in cache between those three steps.
+pipelined (see Note: pipelines), so the memory in use is fixed and a chunk is still in cache when the
+next step reads it.
+
+Note: pipelines
+Every collective is a short list of stages applied to items (chunks, rounds). Stage s handles item t in
+phase start + t + s*LAG: it writes the buffers of its own phase and reads what the previous stage wrote
+LAG phases earlier (the only reads Note: phases allows). all_reduce, for instance, is [copy chunk t into
+my staging slot, reduce my slice of chunk t into the result slot, copy chunk t out of the result slot],
+so in one phase a rank copies chunk t in, reduces chunk t-LAG and copies chunk t-2*LAG out. Every rank
+runs the same stages and phases whatever its role (a stage that has nothing to do on a rank is None
+there), so all counters advance alike.
 
 Note: sliced reduction
 For all_reduce and reduce, chunk t is split into group_size slices; rank r reduces slice r only, reading
@@ -17,6 +26,7 @@ results. reduce_scatter is the same without the copy-out: the owner reduces stra
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -37,7 +47,7 @@ from spmd.comm.shm_segment import (
 from spmd.comm.transport import OpContext, Transport, TransportSpec
 from spmd.comm.work import Work
 
-SMALL_BYTES = 32 << 10      # all_reduce up to this size: one phase, every rank reduces the whole tensor
+SMALL_BYTES = 32 << 10      # (all_)reduce up to this size: one chunk, and every rank reduces the whole tensor
 ALIGN_BYTES = 64            # slice boundaries fall on cache lines, so vectorized kernels see aligned data
 
 _BINARY = {
@@ -62,19 +72,23 @@ def _chunks(count: int, cap: int) -> list[tuple[int, int]]:
 
 
 class _Views:
-    """The segment's slots viewed as one dtype: staging[rank][parity] and result[parity]."""
+    """The segment's slots viewed as one dtype: staging[rank][index] and result[index]."""
 
     def __init__(self, segment: Segment, dtype: torch.dtype) -> None:
         layout = segment.layout
         size = layout.slot_bytes
         raw = segment.bytes
-        self.staging = [[raw[layout.slot(rank, parity):layout.slot(rank, parity) + size].view(dtype)
-                         for parity in (0, 1)] for rank in range(layout.group_size)]
-        self.result = [raw[layout.result(parity):layout.result(parity) + size].view(dtype) for parity in (0, 1)]
+        self.staging = [[raw[layout.slot(rank, index):layout.slot(rank, index) + size].view(dtype)
+                         for index in range(layout.buffers)] for rank in range(layout.group_size)]
+        self.result = [raw[layout.result(index):layout.result(index) + size].view(dtype)
+                       for index in range(layout.buffers)]
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self.capacity = size // itemsize                                   # elements per slot
         self.align = max(1, ALIGN_BYTES // itemsize)
         self.region = (size // layout.group_size) // itemsize // self.align * self.align   # per-peer region
+
+
+Stage = Callable[[int, int, int], None] | None   # stage(item, write index, read index); None: nothing here
 
 
 class LocalShmTransport(Transport):
@@ -86,7 +100,8 @@ class LocalShmTransport(Transport):
         super().__init__(spec)
         self._phase = 0
         self._views: dict[torch.dtype, _Views] = {}
-        self._pending_ctx: OpContext | None = None
+        self._pending_ctx: OpContext | None = None    # whose fingerprints still need checking ...
+        self._pending_phase = 0                       # ... once this rank reaches this phase
         self._closed = False
         self.segment: Segment | None = None
         if self.group_size > 1:
@@ -128,38 +143,36 @@ class LocalShmTransport(Transport):
     def _describe(self, ctx: OpContext) -> str:
         return f"{ctx.fingerprint.op} #{ctx.fingerprint.seq} on {ctx.group_desc}, rank {self.spec.global_rank}"
 
-    def _begin(self, ctx: OpContext) -> tuple[Segment, int]:
-        """Publish this op's fingerprint for the current phase; returns the segment and this phase's parity."""
+    def _begin(self, ctx: OpContext) -> Segment:
+        """Publish this op's fingerprint in the current phase's buffer; it is checked LAG phases later."""
         segment = self.segment
         assert segment is not None
         if segment.aborted():
             raise segment.abort_error(self._describe(ctx))
-        parity = self._phase & 1
         encoded = ctx.fingerprint.encode()[:FP_BYTES - 24]    # cut only for absurd shapes: then shown unreadable
-        offset = segment.fp_offset(self.group_rank, parity)
+        offset = segment.fp_offset(self.group_rank, self._phase % segment.layout.buffers)
         segment.write_bytes(offset, fingerprint_digest(ctx.fingerprint.key()))
         segment.write_word(offset + 16, len(encoded))
         segment.write_bytes(offset + 24, encoded)
         self._pending_ctx = ctx
-        return segment, parity
+        self._pending_phase = self._phase + segment.layout.lag
+        return segment
 
-    def _sync(self, ctx: OpContext) -> int:
-        """End the current phase on this rank, wait for every peer to end it too; returns the new parity."""
+    def _sync(self, ctx: OpContext, steps: int) -> None:
+        """Move this rank `steps` phases on and wait until every peer is at most LAG - 1 phases behind."""
         segment = self.segment
         assert segment is not None
-        self._phase += 1
+        self._phase += steps
         segment.end_phase(self._phase)
-        segment.wait_phase(self._phase, ctx.deadline, lambda: self._describe(ctx))
-        if self._pending_ctx is not None:
+        segment.wait_phase(self._phase - segment.layout.lag + 1, ctx.deadline, lambda: self._describe(ctx))
+        if self._pending_ctx is not None and self._phase >= self._pending_phase:
             self._pending_ctx = None
-            self._check_fingerprints(segment, ctx)
-        return self._phase & 1
+            self._check_fingerprints(segment, ctx, (self._pending_phase - segment.layout.lag) % segment.layout.buffers)
 
-    def _check_fingerprints(self, segment: Segment, ctx: OpContext) -> None:
-        parity = (self._phase - 1) & 1
-        mine = segment.read_bytes(segment.fp_offset(self.group_rank, parity), 16)
+    def _check_fingerprints(self, segment: Segment, ctx: OpContext, index: int) -> None:
+        mine = segment.read_bytes(segment.fp_offset(self.group_rank, index), 16)
         for peer in range(self.group_size):
-            offset = segment.fp_offset(peer, parity)
+            offset = segment.fp_offset(peer, index)
             if segment.read_bytes(offset, 16) != mine:
                 encoded = segment.read_bytes(offset + 24, segment.word(offset + 16))
                 try:
@@ -168,6 +181,25 @@ class LocalShmTransport(Transport):
                     theirs = Fingerprint("<unreadable fingerprint>", -1, None, "?")
                 raise CollectiveMismatchError(mismatch_message(
                     ctx.group_desc, ctx.fingerprint, self.spec.global_rank, theirs, self.spec.global_ranks[peer]))
+
+    def _pipeline(self, ctx: OpContext, count: int, stages: list[Stage]) -> None:
+        """Run stage s on item t in phase start + t + s*LAG, for t < count (see Note: pipelines)."""
+        segment = self.segment
+        assert segment is not None
+        lag, buffers = segment.layout.lag, segment.layout.buffers
+        spans = [(s * lag, s * lag + count) for s in range(len(stages))]    # intervals in which stage s works
+        t, last = 0, spans[-1][1] - 1
+        while True:
+            write, read = self._phase % buffers, (self._phase - lag) % buffers
+            for s in range(len(stages) - 1, -1, -1):        # the latest stage first: it frees buffers
+                stage = stages[s]
+                if stage is not None and spans[s][0] <= t < spans[s][1]:
+                    stage(t - spans[s][0], write, read)
+            if t == last:
+                return
+            following = min(t + 1 if start <= t + 1 < end else start for start, end in spans if end > t + 1)
+            self._sync(ctx, following - t)
+            t = following
 
     def _views_of(self, dtype: torch.dtype) -> _Views:
         views = self._views.get(dtype)
@@ -184,68 +216,61 @@ class LocalShmTransport(Transport):
     # -- reductions -----------------------------------------------------------------------------------------
 
     def all_reduce(self, tensor: Tensor, op: ReduceOp, ctx: OpContext) -> None:
-        if self.group_size == 1:
-            return
-        views = self._views_of(tensor.dtype)
-        if tensor.numel() * tensor.element_size() <= SMALL_BYTES:
-            self._all_reduce_small(tensor, op, ctx, views)
-        else:
-            self._reduce_sliced(tensor, op, ctx, views, root=None)
+        if self.group_size > 1:
+            self._reduce(tensor, op, ctx, root=None)
 
     def reduce(self, tensor: Tensor, root: int, op: ReduceOp, ctx: OpContext) -> None:
-        if self.group_size == 1:
-            return
-        views = self._views_of(tensor.dtype)
-        if tensor.numel() * tensor.element_size() <= SMALL_BYTES:
-            self._all_reduce_small(tensor, op, ctx, views, root)
-        else:
-            self._reduce_sliced(tensor, op, ctx, views, root=root)
+        if self.group_size > 1:
+            self._reduce(tensor, op, ctx, root=root)
 
-    def _all_reduce_small(self, tensor: Tensor, op: ReduceOp, ctx: OpContext, views: _Views,
-                          root: int | None = None) -> None:
-        """One phase: everyone copies its tensor in, then every rank (or only `root`) reduces all copies in
-        rank order, so all ranks compute bit-identical results."""
-        n = tensor.numel()
-        _, parity = self._begin(ctx)
-        views.staging[self.group_rank][parity][:n].copy_(tensor)
-        parity = self._sync(ctx) ^ 1
-        if root is None or root == self.group_rank:
-            reduce_into(tensor, [views.staging[rank][parity][:n] for rank in range(self.group_size)], op)
-            if op is ReduceOp.AVG:
-                tensor.div_(self.group_size)
-
-    def _reduce_sliced(self, tensor: Tensor, op: ReduceOp, ctx: OpContext, views: _Views, root: int | None) -> None:
-        """all_reduce (root None) or reduce to `root`, pipelined in chunks; see Note: sliced reduction."""
+    def _reduce(self, tensor: Tensor, op: ReduceOp, ctx: OpContext, root: int | None) -> None:
+        """all_reduce (root None) or reduce to `root`. Small tensors: every rank stages all of it and the
+        receivers reduce every copy in rank order. Larger: see Note: sliced reduction."""
         me, size = self.group_rank, self.group_size
+        views = self._views_of(tensor.dtype)
+        receives = root is None or root == me
+        self._begin(ctx)
+        if tensor.numel() * tensor.element_size() <= SMALL_BYTES:
+            n = tensor.numel()
+
+            def stage_all(t: int, write: int, read: int) -> None:
+                views.staging[me][write][:n].copy_(tensor)
+
+            def reduce_all(t: int, write: int, read: int) -> None:
+                reduce_into(tensor, [views.staging[rank][read][:n] for rank in range(size)], op)
+                if op is ReduceOp.AVG:
+                    tensor.div_(size)
+
+            self._pipeline(ctx, 1, [stage_all, reduce_all if receives else None])
+            return
         chunks = _chunks(tensor.numel(), views.capacity)
-        copy_out = root is None or root == me
-        _, parity = self._begin(ctx)
-        for t in range(len(chunks) + 2):
-            if t >= 2 and copy_out:                                   # chunk t-2: result slot -> tensor
-                start, end = chunks[t - 2]
-                tensor[start:end].copy_(views.result[parity ^ 1][:end - start])
-            if 1 <= t <= len(chunks):                                 # chunk t-1: reduce my slice
-                start, end = chunks[t - 1]
-                bounds = self._slices(end - start, views)
-                lo, hi = bounds[me], bounds[me + 1]
-                if hi > lo:
-                    sources = [tensor[start + lo:start + hi] if rank == me else views.staging[rank][parity ^ 1][lo:hi]
-                               for rank in range(size)]
-                    dst = views.result[parity][lo:hi]
-                    reduce_into(dst, sources, op)
-                    if op is ReduceOp.AVG:
-                        dst.div_(size)
-            if t < len(chunks):                                       # chunk t: tensor -> my staging slot
-                start, end = chunks[t]
-                bounds = self._slices(end - start, views)
-                slot = views.staging[me][parity]
-                lo, hi = bounds[me], bounds[me + 1]
-                if lo > 0:
-                    slot[:lo].copy_(tensor[start:start + lo])
-                if end - start > hi:
-                    slot[hi:end - start].copy_(tensor[start + hi:end])
-            if t <= len(chunks):
-                parity = self._sync(ctx)
+
+        def stage_others(t: int, write: int, read: int) -> None:       # chunk t, but for my own slice
+            start, end = chunks[t]
+            bounds = self._slices(end - start, views)
+            slot, lo, hi = views.staging[me][write], bounds[me], bounds[me + 1]
+            if lo > 0:
+                slot[:lo].copy_(tensor[start:start + lo])
+            if end - start > hi:
+                slot[hi:end - start].copy_(tensor[start + hi:end])
+
+        def reduce_mine(t: int, write: int, read: int) -> None:          # my slice of chunk t -> result slot
+            start, end = chunks[t]
+            bounds = self._slices(end - start, views)
+            lo, hi = bounds[me], bounds[me + 1]
+            if hi > lo:
+                sources = [tensor[start + lo:start + hi] if rank == me else views.staging[rank][read][lo:hi]
+                           for rank in range(size)]
+                dst = views.result[write][lo:hi]
+                reduce_into(dst, sources, op)
+                if op is ReduceOp.AVG:
+                    dst.div_(size)
+
+        def copy_out(t: int, write: int, read: int) -> None:             # result slot -> chunk t
+            start, end = chunks[t]
+            tensor[start:end].copy_(views.result[read][:end - start])
+
+        self._pipeline(ctx, len(chunks), [stage_others, reduce_mine, copy_out if receives else None])
 
     def reduce_scatter(self, output: Tensor, input: Tensor, op: ReduceOp, ctx: OpContext) -> None:
         if self.group_size == 1:
@@ -255,24 +280,26 @@ class LocalShmTransport(Transport):
         views = self._views_of(output.dtype)
         m, region = output.numel(), views.region
         chunks = _chunks(m, region)
-        _, parity = self._begin(ctx)
-        for t in range(len(chunks) + 1):
-            if t >= 1:                                                # chunk t-1: reduce my block into output
-                start, end = chunks[t - 1]
-                if end > start:
-                    sources = [input[me * m + start:me * m + end] if rank == me
-                               else views.staging[rank][parity ^ 1][me * region:me * region + end - start]
-                               for rank in range(size)]
-                    reduce_into(output[start:end], sources, op)
-                    if op is ReduceOp.AVG:
-                        output[start:end].div_(size)
-            if t < len(chunks):                                       # chunk t of every other block -> slot
-                start, end = chunks[t]
-                slot = views.staging[me][parity]
-                for rank in range(size):
-                    if rank != me and end > start:
-                        slot[rank * region:rank * region + end - start].copy_(input[rank * m + start:rank * m + end])
-                parity = self._sync(ctx)
+
+        def stage_blocks(t: int, write: int, read: int) -> None:          # chunk t of every other block -> slot
+            start, end = chunks[t]
+            slot = views.staging[me][write]
+            for rank in range(size):
+                if rank != me and end > start:
+                    slot[rank * region:rank * region + end - start].copy_(input[rank * m + start:rank * m + end])
+
+        def reduce_mine(t: int, write: int, read: int) -> None:          # chunk t of my block -> output
+            start, end = chunks[t]
+            if end > start:
+                sources = [input[me * m + start:me * m + end] if rank == me
+                           else views.staging[rank][read][me * region:me * region + end - start]
+                           for rank in range(size)]
+                reduce_into(output[start:end], sources, op)
+                if op is ReduceOp.AVG:
+                    output[start:end].div_(size)
+
+        self._begin(ctx)
+        self._pipeline(ctx, len(chunks), [stage_blocks, reduce_mine])
 
     # -- data movement --------------------------------------------------------------------------------------
 
@@ -281,17 +308,18 @@ class LocalShmTransport(Transport):
             return
         views = self._views_of(tensor.dtype)
         chunks = _chunks(tensor.numel(), views.capacity)
+
+        def stage(t: int, write: int, read: int) -> None:
+            start, end = chunks[t]
+            views.result[write][:end - start].copy_(tensor[start:end])
+
+        def copy_out(t: int, write: int, read: int) -> None:
+            start, end = chunks[t]
+            tensor[start:end].copy_(views.result[read][:end - start])
+
         is_root = self.group_rank == root
-        _, parity = self._begin(ctx)
-        for t in range(len(chunks) + 1):
-            if t >= 1 and not is_root:
-                start, end = chunks[t - 1]
-                tensor[start:end].copy_(views.result[parity ^ 1][:end - start])
-            if t < len(chunks):
-                if is_root:
-                    start, end = chunks[t]
-                    views.result[parity][:end - start].copy_(tensor[start:end])
-                parity = self._sync(ctx)
+        self._begin(ctx)
+        self._pipeline(ctx, len(chunks), [stage if is_root else None, None if is_root else copy_out])
 
     def all_gather(self, output: Tensor, input: Tensor, ctx: OpContext) -> None:
         self._gather(output, input, None, ctx)
@@ -308,19 +336,21 @@ class LocalShmTransport(Transport):
             return
         views = self._views_of(input.dtype)
         chunks = _chunks(m, views.capacity)
+
+        def stage(t: int, write: int, read: int) -> None:
+            start, end = chunks[t]
+            views.staging[me][write][:end - start].copy_(input[start:end])
+
+        def copy_out(t: int, write: int, read: int) -> None:
+            assert output is not None
+            start, end = chunks[t]
+            for rank in range(size):
+                if rank != me:
+                    output[rank * m + start:rank * m + end].copy_(views.staging[rank][read][:end - start])
+
         receives = root is None or root == me
-        _, parity = self._begin(ctx)
-        for t in range(len(chunks) + 1):
-            if t >= 1 and receives and output is not None:
-                start, end = chunks[t - 1]
-                for rank in range(size):
-                    if rank != me:
-                        output[rank * m + start:rank * m + end].copy_(views.staging[rank][parity ^ 1][:end - start])
-            if t < len(chunks):
-                if root != me:
-                    start, end = chunks[t]
-                    views.staging[me][parity][:end - start].copy_(input[start:end])
-                parity = self._sync(ctx)
+        self._begin(ctx)
+        self._pipeline(ctx, len(chunks), [None if root == me else stage, copy_out if receives else None])
 
     def scatter(self, output: Tensor, input: Tensor | None, root: int, ctx: OpContext) -> None:
         me, size, m = self.group_rank, self.group_size, output.numel()
@@ -332,24 +362,26 @@ class LocalShmTransport(Transport):
         views = self._views_of(output.dtype)
         region = views.region
         chunks = _chunks(m, region)
-        _, parity = self._begin(ctx)
-        for t in range(len(chunks) + 1):
-            if t >= 1 and me != root:
-                start, end = chunks[t - 1]
-                output[start:end].copy_(views.staging[root][parity ^ 1][me * region:me * region + end - start])
-            if t < len(chunks):
-                if me == root:
-                    assert input is not None
-                    start, end = chunks[t]
-                    slot = views.staging[me][parity]
-                    for rank in range(size):
-                        if rank != me:
-                            slot[rank * region:rank * region + end - start].copy_(
-                                input[rank * m + start:rank * m + end])
-                parity = self._sync(ctx)
+
+        def stage_blocks(t: int, write: int, read: int) -> None:
+            assert input is not None
+            start, end = chunks[t]
+            slot = views.staging[me][write]
+            for rank in range(size):
+                if rank != me:
+                    slot[rank * region:rank * region + end - start].copy_(input[rank * m + start:rank * m + end])
+
+        def copy_out(t: int, write: int, read: int) -> None:
+            start, end = chunks[t]
+            output[start:end].copy_(views.staging[root][read][me * region:me * region + end - start])
+
+        self._begin(ctx)
+        self._pipeline(ctx, len(chunks), [stage_blocks if me == root else None, None if me == root else copy_out])
 
     def all_to_all(self, output: Tensor, input: Tensor, output_splits: list[int], input_splits: list[int],
                    ctx: OpContext) -> None:
+        """Every rank first publishes its split sizes (all check the whole matrix and agree on the number of
+        rounds), then the blocks move in rounds of one region per pair of ranks."""
         me, size = self.group_rank, self.group_size
         in_offsets = [sum(input_splits[:rank]) for rank in range(size)]
         out_offsets = [sum(output_splits[:rank]) for rank in range(size)]
@@ -361,40 +393,44 @@ class LocalShmTransport(Transport):
         output[out_offsets[me]:out_offsets[me] + own].copy_(input[in_offsets[me]:in_offsets[me] + own])
         views = self._views_of(input.dtype)
         region = views.region
-        segment, parity = self._begin(ctx)
-        words, base = segment.words, segment.splits_offset(me, parity) >> 3
-        for rank in range(size):
-            words[base + rank] = input_splits[rank]
-            words[base + size + rank] = output_splits[rank]
-        self._stage_round(0, input, input_splits, in_offsets, views.staging[me][parity], region)
-        parity = self._sync(ctx)
+        segment = self._begin(ctx)
+        words = segment.words
         ins, outs = [], []
-        for rank in range(size):
-            base = segment.splits_offset(rank, parity ^ 1) >> 3
-            ins.append(list(words[base:base + size]))
-            outs.append(list(words[base + size:base + 2 * size]))
+
+        def publish(t: int, write: int, read: int) -> None:
+            base = segment.splits_offset(me, write) >> 3
+            for rank in range(size):
+                words[base + rank] = input_splits[rank]
+                words[base + size + rank] = output_splits[rank]
+
+        def collect(t: int, write: int, read: int) -> None:
+            for rank in range(size):
+                base = segment.splits_offset(rank, read) >> 3
+                ins.append(list(words[base:base + size]))
+                outs.append(list(words[base + size:base + 2 * size]))
+
+        self._pipeline(ctx, 1, [publish, collect])
         self._check_splits(ins, outs, ctx)
         longest = max(ins[src][dst] for src in range(size) for dst in range(size) if src != dst)
-        rounds = max(1, -(-longest // region))
-        for t in range(1, rounds + 1):
-            lo = (t - 1) * region
+
+        def stage_round(t: int, write: int, read: int) -> None:
+            lo, slot = t * region, views.staging[me][write]
+            for rank in range(size):
+                count = min(region, input_splits[rank] - lo)
+                if rank != me and count > 0:
+                    slot[rank * region:rank * region + count].copy_(
+                        input[in_offsets[rank] + lo:in_offsets[rank] + lo + count])
+
+        def copy_round(t: int, write: int, read: int) -> None:
+            lo = t * region
             for rank in range(size):
                 count = min(region, output_splits[rank] - lo)
                 if rank != me and count > 0:
                     output[out_offsets[rank] + lo:out_offsets[rank] + lo + count].copy_(
-                        views.staging[rank][parity ^ 1][me * region:me * region + count])
-            if t < rounds:
-                self._stage_round(t, input, input_splits, in_offsets, views.staging[me][parity], region)
-                parity = self._sync(ctx)
+                        views.staging[rank][read][me * region:me * region + count])
 
-    def _stage_round(self, t: int, input: Tensor, splits: list[int], offsets: list[int], slot: Tensor,
-                     region: int) -> None:
-        """Copy round t of every outgoing all_to_all block into its region of this rank's slot."""
-        lo = t * region
-        for rank in range(self.group_size):
-            count = min(region, splits[rank] - lo)
-            if rank != self.group_rank and count > 0:
-                slot[rank * region:rank * region + count].copy_(input[offsets[rank] + lo:offsets[rank] + lo + count])
+        if longest > 0:
+            self._pipeline(ctx, -(-longest // region), [stage_round, copy_round])
 
     def _check_splits(self, ins: list[list[int]], outs: list[list[int]], ctx: OpContext) -> None:
         for src, row in enumerate(ins):
@@ -406,10 +442,9 @@ class LocalShmTransport(Transport):
                         f"{self.spec.global_ranks[src]}, which sends {count}")
 
     def barrier(self, ctx: OpContext) -> None:
-        if self.group_size == 1:
-            return
-        self._begin(ctx)
-        self._sync(ctx)
+        if self.group_size > 1:
+            self._begin(ctx)
+            self._pipeline(ctx, 1, [None, None])
 
     # -- point to point -------------------------------------------------------------------------------------
 

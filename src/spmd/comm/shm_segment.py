@@ -9,28 +9,35 @@ a name; a process that exits normally in that window unlinks it (atexit), and `r
 
 Note: segment layout
 All offsets are multiples of 64 (a cache line), so words written by different ranks never share one.
+P = 2 * LAG is the number of phase buffers of each kind (see Note: phases).
 
-    header       HEADER_BYTES: magic, layout (group size, slot bytes, ring bytes), the abort word, the
+    header       HEADER_BYTES: magic, layout (group size, slot bytes, ring bytes, lag), the abort word, the
                  abort kind, the length of the abort message, and the message itself
-    control      one CTRL block per rank: its phase counter, pid, start time, attached flag, and per phase
-                 parity its fingerprint digest, its encoded fingerprint and its all_to_all split sizes
-    slots        2 staging slots of SLOT bytes per rank (rank r writes only its own), then 2 shared
+    control      one CTRL block per rank: its phase counter, pid, start time, attached and sleeping flags,
+                 and per phase buffer its fingerprint digest, its encoded fingerprint and its all_to_all
+                 split sizes
+    slots        P staging slots of SLOT bytes per rank (rank r writes only its own), then P shared
                  result slots (each rank writes only its own slice of them)
     rings        one P2P ring per ordered pair of ranks: a write position (sender's cache line), a read
                  position (receiver's cache line) and RING bytes of data
 
-The total is fixed by the group size, never by the tensors: HEADER + n*CTRL + (2n+2)*SLOT + n*n*(128+RING)
-(SLOT = 1 MiB and RING = 1 MiB by default; RING shrinks for large groups). tmpfs allocates a page only
-when it is first touched, so rings of pairs that never exchange messages cost nothing.
+The total is fixed by the group size, never by the tensors: HEADER + n*CTRL + (n+1)*P*SLOT + n*n*(128+RING)
+(SLOT = 1 MiB, LAG = 3 so P = 6, RING = 1 MiB by default; RING shrinks for large groups): about 19 MiB for
+2 ranks, 31 MiB for 4, plus rings. tmpfs allocates a page only when it is first touched, so rings of pairs
+that never exchange messages cost nothing.
 
 Note: phases
-Each rank has one phase counter, only ever incremented by itself. A sync adds one to it and waits until
-every peer's counter is at least as large. Since every rank runs the same sequence of syncs, the time
-between two syncs is a phase everybody is in together. Rule of every algorithm here: in phase p a rank
-writes only buffers of parity p % 2 (its own staging slot, its own slice of the result slot, its own
-fingerprint) and reads only buffers of parity (p - 1) % 2 written by the others in phase p - 1. A buffer
-of parity x is therefore read one phase after it was written and overwritten one phase after that, with
-a sync in between, so no further handshake is needed and a collective costs one sync per chunk.
+Each rank has one phase counter, only ever increased by itself. Ending phase q-1 (entering phase q) a rank
+publishes q, then waits until every peer's counter is at least q - LAG + 1: ranks run at most LAG - 1
+phases apart, which lets a rank that has the CPU keep copying while a descheduled peer catches up (on a
+loaded host that decoupling, not the copies, decides the speed). Rule of every algorithm here: in phase
+q a rank writes only buffers with index q % P (its own staging slot, its own slice of the result slot,
+its own fingerprint and splits) and reads only buffers the others wrote in phase q - LAG, index
+(q - LAG) % P. A rank in phase q knows every peer has finished phase q - LAG, so what it reads is
+complete; and a buffer written in phase w is read in phase w + LAG and next overwritten in phase w + 2*LAG,
+when the writer knows every peer has finished phase w + LAG. No other handshake is needed: a collective
+costs one counter update per chunk, and waits only when a peer is more than LAG - 1 chunks behind.
+Phases with no work are skipped in one step (a counter may jump by several phases).
 Ordering relies on x86-64's total store order (data stores become visible before the counter store).
 
 Note: waiting
@@ -66,14 +73,15 @@ from spmd._core.errors import CommTimeoutError, GroupAbortedError, PeerLostError
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "spmd-"         # spmd-<creator pid>-<random>: remove_orphan_segments finds a dead creator's names
 SLOT_BYTES = 1 << 20          # one staging slot; a chunk of a large collective is at most this per rank
+LAG = 3                       # ranks may run up to LAG - 1 phases apart (see Note: phases)
 RING_BYTES = 1 << 20          # P2P ring per ordered pair of ranks (shrunk for large groups, see ring_bytes_for)
 HEADER_BYTES = 4096
-FP_BYTES = 2048               # per parity: 16-byte digest of Fingerprint.key() + length + encoded fingerprint
+FP_BYTES = 2048               # per buffer: 16-byte digest of Fingerprint.key() + length + encoded fingerprint
 CACHELINE = 64
 MAGIC = 0x73706D6473686D31    # "spmdshm1"
 
 # header words (byte offsets)
-_H_MAGIC, _H_SIZE, _H_SLOT, _H_RING, _H_ABORT, _H_ABORT_KIND, _H_ABORT_LEN = 0, 8, 16, 24, 64, 72, 80
+_H_MAGIC, _H_SIZE, _H_SLOT, _H_RING, _H_LAG, _H_ABORT, _H_ABORT_KIND, _H_ABORT_LEN = 0, 8, 16, 24, 32, 64, 72, 80
 _H_ABORT_MSG, _ABORT_MSG_BYTES = 128, HEADER_BYTES - 128
 # control block words (byte offsets inside a rank's block); _C_SLEEPING is set while the rank blocks on its
 # wake socket, so that a rank ending a phase knows whom to wake (see Note: waiting)
@@ -104,27 +112,29 @@ def ring_bytes_for(group_size: int) -> int:
 class Layout:
     """Byte offsets of every region of a segment (see Note: segment layout)."""
 
-    def __init__(self, group_size: int, slot_bytes: int, ring_bytes: int) -> None:
+    def __init__(self, group_size: int, slot_bytes: int, ring_bytes: int, lag: int) -> None:
         self.group_size = group_size
         self.slot_bytes = slot_bytes
         self.ring_bytes = ring_bytes
-        self.splits_offset = _C_FP + 2 * FP_BYTES                         # per parity: 2n int64 split sizes
-        self.ctrl_bytes = _round_up(self.splits_offset + 2 * 2 * group_size * 8, 4096)
+        self.lag = lag
+        self.buffers = 2 * lag                                            # P: buffers of each kind
+        self.splits_offset = _C_FP + self.buffers * FP_BYTES              # per buffer: 2n int64 split sizes
+        self.ctrl_bytes = _round_up(self.splits_offset + self.buffers * 2 * group_size * 8, 4096)
         self.ctrl_offset = HEADER_BYTES
         self.slots_offset = self.ctrl_offset + group_size * self.ctrl_bytes
-        self.result_offset = self.slots_offset + 2 * group_size * slot_bytes
-        self.rings_offset = self.result_offset + 2 * slot_bytes
+        self.result_offset = self.slots_offset + self.buffers * group_size * slot_bytes
+        self.rings_offset = self.result_offset + self.buffers * slot_bytes
         self.ring_stride = 2 * CACHELINE + ring_bytes
         self.total = self.rings_offset + group_size * group_size * self.ring_stride
 
     def ctrl(self, rank: int) -> int:
         return self.ctrl_offset + rank * self.ctrl_bytes
 
-    def slot(self, rank: int, parity: int) -> int:
-        return self.slots_offset + (2 * rank + parity) * self.slot_bytes
+    def slot(self, rank: int, index: int) -> int:
+        return self.slots_offset + (self.buffers * rank + index) * self.slot_bytes
 
-    def result(self, parity: int) -> int:
-        return self.result_offset + parity * self.slot_bytes
+    def result(self, index: int) -> int:
+        return self.result_offset + index * self.slot_bytes
 
     def ring(self, src: int, dst: int) -> int:
         """Offset of the ring src -> dst: write position, then read position one cache line later, then data."""
@@ -207,7 +217,7 @@ class Segment:
     @classmethod
     def create(cls, group_size: int, slot_bytes: int = 0, ring_bytes: int = 0) -> Segment:
         """Create and map a new segment (group rank 0). Its name stays linked until `unlink_name`."""
-        layout = Layout(group_size, slot_bytes or SLOT_BYTES, ring_bytes or ring_bytes_for(group_size))
+        layout = Layout(group_size, slot_bytes or SLOT_BYTES, ring_bytes or ring_bytes_for(group_size), LAG)
         name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         with _linked_lock:
             _linked.add(name)
@@ -225,6 +235,7 @@ class Segment:
         segment.write_word(_H_SIZE, group_size)
         segment.write_word(_H_SLOT, layout.slot_bytes)
         segment.write_word(_H_RING, layout.ring_bytes)
+        segment.write_word(_H_LAG, layout.lag)
         segment.write_word(_H_MAGIC, MAGIC)
         return segment
 
@@ -235,12 +246,12 @@ class Segment:
             raise ValueError(f"shm transport: refusing segment name {name!r}")
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
         with open(fd, "rb", closefd=False) as f:
-            header = f.read(32)
-        magic, size, slot_bytes, ring_bytes = (int.from_bytes(header[i:i + 8], "little") for i in range(0, 32, 8))
+            header = f.read(40)
+        magic, size, slot_bytes, ring_bytes, lag = (int.from_bytes(header[i:i + 8], "little") for i in range(0, 40, 8))
         if magic != MAGIC or size != group_size:
             os.close(fd)
             raise RuntimeError(f"shm transport: segment {name} is not a segment of this {group_size}-rank group")
-        return cls(name, fd, Layout(size, slot_bytes, ring_bytes), rank, created=False)
+        return cls(name, fd, Layout(size, slot_bytes, ring_bytes, lag), rank, created=False)
 
     def announce(self) -> None:
         """Publish this rank's pid and start time, then mark it attached."""
@@ -308,11 +319,11 @@ class Segment:
         """Index into `words` of `rank`'s phase counter."""
         return (self.layout.ctrl(rank) + _C_PHASE) >> 3
 
-    def fp_offset(self, rank: int, parity: int) -> int:
-        return self.layout.ctrl(rank) + _C_FP + parity * FP_BYTES
+    def fp_offset(self, rank: int, index: int) -> int:
+        return self.layout.ctrl(rank) + _C_FP + index * FP_BYTES
 
-    def splits_offset(self, rank: int, parity: int) -> int:
-        return self.layout.ctrl(rank) + self.layout.splits_offset + parity * 2 * self.size * 8
+    def splits_offset(self, rank: int, index: int) -> int:
+        return self.layout.ctrl(rank) + self.layout.splits_offset + index * 2 * self.size * 8
 
     # -- abort ----------------------------------------------------------------------------------------------
 
@@ -362,7 +373,7 @@ class Segment:
                     self._wake.sendto(b"w", socket.MSG_DONTWAIT, self._wake_peers[peer])
 
     def wait_phase(self, target: int, deadline: Deadline, describe: DescribeFn) -> None:
-        """Wait until every peer's phase counter reaches `target` (see Note: phases)."""
+        """Wait until every peer's phase counter is at least `target` (see Note: phases)."""
         words = self.words
         for peer in range(self.size):
             index = self.phase_index(peer)
