@@ -53,7 +53,7 @@ def budget(mesh: DeviceMesh, on_two: int | None = None) -> int | None:
     """How many layout combinations a test tries on `mesh`: all of them on 2 ranks (or `on_two`), a fixed
     sample elsewhere. One rank is the identity case; on 4 ranks each check costs more, as the rank threads
     share one interpreter."""
-    return {1: 6, 2: on_two}.get(mesh.size(), 8 if mesh.ndim == 1 else 6)
+    return {1: 4, 2: on_two}.get(mesh.size(), 6 if mesh.ndim == 1 else 4)
 
 
 def combos(*choices: Sequence[Any], limit: int | None = None, seed: int = 0) -> list[tuple[Any, ...]]:
