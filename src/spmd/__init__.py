@@ -1,66 +1,48 @@
 """spmd: distributed training for PyTorch, with torch.distributed's API names.
 
 `import spmd as dist` gives the communication API (init_process_group, all_reduce, ...);
-`spmd.DistributedDataParallel` wraps a module for data-parallel training. This facade holds no logic.
+`spmd.DistributedDataParallel` wraps a module for data-parallel training. This facade holds no logic, and
+resolves every name on first use, so `import spmd.run` (the launcher) does not import torch.
 """
 
-from spmd.comm.collectives import (
-    all_gather,
-    all_gather_into_tensor,
-    all_reduce,
-    all_to_all,
-    all_to_all_single,
-    barrier,
-    broadcast,
-    gather,
-    monitored_barrier,
-    reduce,
-    reduce_scatter,
-    reduce_scatter_tensor,
-    scatter,
-)
-from spmd.comm.group import NonMemberGroup, ProcessGroup
-from spmd.comm.objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
-from spmd.comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
-from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.store import HashStore, PrefixStore, Store
-from spmd.comm.work import Work
-from spmd.comm.world import (
-    destroy_process_group,
-    get_backend,
-    get_global_rank,
-    get_group_rank,
-    get_process_group_ranks,
-    get_rank,
-    get_world_size,
-    init_process_group,
-    is_initialized,
-    new_group,
-    new_subgroups,
-)
+from __future__ import annotations
 
-__all__ = [
-    "DistributedDataParallel", "FileStore", "HashStore", "NonMemberGroup", "P2POp", "PrefixStore", "ProcessGroup",
-    "ReduceOp", "Store", "TCPStore", "Work", "all_gather", "all_gather_into_tensor", "all_gather_object",
-    "all_reduce", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast",
-    "broadcast_object_list", "destroy_process_group", "gather", "gather_object", "get_backend", "get_global_rank",
-    "get_group_rank", "get_process_group_ranks", "get_rank", "get_world_size", "init_process_group", "irecv",
-    "is_initialized", "isend", "monitored_barrier", "new_group", "new_subgroups", "recv", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
-]
+import importlib
+from typing import Any
 
-_LAZY = {
-    "DistributedDataParallel": ("spmd.ddp", "DistributedDataParallel"),
-    "TCPStore": ("spmd.comm.tcp_store", "TCPStore"),
-    "FileStore": ("spmd.comm.file_store", "FileStore"),
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "spmd.comm.collectives": (
+        "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all", "all_to_all_single", "barrier",
+        "broadcast", "gather", "monitored_barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+    ),
+    "spmd.comm.group": ("NonMemberGroup", "ProcessGroup"),
+    "spmd.comm.objects": ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"),
+    "spmd.comm.p2p": ("P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"),
+    "spmd.comm.reduce_op": ("ReduceOp",),
+    "spmd.comm.store": ("HashStore", "PrefixStore", "Store"),
+    "spmd.comm.tcp_store": ("TCPStore",),
+    "spmd.comm.file_store": ("FileStore",),
+    "spmd.comm.work": ("Work",),
+    "spmd.comm.world": (
+        "destroy_process_group", "get_backend", "get_global_rank", "get_group_rank", "get_process_group_ranks",
+        "get_rank", "get_world_size", "init_process_group", "is_initialized", "new_group", "new_subgroups",
+    ),
+    "spmd.ddp": ("DistributedDataParallel",),
 }
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str):
-    """Import heavier or optional parts (DDP, TCPStore, FileStore) only when first used."""
-    if name in _LAZY:
-        import importlib
+def __getattr__(name: str) -> Any:
+    """Import the defining module of `name` on first use and cache the attribute on the package."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'spmd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module 'spmd' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
