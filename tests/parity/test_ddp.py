@@ -145,6 +145,16 @@ def test_matches_one_process(kind: str, world_size: int) -> None:
             assert all(id(p.grad) in views for p in model.module.parameters())
 
 
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_matches_one_process_over_real_transports(backend: str) -> None:
+    # The same protocol over the transports real jobs use (ranks are still threads): async bucket
+    # all-reduces issued from autograd's hooks, completed by the group's executor thread.
+    results = run_ranks(lambda rank, size: ddp_train("gpt", rank, size, bucket_cap_mb=0.01), 2, timeout=TIMEOUT,
+                        backend=backend)
+    assert_parity(results, reference("gpt", 2))
+    assert all(result["counts"] == {"all_reduce": STEPS * result["buckets"]} for result in results)
+
+
 def test_no_sync_accumulates_locally_then_syncs_once() -> None:
     results = run_ranks(lambda rank, size: ddp_train("gpt", rank, size, micro_steps=3), 2, timeout=TIMEOUT)
     assert_parity(results, reference("gpt", 2, micro_steps=3))
