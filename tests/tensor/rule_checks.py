@@ -31,11 +31,12 @@ ATOL = 1e-5
 
 
 def on_meshes(body: Callable[[DeviceMesh], None], shapes: Iterable[tuple[int, ...]] = MESH_SHAPES,
-              timeout: float = 60.0) -> None:
-    """Run `body(mesh)` on every rank of a threads world for each mesh shape (raises the first failure)."""
+              timeout: float = 60.0, backend: str = "threads") -> None:
+    """Run `body(mesh)` on every rank of a world for each mesh shape (raises the first failure). The ranks are
+    threads; `backend` is the transport they talk over ("threads", or a real one such as "tcp")."""
     for shape in shapes:
         run_ranks(lambda rank, world_size, shape=shape: body(init_device_mesh("cpu", shape)),
-                  world_size=math.prod(shape), timeout=timeout)
+                  world_size=math.prod(shape), timeout=timeout, backend=backend)
 
 
 def layouts(ndim: int, mesh: DeviceMesh, *, partial: bool = False,

@@ -118,7 +118,8 @@ def _train(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, fused:
 
 
 def _check_parity(make_model: Callable[[], nn.Module], inputs: torch.Tensor, targets: torch.Tensor, plan: Plan,
-                  mesh_shapes: list[tuple[int, ...]], batch_sharded: bool, fused: bool) -> None:
+                  mesh_shapes: list[tuple[int, ...]], batch_sharded: bool, fused: bool,
+                  backend: str = "threads") -> None:
     torch.manual_seed(0)
     reference = make_model()
     trained = copy.deepcopy(reference)
@@ -138,7 +139,7 @@ def _check_parity(make_model: Callable[[], nn.Module], inputs: torch.Tensor, tar
                 name, [Shard(0)] * mesh.ndim)).placements, f"{name} changed layout"
             torch.testing.assert_close(got.full_tensor(), want.detach(), rtol=RTOL, atol=ATOL,
                                        msg=lambda m, n=name: f"{n} on mesh {mesh.shape}: {m}")
-    on_meshes(body, mesh_shapes, timeout=90)
+    on_meshes(body, mesh_shapes, timeout=90, backend=backend)
 
 
 @pytest.mark.parametrize(("plan", "batch_sharded", "fused"), [(_mlp_megatron, True, False), (_all_shard0, False, True)])
@@ -156,3 +157,11 @@ def test_transformer_block_matches_plain_training(plan: Plan, batch_sharded: boo
     ids = torch.randint(0, 13, (3, 6), generator=generator)
     targets = torch.randint(0, 13, (3, 6), generator=generator)
     _check_parity(Block, ids, targets, plan, [(2,), (2, 2)], batch_sharded, fused)
+
+
+def test_transformer_block_over_tcp() -> None:
+    """The same training with every collective over real sockets (the tcp transport), on a (2, 2) mesh."""
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 13, (3, 6), generator=generator)
+    targets = torch.randint(0, 13, (3, 6), generator=generator)
+    _check_parity(Block, ids, targets, _block_megatron, [(2, 2)], batch_sharded=True, fused=False, backend="tcp")
