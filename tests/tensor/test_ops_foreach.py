@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
 
 from spmd.device_mesh import DeviceMesh
-from spmd.tensor import DTensor, Partial, Placement, Replicate, Shard
+from spmd.tensor import DTensor, Partial, Placement, Replicate, Shard, redistribute
 from spmd.tensor.rules import ShardingError
 from tests.tensor.rule_checks import MESH_SHAPES, layouts, make_dtensor, on_meshes
 
@@ -111,6 +113,27 @@ def test_fused_step_reduces_a_partial_gradient_once_in_place() -> None:
         assert isinstance(param.grad, DTensor) and param.grad.placements == columns
         torch.testing.assert_close(param.grad.full_tensor(), GRADS[0][0])
     on_meshes(body, [(2,), (2, 2)])
+
+
+def test_foreach_step_reduces_a_partial_gradient_once_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adam reads the gradient in lerp_ and twice in addcmul_: it is all-reduced once, by the first."""
+    calls: list[str] = []
+    original = redistribute.all_reduced
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(redistribute, "all_reduced", counting)
+
+    def body(mesh: DeviceMesh) -> None:
+        param = torch.nn.Parameter(make_dtensor(INIT[0], mesh, [Replicate()]))
+        param.grad = make_dtensor(GRADS[0][0], mesh, [Partial()])
+        torch.optim.Adam([param], lr=0.1, foreach=True).step()
+        assert param.grad.placements == (Replicate(),)
+        torch.testing.assert_close(param.grad.full_tensor(), GRADS[0][0])
+    on_meshes(body, [(2,)])
+    assert sorted(calls) == ["spmd-rank0", "spmd-rank1"]      # one all-reduce per rank
 
 
 @pytest.mark.parametrize("foreach", [True, False])

@@ -1,8 +1,9 @@
 """Sharding rules for the `_foreach_*` and fused optimizer ops, so torch.optim steps on DTensor parameters.
 
-Layer: tensor. The elementwise `_foreach_*` ops get one rule (decisions only); `_foreach_norm` / `_foreach_max`
-are lists of the reduction handlers; the fused optimizer kernels (`_fused_adam_`, `_fused_adamw_`,
-`_fused_sgd_`, `_fused_adagrad_`) are handlers that run the kernel on the local shards.
+Layer: tensor. The elementwise `_foreach_*` ops get one rule, run through ops/custom.py so that Partial
+operands can be reduced in place first; `_foreach_norm` / `_foreach_max` are lists of the reduction handlers;
+the fused optimizer kernels (`_fused_adam_`, `_fused_adamw_`, `_fused_sgd_`, `_fused_adagrad_`) are handlers
+that run the kernel on the local shards.
 
 Note: foreach ops position by position
 A foreach op is the same elementwise op applied at every list position i to (self[i], other[i], ...). Each
@@ -14,6 +15,13 @@ reduce-scatter to Shard), so a Partial gradient is never read unreduced. A Parti
 buffer cloned from a Partial gradient) stays Partial through the ops linear in it (see `_PARTIAL_ROLES`): its
 "follow" operands become the same Partial, its "scale" operands Replicate. Other ops on a Partial self reduce
 it first (out of place) or are refused (in place: a written tensor keeps its layout).
+
+Note: Partial operands are reduced once
+An optimizer reads each gradient in several foreach ops (Adam: lerp_, then addcmul_ with it twice). Were a
+Partial gradient reduced by each op's redistribution, it would be all-reduced three times per step. So before
+a foreach op runs, every Partial operand it would reduce is brought to its target layout IN PLACE: the DTensor
+keeps its global value and takes the reduced layout, and the later ops find it reduced. Only Partial operands
+are changed this way (their reduced layout is never bigger); other mismatches are redistributed per call.
 
 Note: fused optimizer kernels and gradient layouts
 `_fused_adam_` and friends write every list in place, gradients included (they unscale them), so dispatch
@@ -33,9 +41,10 @@ from torch import Tensor, ops
 from torch._ops import OpOverload
 
 from spmd.tensor.api import DTensor
+from spmd.tensor.ops.custom import LocalKernel, LocalPlan, run_custom
 from spmd.tensor.placement import Partial, Placement, Replicate
 from spmd.tensor.redistribute import run_plan
-from spmd.tensor.rules import OpSchema, ShardingDecision, ShardingError, register_handler, register_rule
+from spmd.tensor.rules import OpSchema, ShardingDecision, ShardingError, register_handler
 from spmd.tensor.spec import DTensorSpec, Placements
 
 aten = ops.aten
@@ -161,7 +170,49 @@ def _elementwise_foreach_ops() -> list[OpOverload]:
     return found
 
 
-register_rule(*_elementwise_foreach_ops())(foreach_rule)
+def _has_partial_operand(args: tuple) -> bool:
+    for value in args[1:]:
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, DTensor) and item._spec.has_partial():
+                    return True
+    return False
+
+
+def _reduce_partial_operands(op: OpOverload, args: tuple, kwargs: dict) -> None:
+    """Bring every Partial operand the op would reduce to its target layout IN PLACE (see Note: Partial
+    operands are reduced once)."""
+    dtensors: list[DTensor] = []
+    schema_args = tuple(_specs_of(value, dtensors) for value in args)
+    schema_kwargs = {name: _specs_of(value, dtensors) for name, value in kwargs.items()}
+    decision = foreach_rule(OpSchema(op, schema_args, schema_kwargs, tuple(dt._spec for dt in dtensors)))
+    lead = args[0]
+    for dt, target in zip(dtensors, decision.input_placements or ()):
+        if target is not None and dt._spec.has_partial() and not any(dt is t for t in lead):
+            _align_in_place(dt, target)
+
+
+def _specs_of(value: Any, dtensors: list[DTensor]) -> Any:
+    if isinstance(value, DTensor):
+        dtensors.append(value)
+        return value._spec
+    if isinstance(value, (list, tuple)):
+        return type(value)(_specs_of(item, dtensors) for item in value)
+    return value
+
+
+def _the_op_itself(plan: LocalPlan) -> LocalKernel:
+    return plan.op
+
+
+def _foreach(op: OpOverload, args: tuple, kwargs: dict) -> Any:
+    if isinstance(args[0], (list, tuple)) and _has_partial_operand(args):
+        _reduce_partial_operands(op, args, kwargs)
+    out = run_custom(op, args, kwargs, foreach_rule, _the_op_itself)
+    return list(out) if isinstance(out, tuple) else out
+
+
+register_handler(*_elementwise_foreach_ops())(_foreach)
 
 
 # -- reductions over each tensor -----------------------------------------------------------------------------
