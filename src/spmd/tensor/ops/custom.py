@@ -57,19 +57,26 @@ class _Plan:
 _NUMBERS = (bool, int, float)
 
 
-def _key_of(value: Any, dtensors: list[DTensor], plain: list[Tensor]) -> Any:
-    """The cache-key form of one argument; collects DTensors and plain tensors in order."""
+def _key_of(value: Any, dtensors: list[DTensor], plain: list[Tensor], numbers: bool) -> Any:
+    """The cache-key form of one argument; collects DTensors and plain tensors in order. Python numbers are
+    keyed by value, or by type alone when `numbers` is False."""
     if isinstance(value, DTensor):
         dtensors.append(value)
         return value._spec
     if isinstance(value, (list, tuple)):
-        return tuple(_key_of(item, dtensors, plain) for item in value)
+        if all(type(item) is DTensor for item in value):       # a foreach list: one pass
+            dtensors.extend(value)
+            return (_LIST, *[item._spec for item in value])
+        return tuple([_key_of(item, dtensors, plain, numbers) for item in value])
     if isinstance(value, Tensor):
         plain.append(value)
         return (Tensor, value.shape, value.dtype, value.device)
     if isinstance(value, _NUMBERS):
-        return (type(value), value)
+        return (type(value), value) if numbers else type(value)
     return value
+
+
+_LIST = object()
 
 
 def _schema_form(value: Any) -> Any:
@@ -91,11 +98,16 @@ def _meta_form(value: Any) -> Any:
 
 
 def _local_form(value: Any, locals_: list[Tensor], index: list[int]) -> Any:
+    """`value` with its DTensors replaced by the next entries of `locals_` (`index[0]` is the next one)."""
     if isinstance(value, DTensor):
         index[0] += 1
         return locals_[index[0] - 1]
     if isinstance(value, (list, tuple)):
-        return type(value)(_local_form(item, locals_, index) for item in value)
+        if value and all(type(item) is DTensor for item in value):      # a foreach list: one slice
+            start = index[0]
+            index[0] += len(value)
+            return type(value)(locals_[start:index[0]])
+        return type(value)([_local_form(item, locals_, index) for item in value])
     return value
 
 
@@ -123,7 +135,7 @@ def _plan(op: OpOverload, args: tuple, kwargs: dict, dtensors: list[DTensor],
     local_specs = []
     for k, (spec, placements) in enumerate(zip(specs, wanted)):
         if placements is not None:
-            placements = normalize_placements(placements, spec.ndim, mesh.ndim, f"{_where(op, specs)}: input {k}")
+            placements = normalize_placements(placements, spec.ndim, mesh.ndim, f"spmd DTensor: {op} input {k}")
         moved = placements is not None and placements != spec.placements
         targets.append(placements if moved else None)
         local_specs.append(spec.with_placements(placements) if moved else spec)
@@ -136,7 +148,7 @@ def _plan(op: OpOverload, args: tuple, kwargs: dict, dtensors: list[DTensor],
         if not isinstance(out, Tensor) or out_placements is None:
             output_specs.append(None)
             continue
-        normalized = normalize_placements(tuple(out_placements), out.ndim, mesh.ndim, f"{_where(op, specs)}: output")
+        normalized = normalize_placements(tuple(out_placements), out.ndim, mesh.ndim, f"spmd DTensor: {op} output")
         output_specs.append(DTensorSpec(mesh, normalized, out.shape, out.stride(), out.dtype))
     kernel = make_kernel(LocalPlan(schema, tuple(local_specs), tuple(output_specs)))
     moves = tuple(targets) if any(t is not None for t in targets) else None
@@ -144,7 +156,8 @@ def _plan(op: OpOverload, args: tuple, kwargs: dict, dtensors: list[DTensor],
 
 
 def run_custom(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
-               rule: Callable[[OpSchema], ShardingDecision], make_kernel: KernelFactory) -> Any:
+               rule: Callable[[OpSchema], ShardingDecision], make_kernel: KernelFactory, *,
+               numbers_matter: bool = True) -> Any:
     """Run `op` on DTensors: `rule` decides the placements, `make_kernel(LocalPlan)` builds the local function
     for that decision (both once per distinct call, cached per mesh), inputs are redistributed, the kernel
     computes this rank's outputs from the call's arguments with DTensors replaced by local tensors, and they
@@ -152,14 +165,18 @@ def run_custom(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
 
     Collective when the decision redistributes inputs or the kernel communicates. The kernel returns local
     tensors laid out as the output specs say (a tensor, or a tuple with one entry per output).
+    `numbers_matter=False` says that neither the rule nor the kernel factory reads Python-number arguments
+    (only their types), so calls differing in them share one cached plan: an optimizer's step-dependent
+    scalars (bias corrections, step sizes) would otherwise make every step a cache miss.
     """
-    fast = _flat_call(op, args, kwargs, rule, make_kernel)
-    if fast is not _NOT_FLAT:
-        return fast
+    if numbers_matter:
+        fast = _flat_call(op, args, kwargs, rule, make_kernel)
+        if fast is not _NOT_FLAT:
+            return fast
     dtensors: list[DTensor] = []
     plain: list[Tensor] = []
-    key = (op, *(_key_of(value, dtensors, plain) for value in args),
-           *((name, _key_of(value, dtensors, plain)) for name, value in kwargs.items()))
+    key = (op, *[_key_of(value, dtensors, plain, numbers_matter) for value in args],
+           *[(name, _key_of(value, dtensors, plain, numbers_matter)) for name, value in kwargs.items()])
     for tensor in plain:
         if tensor.numel() != 1:
             raise MixedTensorError(
@@ -174,7 +191,7 @@ def run_custom(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
     if plan is None:
         plan = _plan(op, args, kwargs, dtensors, rule, make_kernel)
         if key is not None:
-            cache[key] = plan
+            _store(cache, key, plan)
     if plan.targets is None:
         locals_ = [dt._local_tensor for dt in dtensors]
     else:
@@ -233,7 +250,7 @@ def _flat_call(op: OpOverload, args: tuple, kwargs: dict, rule: Callable[[OpSche
     plan = cache.get(key)
     if plan is None:
         plan = _plan(op, args, kwargs, dtensors, rule, make_kernel)
-        cache[key] = plan
+        _store(cache, key, plan)
     if plan.targets is None:
         local_args = [value._local_tensor if type(value) is DTensor else value for value in args]
     else:
@@ -249,6 +266,13 @@ def _flat_call(op: OpOverload, args: tuple, kwargs: dict, rule: Callable[[OpSche
 
 
 _NOT_FLAT = object()
+_CACHE_LIMIT = 8192        # as dispatch's: the mesh's decision cache is cleared when it grows past this
+
+
+def _store(cache: dict, key: tuple, plan: _Plan) -> None:
+    if len(cache) >= _CACHE_LIMIT:
+        cache.clear()
+    cache[key] = plan
 
 
 def empty_outputs(plan: LocalPlan, like: Tensor, zeros: bool = False) -> Any:

@@ -208,7 +208,7 @@ def _the_op_itself(plan: LocalPlan) -> LocalKernel:
 def _foreach(op: OpOverload, args: tuple, kwargs: dict) -> Any:
     if isinstance(args[0], (list, tuple)) and _has_partial_operand(args):
         _reduce_partial_operands(op, args, kwargs)
-    out = run_custom(op, args, kwargs, foreach_rule, _the_op_itself)
+    out = run_custom(op, args, kwargs, foreach_rule, _the_op_itself, numbers_matter=False)
     return list(out) if isinstance(out, tuple) else out
 
 
