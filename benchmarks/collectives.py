@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -115,6 +116,7 @@ def worker(rank: int, world_size: int, queue: Any, ports: dict[str, int], transp
            sizes: list[int]) -> None:
     try:
         torch.set_num_threads(1)
+        warnings.filterwarnings("ignore", category=FutureWarning)   # gloo's *_into_tensor/_tensor renames
         timeout = datetime.timedelta(seconds=300)
         tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports['gloo']}", rank=rank,
                                  world_size=world_size, timeout=timeout)

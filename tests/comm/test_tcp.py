@@ -33,9 +33,11 @@ ALL_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch
               torch.int64, torch.uint8, torch.bool, torch.complex64]
 
 
-def _spec(store: HashStore, rank: int, size: int, timeout: float = 20.0) -> TransportSpec:
+def _spec(store: HashStore, rank: int, size: int, timeout: float = 20.0,
+          hosts: tuple[str, ...] | None = None) -> TransportSpec:
     return TransportSpec(store=PrefixStore("g", store), group_name="g", group_rank=rank,
-                         global_ranks=tuple(range(size)), hosts=("host",) * size, timeout=timeout, token=TOKEN)
+                         global_ranks=tuple(range(size)), hosts=hosts or ("host",) * size, timeout=timeout,
+                         token=TOKEN)
 
 
 def _ctx(seq: int, numel: int) -> OpContext:
@@ -96,6 +98,22 @@ def test_strangers_are_dropped_and_the_group_still_connects() -> None:
         for transport in made.values():
             transport.close()
         silent.close()
+
+
+def test_ranks_on_different_hosts_listen_on_every_interface() -> None:
+    store = HashStore(timeout=20)
+    made: dict[int, TcpTransport] = {}
+    hosts = ("node-a", "node-b")       # not resolvable: the address falls back to this host's name
+    first = threading.Thread(target=lambda: made.__setitem__(0, TcpTransport(_spec(store, 0, 2, hosts=hosts))))
+    first.start()
+    made[1] = TcpTransport(_spec(store, 1, 2, hosts=hosts))
+    first.join(timeout=20)
+    try:
+        assert not store.get("g/tcp/addr/0").decode().startswith("127.0.0.1:")
+        assert [t.tolist() for t in _all_reduce_pair([made[0], made[1]])] == [[3.0] * 5] * 2
+    finally:
+        for transport in made.values():
+            transport.close()
 
 
 def test_connecting_to_an_impostor_fails() -> None:

@@ -44,7 +44,9 @@ from spmd.comm.reduce_op import ReduceOp, combine_, finish_average
 SMALL_BYTES = 64 * 1024       # at or below: latency-optimal exchanges; above: ring with pipelined pieces
 DOUBLING_BYTES = 4 << 20      # all_reduce on 2^k ranks: pipelined recursive doubling up to this size (one hop
                               # per round beats the ring's two phases until the extra reduction work dominates)
-PIECE_BYTES = 256 * 1024      # size of one pipelined piece of a ring step
+PIECE_BYTES = 256 * 1024      # smallest pipelined piece of a ring step
+MAX_PIECE_BYTES = 512 * 1024  # largest piece: bigger ones overlap less (measured on 2 ranks, 32 MiB)
+PIECES_PER_BLOCK = 16         # enough pieces to overlap receiving, reducing and forwarding
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
@@ -83,7 +85,10 @@ def split(numel: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _pieces(start: int, length: int, element_size: int) -> list[tuple[int, int]]:
-    step = max(1, PIECE_BYTES // element_size)
+    """Split [start, start+length) into pipelined pieces: about PIECES_PER_BLOCK of them, each between
+    PIECE_BYTES and MAX_PIECE_BYTES (sender and receiver split a block identically)."""
+    piece_bytes = min(MAX_PIECE_BYTES, max(PIECE_BYTES, length * element_size // PIECES_PER_BLOCK))
+    step = max(1, piece_bytes // element_size)
     return [(s, min(step, start + length - s)) for s in range(start, start + length, step)]
 
 

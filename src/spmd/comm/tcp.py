@@ -169,8 +169,15 @@ class TcpTransport(Transport):
         """Collective over the group: listen, publish host:port, connect to lower ranks, accept higher ones."""
         r = self.group_rank
         one_host = len(set(self.spec.hosts)) == 1
-        bind_host, public_host = ("127.0.0.1", "127.0.0.1") if one_host else ("0.0.0.0", _public_host())
-        self._listener = socket.create_server((bind_host, 0), backlog=max(16, 2 * self.group_size))
+        if one_host:
+            bind_host, public_host = "127.0.0.1", "127.0.0.1"
+        else:
+            bind_host, public_host = "0.0.0.0", _public_host(self.spec.hosts, r)
+        try:
+            self._listener = socket.create_server((bind_host, 0), backlog=max(16, 2 * self.group_size))
+        except OSError as error:
+            raise CommError(f"tcp transport of {self._desc}, rank {self.spec.global_rank}: can't listen on "
+                            f"{bind_host} ({error})") from None
         port = self._listener.getsockname()[1]
         self.spec.store.set(f"tcp/addr/{r}", f"{public_host}:{port}")
         if r < self.group_size - 1:
@@ -313,6 +320,9 @@ class TcpTransport(Transport):
                     raise ConnectionError(f"malformed frame (kind {kind}, {nbytes} bytes)")
         except (OSError, wire.PeerClosed) as error:
             self._on_disconnect(peer, error)
+        except Exception as error:   # a bug or a corrupt stream: fail the group rather than lose the reader
+            self._fail(CommError(f"the reader of rank {self.spec.global_rank}'s connection to rank "
+                                 f"{peer.global_rank} in {self._desc} failed: {type(error).__name__}: {error}"))
 
     def _on_disconnect(self, peer: _Peer, error: BaseException) -> None:
         with self._cond:
@@ -752,12 +762,30 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
-def _public_host() -> str:
-    """An address of this host that other hosts can reach (its hostname's address)."""
+def _public_host(hosts: tuple[str, ...], me: int) -> str:
+    """An address of this host that the other hosts can reach.
+
+    The local address of the route towards another rank's host (a UDP connect sends nothing), else the
+    address of this host's name, unless that is a loopback address, else the name itself.
+    """
+    for host in hosts:
+        if host == hosts[me]:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((socket.gethostbyname(host), 9))
+                address = probe.getsockname()[0]
+            if not address.startswith("127."):
+                return address
+        except OSError:
+            continue
     try:
-        return socket.gethostbyname(socket.gethostname())
+        address = socket.gethostbyname(socket.gethostname())
+        if not address.startswith("127."):
+            return address
     except OSError:
-        return socket.gethostname()
+        pass
+    return socket.gethostname()
 
 
 def _decode_fingerprint(key: bytes, site: bytes) -> Fingerprint:
