@@ -46,13 +46,12 @@ def parse_size(text: str) -> int:
 
 
 def sizes_up_to(max_size: int) -> list[int]:
+    """8 B, then x8 up to 1 MiB, then x4: 8, 64, 512, 4K, 32K, 256K, 1M, 4M, 16M, 64M, 256M (up to max_size)."""
     sizes, size = [], 8
     while size <= max_size:
         sizes.append(size)
-        size *= 8 if size < (1 << 20) else 4
-    if (1 << 20) <= max_size and (1 << 20) not in sizes:
-        sizes.append(1 << 20)
-    return sorted(sizes)
+        size *= 8 if size < (1 << 20) // 4 else 4
+    return sizes
 
 
 class Backend:
