@@ -157,7 +157,7 @@ def _plan(op: OpOverload, args: tuple, kwargs: dict, dtensors: list[DTensor],
 
 def run_custom(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
                rule: Callable[[OpSchema], ShardingDecision], make_kernel: KernelFactory, *,
-               numbers_matter: bool = True) -> Any:
+               numbers_matter: bool = True, adopt_reduced_partials: bool = False) -> Any:
     """Run `op` on DTensors: `rule` decides the placements, `make_kernel(LocalPlan)` builds the local function
     for that decision (both once per distinct call, cached per mesh), inputs are redistributed, the kernel
     computes this rank's outputs from the call's arguments with DTensors replaced by local tensors, and they
@@ -168,6 +168,8 @@ def run_custom(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
     `numbers_matter=False` says that neither the rule nor the kernel factory reads Python-number arguments
     (only their types), so calls differing in them share one cached plan: an optimizer's step-dependent
     scalars (bias corrections, step sizes) would otherwise make every step a cache miss.
+    `adopt_reduced_partials=True` (for inputs the op only reads): a Partial input that the decision reduces
+    keeps the reduced layout afterwards, in place (same global value), so later ops don't reduce it again.
     """
     if numbers_matter:
         fast = _flat_call(op, args, kwargs, rule, make_kernel)
@@ -195,8 +197,7 @@ def run_custom(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
     if plan.targets is None:
         locals_ = [dt._local_tensor for dt in dtensors]
     else:
-        locals_ = [dt._local_tensor if target is None else run_plan(dt._local_tensor, dt._spec, target)
-                   for dt, target in zip(dtensors, plan.targets)]
+        locals_ = _move_inputs(dtensors, plan.targets, adopt_reduced_partials)
     index = [0]
     local_args = [_local_form(value, locals_, index) for value in args]
     local_kwargs = {name: _local_form(value, locals_, index) for name, value in kwargs.items()}
@@ -206,6 +207,28 @@ def run_custom(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
         return out if spec is None else DTensor._wrap_local(out, spec)
     return tuple(item if spec is None else DTensor._wrap_local(item, spec)
                  for item, spec in zip(out, plan.output_specs))
+
+
+def _move_inputs(dtensors: list[DTensor], targets: tuple[Placements | None, ...], adopt: bool) -> list[Tensor]:
+    """The local tensors the kernel gets: each input redistributed to its target (collective). An input passed
+    twice is moved once. With `adopt`, a Partial input takes its reduced layout in place."""
+    moved: dict[tuple[int, Placements], Tensor] = {}
+    locals_ = []
+    for dt, target in zip(dtensors, targets):
+        if target is None:
+            locals_.append(dt._local_tensor)
+            continue
+        local = moved.get((id(dt), target))
+        if local is None:
+            local = run_plan(dt._local_tensor, dt._spec, target)
+            moved[(id(dt), target)] = local
+        locals_.append(local)
+    if adopt:
+        for dt, target in zip(dtensors, targets):
+            if target is not None and dt._spec.has_partial() and dt._spec.placements != target:
+                dt._local_tensor = moved[(id(dt), target)]
+                dt._spec = dt._spec.with_placements(target)
+    return locals_
 
 
 def _flat_key(op: OpOverload, args: tuple, kwargs: dict, dtensors: list[DTensor]) -> tuple | None:

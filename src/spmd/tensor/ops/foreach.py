@@ -170,45 +170,14 @@ def _elementwise_foreach_ops() -> list[OpOverload]:
     return found
 
 
-def _has_partial_operand(args: tuple) -> bool:
-    for value in args[1:]:
-        if isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, DTensor) and item._spec.has_partial():
-                    return True
-    return False
-
-
-def _reduce_partial_operands(op: OpOverload, args: tuple, kwargs: dict) -> None:
-    """Bring every Partial operand the op would reduce to its target layout IN PLACE (see Note: Partial
-    operands are reduced once)."""
-    dtensors: list[DTensor] = []
-    schema_args = tuple(_specs_of(value, dtensors) for value in args)
-    schema_kwargs = {name: _specs_of(value, dtensors) for name, value in kwargs.items()}
-    decision = foreach_rule(OpSchema(op, schema_args, schema_kwargs, tuple(dt._spec for dt in dtensors)))
-    lead = args[0]
-    for dt, target in zip(dtensors, decision.input_placements or ()):
-        if target is not None and dt._spec.has_partial() and not any(dt is t for t in lead):
-            _align_in_place(dt, target)
-
-
-def _specs_of(value: Any, dtensors: list[DTensor]) -> Any:
-    if isinstance(value, DTensor):
-        dtensors.append(value)
-        return value._spec
-    if isinstance(value, (list, tuple)):
-        return type(value)(_specs_of(item, dtensors) for item in value)
-    return value
-
-
 def _the_op_itself(plan: LocalPlan) -> LocalKernel:
     return plan.op
 
 
 def _foreach(op: OpOverload, args: tuple, kwargs: dict) -> Any:
-    if isinstance(args[0], (list, tuple)) and _has_partial_operand(args):
-        _reduce_partial_operands(op, args, kwargs)
-    out = run_custom(op, args, kwargs, foreach_rule, _the_op_itself, numbers_matter=False)
+    # see Note: Partial operands are reduced once (only self is written; every other input is read)
+    out = run_custom(op, args, kwargs, foreach_rule, _the_op_itself, numbers_matter=False,
+                     adopt_reduced_partials=True)
     return list(out) if isinstance(out, tuple) else out
 
 
