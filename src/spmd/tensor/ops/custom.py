@@ -77,6 +77,7 @@ def _key_of(value: Any, dtensors: list[DTensor], plain: list[Tensor], numbers: b
 
 
 _LIST = object()
+_FLAT = object()
 
 
 def _schema_form(value: Any) -> Any:
@@ -171,10 +172,9 @@ def run_custom(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
     `adopt_reduced_partials=True` (for inputs the op only reads): a Partial input that the decision reduces
     keeps the reduced layout afterwards, in place (same global value), so later ops don't reduce it again.
     """
-    if numbers_matter:
-        fast = _flat_call(op, args, kwargs, rule, make_kernel)
-        if fast is not _NOT_FLAT:
-            return fast
+    fast = _flat_call(op, args, kwargs, rule, make_kernel, numbers_matter, adopt_reduced_partials)
+    if fast is not _NOT_FLAT:
+        return fast
     dtensors: list[DTensor] = []
     plain: list[Tensor] = []
     key = (op, *[_key_of(value, dtensors, plain, numbers_matter) for value in args],
@@ -201,12 +201,7 @@ def run_custom(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
     index = [0]
     local_args = [_local_form(value, locals_, index) for value in args]
     local_kwargs = {name: _local_form(value, locals_, index) for name, value in kwargs.items()}
-    out = plan.kernel(*local_args, **local_kwargs)
-    if plan.single_output:
-        spec = plan.output_specs[0]
-        return out if spec is None else DTensor._wrap_local(out, spec)
-    return tuple(item if spec is None else DTensor._wrap_local(item, spec)
-                 for item, spec in zip(out, plan.output_specs))
+    return _wrap_outputs(plan, plan.kernel(*local_args, **local_kwargs))
 
 
 def _move_inputs(dtensors: list[DTensor], targets: tuple[Placements | None, ...], adopt: bool) -> list[Tensor]:
@@ -231,42 +226,54 @@ def _move_inputs(dtensors: list[DTensor], targets: tuple[Placements | None, ...]
     return locals_
 
 
-def _flat_key(op: OpOverload, args: tuple, kwargs: dict, dtensors: list[DTensor]) -> tuple | None:
-    """The cache key of a call whose arguments are all DTensors, numbers, int lists, dtypes or None (most
-    calls), else None. Its form differs from `_key_of`'s, so the two never share an entry."""
+def _flat_key(op: OpOverload, args: tuple, kwargs: dict, dtensors: list[DTensor], numbers: bool) -> tuple | None:
+    """The cache key of a call whose positional arguments are DTensors, lists of DTensors (foreach), numbers,
+    lists of numbers, dtypes or None, and whose keyword arguments hold no tensor (most calls); else None.
+    Numbers are keyed by value, or by type (lists by length) when `numbers` is False. The key's form differs
+    from `_key_of`'s, so the two never share an entry."""
     key: list[Any] = [op, _FLAT]
-    for value in (*args, *kwargs.values()):
+    for value in args:
         kind = type(value)
         if kind is DTensor:
             dtensors.append(value)
             key.append(value._spec)
         elif kind in _NUMBERS:
-            key.append((kind, value))
+            key.append((kind, value) if numbers else kind)
         elif kind is list or kind is tuple:
-            for item in value:
-                if type(item) is not int:
-                    return None
-            key.append((kind, *value))
+            if value and type(value[0]) is DTensor:
+                specs: list[Any] = [_LIST]
+                for item in value:
+                    if type(item) is not DTensor:
+                        return None
+                    specs.append(item._spec)
+                dtensors.extend(value)
+                key.append(tuple(specs))
+            else:
+                for item in value:
+                    if type(item) not in _NUMBERS:
+                        return None
+                key.append((kind, *value) if numbers else (kind, len(value)))
         elif value is None or kind is torch.dtype:
             key.append(value)
         else:
             return None
-    if kwargs:
-        if any(type(value) is DTensor for value in kwargs.values()):
-            return None              # the flat path substitutes positional DTensors only
-        key.extend(kwargs)
+    for name, value in kwargs.items():
+        kind = type(value)
+        if kind in _NUMBERS:
+            key.append((name, (kind, value) if numbers else kind))
+        elif value is None or kind is torch.dtype or kind is str:
+            key.append((name, value))
+        else:
+            return None
     return tuple(key) if dtensors else None
 
 
-_FLAT = object()
-
-
 def _flat_call(op: OpOverload, args: tuple, kwargs: dict, rule: Callable[[OpSchema], ShardingDecision],
-               make_kernel: KernelFactory) -> Any:
+               make_kernel: KernelFactory, numbers: bool, adopt: bool) -> Any:
     """run_custom for a flat call (see `_flat_key`): one pass over the arguments. Returns _NOT_FLAT for any
     other call."""
     dtensors: list[DTensor] = []
-    key = _flat_key(op, args, kwargs, dtensors)
+    key = _flat_key(op, args, kwargs, dtensors, numbers)
     if key is None:
         return _NOT_FLAT
     cache = dtensors[0]._spec.mesh.dispatch_cache
@@ -275,17 +282,34 @@ def _flat_call(op: OpOverload, args: tuple, kwargs: dict, rule: Callable[[OpSche
         plan = _plan(op, args, kwargs, dtensors, rule, make_kernel)
         _store(cache, key, plan)
     if plan.targets is None:
-        local_args = [value._local_tensor if type(value) is DTensor else value for value in args]
+        local_args = [value._local_tensor if type(value) is DTensor else
+                      [item._local_tensor for item in value] if type(value) in (list, tuple) and value
+                      and type(value[0]) is DTensor else value for value in args]
     else:
-        moved = iter([dt._local_tensor if target is None else run_plan(dt._local_tensor, dt._spec, target)
-                      for dt, target in zip(dtensors, plan.targets)])
-        local_args = [next(moved) if type(value) is DTensor else value for value in args]
-    out = plan.kernel(*local_args, **kwargs)
+        locals_ = _move_inputs(dtensors, plan.targets, adopt)
+        index = [0]
+        local_args = [_local_form(value, locals_, index) for value in args]
+    return _wrap_outputs(plan, plan.kernel(*local_args, **kwargs))
+
+
+def _wrap_outputs(plan: _Plan, out: Any) -> Any:
     if plan.single_output:
         spec = plan.output_specs[0]
-        return out if spec is None else DTensor._wrap_local(out, spec)
-    return tuple(item if spec is None else DTensor._wrap_local(item, spec)
-                 for item, spec in zip(out, plan.output_specs))
+        return out if spec is None else _wrap(out, spec)
+    wrapped = [item if spec is None else _wrap(item, spec) for item, spec in zip(out, plan.output_specs)]
+    return wrapped if isinstance(out, list) else tuple(wrapped)
+
+
+_make_wrapper_subclass = Tensor._make_wrapper_subclass
+
+
+def _wrap(local: Tensor, spec: DTensorSpec) -> DTensor:
+    """DTensor._wrap_local, inlined (this is per output per call)."""
+    wrapped = _make_wrapper_subclass(DTensor, spec.shape, strides=spec.stride, dtype=spec.dtype,
+                                     device=local.device)
+    wrapped._local_tensor = local
+    wrapped._spec = spec
+    return wrapped
 
 
 _NOT_FLAT = object()

@@ -176,9 +176,8 @@ def _the_op_itself(plan: LocalPlan) -> LocalKernel:
 
 def _foreach(op: OpOverload, args: tuple, kwargs: dict) -> Any:
     # see Note: Partial operands are reduced once (only self is written; every other input is read)
-    out = run_custom(op, args, kwargs, foreach_rule, _the_op_itself, numbers_matter=False,
-                     adopt_reduced_partials=True)
-    return list(out) if isinstance(out, tuple) else out
+    return run_custom(op, args, kwargs, foreach_rule, _the_op_itself, numbers_matter=False,
+                      adopt_reduced_partials=True)
 
 
 register_handler(*_elementwise_foreach_ops())(_foreach)
