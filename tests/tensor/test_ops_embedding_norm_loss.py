@@ -1,5 +1,5 @@
 """Sharding rules for embedding (vocab-, column- and id-sharded), softmax / log_softmax, layer norm, rms norm,
-and nll_loss / cross_entropy, forward and backward, against plain torch.
+nll_loss / cross_entropy and mse_loss, forward and backward, against plain torch.
 
 Layouts: every combination on 1- and 2-rank meshes, a fixed sample on 4-rank ones. Sizes are odd (a vocab
 of 11 rows over 4 ranks is 3, 3, 3, 2) and targets include ignore_index, so an averaged-means shortcut or an
@@ -25,6 +25,7 @@ ACTIVATIONS = torch.randn(5, 6, 3)
 LOGITS = torch.randn(7, 5)
 TARGETS = torch.tensor([0, 4, -100, 2, 2, 1, 3])
 CLASS_WEIGHTS = torch.rand(5) + 0.5
+REGRESSION_TARGETS = torch.randn(7, 5)
 NORM_WEIGHT, NORM_BIAS = torch.randn(3), torch.randn(3)
 
 
@@ -159,6 +160,13 @@ def _nll(reduction: str, weighted: bool = False):
     return loss
 
 
+def _mse(reduction: str):
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(x, y, reduction=reduction)
+    loss.__name__ = f"mse_{reduction}"
+    return loss
+
+
 def _cross_entropy_smoothed(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, targets, label_smoothing=0.1)
 
@@ -176,6 +184,10 @@ def test_losses_every_layout(mesh_shape: tuple[int, ...]) -> None:
                 check(_nll(reduction), [LOGITS, TARGETS], mesh, [logits_layout, target_layout])
                 check(_nll(reduction, weighted=True), [LOGITS, TARGETS, CLASS_WEIGHTS], mesh,
                       [logits_layout, target_layout, _rep(mesh)], constants=(2,))
+        for reduction in ("mean", "sum", "none"):
+            for x_layout, y_layout in combos(layouts(2, mesh, partial=True), layouts(2, mesh),
+                                             limit=budget(mesh, on_two=6)):
+                check(_mse(reduction), [LOGITS, REGRESSION_TARGETS], mesh, [x_layout, y_layout])
         for logits_layout, target_layout in pairs:
             check(F.cross_entropy, [LOGITS, TARGETS], mesh, [logits_layout, target_layout])
             check(_cross_entropy_smoothed, [LOGITS, TARGETS], mesh, [logits_layout, target_layout])
@@ -186,9 +198,11 @@ def test_losses_every_layout(mesh_shape: tuple[int, ...]) -> None:
 
 
 def test_loss_over_sharded_rows() -> None:
-    """Rows sharded: 'none' stays sharded, 'sum' is Partial, 'mean' is all-reduced once to the exact mean."""
+    """Rows sharded: 'none' stays sharded, 'sum' is Partial, 'mean' is all-reduced once to the exact mean
+    (mse_loss's mean stays Partial: a local sum over the global count)."""
     def body(mesh: DeviceMesh) -> None:
         rows: Sequence[Placement] = [Shard(0)]
+        check(_mse("mean"), [LOGITS, REGRESSION_TARGETS], mesh, [rows, rows], expect_placements=[Partial()])
         check(_nll("none"), [LOGITS, TARGETS], mesh, [rows, rows], expect_placements=[Shard(0)])
         check(_nll("sum"), [LOGITS, TARGETS], mesh, [rows, rows], expect_placements=[Partial()])
         check(_nll("mean", weighted=True), [LOGITS, TARGETS, CLASS_WEIGHTS], mesh,

@@ -1,5 +1,5 @@
-"""Reduction sharding rules: sum, mean, amax/amin, max/min (with and without dim), argmax, var/std(_mean),
-vector norms.
+"""Reduction sharding rules: sum, prod, mean, amax/amin, max/min (with and without dim), argmax, logsumexp,
+var/std(_mean), vector norms.
 
 Each reduction runs on every input layout (Replicate, Shard of each dim, Partial) on the 1- and 2-rank
 meshes and on a fixed sample of layouts on the 4-rank ones, comparing the full result and the full input
@@ -47,10 +47,13 @@ REDUCTIONS: dict[str, Callable[[torch.Tensor], object]] = {
     "norm3_dim1_keepdim": lambda t: torch.linalg.vector_norm(t, 3, dim=1, keepdim=True),
     "norm_inf_dims01": lambda t: torch.linalg.vector_norm(t, math.inf, dim=(0, 1)),
     "norm_neg_inf": lambda t: torch.linalg.vector_norm(t, -math.inf),
+    "logsumexp_dims01": lambda t: torch.logsumexp(t, (0, 1)),
 }
 NO_GRAD = {
     "argmax_dim2": lambda t: t.argmax(2),
     "norm0_dim0": lambda t: torch.linalg.vector_norm(t, 0, dim=0),
+    "prod": lambda t: t.prod(),          # (its backward runs flip / cumprod, which have no rules yet)
+    "prod_dim1": lambda t: t.prod(1),
 }
 
 
@@ -88,6 +91,7 @@ def test_reducing_a_sharded_dim_defers_the_reduction() -> None:
         check(lambda t: torch.linalg.vector_norm(t, math.inf), [X], mesh, [s0], expect_placements=[Partial("max")])
         check(lambda t: t.sum(), [X], mesh, [[Partial()]], expect_placements=[Partial()])
         check(lambda t: t.max(0).values, [X], mesh, [s2], expect_placements=[Shard(1)])
+        check(lambda t: t.prod(0), [X], mesh, [s0], expect_placements=[Partial("product")], grad=False)
     on_meshes(body, [(2,), (4,)])
 
 

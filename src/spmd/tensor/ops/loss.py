@@ -1,7 +1,7 @@
-"""Sharding rules for the negative log-likelihood loss (and so cross_entropy = log_softmax + nll_loss).
+"""Sharding rules for losses: nll_loss (and so cross_entropy = log_softmax + nll_loss) and mse_loss.
 
-Layer: tensor. `nll_loss_forward` runs through a custom local kernel (ops/custom.py) so that a mean over
-sharded rows is exact; `nll_loss_backward` is a plain rule.
+Layer: tensor. `nll_loss_forward` and `mse_loss` (+ backward) run through custom local kernels (ops/custom.py)
+so that a mean over sharded rows is exact; `nll_loss_backward` is a plain rule.
 
 Note: nll_loss sharding
 loss_i = -w[t_i] * x[i, t_i], reduced by none / sum / mean, where mean divides the sum by the total weight
@@ -138,3 +138,58 @@ def _nll_loss_backward(schema: OpSchema) -> ShardingDecision:
 
     return pick_per_mesh_dim(schema, candidates)
 
+
+
+# -- mse_loss -------------------------------------------------------------------------------------------------
+# Note: mse_loss sharding
+# (x - t)^2 elementwise, then none / sum / mean over every element: x and t share one layout (Partial inputs
+# are reduced: the square isn't linear); 'none' keeps it; 'sum' of a sharded layout is Partial(sum) of the
+# local sums; 'mean' is Partial(sum) of (local sum / GLOBAL count), exact with uneven shards. The backward,
+# 2 (x - t) grad (/ N for mean), follows x, with the same global N.
+
+def _mse_args(schema: OpSchema) -> tuple[bool, int, DTensorSpec]:
+    """(is the backward, reduction, the spec giving the elementwise shape: x's, or t's if x is a plain scalar)."""
+    backward = schema.op is aten.mse_loss_backward.default
+    first = 1 if backward else 0          # forward (x, t, reduction); backward (grad, x, t, reduction)
+    reduction = schema.args[first + 2] if len(schema.args) > first + 2 else _MEAN
+    x, t = schema.args[first], schema.args[first + 1]
+    return backward, reduction, x if isinstance(x, DTensorSpec) and x.ndim >= t.ndim else t
+
+
+def _mse_rule(schema: OpSchema) -> ShardingDecision:
+    backward, reduction, x = _mse_args(schema)
+    first = 1 if backward else 0
+
+    def candidates(mesh_dim: int) -> list[Strategy]:
+        found = [Strategy(_per_input(schema, {}, Replicate()), Replicate())]
+        for dim in range(x.ndim):
+            shard = Shard(dim)
+            layout = {first: shard, first + 1: shard}
+            if backward:        # grad_output: a scalar for sum / mean, laid out like x for none
+                found.append(Strategy(_per_input(schema, {**layout, 0: shard if reduction == _NONE else
+                                                          Replicate()}, Replicate()), shard))
+            else:
+                found.append(Strategy(_per_input(schema, layout, Replicate()),
+                                      shard if reduction == _NONE else Partial()))
+        return found
+
+    return pick_per_mesh_dim(schema, candidates)
+
+
+def _mse_kernel(plan: LocalPlan) -> LocalKernel:
+    backward, reduction, _ = _mse_args(plan.schema)
+    sharded = any(isinstance(p, Shard) for spec in plan.input_specs for p in spec.placements)
+    if reduction != _MEAN or not sharded:
+        return plan.op
+    op = plan.op
+    count = max(plan.output_specs[0].shape.numel() if backward else 0,
+                *(spec.shape.numel() for spec in plan.input_specs))
+
+    def kernel(*args: Any) -> Tensor:
+        return op(*args[: 3 if backward else 2], _SUM) / count
+    return kernel
+
+
+@register_handler(aten.mse_loss.default, aten.mse_loss_backward.default)
+def _mse_loss(op: OpOverload, args: tuple, kwargs: dict) -> Any:
+    return run_custom(op, args, kwargs, _mse_rule, _mse_kernel)

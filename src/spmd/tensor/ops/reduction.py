@@ -1,4 +1,5 @@
-"""Sharding rules for reductions: sum, mean, amax/amin, max/min, argmax/argmin, var/std, vector norms.
+"""Sharding rules for reductions: sum, prod, mean, amax/amin, max/min, argmax/argmin, logsumexp, var/std,
+vector norms.
 
 Layer: tensor. The rules decide; `mean`, `var`/`std` and the norms use custom local kernels (ops/custom.py)
 because their local computation over a shard is not the op itself.
@@ -7,7 +8,7 @@ Note: reducing over a sharded dim
 Reducing a dim that a mesh dim shards leaves each rank with the reduction of its own piece. For a reduction
 that composes (sum of sums, max of maxes) that is a Partial of the same op: no communication now, one
 all-reduce later if anyone needs the value (and often nobody does before another linear op).
-  - sum -> Partial(sum); amax / max() -> Partial(max); amin / min() -> Partial(min).
+  - sum -> Partial(sum); prod -> Partial(product); amax / max() -> Partial(max); amin / min() -> Partial(min).
   - mean -> Partial(sum) of (local sum / GLOBAL count): exact with uneven shards, where averaging local means
     would weigh a short shard like a long one.
   - var / std -> two passes: the local sums are all-reduced to the global mean (a small tensor, the size of
@@ -16,7 +17,7 @@ all-reduce later if anyone needs the value (and often nobody does before another
   - vector norm of order p -> Partial(sum) of sum |x|^p, all-reduced, then ^(1/p) (Replicate); p = 1 stays
     Partial(sum), p = inf is Partial(max) of the local max |x|, p = -inf Partial(min), p = 0 Partial(sum).
   - max/min with a dim, argmax/argmin: their indices are positions in the whole dim, so the reduced dim is
-    gathered first (kept dims stay sharded).
+    gathered first (kept dims stay sharded); so is logsumexp's (a log of a sum is no Partial).
 A dim not reduced stays sharded, renumbered when keepdim is False. Partial inputs stay Partial through the
 linear reductions (sum, mean: a sum of partial sums is a partial sum) and through amax of a Partial(max);
 everything else reduces a Partial input first.
@@ -100,6 +101,22 @@ def _sum(schema: OpSchema) -> list[Strategy]:
         return reduction_strategies(spec, tuple(range(spec.ndim)), False, "sum", ("sum", "avg"))
     dims = schema.args[1] if len(schema.args) > 1 else schema.kwargs.get("dim")
     return reduction_strategies(spec, reduction_dims(dims, spec.ndim), _keepdim(schema, 2), "sum", ("sum", "avg"))
+
+
+@register_strategy(aten.prod.default, aten.prod.dim_int)
+def _prod(schema: OpSchema) -> list[Strategy]:
+    spec = schema.input_specs[0]
+    if schema.op is aten.prod.default:
+        reduced, keepdim = tuple(range(spec.ndim)), False
+    else:
+        reduced, keepdim = reduction_dims(schema.args[1], spec.ndim), _keepdim(schema, 2)
+    return reduction_strategies(spec, reduced, keepdim, "product", ("product",))   # an empty shard's prod is 1
+
+
+@register_strategy(aten.logsumexp.default)
+def _logsumexp(schema: OpSchema) -> list[Strategy]:
+    spec = schema.input_specs[0]       # log of a sum of exps: not a Partial of anything, so reduced dims gathered
+    return reduction_strategies(spec, reduction_dims(schema.args[1], spec.ndim), _keepdim(schema, 2), None)
 
 
 # -- amax, amin, max(), min() ------------------------------------------------------------------------------
