@@ -18,6 +18,7 @@ import torch
 
 from spmd.device_mesh import DeviceMesh
 from spmd.tensor import DTensor, Partial, Placement, Replicate, Shard, redistribute
+from spmd.tensor.ops import foreach as foreach_ops
 from spmd.tensor.rules import ShardingError
 from tests.tensor.rule_checks import MESH_SHAPES, layouts, make_dtensor, on_meshes
 
@@ -151,3 +152,26 @@ def test_clip_grad_norm(foreach: bool) -> None:
             for p, d in zip(plain, dist):
                 torch.testing.assert_close(d.grad.full_tensor(), p.grad)
     on_meshes(body, [(2,), (4,)])
+
+
+def test_foreach_norm_batches_one_all_reduce_per_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """clip_grad_norm_ over many sharded gradients: one all-reduce for all of them, not one each."""
+    calls: list[str] = []
+    original = foreach_ops.all_reduced
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(foreach_ops, "all_reduced", counting)
+
+    def body(mesh: DeviceMesh) -> None:
+        grads = [make_dtensor(g, mesh, [Shard(0)]) for g in GRADS[0]] + [make_dtensor(GRADS[1][2], mesh, [Shard(1)])]
+        for order in (2.0, 3.0, math.inf):
+            norms = torch._foreach_norm(grads, order)
+            want = [torch.linalg.vector_norm(g, order) for g in [*GRADS[0], GRADS[1][2]]]
+            for got, expected in zip(norms, want):
+                assert got.placements == (Replicate(),)
+                torch.testing.assert_close(got.full_tensor(), expected)
+    on_meshes(body, [(2,)])
+    assert sorted(calls) == ["spmd-rank0"] * 3 + ["spmd-rank1"] * 3     # one per norm order, per rank

@@ -16,6 +16,13 @@ buffer cloned from a Partial gradient) stays Partial through the ops linear in i
 "follow" operands become the same Partial, its "scale" operands Replicate. Other ops on a Partial self reduce
 it first (out of place) or are refused (in place: a written tensor keeps its layout).
 
+Note: batched foreach norms
+`_foreach_norm` (clip_grad_norm_) needs every gradient's norm. One all-reduce per gradient would be hundreds
+of tiny collectives, so the gradients sharded over the same mesh dims are done together: each rank stacks
+its local sums of |x|^p (or local max |x| for p = inf), ONE all-reduce over the sharding mesh dims sums (maxes)
+the stack, and ^(1/p) gives every norm, Replicate. Partial gradients, p = 0 and p = -inf take the per-tensor
+norm rule.
+
 Note: Partial operands are reduced once
 An optimizer reads each gradient in several foreach ops (Adam: lerp_, then addcmul_ with it twice). Were a
 Partial gradient reduced by each op's redistribution, it would be all-reduced three times per step. So before
@@ -33,6 +40,7 @@ which are elementwise-aligned.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,9 +48,11 @@ import torch
 from torch import Tensor, ops
 from torch._ops import OpOverload
 
+from spmd.comm.functional import all_reduced
+from spmd.comm.reduce_op import ReduceOp
 from spmd.tensor.api import DTensor
 from spmd.tensor.ops.custom import LocalKernel, LocalPlan, run_custom
-from spmd.tensor.placement import Partial, Placement, Replicate
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 from spmd.tensor.redistribute import run_plan
 from spmd.tensor.rules import OpSchema, ShardingDecision, ShardingError, register_handler
 from spmd.tensor.spec import DTensorSpec, Placements
@@ -187,10 +197,45 @@ register_handler(*_elementwise_foreach_ops())(_foreach)
 
 @register_handler(aten._foreach_norm.Scalar)
 def _foreach_norm(op: OpOverload, args: tuple, kwargs: dict) -> list[Tensor]:
-    tensors = args[0]
-    order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    """Each tensor's whole-tensor norm, Replicate (see Note: batched foreach norms)."""
+    tensors = list(args[0])
+    order = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
     dtype = kwargs.get("dtype", args[2] if len(args) > 2 else None)
-    return [torch.linalg.vector_norm(t, order, dtype=dtype) for t in tensors]
+    norms: list[Any] = [None] * len(tensors)
+    groups: dict[tuple[Any, tuple[int, ...]], list[int]] = {}
+    for position, tensor in enumerate(tensors):
+        if isinstance(tensor, DTensor) and not tensor._spec.has_partial() and order not in (0.0, -math.inf):
+            sharding = tuple(i for i, p in enumerate(tensor._spec.placements) if isinstance(p, Shard))
+            groups.setdefault((tensor._spec.mesh, sharding), []).append(position)
+        else:
+            norms[position] = torch.linalg.vector_norm(tensor, order, dtype=dtype)
+    for (mesh, sharding), positions in groups.items():
+        for position, norm in zip(positions, _batched_norms([tensors[p] for p in positions], mesh, sharding,
+                                                           order, dtype)):
+            norms[position] = norm
+    return norms
+
+
+def _batched_norms(tensors: list[DTensor], mesh: Any, sharding: tuple[int, ...], order: float,
+                   dtype: torch.dtype | None) -> list[DTensor]:
+    """Whole-tensor norms of DTensors sharded over the same mesh dims, with one all-reduce (collective)."""
+    partials = []
+    for tensor in tensors:
+        local = tensor._local_tensor if dtype is None else tensor._local_tensor.to(dtype)
+        magnitude = local.abs()
+        if order == math.inf:
+            partials.append(magnitude.max() if magnitude.numel() else magnitude.new_zeros(()))
+        else:
+            partials.append(magnitude.pow(order).sum())
+    stacked = torch.stack(partials)
+    reduce_op = ReduceOp.MAX if order == math.inf else ReduceOp.SUM
+    for mesh_dim in sharding:
+        if mesh.size(mesh_dim) > 1:
+            stacked = all_reduced(stacked, reduce_op, mesh.get_group(mesh_dim))
+    if order != math.inf:
+        stacked = stacked.pow(1.0 / order)
+    spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, torch.Size(()), (), stacked.dtype)
+    return [DTensor._wrap_local(value, spec) for value in stacked.unbind()]
 
 
 @register_handler(aten._foreach_max.default)
