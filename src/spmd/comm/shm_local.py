@@ -25,6 +25,7 @@ results. reduce_scatter is the same without the copy-out: the owner reduces stra
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 
@@ -86,6 +87,16 @@ class _Views:
         self.capacity = size // itemsize                                   # elements per slot
         self.align = max(1, ALIGN_BYTES // itemsize)
         self.region = (size // layout.group_size) // itemsize // self.align * self.align   # per-peer region
+        self._heads: dict[int, list[list[Tensor]]] = {}
+
+    def heads(self, n: int) -> list[list[Tensor]]:
+        """staging[rank][index][:n], cached: slicing costs more than a small collective's copy."""
+        heads = self._heads.get(n)
+        if heads is None:
+            if len(self._heads) >= 64:
+                self._heads.clear()
+            heads = self._heads[n] = [[slot[:n] for slot in slots] for slots in self.staging]
+        return heads
 
 
 Stage = Callable[[int, int, int], None] | None   # stage(item, write index, read index); None: nothing here
@@ -102,6 +113,7 @@ class LocalShmTransport(Transport):
         self._views: dict[torch.dtype, _Views] = {}
         self._pending_ctx: OpContext | None = None    # whose fingerprints still need checking ...
         self._pending_phase = 0                       # ... once this rank reaches this phase
+        self._fp_cache: dict[tuple, tuple[bytes, bytes]] = {}
         self._closed = False
         self.segment: Segment | None = None
         if self.group_size > 1:
@@ -149,11 +161,13 @@ class LocalShmTransport(Transport):
         assert segment is not None
         if segment.aborted():
             raise segment.abort_error(self._describe(ctx))
-        encoded = ctx.fingerprint.encode()[:FP_BYTES - 24]    # cut only for absurd shapes: then shown unreadable
+        fp = ctx.fingerprint
+        digest, encoded = self._encoded(fp)
         offset = segment.fp_offset(self.group_rank, self._phase % segment.layout.buffers)
-        segment.write_bytes(offset, fingerprint_digest(ctx.fingerprint.key()))
-        segment.write_word(offset + 16, len(encoded))
-        segment.write_bytes(offset + 24, encoded)
+        segment.write_bytes(offset, digest)
+        segment.write_word(offset + 16, fp.seq)
+        segment.write_word(offset + 24, len(encoded))
+        segment.write_bytes(offset + 32, encoded)
         self._pending_ctx = ctx
         self._pending_phase = self._phase + segment.layout.lag
         return segment
@@ -169,16 +183,28 @@ class LocalShmTransport(Transport):
             self._pending_ctx = None
             self._check_fingerprints(segment, ctx, (self._pending_phase - segment.layout.lag) % segment.layout.buffers)
 
+    def _encoded(self, fp: Fingerprint) -> tuple[bytes, bytes]:
+        """The digest of everything ranks must agree on but the sequence number, and the fingerprint encoded
+        with seq 0 (the seq travels in its own word), cached: a training loop repeats a few call sites."""
+        cache_key = (fp.op, fp.shape, fp.dtype, fp.reduce_op, fp.root, fp.call_site)
+        cached = self._fp_cache.get(cache_key)
+        if cached is None:
+            if len(self._fp_cache) >= 1024:
+                self._fp_cache.clear()
+            same = dataclasses.replace(fp, seq=0)
+            cached = self._fp_cache[cache_key] = (fingerprint_digest(same.key()), same.encode()[:FP_BYTES - 32])
+        return cached
+
     def _check_fingerprints(self, segment: Segment, ctx: OpContext, index: int) -> None:
-        mine = segment.read_bytes(segment.fp_offset(self.group_rank, index), 16)
+        mine = segment.read_bytes(segment.fp_offset(self.group_rank, index), 24)    # digest and seq
         for peer in range(self.group_size):
             offset = segment.fp_offset(peer, index)
-            if segment.read_bytes(offset, 16) != mine:
-                encoded = segment.read_bytes(offset + 24, segment.word(offset + 16))
+            if segment.read_bytes(offset, 24) != mine:
+                encoded = segment.read_bytes(offset + 32, segment.word(offset + 24))
                 try:
-                    theirs = Fingerprint.decode(encoded)
-                except ValueError:
-                    theirs = Fingerprint("<unreadable fingerprint>", -1, None, "?")
+                    theirs = dataclasses.replace(Fingerprint.decode(encoded), seq=segment.word(offset + 16))
+                except ValueError:    # cut short (an absurdly long shape or call site)
+                    theirs = Fingerprint("<unreadable fingerprint>", segment.word(offset + 16), None, "?")
                 raise CollectiveMismatchError(mismatch_message(
                     ctx.group_desc, ctx.fingerprint, self.spec.global_rank, theirs, self.spec.global_ranks[peer]))
 
@@ -231,13 +257,13 @@ class LocalShmTransport(Transport):
         receives = root is None or root == me
         self._begin(ctx)
         if tensor.numel() * tensor.element_size() <= SMALL_BYTES:
-            n = tensor.numel()
+            heads = views.heads(tensor.numel())
 
             def stage_all(t: int, write: int, read: int) -> None:
-                views.staging[me][write][:n].copy_(tensor)
+                heads[me][write].copy_(tensor)
 
             def reduce_all(t: int, write: int, read: int) -> None:
-                reduce_into(tensor, [views.staging[rank][read][:n] for rank in range(size)], op)
+                reduce_into(tensor, [heads[rank][read] for rank in range(size)], op)
                 if op is ReduceOp.AVG:
                     tensor.div_(size)
 

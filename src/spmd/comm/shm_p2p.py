@@ -5,8 +5,8 @@ streams queued sends into the ring to each peer and drains the rings from each p
 move in ring-sized pieces and both ranks of a pair may isend (or even send) before they receive.
 When it can make no progress the thread blocks on its own wake socket (as collective waits do, see
 shm_segment's Note: waiting) with its P2P_SLEEPING flag set; a peer that fills or drains a ring it shares
-with this rank, and a local isend/irecv, ring it. The wait has a timeout, which bounds a missed wake and
-paces the checks for a dead peer or an aborted group.
+with this rank, and a local isend/irecv, ring it. The wait times out after WAKE_TIMEOUT_S, which bounds a
+missed wake and paces the checks for a dead peer or an aborted group.
 
 Note: ring framing
 A ring is RING bytes of data plus two 8-byte positions, the total bytes ever written (by the sender) and
@@ -35,13 +35,12 @@ import torch
 from torch import Tensor
 
 from spmd._core.errors import CommError, GroupAbortedError, PeerLostError
-from spmd.comm.shm_segment import CACHELINE, Segment
+from spmd.comm.shm_segment import CACHELINE, Segment, wake_socket
 from spmd.comm.transport import TransportSpec
 from spmd.comm.work import Work
 
 HEADER = 64
-BUSY_WAIT_S = 0.05     # with operations pending, the thread wakes at least this often (liveness, missed wakes)
-IDLE_WAIT_S = 0.2      # with none pending, it still looks at the rings this often (a missed wake costs that)
+LIVENESS_S = 0.05      # with operations pending, peers' liveness is checked this often
 INLINE_BYTES = 256 << 10   # an isend this small, with nothing queued before it, is written by the caller
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
            torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128)
@@ -109,8 +108,7 @@ class P2PEngine:
         self._send_locks = [threading.Lock() for _ in range(size)]   # one writer at a time into a ring
         self._sock: socket.socket | None = None
         if segment is not None:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            self._sock.bind(segment.p2p_wake_address(rank))
+            self._sock = wake_socket(segment.p2p_wake_address(rank))
             self._addresses = [segment.p2p_wake_address(peer) for peer in range(size)]
 
     # -- posting (caller threads) ---------------------------------------------------------------------------
@@ -197,7 +195,7 @@ class P2PEngine:
     def _progress(self) -> None:
         assert self._segment is not None and self._sock is not None
         words, sleeping = self._segment.words, self._segment.p2p_sleeping_index(self._rank)
-        next_liveness = time.monotonic() + BUSY_WAIT_S
+        next_liveness = time.monotonic() + LIVENESS_S
         while True:
             with self._lock:
                 if self._closed or self._error is not None:
@@ -215,16 +213,11 @@ class P2PEngine:
                 return
             now = time.monotonic()
             if busy and now >= next_liveness:
-                next_liveness = now + BUSY_WAIT_S
+                next_liveness = now + LIVENESS_S
                 self._check_peers()
-            self._sock.settimeout(BUSY_WAIT_S if busy else IDLE_WAIT_S)
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(BlockingIOError, InterruptedError):   # BlockingIOError: SO_RCVTIMEO passed
                 self._sock.recv(16)
             words[sleeping] = 0
-            self._sock.settimeout(0.0)
-            with contextlib.suppress(BlockingIOError, InterruptedError):
-                while True:
-                    self._sock.recv(16)
 
     def _step(self) -> bool:
         """One pass over every queued send and every incoming ring; True if anything moved."""

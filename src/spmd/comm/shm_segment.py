@@ -60,6 +60,7 @@ import mmap
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -76,7 +77,7 @@ SLOT_BYTES = 1 << 20          # one staging slot; a chunk of a large collective 
 LAG = 3                       # ranks may run up to LAG - 1 phases apart (see Note: phases)
 RING_BYTES = 1 << 20          # P2P ring per ordered pair of ranks (shrunk for large groups, see ring_bytes_for)
 HEADER_BYTES = 4096
-FP_BYTES = 2048               # per buffer: 16-byte digest of Fingerprint.key() + length + encoded fingerprint
+FP_BYTES = 2048               # per buffer: digest of Fingerprint.key() less seq (16 bytes), seq, length, encoded
 CACHELINE = 64
 MAGIC = 0x73706D6473686D31    # "spmdshm1"
 
@@ -208,8 +209,7 @@ class Segment:
         self.global_ranks = list(range(self.size))   # for messages; the transport sets the real ones
         self.same_process = True           # every peer is a thread of this process (run_ranks over shm)
         self.spin = SPIN_POLLS
-        self._wake = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._wake.bind(self._wake_address(rank))
+        self._wake = wake_socket(self._wake_address(rank))
         self._wake_peers = [self._wake_address(peer) for peer in range(self.size)]
 
     # -- creation -------------------------------------------------------------------------------------------
@@ -411,24 +411,29 @@ class Segment:
                 if dead is not None:
                     words[sleeping] = 0
                     raise PeerLostError(f"{describe()}: {self.peer_lost_message(dead)}")
-            self._wake.settimeout(min(WAKE_TIMEOUT_S, max(1e-4, deadline.at - now)))
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(BlockingIOError, InterruptedError):   # BlockingIOError: SO_RCVTIMEO passed
                 self._wake.recv(16)
             words[sleeping] = 0
-            self._drain_wakes()
             if words[index] >= target:
                 return
-
-    def _drain_wakes(self) -> None:
-        """Drop wake bytes queued while this rank was not blocked (they would only cause spurious wake-ups)."""
-        self._wake.settimeout(0.0)
-        with contextlib.suppress(BlockingIOError, InterruptedError):
-            while True:
-                self._wake.recv(16)
 
     def peer_lost_message(self, peer: int) -> str:
         return (f"rank {self.global_ranks[peer]} (group rank {peer}, pid {self.pids[peer]}) died; the group "
                 f"can't continue")
+
+
+def wake_socket(address: bytes) -> socket.socket:
+    """A blocking datagram socket bound to `address` whose recv gives up after WAKE_TIMEOUT_S.
+
+    The kernel's SO_RCVTIMEO bounds the wait (recv then raises BlockingIOError), so a wait costs one
+    system call; Python's own socket timeout would add a poll() before every recv.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(address)
+    seconds = int(WAKE_TIMEOUT_S)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                    struct.pack("ll", seconds, int((WAKE_TIMEOUT_S - seconds) * 1e6)))
+    return sock
 
 
 def fingerprint_digest(key: tuple) -> bytes:
