@@ -13,7 +13,7 @@ barrier. torch's DTensor needs a process group: a 4-rank "fake" group (torch's o
 communication) in the same process, timed from the same thread, rounds interleaved with spmd's so the noise
 of a shared machine hits both alike. Medians over repetitions.
 
-    python benchmarks/dtensor_overhead.py [--iters 2000] [--reps 7]
+    python benchmarks/dtensor_overhead.py [--iters 500] [--reps 15]
 """
 
 from __future__ import annotations
@@ -129,8 +129,8 @@ def _print(rows: list[dict[str, object]], iters: int, reps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=2000)
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--iters", type=int, default=500)
+    parser.add_argument("--reps", type=int, default=15)
     args = parser.parse_args()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     try:
