@@ -1,7 +1,7 @@
 """Sharding rules for the `_foreach_*` and fused optimizer ops, so torch.optim steps on DTensor parameters.
 
-Layer: tensor. The elementwise `_foreach_*` ops get one rule, run through ops/custom.py so that Partial
-operands can be reduced in place first; `_foreach_norm` / `_foreach_max` are lists of the reduction handlers;
+Layer: tensor. The elementwise `_foreach_*` ops get one rule, run through ops/custom.py so that a Partial
+operand keeps the layout it was reduced to; `_foreach_norm` / `_foreach_max` are lists of the reduction handlers;
 the fused optimizer kernels (`_fused_adam_`, `_fused_adamw_`, `_fused_sgd_`, `_fused_adagrad_`) are handlers
 that run the kernel on the local shards.
 
@@ -25,10 +25,11 @@ norm rule.
 
 Note: Partial operands are reduced once
 An optimizer reads each gradient in several foreach ops (Adam: lerp_, then addcmul_ with it twice). Were a
-Partial gradient reduced by each op's redistribution, it would be all-reduced three times per step. So before
-a foreach op runs, every Partial operand it would reduce is brought to its target layout IN PLACE: the DTensor
-keeps its global value and takes the reduced layout, and the later ops find it reduced. Only Partial operands
-are changed this way (their reduced layout is never bigger); other mismatches are redistributed per call.
+Partial gradient reduced by each op's redistribution, it would be all-reduced three times per step. So a
+Partial operand that a foreach op reduces keeps the result IN PLACE (run_custom's adopt_reduced_partials): the
+DTensor keeps its global value and takes the reduced layout, and the later ops find it reduced. Only Partial
+operands are changed this way (their reduced layout is never bigger); other mismatches are redistributed per
+call. An operand passed twice to one op (addcmul_'s tensor1 and tensor2) is moved once.
 
 Note: fused optimizer kernels and gradient layouts
 `_fused_adam_` and friends write every list in place, gradients included (they unscale them), so dispatch
