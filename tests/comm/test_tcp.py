@@ -18,7 +18,7 @@ import torch
 import spmd
 from spmd._core.deadline import Deadline
 from spmd._core.errors import CommError, CommTimeoutError, GroupAbortedError, PeerLostError
-from spmd.comm import wire
+from spmd.comm import algorithms, wire
 from spmd.comm.debug import Fingerprint
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.store import HashStore, PrefixStore
@@ -218,6 +218,25 @@ def test_large_isends_keep_their_order_with_small_ones() -> None:
             assert t.eq(float(k)).all(), k
 
     run_ranks(body, 2, timeout=60, backend="tcp")
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_all_reduce_beyond_the_doubling_limit_runs_the_ring(world_size: int) -> None:
+    numel = (algorithms.DOUBLING_BYTES // 4) + 4099        # past recursive doubling: uneven ring blocks
+
+    def body(rank: int, size: int) -> None:
+        t = torch.arange(numel, dtype=torch.float32) % 7 + rank
+        spmd.all_reduce(t)
+        expected = (torch.arange(numel, dtype=torch.float32) % 7) * size + sum(range(size))
+        assert torch.equal(t, expected)
+        def ints(q: int) -> torch.Tensor:
+            return torch.arange(numel // 2, dtype=torch.int64) * (q + 1) % 1000
+
+        m = ints(rank)
+        spmd.all_reduce(m, op=spmd.ReduceOp.MAX)
+        assert torch.equal(m, torch.stack([ints(q) for q in range(size)]).amax(0))
+
+    run_ranks(body, world_size, timeout=90, backend="tcp")
 
 
 def _spmd_threads() -> list[str]:

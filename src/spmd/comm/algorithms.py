@@ -158,45 +158,48 @@ def _all_reduce_via_root(ex: Exchange, tensor: Tensor, op: ReduceOp) -> None:
 
 
 def _all_reduce_ring(ex: Exchange, tensor: Tensor, op: ReduceOp) -> None:
-    # Reduce-scatter then all-gather around the ring r -> r+1. At reduce-scatter step s rank r receives
-    # the partial of block (r-s-2) from r-1, combines its own block into it and passes it on; after n-1
-    # steps block r is complete on rank r, and the all-gather passes each complete block round the ring.
-    # Each block is split into pieces so a piece is combined and forwarded while the next arrives.
+    # Reduce-scatter then all-gather around the ring r -> r+1, as 2(n-1) steps of P pieces. Message M(s, k)
+    # is piece k of the block a rank sends at step s: block (r-s-1). At a reduce-scatter step the receiver
+    # combines its own piece into the partial and sends it on as M(s+1, k); after n-1 steps block r is
+    # complete on rank r, and the all-gather steps pass complete pieces on.
+    # Every rank sends its messages in one fixed order that interleaves steps (see _ring_order), so it
+    # combines and forwards early pieces between sending later ones instead of first pushing a whole block;
+    # the receiver posts its receives in that same order, which is the order they arrive in.
     r, n = ex.group_rank, ex.group_size
     prev, nxt = (r - 1) % n, (r + 1) % n
-    size = tensor.element_size()
     blocks = split(tensor.numel(), n)
-    rs_blocks = [(r - s - 2) % n for s in range(n - 1)]
-    ag_blocks = [(r - s - 1) % n for s in range(n - 1)]
+    count = len(_pieces(0, max(length for _, length in blocks), tensor.element_size()))
+    grid = [[(start + a, length) for a, length in split(block_length, count)] for start, block_length in blocks]
+    steps = 2 * (n - 1)
+    rs_blocks = [(r - s - 2) % n for s in range(n - 1)]      # block received at reduce-scatter step s
     temp = ex.scratch(sum(blocks[b][1] for b in rs_blocks), tensor.dtype)
-    rs_pieces = [_pieces(*blocks[b], size) for b in rs_blocks]
-    ag_pieces = [_pieces(*blocks[b], size) for b in ag_blocks]
-    recvs: list[tuple[int, Tensor]] = []
-    offset = 0
-    for pieces in rs_pieces:
-        for _, length in pieces:
-            recvs.append((prev, temp[offset:offset + length]))
-            offset += length
-    for pieces in ag_pieces:
-        recvs.extend((prev, tensor[start:start + length]) for start, length in pieces)
-    handles = iter(ex.post(recvs))
-    for start, length in _pieces(*blocks[(r - 1) % n], size):
-        ex.send(nxt, tensor[start:start + length])
-    offset = 0
-    for pieces in rs_pieces:
-        for start, length in pieces:
-            ex.wait(next(handles))
-            mine = tensor[start:start + length]
-            combine_(mine, temp[offset:offset + length], op)
-            offset += length
-            ex.send(nxt, mine)      # the next step's partial, or (last step) the first all-gather piece
-    for step, pieces in enumerate(ag_pieces):
-        if step == n - 2:    # nothing to forward: wait for the last piece (a peer's pieces arrive in order)
-            _wait_last(ex, list(handles))
-            break
-        for start, length in pieces:
-            ex.wait(next(handles))
-            ex.send(nxt, tensor[start:start + length])
+    temp_at = [sum(blocks[b][1] for b in rs_blocks[:s]) for s in range(n - 1)]
+
+    def received(s: int, k: int) -> Tensor:
+        """Where M(s, k) from prev lands: scratch during reduce-scatter, the tensor itself during all-gather."""
+        start, length = grid[(r - s - 2) % n][k]
+        if s < n - 1:
+            offset = temp_at[s] + start - blocks[rs_blocks[s]][0]
+            return temp[offset:offset + length]
+        return tensor[start:start + length]
+
+    order = _ring_order(steps, count)
+    handles = dict(zip(order, ex.post([(prev, received(s, k)) for s, k in order])))
+    for s, k in order:
+        start, length = grid[(r - s - 1) % n][k]
+        mine = tensor[start:start + length]
+        if s > 0:
+            ex.wait(handles[(s - 1, k)])
+            if s - 1 < n - 1:
+                combine_(mine, received(s - 1, k), op)
+        ex.send(nxt, mine)
+    for k in range(count):
+        ex.wait(handles[(steps - 1, k)])
+
+
+def _ring_order(steps: int, count: int, lag: int = 2) -> list[tuple[int, int]]:
+    """The order of a rank's ring messages (step, piece): M(s, k) after M(s-1, k), `lag` pieces behind it."""
+    return sorted(((s, k) for s in range(steps) for k in range(count)), key=lambda m: (m[1] + lag * m[0], -m[0]))
 
 
 # -- all_gather / reduce_scatter ------------------------------------------------------------------------------

@@ -58,7 +58,8 @@ _SOCKET_BUFFER = 4 << 20          # bytes; large buffers keep a ring step's piec
 _SEND_POLL_S = 0.5                # a blocked send wakes this often to check for failure and its deadline
 _HANDSHAKE_S = 10.0               # at most this long for one connection's hello/ack
 _INLINE_P2P_BYTES = 256 << 10     # isends up to this size are sent by the caller
-_SCRATCH_CACHE_BYTES = 64 << 20   # scratch buffers up to this size are kept for the next collective
+_SCRATCH_CACHE_BYTES = 256 << 20  # scratch up to this size is kept for the next collective: allocating (and
+                                  # faulting in) a fresh 128 MiB temp costs a 256 MiB all_reduce ~30% of its time
 _ERROR_TYPES: dict[str, type[SpmdError]] = {
     cls.__name__: cls for cls in (CollectiveMismatchError, PeerLostError, CommTimeoutError, GroupAbortedError)}
 
