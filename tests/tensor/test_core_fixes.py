@@ -134,3 +134,52 @@ def test_inplace_views_update_shape_stride_and_placements() -> None:
         with pytest.raises(ShardingError, match="in place"):
             e.squeeze_(0)
     _on_meshes(body)
+
+
+# -- 3. out= variants ----------------------------------------------------------------------------------------
+
+def test_amsgrad_single_tensor_adam_matches_plain() -> None:
+    """Adam(amsgrad=True, foreach=False) keeps its running maximum with torch.maximum(..., out=)."""
+    init, grads = _randn(5, 4), [_randn(5, 4, seed=s) for s in (1, 2, 3)]
+
+    def body(mesh: DeviceMesh) -> None:
+        for layout, grad_layout in ((Shard(0), Shard(0)), (Shard(1), Partial()), (Replicate(), Shard(1))):
+            plain = init.clone().requires_grad_()
+            dist = torch.nn.Parameter(make_dtensor(init, mesh, _all(mesh, layout)))
+            options = {"lr": 0.1, "amsgrad": True, "foreach": False}
+            plain_opt, dist_opt = torch.optim.Adam([plain], **options), torch.optim.Adam([dist], **options)
+            for g in grads:
+                plain.grad, dist.grad = g.clone(), make_dtensor(g, mesh, _all(mesh, grad_layout))
+                plain_opt.step()
+                dist_opt.step()
+            assert dist.placements == (layout,) * mesh.ndim
+            torch.testing.assert_close(dist.full_tensor(), plain.detach(), rtol=1e-5, atol=1e-6)
+    _on_meshes(body)
+
+
+def test_out_variants_take_the_result_placements_and_resize() -> None:
+    a, b = _randn(4, 6), _randn(4, 6, seed=1)
+
+    def body(mesh: DeviceMesh) -> None:
+        x, y = make_dtensor(a, mesh, _all(mesh, Shard(0))), make_dtensor(b, mesh, _all(mesh, Shard(0)))
+        out = make_dtensor(torch.zeros(4, 6), mesh, _all(mesh, Replicate()))
+        assert torch.maximum(x, y, out=out) is out
+        assert out.placements == (Shard(0),) * mesh.ndim
+        torch.testing.assert_close(out.full_tensor(), torch.maximum(a, b))
+        wide = make_dtensor(torch.zeros(4, 6, dtype=torch.float64), mesh, _all(mesh, Shard(0)))
+        torch.add(x, y, out=wide)                                   # cast into out's dtype
+        assert wide.dtype == torch.float64
+        torch.testing.assert_close(wide.full_tensor(), (a + b).double())
+        empty = make_dtensor(torch.zeros(0), mesh, _all(mesh, Replicate()))
+        torch.mul(x, y, out=empty)                                  # resized to the result's shape
+        assert empty.shape == (4, 6) and empty.placements == (Shard(0),) * mesh.ndim
+        torch.testing.assert_close(empty.full_tensor(), a * b)
+        values = make_dtensor(torch.zeros(4), mesh, _all(mesh, Replicate()))
+        indices = make_dtensor(torch.zeros(4, dtype=torch.long), mesh, _all(mesh, Replicate()))
+        got = torch.max(x, 1, out=(values, indices))               # several outputs
+        assert got[0] is values and got[1] is indices
+        torch.testing.assert_close(values.full_tensor(), a.max(1).values)
+        torch.testing.assert_close(indices.full_tensor(), a.max(1).indices)
+        with pytest.raises(ValueError, match="out= argument"):
+            torch.maximum(x, y, out=torch.zeros(4, 6))
+    _on_meshes(body)

@@ -45,6 +45,7 @@ class _OpInfo:
     mutated_args: frozenset[int]                 # positional indices written in place
     mutated_kwargs: frozenset[str]
     returns_mutated: tuple[int | str, ...] | None  # per output, the written argument it returns; None: fresh
+    out_args: tuple[str, ...] = ()               # an out= variant's output arguments (keyword-only, returned)
 
 
 _OP_INFO: dict[OpOverload, _OpInfo] = {}
@@ -75,9 +76,33 @@ def _op_info(op: OpOverload) -> _OpInfo:
             else:
                 returns.append(None)
         returns_mutated = tuple(returns) if returns and all(r is not None for r in returns) else None
-        info = _OpInfo(frozenset(mutated_args), frozenset(mutated_kwargs), returns_mutated)
+        out_args = tuple(r for r in returns_mutated or () if isinstance(r, str))
+        is_out = bool(out_args) and len(out_args) == len(returns) and set(out_args) == mutated_kwargs
+        info = _OpInfo(frozenset(mutated_args), frozenset(mutated_kwargs), returns_mutated,
+                       out_args if is_out and not mutated_args else ())
         _OP_INFO[op] = info
     return info
+
+
+_FUNCTIONAL: dict[OpOverload, OpOverload | None] = {}
+
+
+def _functional_of(op: OpOverload, out_args: tuple[str, ...]) -> OpOverload | None:
+    """The functional overload of an out= op (maximum.out -> maximum.default): same name, the same arguments
+    without the outputs, nothing written. None if there is none."""
+    if op not in _FUNCTIONAL:
+        wanted = [(a.name, str(a.type)) for a in op._schema.arguments if a.name not in out_args]
+        packet = getattr(torch.ops.aten, op._schema.name.split("::")[-1], None)
+        found = None
+        for name in packet.overloads() if packet is not None else ():
+            candidate = getattr(packet, name)
+            arguments = candidate._schema.arguments
+            if ([(a.name, str(a.type)) for a in arguments] == wanted
+                    and not any(a.alias_info is not None and a.alias_info.is_write for a in arguments)):
+                found = candidate
+                break
+        _FUNCTIONAL[op] = found
+    return _FUNCTIONAL[op]
 
 
 # -- argument walking ---------------------------------------------------------------------------------------
@@ -319,6 +344,11 @@ def dispatch(cls: type, op: OpOverload, types: tuple, args: tuple = (), kwargs: 
     if result is not _MISS:
         return result
     kwargs = kwargs or {}
+    out_args = _op_info(op).out_args
+    if out_args:
+        functional = _functional_of(op, out_args)
+        if functional is not None:
+            return _run_out_variant(cls, op, functional, args, kwargs, out_args)
     dtensors: list = []
     plain: list[Tensor] = []
     key_parts: list[Any] = [op]
@@ -422,6 +452,42 @@ def _fast_path(cls: type, op: OpOverload, args: tuple, kwargs: dict | None) -> A
 # In-place view ops (squeeze_, unsqueeze_, transpose_, t_, as_strided_) change self's shape: the local op runs on
 # the local tensor, then self's spec becomes the output spec and the op runs once more on the wrapper itself with
 # dispatch disabled, which changes only the wrapper's sizes and strides (no data is behind a wrapper).
+
+
+# Note: out= variants
+# `torch.maximum(a, b, out=c)` runs as the functional op (`maximum.default`, with its own rule and cache entry)
+# followed by a write of each result into its out tensor, which takes the result's placements (the rule's
+# choice): when its local shape already fits, the result is copied into its local tensor (cast to its dtype);
+# otherwise the local tensor is resized first, and so is the wrapper when the global shape changes (torch's
+# resize semantics for out=; the wrapper's resize allocates a storage of the global size, as a plain tensor would).
+
+
+def _run_out_variant(cls: type, op: OpOverload, functional: OpOverload, args: tuple, kwargs: dict,
+                     out_args: tuple[str, ...]) -> Any:
+    outs = [kwargs[name] for name in out_args]
+    rest = {name: value for name, value in kwargs.items() if name not in out_args}
+    result = functional(*args, **rest)
+    results = list(result) if isinstance(result, (tuple, list)) else [result]
+    for out, value in zip(outs, results):
+        if not isinstance(out, cls) or not isinstance(value, cls):
+            specs = tuple(v._spec for v in (*outs, *results) if isinstance(v, cls))
+            raise MixedTensorError(f"{_where(op, specs)}: an out= argument and the result must both be DTensors, "
+                                   f"got {type(out).__name__} for a {type(value).__name__} result")
+        _write_out(out, value)
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _write_out(out: Any, value: Any) -> None:
+    """Write DTensor `value` into DTensor `out` (see Note: out= variants)."""
+    spec, source = value._spec, value._local_tensor
+    if tuple(out.shape) != tuple(spec.shape):
+        with no_dispatch():
+            out.resize_(spec.shape)
+    local = out._local_tensor
+    if local.shape != source.shape:
+        local.resize_(source.shape)
+    local.copy_(source)
+    out._spec = DTensorSpec(spec.mesh, spec.placements, spec.shape, tuple(out.stride()), out.dtype)
 
 
 def _run(cls: type, args: tuple, kwargs: dict, dtensors: list, plain: list[Tensor], compiled: _Compiled) -> Any:
