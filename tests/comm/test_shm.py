@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
+import multiprocessing.connection
 import os
 import re
 import signal
@@ -329,19 +330,43 @@ def test_no_segment_name_outlives_the_group_set_up(small_slots: None) -> None:
 
 # -- real processes -----------------------------------------------------------------------------------------
 
-def _spawn(target: Callable[..., None], count: int, *args: Any) -> tuple[list[multiprocessing.Process], Any]:
-    """Start `count` processes running target(rank, count, results_queue, *args).
+class _Inbox:
+    """The parent's end of one pipe per worker: a worker killed mid-send can't block the others (a shared
+    multiprocessing.Queue can: its writers share a lock that a SIGKILLed holder never releases)."""
+
+    def __init__(self, readers: list[Any]) -> None:
+        self._readers = readers
+
+    def get(self, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while self._readers:
+            ready = multiprocessing.connection.wait(self._readers, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for reader in ready:
+                try:
+                    return reader.recv()
+                except EOFError:          # that worker is gone
+                    self._readers.remove(reader)
+        raise TimeoutError(f"no message from the workers within {timeout:.0f}s")
+
+
+def _spawn(target: Callable[..., None], count: int, *args: Any) -> tuple[list[multiprocessing.Process], _Inbox]:
+    """Start `count` processes running target(rank, count, sender, *args); each sends its reports on its pipe.
 
     A forkserver that has imported torch and spmd once forks them, so each costs milliseconds, not the
     seconds of a fresh interpreter importing torch, and none inherits this process's threads.
     """
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "spmd", "spmd.comm.shm", __name__])
-    results = ctx.Queue()
-    processes = [ctx.Process(target=target, args=(rank, count, results, *args), daemon=True) for rank in range(count)]
+    pipes = [ctx.Pipe(duplex=False) for _ in range(count)]
+    processes = [ctx.Process(target=target, args=(rank, count, pipes[rank][1], *args), daemon=True)
+                 for rank in range(count)]
     for process in processes:
         process.start()
-    return processes, results
+    for _, sender in pipes:
+        sender.close()                    # the children hold their own copies
+    return processes, _Inbox([reader for reader, _ in pipes])
 
 
 def _reap(processes: list[multiprocessing.Process]) -> None:
@@ -365,7 +390,7 @@ def _kill_worker(rank: int, world_size: int, results: Any, store_path: str) -> N
         sent = spmd.isend(torch.full((70_000,), float(rank)), (rank + 1) % world_size)
         spmd.recv(p2p, (rank - 1) % world_size)
         sent.wait()
-        results.put(("checked", rank, os.getpid(), t[0].item() == 6.0 and torch.equal(
+        results.send(("checked", rank, os.getpid(), t[0].item() == 6.0 and torch.equal(
             out, torch.arange(3).repeat_interleave(1000)) and p2p[0].item() == (rank - 1) % world_size))
         big = torch.ones(4 << 20)
         started = None
@@ -374,9 +399,9 @@ def _kill_worker(rank: int, world_size: int, results: Any, store_path: str) -> N
                 spmd.all_reduce(big)
                 if started is None:
                     started = time.monotonic()
-                    results.put(("looping", rank, os.getpid(), None))
+                    results.send(("looping", rank, os.getpid(), None))
         except Exception as error:   # what the survivors report is the point of the test
-            results.put(("failed", rank, type(error).__name__, (time.monotonic(), str(error))))
+            results.send(("failed", rank, type(error).__name__, (time.monotonic(), str(error))))
     finally:
         spmd.destroy_process_group()
 
@@ -411,9 +436,7 @@ def _leave_in_set_up_window(rank: int, world_size: int, results: Any, how: str) 
     existed = os.path.exists(path)
     if how == "exit":
         atexit._run_exitfuncs()     # what interpreter shutdown runs (multiprocessing children skip it)
-    results.put((segment.name, existed, os.path.exists(path)))
-    results.close()
-    results.join_thread()           # the message is in the pipe before the process dies
+    results.send((segment.name, existed, os.path.exists(path)))     # synchronous: in the pipe before any kill
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -538,7 +561,7 @@ def _two_host_worker(rank: int, world_size: int, results: Any, store_path: str) 
         spmd.broadcast(b, src=3)
         out = torch.empty(4 * 10)
         spmd.all_gather_into_tensor(out, torch.full((10,), float(rank)))
-        results.put((rank, engine, torch.equal(t, torch.arange(300_000, dtype=torch.float64) * 10)
+        results.send((rank, engine, torch.equal(t, torch.arange(300_000, dtype=torch.float64) * 10)
                      and b[0].item() == 3.0 and torch.equal(out, torch.arange(4.0).repeat_interleave(10))))
     finally:
         spmd.destroy_process_group()

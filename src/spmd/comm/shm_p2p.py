@@ -247,7 +247,10 @@ class P2PEngine:
         if segment.aborted():
             error = segment.abort_error(f"point-to-point on rank {self._spec.global_rank}")
         else:
-            dead = segment.dead_peer(range(self._size))
+            with self._lock:     # only peers with operations pending: others may have finished and exited
+                involved = {dst for dst, queue in self._sends.items() if queue}
+                involved |= {src for (src, _), queue in self._posted.items() if queue} | set(self._incoming)
+            dead = segment.dead_peer(sorted(involved))
             if dead is not None:
                 error = PeerLostError(f"point-to-point on rank {self._spec.global_rank}: "
                                       f"{segment.peer_lost_message(dead)}")

@@ -405,9 +405,9 @@ class Segment:
                 words[sleeping] = 0
                 raise CommTimeoutError(f"{describe()}: timed out after {deadline.timeout:.1f}s waiting for "
                                        f"group rank {peer}")
-            if now >= next_liveness:
+            if now >= next_liveness:       # only the awaited peer: others may have finished and exited
                 next_liveness = now + LIVENESS_S
-                dead = self.dead_peer(range(self.size))
+                dead = self.dead_peer([peer])
                 if dead is not None:
                     words[sleeping] = 0
                     raise PeerLostError(f"{describe()}: {self.peer_lost_message(dead)}")
