@@ -318,8 +318,10 @@ def _output_placements(op: OpOverload, decision: ShardingDecision, specs: tuple[
 
 
 # Autograd builds the gradients of unused outputs (of split, unbind, ...) as plain zeros and concatenates them
-# with DTensor gradients; for these ops a plain tensor is taken as a Replicate DTensor (same value everywhere).
-_PLAIN_AS_REPLICATE = frozenset({torch.ops.aten.cat.default, torch.ops.aten.stack.default})
+# with DTensor gradients, and cumprod's backward selects between a DTensor and plain zeros with `where`; for these
+# ops a plain tensor is taken as a Replicate DTensor (same value everywhere).
+_PLAIN_AS_REPLICATE = frozenset({torch.ops.aten.cat.default, torch.ops.aten.stack.default,
+                                 torch.ops.aten.where.self})
 
 
 def _replicate_plain(cls: type, args: tuple, mesh: Any) -> tuple:

@@ -1,11 +1,11 @@
-"""Sharding rules for tensor factories and fills on DTensors: *_like, new_*, fill_, zero_, and the ops that
-read values out (.item(), torch.equal, is_same_size).
-
-Layer: tensor. Decisions, plus handlers for the value-reading ops.
+"""Sharding rules for tensor factories and fills on DTensors: *_like, new_*, fill_, zero_; scatter, gather, flip
+and cumprod/cumsum (met in the backward of max(dim), scatter, gather and prod); and the ops that read values out
+(.item(), torch.equal, is_same_size).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import ops
@@ -13,8 +13,18 @@ from torch._ops import OpOverload
 
 from spmd.tensor.api import DTensor
 from spmd.tensor.dispatch import local_as
-from spmd.tensor.placement import Partial, Replicate
-from spmd.tensor.rules import OpSchema, ShardingDecision, ShardingError, register_handler, register_rule, replicated
+from spmd.tensor.placement import Partial, Replicate, Shard
+from spmd.tensor.rules import (
+    OpSchema,
+    ShardingDecision,
+    ShardingError,
+    Strategy,
+    pick_per_mesh_dim,
+    register_handler,
+    register_rule,
+    register_strategy,
+    replicated,
+)
 from spmd.tensor.spec import DTensorSpec
 
 aten = ops.aten
@@ -28,11 +38,112 @@ def _like(schema: OpSchema) -> ShardingDecision:
     return ShardingDecision(tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements))
 
 
-@register_rule(aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
-               aten.new_empty_strided.default)
+@register_rule(aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default)
 def _new(schema: OpSchema) -> ShardingDecision:
     """x.new_*(size): a fresh full-size tensor of the given (global) size on every rank: Replicate."""
     return ShardingDecision(replicated(schema.mesh))
+
+
+def _dense_stride(shape: Sequence[int], like: Sequence[int]) -> list[int]:
+    """Dense strides for `shape` with the dims in the memory order of strides `like` (outermost first)."""
+    stride = [0] * len(shape)
+    step = 1
+    for d in sorted(range(len(shape)), key=lambda d: (like[d], -d)):
+        stride[d] = step
+        step *= max(shape[d], 1)
+    return stride
+
+
+@register_rule(aten.new_empty_strided.default)
+def _new_empty_strided(schema: OpSchema) -> ShardingDecision:
+    """x.new_empty_strided(size, stride): laid out like x when `size` is x's global size (AccumulateGrad
+    re-strides gradients through it: a sharded gradient stays sharded, with no all-gather); else Replicate.
+    The local tensor gets x's local size, with its dims in the requested memory order."""
+    spec = schema.input_specs[0]
+    size, stride = list(schema.args[1]), list(schema.args[2])
+    if size != list(spec.shape):
+        return ShardingDecision(replicated(schema.mesh))
+    placements = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
+    local = list(DTensorSpec(spec.mesh, placements, spec.shape, spec.stride, spec.dtype).local_shape())
+    return ShardingDecision(placements, local_args=(spec, local, _dense_stride(local, stride)))
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _shard_strategies(schema: OpSchema, keep: Callable[[int], bool], partial: bool) -> list[Strategy]:
+    """Every DTensor input Shard(d) alike, for each dim d with `keep(d)` and the same size in every input; all
+    Partial when `partial` (the op is linear in them); all Replicate."""
+    specs = schema.input_specs
+    ndim = specs[0].ndim
+    found = [Strategy((Shard(d),) * len(specs), Shard(d)) for d in range(ndim)
+             if keep(d) and all(s.ndim == ndim and s.shape[d] == specs[0].shape[d] for s in specs)]
+    if partial:
+        found.append(Strategy((Partial(),) * len(specs), Partial()))
+    found.append(Strategy((Replicate(),) * len(specs), Replicate()))
+    return found
+
+
+def _in_place(schema: OpSchema, strategies: list[Strategy]) -> Callable[[int], list[Strategy]]:
+    """For an op writing its first input: on each mesh dim the strategy keeping self's placement, else Replicate
+    (dispatch all-reduces a Partial self in place; any other move of self is refused)."""
+    own = schema.input_specs[0].placements
+
+    def candidates(mesh_dim: int) -> list[Strategy]:
+        kept = [s for s in strategies if s.inputs[0] == own[mesh_dim]]
+        return kept[:1] or strategies[-1:]
+    return candidates
+
+
+@register_rule(aten.scatter.src, aten.scatter_.src, aten.scatter.value, aten.scatter_.value, aten.scatter_add.default,
+               aten.scatter_add_.default)
+def _scatter(schema: OpSchema) -> ShardingDecision:
+    """self.scatter(dim, index, src) and scatter_add (gather's backward): dims other than `dim` may stay sharded
+    where self, index and src have the same size (max(dim)'s backward scatters a gradient into zeros so); `dim`
+    itself is gathered. Linear in (self, src) jointly: both Partial with index Replicate keeps Partial (a
+    scattered Python value: only 0)."""
+    spec = schema.input_specs[0]
+    dim = _norm(schema.args[1], max(spec.ndim, 1))
+    value = schema.args[3] if len(schema.args) > 3 else schema.kwargs.get("src", schema.kwargs.get("value"))
+    linear = isinstance(value, DTensorSpec) or (type(value) in (bool, int, float) and value == 0)
+    strategies = _shard_strategies(schema, lambda d: d != dim, partial=False)
+    if linear:
+        positions = [k for k, arg in enumerate(schema.args) if isinstance(arg, DTensorSpec)]
+        inputs = tuple(Replicate() if positions[j] == 2 else Partial() for j in range(len(positions)))
+        strategies.insert(-1, Strategy(inputs, Partial()))
+    if schema.op in (aten.scatter_.src, aten.scatter_.value, aten.scatter_add_.default):
+        return pick_per_mesh_dim(schema, _in_place(schema, strategies))
+    return pick_per_mesh_dim(schema, strategies)
+
+
+@register_rule(aten.gather.default)
+def _gather(schema: OpSchema) -> ShardingDecision:
+    """self.gather(dim, index) (scatter's backward): dims other than `dim` may stay sharded where self and index
+    have the same size; `dim` is gathered. Linear in self: Partial self with index Replicate stays Partial."""
+    dim = _norm(schema.args[1], max(schema.input_specs[0].ndim, 1))
+    strategies = _shard_strategies(schema, lambda d: d != dim, partial=False)
+    if isinstance(schema.args[0], DTensorSpec):
+        inputs = (Partial(),) + (Replicate(),) * (len(schema.input_specs) - 1)
+        strategies.insert(-1, Strategy(inputs, Partial()))
+    return pick_per_mesh_dim(schema, strategies)
+
+
+@register_strategy(aten.flip.default)
+def _flip(schema: OpSchema) -> list[Strategy]:
+    """flip(dims): the other dims keep their shards; a flipped sharded dim is gathered (reversed chunks are not
+    torch.chunk pieces). Linear: Partial stays."""
+    ndim = schema.input_specs[0].ndim
+    flipped = {_norm(d, max(ndim, 1)) for d in schema.args[1]}
+    return _shard_strategies(schema, lambda d: d not in flipped, partial=True)
+
+
+@register_strategy(aten.cumprod.default, aten.cumsum.default)
+def _cumulative(schema: OpSchema) -> list[Strategy]:
+    """cumprod/cumsum(dim) (cumsum is in cumprod's backward): the other dims keep their shards; `dim` is
+    gathered; cumsum is linear (Partial stays), cumprod is not (Partial is reduced)."""
+    dim = _norm(schema.args[1], max(schema.input_specs[0].ndim, 1))
+    return _shard_strategies(schema, lambda d: d != dim, partial=schema.op is aten.cumsum.default)
 
 
 @register_rule(aten.zero_.default)
