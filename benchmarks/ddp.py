@@ -89,6 +89,7 @@ class _Impl:
 
     def close(self) -> None:
         if self.lib is not None:
+            self.lib.barrier()   # gloo aborts a rank whose peer tears down while it still talks to it
             self.lib.destroy_process_group()
 
 
