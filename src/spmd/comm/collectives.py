@@ -82,9 +82,11 @@ def _flat(tensor: Tensor) -> Tensor:
     return tensor.view(-1)
 
 
-def _run(group: ProcessGroup, op: str, like: Tensor, shape: tuple[int, ...] | None, body, outputs: list[Tensor],
-         async_op: bool, reduce_op: ReduceOp | None = None, root: int | None = None) -> Work | None:
-    fingerprint = group.next_fingerprint(op, shape, str(like.dtype).removeprefix("torch."),
+def _run(group: ProcessGroup, op: str, like: Tensor | None, shape: tuple[int, ...] | None, body,
+         outputs: list[Tensor], async_op: bool, reduce_op: ReduceOp | None = None,
+         root: int | None = None) -> Work | None:
+    dtype = "" if like is None else str(like.dtype).removeprefix("torch.")
+    fingerprint = group.next_fingerprint(op, shape, dtype,
                                          None if reduce_op is None else reduce_op.name, root, user_call_site())
     return group.run(fingerprint, body, outputs, async_op)
 
@@ -318,10 +320,7 @@ def barrier(group: AnyGroup | None = None, async_op: bool = False, device_ids: l
     def body(ctx: OpContext) -> None:
         pg.transport.barrier(ctx)
 
-    return _run(pg, "barrier", _BARRIER_LIKE, (), body, [], async_op)
-
-
-_BARRIER_LIKE = torch.empty(0, dtype=torch.uint8)
+    return _run(pg, "barrier", None, None, body, [], async_op)
 
 
 def monitored_barrier(group: AnyGroup | None = None, timeout: float | datetime.timedelta | None = None,

@@ -63,7 +63,8 @@ class Fingerprint:
         parts = [f"{self.op} #{self.seq}"]
         if self.shape is not None:
             parts.append(f"shape={list(self.shape)}")
-        parts.append(f"dtype={self.dtype}")
+        if self.dtype:
+            parts.append(f"dtype={self.dtype}")
         if self.reduce_op is not None:
             parts.append(f"op={self.reduce_op}")
         if self.root is not None:
