@@ -15,10 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from spmd.device_mesh import DeviceMesh
-from spmd.tensor import Partial, Replicate, Shard
+from spmd.tensor import DTensor, Partial, Replicate, Shard
+from spmd.tensor.dispatch import _MISS, _fast_path
 from spmd.tensor.rules import ShardingError
 from tests.tensor.rule_checks import check, make_dtensor, on_meshes
 
+aten = torch.ops.aten
 MESHES = [(2,), (2, 2)]
 TIMEOUT = 60.0
 
@@ -250,4 +252,24 @@ def test_scatter_keeps_shards_off_the_scattered_dim_and_partial() -> None:
         sharded = make_dtensor(x, mesh, _all(mesh, Shard(1)))
         with pytest.raises(ShardingError, match="in place"):  # the scattered dim of a written self can't move
             sharded.scatter_(1, rep, 2.0)
+    _on_meshes(body)
+
+
+# -- 5. the int-list cache key -------------------------------------------------------------------------------
+
+def test_int_list_arguments_hit_the_fast_path() -> None:
+    """sum(dim=[...]) and view(size) are cached under `(list, *ints)` by both paths, so a repeat runs fast."""
+    x = _randn(4, 6)
+
+    def body(mesh: DeviceMesh) -> None:
+        d = make_dtensor(x, mesh, _all(mesh, Shard(0)))
+        for op, args in ((aten.sum.dim_IntList, (d, [1])), (aten.view.default, (d, (4, 3, 2))),
+                         (aten.sum.dim_IntList, (d, [0, 1], True))):
+            first = op(*args)
+            assert any(key[0] is op and key[2] == (list, *args[1]) for key in mesh.dispatch_cache)
+            again = _fast_path(DTensor, op, args, None)
+            assert again is not _MISS, f"{op} missed the fast path"
+            assert again.placements == first.placements
+            torch.testing.assert_close(again.full_tensor(), first.full_tensor())
+        torch.testing.assert_close(d.sum([1]).full_tensor(), x.sum(1))
     _on_meshes(body)

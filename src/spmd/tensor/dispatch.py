@@ -6,9 +6,10 @@ redistribution (redistribute.run_plan).
 Note: the dispatch fast path
 The decision for a call is cached on the mesh (`DeviceMesh.dispatch_cache`, so per rank and freed with the
 mesh) under a key of the op, every DTensor input's spec (hash precomputed), and every other argument (Python
-numbers keyed with their type, so 1 and 1.0 differ; plain scalar tensors by shape/dtype/device). A hit costs
-one pass over the arguments, one dict lookup, the local op and one wrapper allocation per output. A miss
-runs the rule, propagates the global output metadata with meta tensors, checks everything and caches it.
+numbers keyed with their type, so 1 and 1.0 differ; `int[]` arguments as `(list, *ints)`; plain scalar tensors by
+shape/dtype/device). A hit costs one pass over the arguments, one dict lookup, the local op and one wrapper
+allocation per output. A miss runs the rule, propagates the global output metadata with meta tensors, checks
+everything and caches it.
 """
 
 from __future__ import annotations
@@ -216,6 +217,21 @@ def _is_int_list(value: Any) -> bool:
     return type(value) in (list, tuple) and all(type(item) is int for item in value)
 
 
+_INT_LIST_ARGS: dict[OpOverload, frozenset[int]] = {}
+
+
+def _int_list_args(op: OpOverload) -> frozenset[int]:
+    """Positions of the op's `int[]` arguments (sizes, dims). The dispatcher hands them to __torch_dispatch__ as
+    lists of Python ints, so their cache key can be `(list, *value)` with no per-item type check (a Scalar[]
+    argument, whose 1 and 1.0 differ, is keyed item by item)."""
+    found = _INT_LIST_ARGS.get(op)
+    if found is None:
+        positional = [a for a in op._schema.arguments if not a.kwarg_only]
+        found = frozenset(k for k, a in enumerate(positional) if str(a.type) in ("List[int]", "Optional[List[int]]"))
+        _INT_LIST_ARGS[op] = found
+    return found
+
+
 def _where(op: OpOverload, specs: tuple[DTensorSpec, ...]) -> str:
     rank = specs[0].mesh.get_rank() if specs else "?"
     shown = ", ".join(f"{list(s.placements)} {tuple(s.shape)}" for s in specs)
@@ -354,8 +370,12 @@ def dispatch(cls: type, op: OpOverload, types: tuple, args: tuple = (), kwargs: 
     dtensors: list = []
     plain: list[Tensor] = []
     key_parts: list[Any] = [op]
-    for value in args:
-        key_parts.append(_key_of(value, cls, dtensors, plain))
+    int_lists = _int_list_args(op)
+    for index, value in enumerate(args):
+        if index in int_lists and type(value) in (list, tuple):
+            key_parts.append((list, *value))      # the fast path's key for it (see _int_list_args)
+        else:
+            key_parts.append(_key_of(value, cls, dtensors, plain))
     for name, value in kwargs.items():
         key_parts.append(name)
         key_parts.append(_key_of(value, cls, dtensors, plain))
@@ -395,10 +415,12 @@ _make_wrapper_subclass = Tensor._make_wrapper_subclass
 
 def _fast_path(cls: type, op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
     """A cached call with flat positional args, tensor-free kwargs, no redistribution and one output (most
-    calls): the key built and the op run inline. Returns _MISS to take the general path. Keys match `_key_of`'s."""
+    calls): the key built and the op run inline. Returns _MISS to take the general path. Keys match the general
+    path's."""
     key: list[Any] = [op]
     first = None
-    for value in args:
+    int_lists = None
+    for index, value in enumerate(args):
         kind = type(value)
         if kind is cls:
             key.append(value._spec)
@@ -407,9 +429,13 @@ def _fast_path(cls: type, op: OpOverload, args: tuple, kwargs: dict | None) -> A
         elif kind in _NUMBERS:
             key.append((kind, value))
         elif kind is list or kind is tuple:
-            if not _is_int_list(value):
+            if int_lists is None:
+                int_lists = _INT_LIST_ARGS.get(op)
+                if int_lists is None:
+                    int_lists = _int_list_args(op)
+            if index not in int_lists:
                 return _MISS
-            key.append(tuple((int, item) for item in value))
+            key.append((list, *value))
         elif isinstance(value, Tensor):
             return _MISS
         else:
