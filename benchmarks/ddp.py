@@ -69,11 +69,11 @@ class _Impl:
             self.lib = None
             self.backend = "none"
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, bucket_cap_mb: float) -> torch.nn.Module:
         if self.name == "spmd":
-            return self.lib.DistributedDataParallel(model)
+            return self.lib.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
         if self.name == "torch":
-            return torch.nn.parallel.DistributedDataParallel(model)
+            return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
         return model
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -93,13 +93,13 @@ class _Impl:
             self.lib.destroy_process_group()
 
 
-def _worker(impl_name: str, rank: int, world_size: int, micro_batch: int, steps: int, init_file: str,
-            out_file: str) -> None:
+def _worker(impl_name: str, rank: int, world_size: int, micro_batch: int, steps: int, bucket_cap_mb: float,
+            init_file: str, out_file: str) -> None:
     torch.set_num_threads(1)
     impl = _Impl(impl_name, rank, world_size, init_file)
     try:
         raw = _model()
-        model = impl.wrap(raw)
+        model = impl.wrap(raw, bucket_cap_mb)
         optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-4)
         generator = torch.Generator().manual_seed(rank)
 
@@ -135,16 +135,16 @@ def _worker(impl_name: str, rank: int, world_size: int, micro_batch: int, steps:
         impl.close()
 
 
-def _run(impl: str, world_size: int, micro_batch: int, steps: int, timeout: float) -> dict[str, Any]:
+def _run(impl: str, world_size: int, micro_batch: int, args: argparse.Namespace) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         out_file = os.path.join(tmp, "result.pt")
-        procs = [ctx.Process(target=_worker, args=(impl, rank, world_size, micro_batch, steps,
+        procs = [ctx.Process(target=_worker, args=(impl, rank, world_size, micro_batch, args.steps, args.bucket_cap_mb,
                                                    os.path.join(tmp, "init"), out_file))
                  for rank in range(world_size)]
         for proc in procs:
             proc.start()
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + args.timeout
         for proc in procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in procs:
@@ -172,19 +172,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each implementation, alternating")
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket cap, the same for both")
     args = parser.parse_args()
     world_size = 2
     print(f"GPT 4x256, 4 heads, context {CONTEXT}, vocab {VOCAB}; {world_size} ranks x 1 thread; "
-          f"{args.steps} timed steps x {args.repeats} repeats; medians")
+          f"bucket_cap_mb {args.bucket_cap_mb:g}; {args.steps} timed steps x {args.repeats} repeats; medians")
     for setting in args.settings:
         micro = SETTINGS[setting]
         global_batch = micro * world_size
         runs: dict[str, list[dict[str, Any]]] = {"spmd": [], "torch": [], "single": []}
         for _ in range(args.repeats):
-            runs["spmd"].append(_run("spmd", world_size, micro, args.steps, args.timeout))
-            runs["torch"].append(_run("torch", world_size, micro, args.steps, args.timeout))
+            runs["spmd"].append(_run("spmd", world_size, micro, args))
+            runs["torch"].append(_run("torch", world_size, micro, args))
             if setting == "compute":
-                runs["single"].append(_run("single", 1, global_batch, args.steps, args.timeout))
+                runs["single"].append(_run("single", 1, global_batch, args))
         spmd, ref = _summary(runs["spmd"], global_batch), _summary(runs["torch"], global_batch)
         print(f"\n{setting}-heavy: micro batch {micro}/rank, global batch {global_batch} x {CONTEXT} tokens, "
               f"spmd over {runs['spmd'][0]['backend']}, {runs['spmd'][0]['params'] / 1e6:.2f}M parameters")
