@@ -107,7 +107,7 @@ def _round_up(value: int, multiple: int) -> int:
 def ring_bytes_for(group_size: int) -> int:
     """P2P ring size: RING_BYTES, shrunk so that all n*(n-1) rings together stay under 64 MiB."""
     pairs = max(1, group_size * (group_size - 1))
-    return max(64 << 10, min(RING_BYTES, _round_up((64 << 20) // pairs, 4096) if pairs > 64 else RING_BYTES))
+    return min(RING_BYTES, max(64 << 10, (64 << 20) // pairs // 4096 * 4096))
 
 
 class Layout:
@@ -194,12 +194,11 @@ def _unlink_at_exit() -> None:
 class Segment:
     """One mapped segment: a uint8 tensor over all of it, int64 control words, and waits on peers."""
 
-    def __init__(self, name: str, fd: int, layout: Layout, rank: int, created: bool) -> None:
+    def __init__(self, name: str, fd: int, layout: Layout, rank: int) -> None:
         self.name = name
         self.layout = layout
         self.rank = rank
         self.size = layout.group_size
-        self.created = created
         self._mmap = mmap.mmap(fd, layout.total)
         os.close(fd)
         self.bytes: Tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
@@ -215,9 +214,13 @@ class Segment:
     # -- creation -------------------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, group_size: int, slot_bytes: int = 0, ring_bytes: int = 0) -> Segment:
-        """Create and map a new segment (group rank 0). Its name stays linked until `unlink_name`."""
-        layout = Layout(group_size, slot_bytes or SLOT_BYTES, ring_bytes or ring_bytes_for(group_size), LAG)
+    def create(cls, group_size: int) -> Segment:
+        """Create and map a new segment (group rank 0). Its name stays linked until `unlink_name`.
+
+        The layout comes from the module's SLOT_BYTES, RING_BYTES and LAG at creation; it is written into
+        the header, and the other ranks read it from there.
+        """
+        layout = Layout(group_size, SLOT_BYTES, ring_bytes_for(group_size), LAG)
         name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         with _linked_lock:
             _linked.add(name)
@@ -228,7 +231,7 @@ class Segment:
             except OSError:
                 os.close(fd)
                 raise
-            segment = cls(name, fd, layout, 0, created=True)
+            segment = cls(name, fd, layout, 0)
         except BaseException:
             _unlink(name)
             raise
@@ -251,7 +254,7 @@ class Segment:
         if magic != MAGIC or size != group_size:
             os.close(fd)
             raise RuntimeError(f"shm transport: segment {name} is not a segment of this {group_size}-rank group")
-        return cls(name, fd, Layout(size, slot_bytes, ring_bytes, lag), rank, created=False)
+        return cls(name, fd, Layout(size, slot_bytes, ring_bytes, lag), rank)
 
     def announce(self) -> None:
         """Publish this rank's pid and start time, then mark it attached."""
