@@ -217,8 +217,7 @@ class LocalShmTransport(Transport):
         t, last = 0, spans[-1][1] - 1
         while True:
             write, read = self._phase % buffers, (self._phase - lag) % buffers
-            for s in range(len(stages) - 1, -1, -1):        # the latest stage first: it frees buffers
-                stage = stages[s]
+            for s, stage in enumerate(stages):              # any order: one phase's stages touch disjoint buffers
                 if stage is not None and spans[s][0] <= t < spans[s][1]:
                     stage(t - spans[s][0], write, read)
             if t == last:
