@@ -183,3 +183,29 @@ def test_run_ranks_reraises_first_failure_with_rank() -> None:
     with pytest.raises(KeyError) as info:
         run_ranks(body, world_size=3, timeout=30)
     assert any("rank 2 of 3" in note for note in info.value.__notes__)
+
+
+@pytest.mark.parametrize("backend", ["threads", "tcp"])
+def test_reinitialize_over_the_same_store(backend: str) -> None:
+    store = spmd.HashStore(timeout=30)
+    results: list[float] = []
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            for _ in range(3):   # destroy, then init again: fresh keys, no stale addresses
+                spmd.init_process_group(backend, store=store, rank=rank, world_size=2, timeout=30)
+                t = torch.ones(3)
+                spmd.all_reduce(t)
+                results.append(t[0].item())
+                spmd.destroy_process_group()
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=rank_main, args=(rank,), daemon=True) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert results == [2.0] * 6

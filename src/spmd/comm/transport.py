@@ -18,7 +18,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
-import importlib.util
 
 from torch import Tensor
 
@@ -135,19 +134,16 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend(backend: str, hosts: tuple[str, ...]) -> str:
-    """The concrete transport name for `backend`; "auto" picks shm inside one host and tcp across hosts."""
+    """The concrete transport name for `backend`.
+
+    "auto" picks shm whenever ranks share a host (inside one host it is pure shared memory; across hosts the
+    shm transport reduces inside each host and crosses hosts over tcp), and tcp when every rank is alone.
+    """
     if backend == "auto":
-        backend = "shm" if len(set(hosts)) == 1 else "tcp"
-        if backend == "shm" and not _importable(_TRANSPORTS["shm"]):
-            backend = "tcp"
+        backend = "shm" if len(set(hosts)) < len(hosts) or len(hosts) == 1 else "tcp"
     if backend not in _TRANSPORTS:
         raise ValueError(f"spmd: unknown backend {backend!r}; choose one of {available_backends()}")
     return backend
-
-
-def _importable(target: str) -> bool:
-    module = target.split(":")[0]
-    return importlib.util.find_spec(module) is not None
 
 
 def create_transport(backend: str, spec: TransportSpec) -> Transport:

@@ -40,6 +40,9 @@ class World:
         self.owns_store = owns_store
         self.recorder = FlightRecorder()
         self.groups: list[AnyGroup] = []
+        # Every init over one long-lived store gets fresh keys: ranks re-initialize in lockstep, so the
+        # count of this rank's inits names the same generation on every rank.
+        self.prefix = f"spmd/{store.add(f'spmd/inits/rank{rank}', 1)}"
         self.hosts = self._exchange_hosts()
         self.token = self._agree_token()
         status_store = store.clone()
@@ -48,19 +51,19 @@ class World:
 
     def _exchange_hosts(self) -> tuple[str, ...]:
         host = env.host_identity() or socket.gethostname()
-        self.store.set(f"spmd/host/{self.rank}", host)
+        self.store.set(f"{self.prefix}/host/{self.rank}", host)
         return tuple(value.decode() for value in self.store.multi_get(
-            [f"spmd/host/{rank}" for rank in range(self.world_size)]))
+            [f"{self.prefix}/host/{rank}" for rank in range(self.world_size)]))
 
     def _agree_token(self) -> bytes:
-        return self.store.compare_set("spmd/transport_token", "", secrets.token_hex(16))
+        return self.store.compare_set(f"{self.prefix}/transport_token", "", secrets.token_hex(16))
 
     def create_group(self, ranks: list[int], timeout: float, backend: str, name: str) -> AnyGroup:
         """Collective over the whole world (every rank calls it, in the same order, members or not)."""
         if self.rank not in ranks:
             group: AnyGroup = NonMemberGroup(name, ranks, self.rank)
         else:
-            group_store = PrefixStore(f"spmd/group/{name}", self.store)
+            group_store = PrefixStore(f"{self.prefix}/group/{name}", self.store)
             spec = TransportSpec(store=group_store, group_name=name, group_rank=ranks.index(self.rank),
                                  global_ranks=tuple(ranks), hosts=tuple(self.hosts[r] for r in ranks),
                                  timeout=timeout, token=self.token)
