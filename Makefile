@@ -20,10 +20,13 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q src tests
 
 demo: $(STAMP)
-	$(PY) examples/allreduce_demo.py
+	$(VENV)/bin/spmdrun --standalone --nproc-per-node 2 examples/train_gpt.py --parallel ddp --width 128 \
+		--steps 500 --lr 3e-3 --log-every 25 --eval-every 100
 
 bench: $(STAMP)
 	$(PY) benchmarks/collectives.py
+	$(PY) benchmarks/ddp.py
+	$(PY) benchmarks/dtensor_overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
