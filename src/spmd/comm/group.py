@@ -30,7 +30,7 @@ Body = Callable[[OpContext], None]
 
 
 class ProcessGroup:
-    """A group of ranks that communicate together (torch.distributed.ProcessGroup's role)."""
+    """A group of ranks that communicate together (the role of torch's ProcessGroup)."""
 
     def __init__(self, name: str, global_ranks: list[int], group_rank: int, transport: Transport,
                  store: Store, world_store: Store, timeout: float, recorder: FlightRecorder,
@@ -55,7 +55,7 @@ class ProcessGroup:
         self._error: BaseException | None = None
         self._closed = False
 
-    # torch.distributed.ProcessGroup's accessors
+    # the accessors of torch's ProcessGroup
     def rank(self) -> int:
         return self.group_rank
 

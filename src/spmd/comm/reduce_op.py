@@ -13,7 +13,7 @@ from torch import Tensor
 
 
 class ReduceOp(enum.Enum):
-    """How a collective combines the ranks' values (torch.distributed.ReduceOp's names)."""
+    """How a collective combines the ranks' values (the names of torch's ReduceOp)."""
 
     SUM = "sum"
     AVG = "avg"

@@ -77,7 +77,7 @@ class Bucket:
 
 @dataclasses.dataclass
 class GradBucket:
-    """What a communication hook sees of one bucket (torch.distributed.GradBucket's interface).
+    """What a communication hook sees of one bucket (the interface of torch's GradBucket).
 
     The hook must return a torch.futures.Future whose value is a tensor shaped like `buffer()`, holding the
     bucket's reduced gradient (averaged over ranks: a hook owns the division).

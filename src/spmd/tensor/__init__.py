@@ -1,4 +1,4 @@
-"""DTensor: tensors laid out over a DeviceMesh (Shard / Replicate / Partial per mesh dim), torch.distributed.tensor's
+"""DTensor: tensors laid out over a DeviceMesh (Shard / Replicate / Partial per mesh dim), the torch DTensor's
 API names.
 
 Layer: tensor (may import _core, comm, device_mesh). Importing it registers every op family's sharding rules.
