@@ -51,6 +51,9 @@ REDUCTIONS: dict[str, Callable[[torch.Tensor], object]] = {
 }
 NO_GRAD = {
     "argmax_dim2": lambda t: t.argmax(2),
+    "any": lambda t: (t > 1).any(),
+    "any_dim1": lambda t: (t > 1).any(1),
+    "all_dims02_keepdim": lambda t: (t > -1).all((0, 2), keepdim=True),
     "norm0_dim0": lambda t: torch.linalg.vector_norm(t, 0, dim=0),
     "prod": lambda t: t.prod(),          # (its backward runs flip / cumprod, which have no rules yet)
     "prod_dim1": lambda t: t.prod(1),

@@ -1,4 +1,4 @@
-"""Sharding rules for reductions: sum, prod, mean, amax/amin, max/min, argmax/argmin, logsumexp, var/std,
+"""Sharding rules for reductions: sum, prod, mean, amax/amin, max/min, any/all, argmax/argmin, logsumexp, var/std,
 vector norms.
 
 Layer: tensor. The rules decide; `mean`, `var`/`std` and the norms use custom local kernels (ops/custom.py)
@@ -117,6 +117,23 @@ def _prod(schema: OpSchema) -> list[Strategy]:
 def _logsumexp(schema: OpSchema) -> list[Strategy]:
     spec = schema.input_specs[0]       # log of a sum of exps: not a Partial of anything, so reduced dims gathered
     return reduction_strategies(spec, reduction_dims(schema.args[1], spec.ndim), _keepdim(schema, 2), None)
+
+
+# -- any, all ----------------------------------------------------------------------------------------------
+
+_LOGICAL_OPS = {aten.any.default: "max", aten.any.dim: "max", aten.any.dims: "max",
+                aten.all.default: "min", aten.all.dim: "min", aten.all.dims: "min"}
+
+
+@register_strategy(*_LOGICAL_OPS)
+def _any_all(schema: OpSchema) -> list[Strategy]:
+    """any is a max over bools and all a min; an empty shard's any/all (False/True) is that op's identity."""
+    spec = schema.input_specs[0]
+    reduce_op = _LOGICAL_OPS[schema.op]
+    if schema.op in (aten.any.default, aten.all.default):
+        return reduction_strategies(spec, tuple(range(spec.ndim)), False, reduce_op)
+    dims = schema.args[1] if len(schema.args) > 1 else schema.kwargs.get("dim")
+    return reduction_strategies(spec, reduction_dims(dims, spec.ndim), _keepdim(schema, 2), reduce_op)
 
 
 # -- amax, amin, max(), min() ------------------------------------------------------------------------------
