@@ -5,10 +5,16 @@ starts fast. See spmd.run.agent for the agent, spmd.run.rendezvous for how nodes
 """
 
 from spmd.run.config import LaunchConfig
-from spmd.run.failure import ChildFailedError, ProcessExitedException, ProcessRaisedException, WorkerFailure
+from spmd.run.failure import (
+    ChildFailedError,
+    ProcessException,
+    ProcessExitedException,
+    ProcessRaisedException,
+    WorkerFailure,
+)
 from spmd.run.spawn import SpawnContext, spawn
 
 __all__ = [
-    "ChildFailedError", "LaunchConfig", "ProcessExitedException", "ProcessRaisedException", "SpawnContext",
-    "WorkerFailure", "spawn",
+    "ChildFailedError", "LaunchConfig", "ProcessException", "ProcessExitedException", "ProcessRaisedException",
+    "SpawnContext", "WorkerFailure", "spawn",
 ]

@@ -117,8 +117,8 @@ class ChildFailedError(SpmdError):
         super().__init__(format_summary(failures, context))
 
 
-class ProcessRaisedException(ChildFailedError):
-    """A spawned process raised (torch.multiprocessing's name); `error_index` is its process index."""
+class ProcessException(ChildFailedError):
+    """A spawned process failed (torch.multiprocessing's name); `error_index` is its process index."""
 
     @property
     def error_index(self) -> int:
@@ -129,16 +129,12 @@ class ProcessRaisedException(ChildFailedError):
         return self.first.pid
 
 
-class ProcessExitedException(ChildFailedError):
-    """A spawned process exited non-zero or by a signal without raising (torch.multiprocessing's name)."""
+class ProcessRaisedException(ProcessException):
+    """A spawned process raised."""
 
-    @property
-    def error_index(self) -> int:
-        return self.first.rank
 
-    @property
-    def pid(self) -> int:
-        return self.first.pid
+class ProcessExitedException(ProcessException):
+    """A spawned process exited non-zero or by a signal without raising."""
 
     @property
     def exit_code(self) -> int:

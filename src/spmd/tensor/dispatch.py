@@ -136,19 +136,21 @@ def _substitute(value: Any, dtensor_type: type, spec_type: type, locals_: Iterat
     return value
 
 
-def _to_schema(value: Any, dtensor_type: type) -> Any:
+def schema_form(value: Any, dtensor_type: type) -> Any:
+    """`value` with every DTensor (also inside lists/tuples) replaced by its spec: what rules see."""
     if isinstance(value, dtensor_type):
         return value._spec
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_schema(item, dtensor_type) for item in value)
+        return type(value)(schema_form(item, dtensor_type) for item in value)
     return value
 
 
-def _to_meta(value: Any) -> Any:
+def meta_form(value: Any) -> Any:
+    """`value` with specs and tensors replaced by meta tensors, to infer output shapes without computing."""
     if isinstance(value, DTensorSpec):
         return torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device="meta")
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_meta(item) for item in value)
+        return type(value)(meta_form(item) for item in value)
     if isinstance(value, Tensor):
         return value.to("meta")
     return value
@@ -251,7 +253,7 @@ def _compile(op: OpOverload, args: tuple, kwargs: dict, dtensors: list, dtensor_
     if rule is None:
         single = info.returns_mutated is not None and len(info.returns_mutated) == 1
         return _Compiled(op, (), (), single, info.returns_mutated, None, None, fallback=True)
-    schema = OpSchema(op, _to_schema(args, dtensor_type), _to_schema(kwargs, dtensor_type), specs)
+    schema = OpSchema(op, schema_form(args, dtensor_type), schema_form(kwargs, dtensor_type), specs)
     try:
         decision = rule(schema)
     except ShardingError as error:
@@ -311,8 +313,8 @@ def _input_targets(op: OpOverload, decision: ShardingDecision, specs: tuple[DTen
 def _propagate_meta(op: OpOverload, decision: ShardingDecision, schema: OpSchema) -> Any:
     """Run the op on meta tensors with the GLOBAL shapes: the outputs' global shape, stride and dtype."""
     try:
-        kwargs = {k: "meta" if k == "device" and v is not None else _to_meta(v) for k, v in schema.kwargs.items()}
-        return op(*_to_meta(schema.args), **kwargs)
+        kwargs = {k: "meta" if k == "device" and v is not None else meta_form(v) for k, v in schema.kwargs.items()}
+        return op(*meta_form(schema.args), **kwargs)
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
         raise ShardingError(f"{_where(op, schema.input_specs)}: could not compute the output shapes on meta "
                             f"tensors ({type(error).__name__}: {error})") from error

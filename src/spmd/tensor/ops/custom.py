@@ -20,7 +20,7 @@ from torch import Tensor
 from torch._ops import OpOverload
 
 from spmd.tensor.api import DTensor
-from spmd.tensor.dispatch import MixedTensorError
+from spmd.tensor.dispatch import MixedTensorError, meta_form, schema_form
 from spmd.tensor.placement import normalize_placements
 from spmd.tensor.redistribute import run_plan
 from spmd.tensor.rules import OpSchema, ShardingDecision, ShardingError
@@ -80,24 +80,6 @@ _LIST = object()
 _FLAT = object()
 
 
-def _schema_form(value: Any) -> Any:
-    if isinstance(value, DTensor):
-        return value._spec
-    if isinstance(value, (list, tuple)):
-        return type(value)(_schema_form(item) for item in value)
-    return value
-
-
-def _meta_form(value: Any) -> Any:
-    if isinstance(value, DTensorSpec):
-        return torch.empty_strided(value.shape, value.stride, dtype=value.dtype, device="meta")
-    if isinstance(value, (list, tuple)):
-        return type(value)(_meta_form(item) for item in value)
-    if isinstance(value, Tensor):
-        return value.to("meta")
-    return value
-
-
 def _local_form(value: Any, locals_: list[Tensor], index: list[int]) -> Any:
     """`value` with its DTensors replaced by the next entries of `locals_` (`index[0]` is the next one)."""
     if isinstance(value, DTensor):
@@ -125,10 +107,10 @@ def _plan(op: OpOverload, args: tuple, kwargs: dict, dtensors: list[DTensor],
         if spec.mesh != mesh:
             raise ValueError(f"{_where(op, specs)}: DTensors on different meshes ({mesh} and {spec.mesh}) can't "
                              f"meet in one op; redistribute one onto the other's mesh first")
-    schema = OpSchema(op, _schema_form(args), {k: _schema_form(v) for k, v in kwargs.items()}, specs)
+    schema = OpSchema(op, schema_form(args, DTensor), {k: schema_form(v, DTensor) for k, v in kwargs.items()}, specs)
     try:
         decision = rule(schema)
-        meta = op(*_meta_form(schema.args), **{k: _meta_form(v) for k, v in schema.kwargs.items()})
+        meta = op(*meta_form(schema.args), **{k: meta_form(v) for k, v in schema.kwargs.items()})
     except ShardingError as error:
         raise ShardingError(f"{_where(op, specs)}: {error}") from None
     wanted = decision.input_placements or [None] * len(specs)
