@@ -67,9 +67,17 @@ def reduce_into(dst: Tensor, sources: list[Tensor], op: ReduceOp) -> None:
         fn(dst, source, out=dst)
 
 
-def _chunks(count: int, cap: int) -> list[tuple[int, int]]:
-    """[start, end) pieces of at most `cap` elements covering `count`; one empty piece when count is 0."""
-    return [(start, min(count, start + cap)) for start in range(0, count, cap)] or [(0, 0)]
+def _columns(flat: Tensor, chunk: int, lo: int, hi: int) -> list[Tensor]:
+    """flat[c * chunk + lo:c * chunk + hi] for every whole chunk c of `flat`, by one view op (slicing each
+    would cost a microsecond apiece)."""
+    full = flat.numel() // chunk
+    return list(flat[:full * chunk].view(full, chunk)[:, lo:hi].unbind(0))
+
+
+def _pieces(flat: Tensor, chunk: int) -> list[Tensor]:
+    """`flat` as consecutive views of `chunk` elements (the last may be shorter) by one split; one empty view
+    when `flat` is empty, so that every collective runs its phases."""
+    return list(flat.split(chunk)) if flat.numel() else [flat]
 
 
 class _Views:
@@ -88,6 +96,8 @@ class _Views:
         self.align = max(1, ALIGN_BYTES // itemsize)
         self.region = (size // layout.group_size) // itemsize // self.align * self.align   # per-peer region
         self._heads: dict[int, list[list[Tensor]]] = {}
+        self._sliced: dict[tuple[int, int], _SlicedSlots] = {}
+        self._regions: dict[int, list[list[list[Tensor]]]] = {}
 
     def heads(self, n: int) -> list[list[Tensor]]:
         """staging[rank][index][:n], cached: slicing costs more than a small collective's copy."""
@@ -98,7 +108,53 @@ class _Views:
             heads = self._heads[n] = [[slot[:n] for slot in slots] for slots in self.staging]
         return heads
 
+    def regions(self, length: int) -> list[list[list[Tensor]]]:
+        """staging[rank][index] cut into per-peer regions, each's first `length` elements: [rank][index][peer],
+        cached."""
+        regions = self._regions.get(length)
+        if regions is None:
+            if len(self._regions) >= 64:
+                self._regions.clear()
+            count, region = len(self.staging), self.region
+            regions = self._regions[length] = [[[slot[peer * region:peer * region + length] for peer in range(count)]
+                                                for slot in slots] for slots in self.staging]
+        return regions
 
+    def sliced(self, length: int, me: int) -> _SlicedSlots:
+        """The slot views a sliced reduction of a chunk of `length` elements uses on rank `me`, cached."""
+        key = (length, me)
+        sliced = self._sliced.get(key)
+        if sliced is None:
+            if len(self._sliced) >= 64:
+                self._sliced.clear()
+            sliced = self._sliced[key] = _SlicedSlots(self, length, me)
+        return sliced
+
+
+def slice_bounds(length: int, parts: int, align: int) -> list[int]:
+    """Boundaries of `parts` slices of `length` elements, each starting on a multiple of `align`."""
+    return [min(length, (length * i // parts + align - 1) // align * align) for i in range(parts)] + [length]
+
+
+class _SlicedSlots:
+    """Per phase buffer, the views of Note: sliced reduction for one chunk length on one rank: the pieces of
+    the rank's staging slot around its own slice, every rank's staged copy of its slice, and the result."""
+
+    def __init__(self, views: _Views, length: int, me: int) -> None:
+        size = len(views.staging)
+        self.bounds = bounds = slice_bounds(length, size, views.align)
+        lo, hi = bounds[me], bounds[me + 1]
+        buffers = range(len(views.result))
+        self.before = [views.staging[me][index][:lo] for index in buffers] if lo > 0 else None
+        self.after = [views.staging[me][index][hi:length] for index in buffers] if hi < length else None
+        self.peers = [[None if rank == me else views.staging[rank][index][lo:hi] for rank in range(size)]
+                      for index in buffers]
+        self.result_mine = [views.result[index][lo:hi] for index in buffers]
+        self.result_whole = [views.result[index][:length] for index in buffers]
+        self.reduces = hi > lo
+
+
+_SlicedChunk = tuple[_SlicedSlots, Tensor, Tensor, Tensor | None, Tensor | None]   # slots, whole, mine, before, after
 Stage = Callable[[int, int, int], None] | None   # stage(item, write index, read index); None: nothing here
 
 
@@ -233,10 +289,25 @@ class LocalShmTransport(Transport):
             views = self._views[dtype] = _Views(self.segment, dtype)
         return views
 
-    def _slices(self, length: int, views: _Views) -> list[int]:
-        """Boundaries of the group_size slices of a chunk of `length` elements (cache-line aligned)."""
-        n, align = self.group_size, views.align
-        return [min(length, (length * i // n + align - 1) // align * align) for i in range(n)] + [length]
+    def _sliced_chunks(self, flat: Tensor, views: _Views) -> list[_SlicedChunk]:
+        """Per chunk of `flat`, its slot views and its tensor views (see Note: sliced reduction): made once
+        per call, whole chunks by one view op per kind, so no phase pays for slicing."""
+        me, capacity, numel = self.group_rank, views.capacity, flat.numel()
+        full, rest = divmod(numel, capacity)
+        items: list[_SlicedChunk] = []
+        if full:
+            sliced = views.sliced(capacity, me)
+            lo, hi = sliced.bounds[me], sliced.bounds[me + 1]
+            wholes, mines = _columns(flat, capacity, 0, capacity), _columns(flat, capacity, lo, hi)
+            befores = _columns(flat, capacity, 0, lo) if lo > 0 else [None] * full
+            afters = _columns(flat, capacity, hi, capacity) if hi < capacity else [None] * full
+            items = [(sliced, *views_of_chunk) for views_of_chunk in zip(wholes, mines, befores, afters)]
+        if rest:
+            sliced, base = views.sliced(rest, me), full * capacity
+            lo, hi = sliced.bounds[me], sliced.bounds[me + 1]
+            items.append((sliced, flat[base:], flat[base + lo:base + hi], flat[base:base + lo] if lo > 0 else None,
+                          flat[base + hi:] if hi < rest else None))
+        return items
 
     # -- reductions -----------------------------------------------------------------------------------------
 
@@ -268,63 +339,55 @@ class LocalShmTransport(Transport):
 
             self._pipeline(ctx, 1, [stage_all, reduce_all if receives else None])
             return
-        chunks = _chunks(tensor.numel(), views.capacity)
+        items = self._sliced_chunks(tensor, views)
 
         def stage_others(t: int, write: int, read: int) -> None:       # chunk t, but for my own slice
-            start, end = chunks[t]
-            bounds = self._slices(end - start, views)
-            slot, lo, hi = views.staging[me][write], bounds[me], bounds[me + 1]
-            if lo > 0:
-                slot[:lo].copy_(tensor[start:start + lo])
-            if end - start > hi:
-                slot[hi:end - start].copy_(tensor[start + hi:end])
+            sliced, _, _, before, after = items[t]
+            if before is not None:
+                sliced.before[write].copy_(before)
+            if after is not None:
+                sliced.after[write].copy_(after)
 
         def reduce_mine(t: int, write: int, read: int) -> None:          # my slice of chunk t -> result slot
-            start, end = chunks[t]
-            bounds = self._slices(end - start, views)
-            lo, hi = bounds[me], bounds[me + 1]
-            if hi > lo:
-                sources = [tensor[start + lo:start + hi] if rank == me else views.staging[rank][read][lo:hi]
-                           for rank in range(size)]
-                dst = views.result[write][lo:hi]
+            sliced, _, mine, _, _ = items[t]
+            if sliced.reduces:
+                sources = list(sliced.peers[read])
+                sources[me] = mine
+                dst = sliced.result_mine[write]
                 reduce_into(dst, sources, op)
                 if op is ReduceOp.AVG:
                     dst.div_(size)
 
         def copy_out(t: int, write: int, read: int) -> None:             # result slot -> chunk t
-            start, end = chunks[t]
-            tensor[start:end].copy_(views.result[read][:end - start])
+            items[t][1].copy_(items[t][0].result_whole[read])
 
-        self._pipeline(ctx, len(chunks), [stage_others, reduce_mine, copy_out if receives else None])
+        self._pipeline(ctx, len(items), [stage_others, reduce_mine, copy_out if receives else None])
 
     def reduce_scatter(self, output: Tensor, input: Tensor, op: ReduceOp, ctx: OpContext) -> None:
         if self.group_size == 1:
             output.copy_(input)
             return
-        me, size = self.group_rank, self.group_size
+        me, size, m = self.group_rank, self.group_size, output.numel()
         views = self._views_of(output.dtype)
-        m, region = output.numel(), views.region
-        chunks = _chunks(m, region)
+        outs = _pieces(output, views.region)
+        blocks = [_pieces(input[rank * m:(rank + 1) * m], views.region) for rank in range(size)]
 
         def stage_blocks(t: int, write: int, read: int) -> None:          # chunk t of every other block -> slot
-            start, end = chunks[t]
-            slot = views.staging[me][write]
+            regions = views.regions(outs[t].numel())[me][write]
             for rank in range(size):
-                if rank != me and end > start:
-                    slot[rank * region:rank * region + end - start].copy_(input[rank * m + start:rank * m + end])
+                if rank != me:
+                    regions[rank].copy_(blocks[rank][t])
 
         def reduce_mine(t: int, write: int, read: int) -> None:          # chunk t of my block -> output
-            start, end = chunks[t]
-            if end > start:
-                sources = [input[me * m + start:me * m + end] if rank == me
-                           else views.staging[rank][read][me * region:me * region + end - start]
-                           for rank in range(size)]
-                reduce_into(output[start:end], sources, op)
-                if op is ReduceOp.AVG:
-                    output[start:end].div_(size)
+            out = outs[t]
+            regions = views.regions(out.numel())
+            sources = [blocks[me][t] if rank == me else regions[rank][read][me] for rank in range(size)]
+            reduce_into(out, sources, op)
+            if op is ReduceOp.AVG:
+                out.div_(size)
 
         self._begin(ctx)
-        self._pipeline(ctx, len(chunks), [stage_blocks, reduce_mine])
+        self._pipeline(ctx, len(outs), [stage_blocks, reduce_mine])
 
     # -- data movement --------------------------------------------------------------------------------------
 
@@ -332,19 +395,17 @@ class LocalShmTransport(Transport):
         if self.group_size == 1:
             return
         views = self._views_of(tensor.dtype)
-        chunks = _chunks(tensor.numel(), views.capacity)
+        pieces = _pieces(tensor, views.capacity)
 
-        def stage(t: int, write: int, read: int) -> None:
-            start, end = chunks[t]
-            views.result[write][:end - start].copy_(tensor[start:end])
+        def stage(t: int, write: int, read: int) -> None:               # the root's own staging slot
+            views.heads(pieces[t].numel())[root][write].copy_(pieces[t])
 
         def copy_out(t: int, write: int, read: int) -> None:
-            start, end = chunks[t]
-            tensor[start:end].copy_(views.result[read][:end - start])
+            pieces[t].copy_(views.heads(pieces[t].numel())[root][read])
 
         is_root = self.group_rank == root
         self._begin(ctx)
-        self._pipeline(ctx, len(chunks), [stage if is_root else None, None if is_root else copy_out])
+        self._pipeline(ctx, len(pieces), [stage if is_root else None, None if is_root else copy_out])
 
     def all_gather(self, output: Tensor, input: Tensor, ctx: OpContext) -> None:
         self._gather(output, input, None, ctx)
@@ -360,22 +421,22 @@ class LocalShmTransport(Transport):
         if size == 1:
             return
         views = self._views_of(input.dtype)
-        chunks = _chunks(m, views.capacity)
+        ins = _pieces(input, views.capacity)
+        outs = [None if output is None or rank == me else _pieces(output[rank * m:(rank + 1) * m], views.capacity)
+                for rank in range(size)]
 
         def stage(t: int, write: int, read: int) -> None:
-            start, end = chunks[t]
-            views.staging[me][write][:end - start].copy_(input[start:end])
+            views.heads(ins[t].numel())[me][write].copy_(ins[t])
 
         def copy_out(t: int, write: int, read: int) -> None:
-            assert output is not None
-            start, end = chunks[t]
-            for rank in range(size):
-                if rank != me:
-                    output[rank * m + start:rank * m + end].copy_(views.staging[rank][read][:end - start])
+            heads = views.heads(ins[t].numel())
+            for rank, pieces in enumerate(outs):
+                if pieces is not None:
+                    pieces[t].copy_(heads[rank][read])
 
         receives = root is None or root == me
         self._begin(ctx)
-        self._pipeline(ctx, len(chunks), [None if root == me else stage, copy_out if receives else None])
+        self._pipeline(ctx, len(ins), [None if root == me else stage, copy_out if receives else None])
 
     def scatter(self, output: Tensor, input: Tensor | None, root: int, ctx: OpContext) -> None:
         me, size, m = self.group_rank, self.group_size, output.numel()
@@ -385,23 +446,21 @@ class LocalShmTransport(Transport):
         if size == 1:
             return
         views = self._views_of(output.dtype)
-        region = views.region
-        chunks = _chunks(m, region)
+        outs = _pieces(output, views.region)
+        blocks = ([_pieces(input[rank * m:(rank + 1) * m], views.region) for rank in range(size)]
+                  if input is not None else [])
 
         def stage_blocks(t: int, write: int, read: int) -> None:
-            assert input is not None
-            start, end = chunks[t]
-            slot = views.staging[me][write]
+            regions = views.regions(outs[t].numel())[me][write]
             for rank in range(size):
                 if rank != me:
-                    slot[rank * region:rank * region + end - start].copy_(input[rank * m + start:rank * m + end])
+                    regions[rank].copy_(blocks[rank][t])
 
         def copy_out(t: int, write: int, read: int) -> None:
-            start, end = chunks[t]
-            output[start:end].copy_(views.staging[root][read][me * region:me * region + end - start])
+            outs[t].copy_(views.regions(outs[t].numel())[root][read][me])
 
         self._begin(ctx)
-        self._pipeline(ctx, len(chunks), [stage_blocks if me == root else None, None if me == root else copy_out])
+        self._pipeline(ctx, len(outs), [stage_blocks if me == root else None, None if me == root else copy_out])
 
     def all_to_all(self, output: Tensor, input: Tensor, output_splits: list[int], input_splits: list[int],
                    ctx: OpContext) -> None:

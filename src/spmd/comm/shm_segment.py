@@ -22,15 +22,16 @@ P = 2 * LAG is the number of phase buffers of each kind (see Note: phases).
                  position (receiver's cache line) and RING bytes of data
 
 The total is fixed by the group size, never by the tensors: HEADER + n*CTRL + (n+1)*P*SLOT + n*n*(128+RING)
-(SLOT = 1 MiB, LAG = 3 so P = 6, RING = 1 MiB by default; RING shrinks for large groups): about 19 MiB for
-2 ranks, 31 MiB for 4, plus rings. tmpfs allocates a page only when it is first touched, so rings of pairs
+(SLOT = 1 MiB, LAG = 1 so P = 2, RING = 1 MiB by default; RING shrinks for large groups): 10 MiB for 2
+ranks, 26 MiB for 4, 82 MiB for 8. tmpfs allocates a page only when it is first touched, so rings of pairs
 that never exchange messages cost nothing.
 
 Note: phases
 Each rank has one phase counter, only ever increased by itself. Ending phase q-1 (entering phase q) a rank
 publishes q, then waits until every peer's counter is at least q - LAG + 1: ranks run at most LAG - 1
-phases apart, which lets a rank that has the CPU keep copying while a descheduled peer catches up (on a
-loaded host that decoupling, not the copies, decides the speed). Rule of every algorithm here: in phase
+phases apart. LAG = 1 (lockstep) measured fastest, quiet or loaded: a larger LAG lets a rank that has the
+CPU run ahead of a descheduled peer, but its extra buffers push the chunks out of cache before the next
+stage reads them (benchmarks/shm_notes.md). Rule of every algorithm here: in phase
 q a rank writes only buffers with index q % P (its own staging slot, its own slice of the result slot,
 its own fingerprint and splits) and reads only buffers the others wrote in phase q - LAG, index
 (q - LAG) % P. A rank in phase q knows every peer has finished phase q - LAG, so what it reads is
@@ -41,8 +42,11 @@ Phases with no work are skipped in one step (a counter may jump by several phase
 Ordering relies on x86-64's total store order (data stores become visible before the counter store).
 
 Note: waiting
-A wait first polls the peer's counter (a few microseconds: when both ranks have a core, that is the
-fastest hand-off there is). Then it sets its SLEEPING word, polls once more, and blocks on its own wake
+A wait first polls the peer's counter (when both ranks have a core, that is the fastest hand-off there
+is). How long it polls adapts: a wait that the polling satisfied doubles the next one's budget (up to about
+500 us), a wait that had to block halves it (down to about 20 us), so ranks with a core each hand phases
+over without system calls, and ranks that share cores soon stop burning the core their peer needs. Then
+it sets its SLEEPING word, polls once more, and blocks on its own wake
 socket (an abstract-namespace unix datagram socket, named after the segment and the rank, so it needs no
 cleanup). A rank that ends a phase sends one byte to every peer whose SLEEPING word is set. Blocking
 matters on a loaded machine: the kernel runs the waiter exactly when its peer has made progress, and the
@@ -74,7 +78,7 @@ from spmd._core.errors import CommTimeoutError, GroupAbortedError, PeerLostError
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "spmd-"         # spmd-<creator pid>-<random>: remove_orphan_segments finds a dead creator's names
 SLOT_BYTES = 1 << 20          # one staging slot; a chunk of a large collective is at most this per rank
-LAG = 3                       # ranks may run up to LAG - 1 phases apart (see Note: phases)
+LAG = 1                       # ranks may run up to LAG - 1 phases apart (see Note: phases)
 RING_BYTES = 1 << 20          # P2P ring per ordered pair of ranks (shrunk for large groups, see ring_bytes_for)
 HEADER_BYTES = 4096
 FP_BYTES = 2048               # per buffer: digest of Fingerprint.key() less seq (16 bytes), seq, length, encoded
@@ -90,7 +94,7 @@ _H_ABORT_MSG, _ABORT_MSG_BYTES = 128, HEADER_BYTES - 128
 _C_PHASE, _C_PID, _C_START, _C_ATTACHED, _C_SLEEPING, _C_P2P_SLEEPING, _C_FP = 0, 64, 72, 80, 96, 104, 128
 
 ABORT_OTHER, ABORT_PEER_LOST = 1, 2
-SPIN_POLLS = 300              # counter polls (about 20-50 us) before a wait blocks on its wake socket
+SPIN_POLLS = (300, 8000)      # least and most counter polls (about 20 us and 500 us) before a wait blocks
 WAKE_TIMEOUT_S = 0.01         # a blocked wait re-checks its counter, the abort word, the deadline this often
 LIVENESS_S = 0.05             # how often a wait checks that its peers' processes are alive
 
@@ -207,7 +211,8 @@ class Segment:
         self.start_times = [0] * self.size
         self.global_ranks = list(range(self.size))   # for messages; the transport sets the real ones
         self.same_process = True           # every peer is a thread of this process (run_ranks over shm)
-        self.spin = SPIN_POLLS
+        self.spin_least, self.spin_most = SPIN_POLLS
+        self.spin = self.spin_least      # adapts between the two (see Note: waiting)
         self._wake = wake_socket(self._wake_address(rank))
         self._wake_peers = [self._wake_address(peer) for peer in range(self.size)]
 
@@ -277,7 +282,7 @@ class Segment:
             self.start_times[peer] = self.word(base + _C_START)
         self.same_process = all(pid == os.getpid() for pid in self.pids)
         if self.same_process:
-            self.spin = 0      # peers are threads that need this thread's GIL to make progress: block at once
+            self.spin = self.spin_least = self.spin_most = 0   # peers are threads that need this thread's GIL
 
     def _wake_address(self, rank: int) -> bytes:
         """The abstract unix socket address of `rank`'s wake socket (a leading NUL: no file, no cleanup)."""
@@ -392,7 +397,9 @@ class Segment:
         words = self.words
         for _ in range(self.spin):
             if words[index] >= target:
+                self.spin = min(self.spin_most, 2 * self.spin)
                 return
+        self.spin = max(self.spin_least, self.spin // 2)
         sleeping = (self.layout.ctrl(self.rank) + _C_SLEEPING) >> 3
         next_liveness = time.monotonic() + LIVENESS_S
         while True:
