@@ -26,7 +26,7 @@ import torch
 import spmd
 from spmd._core.deadline import Deadline
 from spmd._core.errors import CollectiveMismatchError, CommError, CommTimeoutError
-from spmd.comm import shm_local, shm_segment
+from spmd.comm import shm_local, shm_names, shm_segment
 from spmd.comm.debug import Fingerprint
 from spmd.comm.shm import ShmTransport
 from spmd.comm.shm_hier import HierarchicalTransport
@@ -452,14 +452,14 @@ def test_set_up_window_names_are_removed_at_exit_and_by_the_orphan_sweep() -> No
     name, existed, _ = results.get(timeout=60)
     _reap(processes)
     assert existed and os.path.exists(os.path.join(shm_segment.SHM_DIR, name))       # SIGKILL: no atexit
-    assert name in shm_segment.remove_orphan_segments()
+    assert name in shm_names.remove_orphan_segments()
     assert not os.path.exists(os.path.join(shm_segment.SHM_DIR, name))
 
 
 def test_orphan_sweep_keeps_live_creators_segments() -> None:
     segment = shm_segment.Segment.create(2)
     try:
-        assert segment.name not in shm_segment.remove_orphan_segments()
+        assert segment.name not in shm_names.remove_orphan_segments()
         assert os.path.exists(os.path.join(shm_segment.SHM_DIR, segment.name))
     finally:
         segment.close()

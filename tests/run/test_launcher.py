@@ -120,6 +120,22 @@ def test_sigkilled_worker_without_restarts_is_reported_by_rank_and_signal(tmp_pa
     assert "no Python traceback" in summary
 
 
+def test_a_worker_killed_in_shm_set_up_leaves_no_segment_name(tmp_path: Path) -> None:
+    """A name in /dev/shm only outlives a worker killed between creating its group's segment and every rank
+    mapping it; the agent sweeps such names once its workers have stopped (the worker fakes the segment
+    file, named as the shm transport names them, to spare the torch import)."""
+    tag = f"{os.getpid()}{time.monotonic_ns()}"
+    worker = script(tmp_path, "dies_in_set_up.py", f"""
+        import os, signal
+        path = f"/dev/shm/spmd-{{os.getpid()}}-{tag}"
+        open(path, "wb").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    code, _, err = run_agent("--nproc-per-node", "1", "--max-restarts", "0", worker)
+    assert code == 1 and "signal SIGKILL" in err
+    assert [name for name in os.listdir("/dev/shm") if name.endswith(f"-{tag}")] == []
+
+
 def test_python_exception_traceback_is_in_the_summary(tmp_path: Path) -> None:
     worker = script(tmp_path, "boom.py", """
         import os, time

@@ -416,17 +416,24 @@ class LocalShmTransport(Transport):
     def _gather(self, output: Tensor | None, input: Tensor, root: int | None, ctx: OpContext) -> None:
         """all_gather (root None) or gather to `root`: each rank stages its chunk, the receivers copy out."""
         me, size, m = self.group_rank, self.group_size, input.numel()
-        if output is not None and output.data_ptr() + me * m * output.element_size() != input.data_ptr():
-            output[me * m:(me + 1) * m].copy_(input)
+        own = (output[me * m:(me + 1) * m] if output is not None
+               and output.data_ptr() + me * m * output.element_size() != input.data_ptr() else None)
+        if own is not None and (size == 1 or root == me):
+            own.copy_(input)
+            own = None
         if size == 1:
             return
         views = self._views_of(input.dtype)
         ins = _pieces(input, views.capacity)
+        owns = None if own is None else _pieces(own, views.capacity)
         outs = [None if output is None or rank == me else _pieces(output[rank * m:(rank + 1) * m], views.capacity)
                 for rank in range(size)]
 
-        def stage(t: int, write: int, read: int) -> None:
-            views.heads(ins[t].numel())[me][write].copy_(ins[t])
+        def stage(t: int, write: int, read: int) -> None:    # my own chunk goes out from the slot, still in cache
+            slot = views.heads(ins[t].numel())[me][write]
+            slot.copy_(ins[t])
+            if owns is not None:
+                owns[t].copy_(slot)
 
         def copy_out(t: int, write: int, read: int) -> None:
             heads = views.heads(ins[t].numel())

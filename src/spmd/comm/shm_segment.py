@@ -5,7 +5,8 @@ every rank maps; once all ranks have mapped it, every rank unlinks the name, so 
 long as some rank still maps it: a group destroyed, a process exiting normally and a process killed with
 SIGKILL all leave nothing behind in /dev/shm. Only the short set-up window (create -> all attached) holds
 a name; a process that exits normally in that window unlinks it (atexit), and `remove_orphan_segments`
-(for launchers and tests) removes names whose creating process died.
+(shm_names; spmdrun's agent calls it whenever its workers have stopped) removes names whose creating
+process died.
 
 Note: segment layout
 All offsets are multiples of 64 (a cache line), so words written by different ranks never share one.
@@ -74,9 +75,8 @@ from torch import Tensor
 
 from spmd._core.deadline import Deadline
 from spmd._core.errors import CommTimeoutError, GroupAbortedError, PeerLostError
+from spmd.comm.shm_names import NAME_PREFIX, SHM_DIR, process_start_time
 
-SHM_DIR = "/dev/shm"
-NAME_PREFIX = "spmd-"         # spmd-<creator pid>-<random>: remove_orphan_segments finds a dead creator's names
 SLOT_BYTES = 1 << 20          # one staging slot; a chunk of a large collective is at most this per rank
 LAG = 1                       # ranks may run up to LAG - 1 phases apart (see Note: phases)
 RING_BYTES = 1 << 20          # P2P ring per ordered pair of ranks (shrunk for large groups, see ring_bytes_for)
@@ -144,40 +144,6 @@ class Layout:
     def ring(self, src: int, dst: int) -> int:
         """Offset of the ring src -> dst: write position, then read position one cache line later, then data."""
         return self.rings_offset + (src * self.group_size + dst) * self.ring_stride
-
-
-def _process_start_time(pid: int) -> int | None:
-    """The start time of `pid` (clock ticks since boot), or None if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2:].split()
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
-
-
-def remove_orphan_segments(directory: str = SHM_DIR) -> list[str]:
-    """Unlink spmd segments whose creating process is dead; returns their names.
-
-    A segment's name is unlinked by its group as soon as every rank has mapped it, so names only outlive a
-    job that was killed during group set-up. Launchers call this after their workers exit.
-    """
-    removed = []
-    for name in os.listdir(directory):
-        if not name.startswith(NAME_PREFIX):
-            continue
-        try:
-            pid = int(name.split("-")[1])
-        except (IndexError, ValueError):
-            continue
-        if pid != os.getpid() and _process_start_time(pid) is None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, name))
-                removed.append(name)
-    return removed
 
 
 def _unlink(name: str) -> None:
@@ -266,7 +232,7 @@ class Segment:
         pid = os.getpid()
         base = self.layout.ctrl(self.rank)
         self.write_word(base + _C_PID, pid)
-        self.write_word(base + _C_START, _process_start_time(pid) or 0)
+        self.write_word(base + _C_START, process_start_time(pid) or 0)
         self.write_word(base + _C_ATTACHED, 1)
 
     def await_attached(self, deadline: Deadline, what: str) -> None:
@@ -361,7 +327,7 @@ class Segment:
         """The first rank in `peers` whose process has exited (checked through /proc), or None."""
         for peer in peers:
             pid = self.pids[peer]
-            if pid and pid != os.getpid() and _process_start_time(pid) != self.start_times[peer]:
+            if pid and pid != os.getpid() and process_start_time(pid) != self.start_times[peer]:
                 return peer
         return None
 

@@ -25,6 +25,7 @@ import time
 import types
 
 from spmd._core.errors import StoreError
+from spmd.comm.shm_names import remove_orphan_segments
 from spmd.comm.store import HashStore, Store
 from spmd.run.config import LaunchConfig, Std
 from spmd.run.failure import WorkerFailure, first_failure, format_summary
@@ -305,9 +306,11 @@ class Agent:
         return specs
 
     def _stop_workers(self, signum: int) -> None:
+        """Stop this node's workers; then remove the shared-memory names of any killed in group set-up."""
         if self.workers is not None:
             self.workers.stop(signum, self.config.shutdown_grace)
             self.workers = None
+            remove_orphan_segments()
 
     # ---- the end -----------------------------------------------------------------------------------------
     def _report(self, outcome: Outcome) -> int:
