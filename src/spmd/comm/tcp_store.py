@@ -398,6 +398,7 @@ class _StoreServer:
         watching = self._watchers.get(key)
         if not watching:
             return
+        finished = []
         for waiter in list(watching):
             if waiter.op != _WAIT_COUNT:
                 waiter.missing.discard(key)
@@ -405,11 +406,13 @@ class _StoreServer:
                 if waiter.missing:
                     continue
             if self._ready(waiter):   # re-checks every key: one may have been deleted since it was seen
-                self._finish(waiter)
+                finished.append(waiter)
             else:
                 self._watch(waiter)
         if not watching and self._watchers.get(key) is watching:
             del self._watchers[key]
+        for waiter in finished:       # answered last, so a client that sees its answer sees the tidy state
+            self._finish(waiter)
 
     # Handlers: one per opcode; `fields` are the request's fields.
 
