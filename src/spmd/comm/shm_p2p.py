@@ -13,7 +13,20 @@ A ring is RING bytes of data plus two 8-byte positions, the total bytes ever wri
 ever consumed (by the receiver), each on its own cache line. A message is a 64-byte header (tag, payload
 bytes, element count, dtype code) followed by the payload padded to 64 bytes, so positions stay multiples
 of 64 and a header never wraps. The sender publishes a piece by advancing its write position after the
-copy; the receiver frees space by advancing the read position after its copy.
+copy; the receiver frees space by advancing the read position after its copy. The word after the write
+position says the sender found the ring too full to go on; only then does the receiver, freeing space,
+ring the sender's progress thread (otherwise a sender whose messages fit would be woken for nothing).
+
+Note: waiting threads
+A thread that waits for a pending send or receive (Work.wait) first moves the data itself: it takes the
+ring's lock (the progress thread takes the same one) and pushes or pulls until its operation completes,
+for at most 1 ms when the host has a core for every rank of the group (50 us when it has fewer: then the
+poller would burn the core its peer needs). That spares the thread wake-ups of a hand-off to the progress
+thread and back, and the two threads' fight for the GIL: most of a small message's latency. While it
+polls, its P2P_POLLING word tells peers not to ring the progress thread; a receive posted with polling
+possible does not ring it either. When the progress thread holds the lock, or the budget runs out, the
+waiter rings its progress thread (covering whatever arrived while no bell rang) and blocks as before.
+Threads-as-ranks groups don't poll: their peers need the GIL the poller would hold.
 
 Note: matching
 Messages from one peer arrive in the order sent. At a message's header the engine takes the oldest irecv
@@ -27,9 +40,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
+import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -42,6 +58,7 @@ from spmd.comm.work import Work
 HEADER = 64
 LIVENESS_S = 0.05      # with operations pending, peers' liveness is checked this often
 INLINE_BYTES = 256 << 10   # an isend this small, with nothing queued before it, is written by the caller
+POLL_S = (1e-3, 50e-6)     # how long a waiting thread moves data itself: ranks with a core each, or fewer
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
            torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 
@@ -106,6 +123,9 @@ class P2PEngine:
         self._error: BaseException | None = None
         self._closed = False
         self._send_locks = [threading.Lock() for _ in range(size)]   # one writer at a time into a ring
+        self._pull_locks = [threading.Lock() for _ in range(size)]   # one reader at a time out of a ring
+        self._polls = segment is not None and segment.spin_most > 0   # not when peers are threads (the GIL)
+        self._poll_s = POLL_S[0] if len(os.sched_getaffinity(0)) >= size else POLL_S[1]
         self._sock: socket.socket | None = None
         if segment is not None:
             self._sock = wake_socket(segment.p2p_wake_address(rank))
@@ -129,6 +149,8 @@ class P2PEngine:
                     if queue and queue[0] is send:
                         self._push(dst)
             if not work.is_completed():
+                if self._polls:
+                    work.poll = functools.partial(self._poll, self._send_locks[dst], self._push_all, dst, work)
                 self._ring_bell(self._rank)
             return
         with self._lock:
@@ -151,7 +173,10 @@ class P2PEngine:
                 self._posted[(src, tag)].append(_Recv(tensor, work))
                 if src != self._rank:
                     self._start_locked()
-                    self._ring_bell(self._rank)
+                    if self._polls:     # the waiter pulls, or rings the progress thread when it stops
+                        work.poll = functools.partial(self._poll, self._pull_locks[src], self._pull, src, work)
+                    else:
+                        self._ring_bell(self._rank)
                 return
         message.recv = _Recv(tensor, work)
         assert message.target is not None
@@ -225,18 +250,50 @@ class P2PEngine:
         for dst in range(self._size):
             if self._sends.get(dst):
                 with self._send_locks[dst]:
-                    progressed |= bool(self._sends[dst]) and self._push(dst)
+                    progressed |= self._push_all(dst)
         for src in range(self._size):
             if src != self._rank:
-                progressed |= self._pull(src)
+                with self._pull_locks[src]:
+                    progressed |= self._pull(src)
         return progressed
+
+    def _push_all(self, dst: int) -> bool:
+        """`_push` if anything is queued for `dst` (call with its send lock held)."""
+        return bool(self._sends[dst]) and self._push(dst)
+
+    def _poll(self, lock: threading.Lock, move: Callable[[int], bool], peer: int, work: Work) -> None:
+        """Work.poll of a pending send or receive: move data through the ring to or from `peer` on the
+        waiting thread until `work` completes or the time budget runs out (see Note: waiting threads)."""
+        segment = self._segment
+        assert segment is not None
+        polling = segment.p2p_polling_index(self._rank)
+        deadline = time.perf_counter() + self._poll_s
+        segment.words[polling] = 1       # peers need not wake the progress thread meanwhile
+        try:
+            while not work.is_completed():
+                if not lock.acquire(blocking=False):
+                    return               # the progress thread is moving this ring's data: leave it to it
+                try:
+                    while move(peer) and not work.is_completed():
+                        pass
+                finally:
+                    lock.release()
+                if time.perf_counter() >= deadline:
+                    return
+        except BaseException as error:   # as on the progress thread: fail every pending operation
+            self.fail(error)
+        finally:
+            segment.words[polling] = 0
+            if not work.is_completed():  # data that came while polling rang no bell: hand over
+                self._ring_bell(self._rank, force=True)
 
     def _ring_bell(self, rank: int, force: bool = False) -> None:
         """Wake `rank`'s progress thread if it is blocked (always with `force`)."""
         segment, sock = self._segment, self._sock
         if segment is None or sock is None:
             return
-        if force or segment.words[segment.p2p_sleeping_index(rank)]:
+        words = segment.words
+        if force or (words[segment.p2p_sleeping_index(rank)] and not words[segment.p2p_polling_index(rank)]):
             with contextlib.suppress(OSError):       # gone, or a wake is already queued
                 sock.sendto(b"w", socket.MSG_DONTWAIT, self._addresses[rank])
 
@@ -274,6 +331,7 @@ class P2PEngine:
         progressed = False
         if send.sent < 0:
             if free < HEADER:
+                words[w_index + 1] = 1           # full: the receiver rings when it frees space
                 return False
             at = data + written % capacity
             segment.write_word(at, send.tag)
@@ -298,6 +356,8 @@ class P2PEngine:
         if progressed:
             self._ring_bell(dst)
         if send.sent < send.data.numel():
+            if not progressed:
+                words[w_index + 1] = 1
             return progressed
         with self._lock:
             self._sends[dst].popleft()
@@ -318,7 +378,7 @@ class P2PEngine:
             at = data + consumed % capacity
             tag, nbytes, numel, code = (segment.word(at + offset) for offset in (0, 8, 16, 24))
             words[r_index] = consumed + HEADER
-            self._ring_bell(src)
+            self._space_freed(src, w_index)
             message = self._incoming[src] = self._match(src, tag, nbytes, numel, code)
             if nbytes > 0:
                 return True
@@ -331,12 +391,19 @@ class P2PEngine:
                     segment.bytes[data + index:data + index + useful])
             message.received += useful
             words[r_index] = consumed + piece
-            self._ring_bell(src)
+            self._space_freed(src, w_index)
             if message.received < message.nbytes:
                 return True
         del self._incoming[src]
         self._complete(message)
         return True
+
+    def _space_freed(self, src: int, w_index: int) -> None:
+        """Ring `src` if it found the ring src -> this rank full (see Note: ring framing)."""
+        words = self._segment.words if self._segment is not None else None
+        if words is not None and words[w_index + 1]:
+            words[w_index + 1] = 0
+            self._ring_bell(src)
 
     def _match(self, src: int, tag: int, nbytes: int, numel: int, code: int) -> _Message:
         """Pick the destination of a message whose header just arrived (see Note: matching)."""

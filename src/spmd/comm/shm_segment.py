@@ -90,8 +90,10 @@ _H_MAGIC, _H_SIZE, _H_SLOT, _H_RING, _H_LAG, _H_ABORT, _H_ABORT_KIND, _H_ABORT_L
 _H_ABORT_MSG, _ABORT_MSG_BYTES = 128, HEADER_BYTES - 128
 # control block words (byte offsets inside a rank's block); _C_SLEEPING is set while the rank blocks on its
 # wake socket, so that a rank ending a phase knows whom to wake (see Note: waiting)
-# and _C_P2P_SLEEPING likewise for its P2P progress thread (see shm_p2p)
-_C_PHASE, _C_PID, _C_START, _C_ATTACHED, _C_SLEEPING, _C_P2P_SLEEPING, _C_FP = 0, 64, 72, 80, 96, 104, 128
+# and _C_P2P_SLEEPING likewise for its P2P progress thread; _C_P2P_POLLING is set while a thread of the
+# rank waiting for a send or receive moves ring data itself (see shm_p2p)
+_C_PHASE, _C_PID, _C_START, _C_ATTACHED, _C_SLEEPING, _C_P2P_SLEEPING, _C_P2P_POLLING, _C_FP = (
+    0, 64, 72, 80, 96, 104, 112, 128)
 
 ABORT_OTHER, ABORT_PEER_LOST = 1, 2
 SPIN_POLLS = (300, 8000)      # least and most counter polls (about 20 us and 500 us) before a wait blocks
@@ -257,6 +259,10 @@ class Segment:
     def p2p_wake_address(self, rank: int) -> bytes:
         """The address of the wake socket `rank`'s P2P progress thread blocks on."""
         return f"\0{self.name}-{rank}-p2p".encode()
+
+    def p2p_polling_index(self, rank: int) -> int:
+        """Index into `words` of the flag a waiting thread of `rank` sets while it polls the rings."""
+        return (self.layout.ctrl(rank) + _C_P2P_POLLING) >> 3
 
     def p2p_sleeping_index(self, rank: int) -> int:
         """Index into `words` of the flag `rank`'s P2P progress thread sets while it blocks."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -25,7 +26,7 @@ class WorkState(enum.Enum):
 class Work:
     """An operation in flight. `wait()` blocks until it finishes and re-raises its error, if any."""
 
-    __slots__ = ("_done", "_error", "_future", "_lock", "description", "outputs", "record", "state")
+    __slots__ = ("_done", "_error", "_future", "_lock", "description", "outputs", "poll", "record", "state")
 
     def __init__(self, description: str, outputs: list[Tensor] | None = None,
                  record: OpRecord | None = None) -> None:
@@ -37,6 +38,7 @@ class Work:
         self._done = threading.Event()
         self._future: torch.futures.Future | None = None
         self._lock = threading.Lock()
+        self.poll: Callable[[], None] | None = None   # set by a transport that can advance the op from `wait`
 
     @classmethod
     def completed(cls, description: str, outputs: list[Tensor] | None = None) -> Work:
@@ -70,7 +72,14 @@ class Work:
             future.set_exception(error)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the operation finishes; re-raise its error. `timeout` (s) bounds only this wait."""
+        """Block until the operation finishes; re-raise its error. `timeout` (s) bounds only this wait.
+
+        A transport that set `poll` gets the waiting thread first, to move the data itself for a while
+        (a hand-off to its progress thread and back costs two thread wake-ups).
+        """
+        poll = self.poll
+        if poll is not None and not self._done.is_set():
+            poll()
         if not self._done.wait(timeout):
             raise CommTimeoutError(f"{self.description}: Work.wait timed out after {timeout}s (still running)")
         if self._error is not None:
