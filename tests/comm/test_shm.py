@@ -197,42 +197,78 @@ def test_subgroups_async_ops_and_in_place_all_gather(small_slots: None) -> None:
 
 # -- point to point -----------------------------------------------------------------------------------------
 
-def test_p2p_both_sides_send_first_large_messages_and_tags_in_order(small_slots: None) -> None:
-    def body(rank: int, size: int) -> None:
-        peer = 1 - rank
-        big = torch.arange(50_000, dtype=torch.float64) + rank      # 400 KB through a 4 KiB ring
-        sends = [spmd.isend(big, peer), spmd.isend(torch.tensor([rank, 1]), peer, tag=5),
-                 spmd.isend(torch.tensor([rank, 2]), peer, tag=5), spmd.isend(torch.tensor([rank, 3]), peer, tag=7)]
-        got7, got5a, got5b = torch.empty(2, dtype=torch.int64), torch.empty(2, dtype=torch.int64), torch.empty(
-            2, dtype=torch.int64)
-        spmd.recv(got7, peer, tag=7)                         # a later tag first: the earlier ones wait unmatched
-        recvs = [spmd.irecv(got5a, peer, tag=5), spmd.irecv(got5b, peer, tag=5)]
-        received = torch.empty(50_000, dtype=torch.float64)
-        spmd.recv(received, peer)
-        for work in sends + recvs:
-            work.wait()
-        assert torch.equal(received, torch.arange(50_000, dtype=torch.float64) + peer)
-        assert got7.tolist() == [peer, 3] and got5a.tolist() == [peer, 1] and got5b.tolist() == [peer, 2]
-        # blocking sends on both sides first: the progress threads buffer, so neither waits for the other
-        spmd.send(torch.full((20_000,), float(rank)), peer)
-        back = torch.empty(20_000)
-        spmd.recv(back, peer)
-        assert torch.equal(back, torch.full((20_000,), float(peer)))
-        mine = torch.tensor([3.5, rank])
-        to_self = spmd.isend(mine, rank, tag=2)
-        echo = torch.empty(2)
-        spmd.irecv(echo, rank, tag=2).wait()
-        to_self.wait()
-        assert echo.tolist() == [3.5, rank]
-        for dtype in (torch.bool, torch.complex64, torch.bfloat16):
-            if rank == 0:
-                spmd.send(torch.ones(3, dtype=dtype), peer)
-            else:
-                z = torch.zeros(3, dtype=dtype)
-                spmd.recv(z, 0)
-                assert torch.equal(z, torch.ones(3, dtype=dtype))
+def _p2p_exchange(rank: int, big_numel: int) -> None:
+    """Both ranks of a pair send first (a message larger than the ring among them), tags out of order,
+    blocking sends on both sides, a send to self and odd dtypes; asserts what each rank receives."""
+    peer = 1 - rank
+    big = torch.arange(big_numel, dtype=torch.float64) + rank
+    sends = [spmd.isend(big, peer), spmd.isend(torch.tensor([rank, 1]), peer, tag=5),
+             spmd.isend(torch.tensor([rank, 2]), peer, tag=5), spmd.isend(torch.tensor([rank, 3]), peer, tag=7)]
+    got7, got5a, got5b = (torch.empty(2, dtype=torch.int64) for _ in range(3))
+    spmd.recv(got7, peer, tag=7)                         # a later tag first: the earlier ones wait unmatched
+    recvs = [spmd.irecv(got5a, peer, tag=5), spmd.irecv(got5b, peer, tag=5)]
+    received = torch.empty(big_numel, dtype=torch.float64)
+    spmd.recv(received, peer)
+    for work in sends + recvs:
+        work.wait()
+    assert torch.equal(received, torch.arange(big_numel, dtype=torch.float64) + peer)
+    assert got7.tolist() == [peer, 3] and got5a.tolist() == [peer, 1] and got5b.tolist() == [peer, 2]
+    # blocking sends on both sides first: the progress threads buffer, so neither waits for the other
+    spmd.send(torch.full((20_000,), float(rank)), peer)
+    back = torch.empty(20_000)
+    spmd.recv(back, peer)
+    assert torch.equal(back, torch.full((20_000,), float(peer)))
+    mine = torch.tensor([3.5, rank])
+    to_self = spmd.isend(mine, rank, tag=2)
+    echo = torch.empty(2)
+    spmd.irecv(echo, rank, tag=2).wait()
+    to_self.wait()
+    assert echo.tolist() == [3.5, rank]
+    for dtype in (torch.bool, torch.complex64, torch.bfloat16):
+        if rank == 0:
+            spmd.send(torch.ones(3, dtype=dtype), peer)
+        else:
+            z = torch.zeros(3, dtype=dtype)
+            spmd.recv(z, 0)
+            assert torch.equal(z, torch.ones(3, dtype=dtype))
 
-    run_ranks(body, world_size=2, timeout=60, backend=SHM)
+
+def test_p2p_both_sides_send_first_large_messages_and_tags_in_order(small_slots: None) -> None:
+    run_ranks(lambda rank, size: _p2p_exchange(rank, 50_000), world_size=2, timeout=60,   # 400 KB, 4 KiB ring
+              backend=SHM)
+
+
+def _p2p_worker(rank: int, world_size: int, results: Any, store_path: str) -> None:
+    """_p2p_exchange between processes, where waiting threads move ring data themselves, then a ping-pong."""
+    torch.set_num_threads(1)
+    spmd.init_process_group("shm", init_method=f"file://{store_path}", rank=rank, world_size=world_size, timeout=60)
+    try:
+        _p2p_exchange(rank, 400_000)                   # 3.2 MB through a 1 MiB ring
+        t = torch.zeros(1, dtype=torch.int64)
+        polled = []
+        for step in range(200):                        # each message one more than the one it answers
+            if rank == step % 2:
+                t += 1
+                spmd.send(t, 1 - rank)
+            else:
+                work = spmd.irecv(t, 1 - rank)
+                polled.append(work.poll is not None)
+                work.wait()
+        results.send((rank, t.item(), all(polled)))
+    except BaseException as error:
+        results.send((rank, repr(error), False))
+    finally:
+        spmd.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_p2p_between_processes_with_waiters_moving_the_data(tmp_path) -> None:
+    processes, results = _spawn(_p2p_worker, 2, str(tmp_path / "store"))
+    try:
+        reports = sorted(results.get(timeout=90) for _ in range(2))
+    finally:
+        _reap(processes)
+    assert reports == [(0, 200, True), (1, 200, True)], reports
 
 
 def test_p2p_size_mismatch_fails_the_receive() -> None:
