@@ -59,15 +59,20 @@ def run_processes(worker: Callable[..., Any], world_size: int, args: tuple, time
 
 
 def interleaved_medians(candidates: dict[str, tuple[Callable[[], None], Callable[[], None]]], iters: int,
-                        reps: int) -> dict[str, float]:
+                        reps: int, warm: bool = False) -> dict[str, float]:
     """Median seconds per call of each candidate (name -> (fn, sync)).
 
     Repetitions of the candidates alternate (A, B, A, B, ...), each `iters` calls started in step by its
     `sync`, so a load spike on a shared machine hits every candidate alike instead of one whole series.
+    With `warm`, each repetition first makes one untimed call, so every candidate is timed in its own
+    steady state (as nccl-tests times back-to-back calls), not in the cache the other one just dirtied.
     """
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(reps):
         for name, (fn, sync) in candidates.items():
+            if warm:
+                sync()
+                fn()
             sync()
             start = time.perf_counter()
             for _ in range(iters):

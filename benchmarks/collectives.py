@@ -4,7 +4,9 @@
 
 Every rank is a process with one compute thread (torch.set_num_threads(1)) that joins both an spmd world
 per transport and a torch.distributed gloo world, so each size is measured on every backend in the same
-run, with repetitions alternating between backends. Times are the slowest rank's median over repetitions;
+run, with repetitions alternating between backends; each repetition starts with one untimed call, so every
+backend is timed in its own steady state (as nccl-tests times back-to-back calls) rather than in the cache
+the other backend just dirtied. Times are the slowest rank's median over repetitions;
 algbw = size / time and busbw = algbw x the nccl-tests factor (all_reduce 2(n-1)/n; all_gather,
 reduce_scatter, all_to_all (n-1)/n; broadcast 1), where size is the largest buffer (all_gather's output,
 reduce_scatter's input). "vs gloo" is gloo's time / spmd's time: above 1 means spmd is faster. send/recv
@@ -137,7 +139,7 @@ def worker(rank: int, world_size: int, queue: Any, ports: dict[str, int], transp
                         for _ in range(2):   # warm-up: connections, buffers, caches
                             fn()
                         candidates[backend.name] = (fn, backend.barrier)
-                for name, seconds in interleaved_medians(candidates, iters, reps).items():
+                for name, seconds in interleaved_medians(candidates, iters, reps, warm=True).items():
                     if op == "send_recv":
                         seconds /= 2   # one way of the ping-pong
                     slowest = torch.tensor([seconds], dtype=torch.float64)
