@@ -135,7 +135,7 @@ class _Views:
         return sliced
 
 
-def slice_bounds(length: int, parts: int, align: int) -> list[int]:
+def _slice_bounds(length: int, parts: int, align: int) -> list[int]:
     """Boundaries of `parts` slices of `length` elements, each starting on a multiple of `align`."""
     return [min(length, (length * i // parts + align - 1) // align * align) for i in range(parts)] + [length]
 
@@ -146,7 +146,7 @@ class _SlicedSlots:
 
     def __init__(self, views: _Views, length: int, me: int) -> None:
         size = len(views.staging)
-        self.bounds = bounds = slice_bounds(length, size, views.align)
+        self.bounds = bounds = _slice_bounds(length, size, views.align)
         lo, hi = bounds[me], bounds[me + 1]
         buffers = range(len(views.result))
         self.before = [views.staging[me][index][:lo] for index in buffers] if lo > 0 else None
