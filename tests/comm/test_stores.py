@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from spmd._core.errors import StoreError, StoreTimeoutError
-from spmd.comm import tcp_store
+from spmd.comm import tcp_store_server
 from spmd.comm.file_store import FileStore
 from spmd.comm.store import HashStore, PrefixStore, Store
 from spmd.comm.tcp_store import TCPStore
@@ -426,7 +426,7 @@ def test_tcp_server_drops_strangers_before_reading_their_requests() -> None:
 
 
 def test_tcp_server_drops_silent_connections(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tcp_store, "_HELLO_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(tcp_store_server, "_HELLO_TIMEOUT_S", 0.2)
     master = _master()
     try:
         with _raw_connect(master.port) as silent:
