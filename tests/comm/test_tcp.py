@@ -116,6 +116,23 @@ def test_ranks_on_different_hosts_listen_on_every_interface() -> None:
             transport.close()
 
 
+def test_the_published_address_can_be_set_for_groups_spanning_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPMD_SOCKET_ADDR", "127.0.0.2")      # loopback too, but not what the guess would give
+    store = HashStore(timeout=20)
+    made: dict[int, TcpTransport] = {}
+    hosts = ("node-a", "node-b")
+    first = threading.Thread(target=lambda: made.__setitem__(0, TcpTransport(_spec(store, 0, 2, hosts=hosts))))
+    first.start()
+    made[1] = TcpTransport(_spec(store, 1, 2, hosts=hosts))
+    first.join(timeout=20)
+    try:
+        assert store.get("g/tcp/addr/0").decode().startswith("127.0.0.2:")
+        assert [t.tolist() for t in _all_reduce_pair([made[0], made[1]])] == [[3.0] * 5] * 2
+    finally:
+        for transport in made.values():
+            transport.close()
+
+
 def test_connecting_to_an_impostor_fails() -> None:
     store = HashStore(timeout=20)
     with socket.create_server(("127.0.0.1", 0)) as impostor:

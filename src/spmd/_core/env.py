@@ -53,3 +53,9 @@ def store_token() -> str | None:
 def host_identity() -> str | None:
     """An override of this process's host name, used to group ranks by host (tests fake two hosts with it)."""
     return optional_str("SPMD_HOST_ID")
+
+
+def socket_address() -> str | None:
+    """The address other hosts reach this process's tcp transport at (SPMD_SOCKET_ADDR), when the route-based
+    guess picks the wrong interface (several networks, NAT); only groups spanning hosts use it."""
+    return optional_str("SPMD_SOCKET_ADDR")

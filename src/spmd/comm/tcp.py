@@ -37,6 +37,7 @@ import time
 import torch
 from torch import Tensor
 
+from spmd._core import env
 from spmd._core.deadline import Deadline
 from spmd._core.errors import (
     CollectiveMismatchError,
@@ -173,7 +174,7 @@ class TcpTransport(Transport):
         if one_host:
             bind_host, public_host = "127.0.0.1", "127.0.0.1"
         else:
-            bind_host, public_host = "0.0.0.0", _public_host(self.spec.hosts, r)
+            bind_host, public_host = "0.0.0.0", env.socket_address() or _public_host(self.spec.hosts, r)
         try:
             self._listener = socket.create_server((bind_host, 0), backlog=max(16, 2 * self.group_size))
         except OSError as error:
@@ -764,7 +765,7 @@ def _tune(sock: socket.socket) -> None:
 
 
 def _public_host(hosts: tuple[str, ...], me: int) -> str:
-    """An address of this host that the other hosts can reach.
+    """An address of this host that the other hosts can reach (SPMD_SOCKET_ADDR overrides this guess).
 
     The local address of the route towards another rank's host (a UDP connect sends nothing), else the
     address of this host's name, unless that is a loopback address, else the name itself.
