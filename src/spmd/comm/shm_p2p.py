@@ -400,8 +400,9 @@ class P2PEngine:
 
     def _space_freed(self, src: int, w_index: int) -> None:
         """Ring `src` if it found the ring src -> this rank full (see Note: ring framing)."""
-        words = self._segment.words if self._segment is not None else None
-        if words is not None and words[w_index + 1]:
+        assert self._segment is not None
+        words = self._segment.words
+        if words[w_index + 1]:
             words[w_index + 1] = 0
             self._ring_bell(src)
 
