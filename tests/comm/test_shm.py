@@ -263,11 +263,7 @@ def _p2p_worker(rank: int, world_size: int, results: Any, store_path: str) -> No
 
 @pytest.mark.timeout(120)
 def test_p2p_between_processes_with_waiters_moving_the_data(tmp_path) -> None:
-    processes, results = _spawn(_p2p_worker, 2, str(tmp_path / "store"))
-    try:
-        reports = sorted(results.get(timeout=90) for _ in range(2))
-    finally:
-        _reap(processes)
+    reports = _sorted_reports(_p2p_worker, 2, str(tmp_path / "store"))
     assert reports == [(0, 200, True), (1, 200, True)], reports
 
 
@@ -411,6 +407,15 @@ def _reap(processes: list[multiprocessing.Process]) -> None:
         if process.is_alive():
             process.kill()
             process.join(timeout=5)
+
+
+def _sorted_reports(target: Callable[..., None], count: int, *args: Any) -> list[Any]:
+    """Spawn `count` workers running `target`, collect one report from each (sorted), and reap them."""
+    processes, results = _spawn(target, count, *args)
+    try:
+        return sorted(results.get(timeout=90) for _ in range(count))
+    finally:
+        _reap(processes)
 
 
 def _kill_worker(rank: int, world_size: int, results: Any, store_path: str) -> None:
@@ -605,11 +610,7 @@ def _two_host_worker(rank: int, world_size: int, results: Any, store_path: str) 
 
 @pytest.mark.timeout(120)
 def test_two_hosts_across_processes(tmp_path) -> None:
-    processes, results = _spawn(_two_host_worker, 4, str(tmp_path / "store"))
-    try:
-        reports = sorted(results.get(timeout=90) for _ in range(4))
-    finally:
-        _reap(processes)
+    reports = _sorted_reports(_two_host_worker, 4, str(tmp_path / "store"))
     assert reports == [(rank, "HierarchicalTransport", True) for rank in range(4)]
 
 
