@@ -32,13 +32,13 @@ def per_call_us(fn: Callable[[], object]) -> float:
 def client(kind: str, port: int, path: str) -> None:
     """Connect to the store named by `kind` and time get, set and add."""
     if kind == "spmd-tcp":
-        from spmd.comm.tcp_store import TCPStore
+        from spmd.comm.store.tcp import TCPStore
         store = TCPStore("127.0.0.1", port, timeout=30)
     elif kind == "torch-tcp":
         import torch.distributed as tdist
         store = tdist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
     elif kind == "spmd-file":
-        from spmd.comm.file_store import FileStore
+        from spmd.comm.store.file import FileStore
         store = FileStore(path)
     else:
         import torch.distributed as tdist
@@ -53,7 +53,7 @@ def client(kind: str, port: int, path: str) -> None:
 def main() -> None:
     import torch.distributed as tdist
 
-    from spmd.comm.tcp_store import TCPStore
+    from spmd.comm.store.tcp import TCPStore
 
     folder = pathlib.Path(tempfile.mkdtemp())
     for rep in range(2):

@@ -19,9 +19,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "spmd.comm.objects": ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"),
     "spmd.comm.p2p": ("P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"),
     "spmd.comm.reduce_op": ("ReduceOp",),
-    "spmd.comm.store": ("HashStore", "PrefixStore", "Store"),
-    "spmd.comm.tcp_store": ("TCPStore",),
-    "spmd.comm.file_store": ("FileStore",),
+    "spmd.comm.store.base": ("HashStore", "PrefixStore", "Store"),
+    "spmd.comm.store.tcp": ("TCPStore",),
+    "spmd.comm.store.file": ("FileStore",),
     "spmd.comm.work": ("Work",),
     "spmd.comm.world": (
         "destroy_process_group", "get_backend", "get_global_rank", "get_group_rank", "get_process_group_ranks",

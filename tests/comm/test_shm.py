@@ -26,12 +26,14 @@ import torch
 import spmd
 from spmd._core.deadline import Deadline
 from spmd._core.errors import CollectiveMismatchError, CommError, CommTimeoutError
-from spmd.comm import shm_local, shm_names, shm_segment
 from spmd.comm.debug import Fingerprint
-from spmd.comm.shm import ShmTransport
-from spmd.comm.shm_hier import HierarchicalTransport
-from spmd.comm.shm_local import LocalShmTransport
-from spmd.comm.transport import OpContext, TransportSpec
+from spmd.comm.transports.base import OpContext, TransportSpec
+from spmd.comm.transports.shm import local as shm_local
+from spmd.comm.transports.shm import names as shm_names
+from spmd.comm.transports.shm import segment as shm_segment
+from spmd.comm.transports.shm.hierarchical import HierarchicalTransport
+from spmd.comm.transports.shm.local import LocalShmTransport
+from spmd.comm.transports.shm.transport import ShmTransport
 from spmd.comm.work import Work
 from spmd.comm.world import current_world
 from spmd.testing import run_ranks
@@ -390,7 +392,7 @@ def _spawn(target: Callable[..., None], count: int, *args: Any) -> tuple[list[mu
     seconds of a fresh interpreter importing torch, and none inherits this process's threads.
     """
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "spmd", "spmd.comm.shm", __name__])
+    ctx.set_forkserver_preload(["torch", "spmd", "spmd.comm.transports.shm.transport", __name__])
     pipes = [ctx.Pipe(duplex=False) for _ in range(count)]
     processes = [ctx.Process(target=target, args=(rank, count, pipes[rank][1], *args), daemon=True)
                  for rank in range(count)]

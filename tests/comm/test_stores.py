@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from spmd._core.errors import StoreError, StoreTimeoutError
-from spmd.comm import tcp_store_server
-from spmd.comm.file_store import FileStore
-from spmd.comm.store import HashStore, PrefixStore, Store
-from spmd.comm.tcp_store import TCPStore
+from spmd.comm.store import tcp_server as tcp_store_server
+from spmd.comm.store.base import HashStore, PrefixStore, Store
+from spmd.comm.store.file import FileStore
+from spmd.comm.store.tcp import TCPStore
 
 STORE_KINDS = ["hash", "prefix", "tcp", "file"]
 
@@ -484,7 +484,7 @@ _LIGHT_IMPORT = textwrap.dedent("""
 
 _MASTER_SCRIPT = _LIGHT_IMPORT + textwrap.dedent("""
     import os, signal, sys, time
-    from spmd.comm.tcp_store import TCPStore
+    from spmd.comm.store.tcp import TCPStore
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=60)
     print(store.port, flush=True)
     while b"blocked" not in store._server._watchers:   # until the test's client is parked in get()
@@ -494,8 +494,8 @@ _MASTER_SCRIPT = _LIGHT_IMPORT + textwrap.dedent("""
 
 _WORKER_SCRIPT = _LIGHT_IMPORT + textwrap.dedent("""
     import sys
-    from spmd.comm.file_store import FileStore
-    from spmd.comm.tcp_store import TCPStore
+    from spmd.comm.store.file import FileStore
+    from spmd.comm.store.tcp import TCPStore
     port, path, count, name = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
     tcp, file = TCPStore("127.0.0.1", port, timeout=60), FileStore(path, timeout=60)
     tcp.set("ready/" + name, "1")

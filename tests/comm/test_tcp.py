@@ -18,12 +18,12 @@ import torch
 import spmd
 from spmd._core.deadline import Deadline
 from spmd._core.errors import CommError, CommTimeoutError, GroupAbortedError, PeerLostError
-from spmd.comm import algorithms, wire
 from spmd.comm.debug import Fingerprint
 from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.store import HashStore, PrefixStore
-from spmd.comm.tcp import TcpTransport
-from spmd.comm.transport import OpContext, TransportSpec
+from spmd.comm.store.base import HashStore, PrefixStore
+from spmd.comm.transports.base import OpContext, TransportSpec
+from spmd.comm.transports.tcp import algorithms, wire
+from spmd.comm.transports.tcp.transport import TcpTransport
 from spmd.comm.world import default_group
 from spmd.testing import run_ranks
 from tests.procpool import ProcPool, free_port

@@ -5,7 +5,7 @@ Agents are played by RendezvousClient calls and heartbeat bumps; no threads, no 
 
 from __future__ import annotations
 
-from spmd.comm.store import HashStore, PrefixStore
+from spmd.comm.store.base import HashStore, PrefixStore
 from spmd.run.config import RendezvousTimeouts
 from spmd.run.rendezvous import Coordinator, NodeInfo, Outcome, RendezvousClient, Round
 

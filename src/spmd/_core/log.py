@@ -9,7 +9,7 @@ import logging
 
 
 def get_logger(name: str) -> logging.Logger:
-    """The logger for an spmd module (`spmd.comm.tcp`, ...); silent unless the application configures logging."""
+    """The logger for an spmd module (`spmd.comm.store.tcp_server`, ...); silent unless the application logs."""
     return logging.getLogger(name)
 
 

@@ -18,7 +18,7 @@ from spmd._core.errors import CommTimeoutError, StoreTimeoutError
 from spmd.comm.debug import user_call_site
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp, check_reduce_op
-from spmd.comm.transport import OpContext
+from spmd.comm.transports.base import OpContext
 from spmd.comm.work import Work
 from spmd.comm.world import AnyGroup, resolve_group
 

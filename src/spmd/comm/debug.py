@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from spmd._core.errors import StoreError
-from spmd.comm.store import Store
+from spmd.comm.store.base import Store
 
 _SKIP_DIRS = (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),   # spmd/

@@ -22,8 +22,8 @@ from spmd.comm.debug import (
     collect_statuses,
     describe_stragglers,
 )
-from spmd.comm.store import Store
-from spmd.comm.transport import OpContext, Transport
+from spmd.comm.store.base import Store
+from spmd.comm.transports.base import OpContext, Transport
 from spmd.comm.work import Work
 
 Body = Callable[[OpContext], None]

@@ -19,8 +19,8 @@ from spmd._core import env
 from spmd._core.deadline import as_seconds
 from spmd.comm.debug import FlightRecorder, StatusService
 from spmd.comm.group import NonMemberGroup, ProcessGroup
-from spmd.comm.store import PrefixStore, Store
-from spmd.comm.transport import TransportSpec, available_backends, create_transport
+from spmd.comm.store.base import PrefixStore, Store
+from spmd.comm.transports.base import TransportSpec, available_backends, create_transport
 
 DEFAULT_TIMEOUT = 600.0
 
@@ -146,8 +146,8 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
 
 def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> tuple[Store, int, int]:
     """Build the store named by `init_method` ("env://", "tcp://host:port", "file:///path")."""
-    from spmd.comm.file_store import FileStore
-    from spmd.comm.tcp_store import TCPStore
+    from spmd.comm.store.file import FileStore
+    from spmd.comm.store.tcp import TCPStore
 
     url = urllib.parse.urlparse(init_method)
     query = urllib.parse.parse_qs(url.query)

@@ -25,8 +25,8 @@ import time
 import types
 
 from spmd._core.errors import StoreError
-from spmd.comm.shm_names import remove_orphan_segments
-from spmd.comm.store import HashStore, Store
+from spmd.comm.store.base import HashStore, Store
+from spmd.comm.transports.shm.names import remove_orphan_segments
 from spmd.run.config import LaunchConfig, Std
 from spmd.run.failure import WorkerFailure, first_failure, format_summary
 from spmd.run.process import Console, WorkerGroup, WorkerSpec
@@ -168,7 +168,7 @@ class Agent:
         timeout = config.timeouts.join_timeout
         if not config.is_multinode:
             return HashStore(timeout=timeout), True
-        from spmd.comm.tcp_store import TCPStore  # only multi-node jobs need sockets for the rendezvous
+        from spmd.comm.store.tcp import TCPStore  # only multi-node jobs need sockets for the rendezvous
 
         host, port = config.rdzv_host, config.rdzv_port
         assert host is not None

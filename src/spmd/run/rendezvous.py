@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 from spmd._core.log import get_logger
-from spmd.comm.store import PrefixStore, Store
+from spmd.comm.store.base import PrefixStore, Store
 from spmd.run.config import RendezvousTimeouts
 
 log = get_logger("spmd.run.rendezvous")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from spmd.comm.group import ProcessGroup
-from spmd.comm.store import HashStore
+from spmd.comm.store.base import HashStore
 from spmd.comm.world import current_world, destroy_process_group, init_process_group
 
 

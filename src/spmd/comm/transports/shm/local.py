@@ -1,6 +1,6 @@
 """The intra-host engine of the shm transport: every collective through one shared segment.
 
-Layer: comm. All ranks of the group run on one host and map one Segment (see shm_segment's Notes: segment
+Layer: comm. All ranks of the group run on one host and map one Segment (see segment's Notes: segment
 layout, phases). Data moves by torch copies into and out of shared memory; only 8-byte phase counters
 synchronise. Large messages are cut into chunks of at most one staging slot (SLOT_BYTES) per rank and
 pipelined (see Note: pipelines), so the memory in use is fixed and a chunk is still in cache when the
@@ -40,8 +40,9 @@ from spmd._core.deadline import Deadline
 from spmd._core.errors import CollectiveMismatchError, CommError, GroupAbortedError, PeerLostError
 from spmd.comm.debug import Fingerprint, mismatch_message
 from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.shm_p2p import P2PEngine
-from spmd.comm.shm_segment import (
+from spmd.comm.transports.base import OpContext, Transport, TransportSpec
+from spmd.comm.transports.shm.p2p import P2PEngine
+from spmd.comm.transports.shm.segment import (
     ABORT_OTHER,
     ABORT_PEER_LOST,
     FP_BYTES,
@@ -49,7 +50,6 @@ from spmd.comm.shm_segment import (
     Segment,
     fingerprint_digest,
 )
-from spmd.comm.transport import OpContext, Transport, TransportSpec
 from spmd.comm.work import Work
 
 SMALL_BYTES = 32 << 10      # (all_)reduce up to this size: one chunk, and every rank reduces the whole tensor

@@ -3,7 +3,7 @@
 Layer: comm. Built by ShmTransport when the group's ranks are on more than one host (spec.hosts). The
 bandwidth-heavy collectives whose hierarchical form is cheap run in three steps:
 
-    all_reduce   1. (every host)   reduce to the host's leader through shared memory (sliced, see shm_local)
+    all_reduce   1. (every host)   reduce to the host's leader through shared memory (sliced, see local)
                  2. (leaders)      all_reduce over tcp, one rank per host
                  3. (every host)   broadcast from the leader through shared memory
     broadcast    1. (root's host)  broadcast from the root through shared memory (the leader gets it)
@@ -24,10 +24,10 @@ from __future__ import annotations
 from torch import Tensor
 
 from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.shm_local import LocalShmTransport
-from spmd.comm.store import PrefixStore
-from spmd.comm.tcp import TcpTransport
-from spmd.comm.transport import OpContext, Transport, TransportSpec
+from spmd.comm.store.base import PrefixStore
+from spmd.comm.transports.base import OpContext, Transport, TransportSpec
+from spmd.comm.transports.shm.local import LocalShmTransport
+from spmd.comm.transports.tcp.transport import TcpTransport
 from spmd.comm.work import Work
 
 

@@ -24,7 +24,7 @@ from torch import Tensor
 from spmd._core.deadline import Deadline
 from spmd.comm.debug import Fingerprint
 from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.store import Store
+from spmd.comm.store.base import Store
 from spmd.comm.work import Work
 
 
@@ -123,9 +123,9 @@ class Transport(abc.ABC):
 
 
 _TRANSPORTS: dict[str, str] = {
-    "threads": "spmd.comm.threads:ThreadsTransport",
-    "tcp": "spmd.comm.tcp:TcpTransport",
-    "shm": "spmd.comm.shm:ShmTransport",
+    "threads": "spmd.comm.transports.threads:ThreadsTransport",
+    "tcp": "spmd.comm.transports.tcp.transport:TcpTransport",
+    "shm": "spmd.comm.transports.shm.transport:ShmTransport",
 }
 
 

@@ -1,8 +1,8 @@
 """The shm transport: ranks on one host move tensors through shared memory, far faster than over sockets.
 
 Layer: comm. `ShmTransport(spec)` is what `backend="shm"` (and "auto" inside one host) builds. A group whose
-ranks share one host runs on LocalShmTransport (shm_local: one shared segment, see shm_segment); a group
-spanning hosts runs on HierarchicalTransport (shm_hier: shared memory inside each host, tcp between the
+ranks share one host runs on LocalShmTransport (local: one shared segment, see segment); a group
+spanning hosts runs on HierarchicalTransport (hierarchical: shared memory inside each host, tcp between the
 hosts' leaders).
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 from torch import Tensor
 
 from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.shm_hier import HierarchicalTransport
-from spmd.comm.shm_local import LocalShmTransport
-from spmd.comm.transport import OpContext, Transport, TransportSpec
+from spmd.comm.transports.base import OpContext, Transport, TransportSpec
+from spmd.comm.transports.shm.hierarchical import HierarchicalTransport
+from spmd.comm.transports.shm.local import LocalShmTransport
 from spmd.comm.work import Work
 
 

@@ -48,11 +48,11 @@ from spmd._core.errors import (
     SpmdError,
     StoreTimeoutError,
 )
-from spmd.comm import algorithms, wire
 from spmd.comm.debug import Fingerprint, mismatch_message
 from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.transport import OpContext, Transport, TransportSpec
-from spmd.comm.wire import Kind
+from spmd.comm.transports.base import OpContext, Transport, TransportSpec
+from spmd.comm.transports.tcp import algorithms, wire
+from spmd.comm.transports.tcp.wire import Kind
 from spmd.comm.work import Work
 
 _SOCKET_BUFFER = 4 << 20          # bytes; large buffers keep a ring step's pieces in flight

@@ -1,6 +1,6 @@
 """The TCPStore server: one daemon thread of the master process serving every client.
 
-Layer: comm. A selectors loop serves every connection (wire format: tcp_store_wire). A blocking `get`/`wait`
+Layer: comm. A selectors loop serves every connection (wire format: tcp_wire). A blocking `get`/`wait`
 is parked on the server and answered when its keys are set or its deadline passes, so a waiting client costs
 nothing and never delays the others.
 """
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from spmd._core.errors import StoreError
 from spmd._core.log import get_logger
-from spmd.comm import tcp_store_wire as wire
+from spmd.comm.store import tcp_wire as wire
 
 _log = get_logger(__name__)
 _HELLO_TIMEOUT_S = 30.0   # a connection that has not said HELLO by then is dropped (a stranger holding a socket)

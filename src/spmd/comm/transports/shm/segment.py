@@ -75,7 +75,7 @@ from torch import Tensor
 
 from spmd._core.deadline import Deadline
 from spmd._core.errors import CommTimeoutError, GroupAbortedError, PeerLostError
-from spmd.comm.shm_names import NAME_PREFIX, SHM_DIR, process_start_time
+from spmd.comm.transports.shm.names import NAME_PREFIX, SHM_DIR, process_start_time
 
 SLOT_BYTES = 1 << 20          # one staging slot; a chunk of a large collective is at most this per rank
 LAG = 1                       # ranks may run up to LAG - 1 phases apart (see Note: phases)
@@ -91,7 +91,7 @@ _H_ABORT_MSG, _ABORT_MSG_BYTES = 128, HEADER_BYTES - 128
 # control block words (byte offsets inside a rank's block); _C_SLEEPING is set while the rank blocks on its
 # wake socket, so that a rank ending a phase knows whom to wake (see Note: waiting)
 # and _C_P2P_SLEEPING likewise for its P2P progress thread; _C_P2P_POLLING is set while a thread of the
-# rank waiting for a send or receive moves ring data itself (see shm_p2p)
+# rank waiting for a send or receive moves ring data itself (see p2p)
 _C_PHASE, _C_PID, _C_START, _C_ATTACHED, _C_SLEEPING, _C_P2P_SLEEPING, _C_P2P_POLLING, _C_FP = (
     0, 64, 72, 80, 96, 104, 112, 128)
 

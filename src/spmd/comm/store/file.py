@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 from spmd._core.deadline import Deadline, as_seconds
 from spmd._core.errors import StoreError
-from spmd.comm.store import Store, Value, missing_keys_error, to_bytes
+from spmd.comm.store.base import Store, Value, missing_keys_error, to_bytes
 
 _RECORD = struct.Struct("!BII")   # kind, key length, value length
 _SET, _DELETE = 1, 2

@@ -1,9 +1,9 @@
 """TCPStore: the rendezvous store served over TCP by a thread of the master process.
 
-Layer: comm. The master (rank 0, or the launcher's agent) runs a `StoreServer` (tcp_store_server): one
+Layer: comm. The master (rank 0, or the launcher's agent) runs a `StoreServer` (tcp_server): one
 daemon thread with a selectors loop that serves every client and parks blocking `get`/`wait` calls until
 their keys are set or their deadline passes. Every TCPStore instance, the master's included, is a client
-holding one connection; its calls are serialised by a lock. The wire format is tcp_store_wire's.
+holding one connection; its calls are serialised by a lock. The wire format is tcp_wire's.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from spmd._core import env
 from spmd._core.deadline import Deadline, as_seconds
 from spmd._core.errors import StoreError
-from spmd.comm import tcp_store_wire as wire
-from spmd.comm.store import Store, Value, missing_keys_error, to_bytes
-from spmd.comm.tcp_store_server import StoreServer
+from spmd.comm.store import tcp_wire as wire
+from spmd.comm.store.base import Store, Value, missing_keys_error, to_bytes
+from spmd.comm.store.tcp_server import StoreServer
 
 _REPLY_GRACE_S = 10.0     # how much longer than a blocking call's own timeout a client waits for its reply
 _JOIN_KEY = "spmd_store/joined"   # counts the clients that joined, for wait_for_workers (torch keeps one too)

@@ -4,7 +4,7 @@ Layer: comm. isend/irecv only queue work; a progress thread (started at the firs
 streams queued sends into the ring to each peer and drains the rings from each peer, so large messages
 move in ring-sized pieces and both ranks of a pair may isend (or even send) before they receive.
 When it can make no progress the thread blocks on its own wake socket (as collective waits do, see
-shm_segment's Note: waiting) with its P2P_SLEEPING flag set; a peer that fills or drains a ring it shares
+segment's Note: waiting) with its P2P_SLEEPING flag set; a peer that fills or drains a ring it shares
 with this rank, and a local isend/irecv, ring it. The wait times out after WAKE_TIMEOUT_S, which bounds a
 missed wake and paces the checks for a dead peer or an aborted group.
 
@@ -51,8 +51,8 @@ import torch
 from torch import Tensor
 
 from spmd._core.errors import CommError, GroupAbortedError, PeerLostError
-from spmd.comm.shm_segment import CACHELINE, Segment, wake_socket
-from spmd.comm.transport import TransportSpec
+from spmd.comm.transports.base import TransportSpec
+from spmd.comm.transports.shm.segment import CACHELINE, Segment, wake_socket
 from spmd.comm.work import Work
 
 HEADER = 64

@@ -1,4 +1,4 @@
-"""The TCPStore wire format, shared by its server (tcp_store_server) and its clients (tcp_store).
+"""The TCPStore wire format, shared by its server (tcp_server) and its clients (tcp).
 
 Layer: comm. Nothing is ever pickled: a frame is a header (u32 body length, u8 opcode or reply status) and a
 body made of fields, each a u32 length and that many bytes; numbers travel as decimal text. The first frame of

@@ -20,7 +20,7 @@ from torch import Tensor
 from spmd._core.errors import CollectiveMismatchError, CommError, CommTimeoutError, GroupAbortedError
 from spmd.comm.debug import Fingerprint, mismatch_message
 from spmd.comm.reduce_op import ReduceOp, combine_, finish_average
-from spmd.comm.transport import OpContext, Transport, TransportSpec
+from spmd.comm.transports.base import OpContext, Transport, TransportSpec
 from spmd.comm.work import Work
 
 _HUBS: dict[str, _Hub] = {}

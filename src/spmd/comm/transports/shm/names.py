@@ -2,7 +2,7 @@
 
 Layer: comm, without torch, so that spmdrun's agent can sweep after its workers stop without importing
 torch. A segment's name is spmd-<creator pid>-<random>; its group unlinks it as soon as every rank has
-mapped it (see shm_segment), so only a job killed during group set-up leaves a name behind.
+mapped it (see segment), so only a job killed during group set-up leaves a name behind.
 """
 
 from __future__ import annotations
