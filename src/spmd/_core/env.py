@@ -35,11 +35,6 @@ def required_str(name: str) -> str:
     return _required(name)
 
 
-def optional_int(name: str, default: int | None = None) -> int | None:
-    value = os.environ.get(name)
-    return default if value in (None, "") else _int(name, value)
-
-
 def optional_str(name: str, default: str | None = None) -> str | None:
     value = os.environ.get(name)
     return default if value in (None, "") else value

@@ -1,6 +1,6 @@
-"""Rank-prefixed logging.
+"""Logging: one standard-library logger per spmd module, named `spmd.<module>`.
 
-Layer: core. Loggers are named `spmd.<module>`; a message gets a "[rank N]" prefix when the rank is known.
+Layer: core. spmd never configures logging; the application (or spmdrun's rank-prefixed output) does.
 """
 
 from __future__ import annotations
@@ -11,7 +11,3 @@ import logging
 def get_logger(name: str) -> logging.Logger:
     """The logger for an spmd module (`spmd.comm.store.tcp_server`, ...); silent unless the application logs."""
     return logging.getLogger(name)
-
-
-def rank_prefix(rank: int | None) -> str:
-    return "" if rank is None else f"[rank {rank}] "
