@@ -336,11 +336,14 @@ def monitored_barrier(group: AnyGroup | None = None, timeout: float | datetime.t
     prefix = f"monitored_barrier/{seq}"
     if pg.group_rank != 0:
         pg.store.set(f"{prefix}/arrived/{pg.global_rank}", b"1")
+        # The first rank publishes its verdict only once `seconds` have passed for a missing rank, so wait
+        # a grace period longer: the verdict then names the missing rank instead of blaming the first one.
+        grace = max(1.0, 0.5 * seconds)
         try:
-            pg.store.wait([f"{prefix}/verdict"], timeout=seconds)
+            pg.store.wait([f"{prefix}/verdict"], timeout=seconds + grace)
         except StoreTimeoutError:
             raise CommTimeoutError(f"{_where('monitored_barrier', pg)}: rank {pg.ranks[0]} did not release the "
-                                   f"barrier within {seconds:.1f}s") from None
+                                   f"barrier within {seconds + grace:.1f}s") from None
         verdict = pg.store.get(f"{prefix}/verdict").decode()
         if verdict != "ok":
             raise CommTimeoutError(f"{_where('monitored_barrier', pg)}: {verdict}")
