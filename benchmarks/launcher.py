@@ -1,17 +1,23 @@
-"""Launcher overheads, spmdrun against torchrun in the same run: median wall time of
+"""Launcher overheads, spmdrun against torchrun in the same run, repetitions interleaved (A, B, B, A, ...):
 
-  (a) a trivial job (workers print and exit) with --nproc-per-node N,
-  (b) a job whose rank 0 exits 1 on the first attempt and is restarted once (--max-restarts 1),
-  (c) first-failure reporting: a worker raising ValueError, no restarts (time to the non-zero exit).
+  (a) trivial n=N: wall time of a whole job whose workers print and exit (--nproc-per-node N), from the
+      launcher's start to its exit (Python start-up of launcher and workers included, for both alike);
+  (b) restart latency: rank 0 exits 1 on the first attempt (--max-restarts 1); the time from the moment the
+      failing worker exits to the moment the restarted rank 0 runs its script's first line again, each taken
+      by the workers themselves (time.time() written to a file), so neither launcher's start-up counts;
+  (c) failure to exit: a worker raises ValueError (no restarts); the time from the raise to the launcher's
+      exit with the failure reported.
 
-Worker scripts import nothing heavy, so the figures are the launchers' own costs.
+Worker scripts import nothing heavy, so the figures are the launchers' own costs. Printed: median and range
+over the repetitions, and the ratio spmdrun / torchrun of the medians (below 1: spmdrun faster).
 
-    python benchmarks/launcher.py [--reps 5]
+    python benchmarks/launcher.py [--reps 7]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import statistics
 import subprocess
@@ -20,47 +26,68 @@ import tempfile
 import time
 
 TRIVIAL = "import os\nprint('rank', os.environ['RANK'])\n"
-FLAKY = ("import os, sys\n"
+FLAKY = ("import os, sys, time\n"
          "restarts = os.environ.get('RESTART_COUNT') or os.environ.get('TORCHELASTIC_RESTART_COUNT')\n"
-         "sys.exit(1 if restarts == '0' and os.environ['RANK'] == '0' else 0)\n")
-BOOM = "import os\nif os.environ['RANK'] == '1':\n    raise ValueError('boom')\n"
+         "if os.environ['RANK'] == '0':\n"
+         "    if restarts == '0':\n"
+         "        open(os.environ['BENCH_FAILED_AT'], 'w').write(repr(time.time()))\n"
+         "        sys.exit(1)\n"
+         "    open(os.environ['BENCH_RESTARTED_AT'], 'w').write(repr(time.time()))\n")
+BOOM = ("import os, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    open(os.environ['BENCH_FAILED_AT'], 'w').write(repr(time.time()))\n"
+        "    raise ValueError('boom')\n")
 LAUNCHERS = {
     "spmdrun": [sys.executable, "-m", "spmd.run", "--standalone"],
     "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone"],
 }
 
 
-def timed(command: list[str]) -> tuple[float, int]:
-    start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    return time.perf_counter() - start, done.returncode
+def _stamp(path: pathlib.Path) -> float:
+    return float(path.read_text())
+
+
+def run_case(case: str, launcher: list[str], scripts: dict[str, pathlib.Path], folder: pathlib.Path) -> float:
+    """Seconds that `case` measures for one launch of `launcher` (see the module docstring)."""
+    failed_at, restarted_at = folder / "failed_at", folder / "restarted_at"
+    for path in (failed_at, restarted_at):
+        path.unlink(missing_ok=True)
+    env = {**os.environ, "BENCH_FAILED_AT": str(failed_at), "BENCH_RESTARTED_AT": str(restarted_at)}
+    nproc = case.rsplit("=", 1)[1] if case.startswith("trivial") else "2"
+    args = {"restart": ["--max-restarts", "1", str(scripts["flaky"])], "failure": [str(scripts["boom"])]}
+    command = [*launcher, "--nproc-per-node", nproc, *args.get(case.split()[0], [str(scripts["trivial"])])]
+    start = time.time()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    end = time.time()
+    if (done.returncode == 0) != (not case.startswith("failure")):
+        raise SystemExit(f"{launcher[2]} {case}: unexpected exit code {done.returncode}\n{done.stderr[-2000:]}")
+    if case.startswith("restart"):
+        return _stamp(restarted_at) - _stamp(failed_at)
+    if case.startswith("failure"):
+        return end - _stamp(failed_at)
+    return end - start
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
     folder = pathlib.Path(tempfile.mkdtemp())
     scripts = {}
     for name, body in (("trivial", TRIVIAL), ("flaky", FLAKY), ("boom", BOOM)):
         scripts[name] = folder / f"{name}.py"
         scripts[name].write_text(body)
-    cases = [(f"trivial n={n}", ["--nproc-per-node", str(n), str(scripts["trivial"])], True) for n in (2, 4)]
-    cases += [("restart once n=2", ["--nproc-per-node", "2", "--max-restarts", "1", str(scripts["flaky"])], True),
-              ("ValueError n=2", ["--nproc-per-node", "2", str(scripts["boom"])], False)]
-    print(f"{'case':20s} {'spmdrun s':>10s} {'torchrun s':>11s} {'ratio':>6s}")
-    for label, case_args, should_succeed in cases:
-        medians = {}
-        for name, launcher in LAUNCHERS.items():
-            times = []
-            for _ in range(args.reps):
-                seconds, returncode = timed(launcher + case_args)
-                if (returncode == 0) != should_succeed:
-                    raise SystemExit(f"{name} {label}: unexpected exit code {returncode}")
-                times.append(seconds)
-            medians[name] = statistics.median(times)
-        ratio = medians["spmdrun"] / medians["torchrun"]
-        print(f"{label:20s} {medians['spmdrun']:10.2f} {medians['torchrun']:11.2f} {ratio:6.2f}")
+    print(f"load average {os.getloadavg()[0]:.1f}, {args.reps} interleaved repetitions")
+    print(f"{'case':18s} {'spmdrun s (range)':>24s} {'torchrun s (range)':>24s} {'spmd/torch':>10s}")
+    for case in ("trivial n=2", "trivial n=4", "restart latency", "failure to exit"):
+        times: dict[str, list[float]] = {name: [] for name in LAUNCHERS}
+        for rep in range(args.reps):
+            order = list(LAUNCHERS) if rep % 2 == 0 else list(reversed(LAUNCHERS))
+            for name in order:
+                times[name].append(run_case(case, LAUNCHERS[name], scripts, folder))
+        cells = {name: f"{statistics.median(t):.3f} ({min(t):.2f}-{max(t):.2f})" for name, t in times.items()}
+        ratio = statistics.median(times["spmdrun"]) / statistics.median(times["torchrun"])
+        print(f"{case:18s} {cells['spmdrun']:>24s} {cells['torchrun']:>24s} {ratio:10.2f}")
 
 
 if __name__ == "__main__":
