@@ -69,3 +69,25 @@ def test_spawn_child_killed_by_signal() -> None:
 def test_spawn_rejects_zero_processes() -> None:
     with pytest.raises(ValueError, match="nprocs must be at least 1"):
         spawn(record_env, nprocs=0)
+
+
+def record_then_wait(index: int, out_dir: str, ignore_sigterm: bool) -> None:
+    if ignore_sigterm and index == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    record_env(index, out_dir)
+    time.sleep(120)    # stands for a long training run; the test stops it
+
+
+@pytest.mark.parametrize("ignore_sigterm", [False, True])
+def test_terminate_stops_every_child_and_kills_one_that_ignores_sigterm(tmp_path: Path,
+                                                                          ignore_sigterm: bool) -> None:
+    context = spawn(record_then_wait, args=(str(tmp_path), ignore_sigterm), nprocs=2, join=False)
+    assert context is not None
+    wait_until(lambda: all((tmp_path / str(i)).exists() for i in range(2)), 60, "both children's records")
+    pids = context.pids()
+    started = time.monotonic()
+    context.terminate()
+    assert not any(is_alive(pid) for pid in pids)
+    codes = [process.exitcode for process in context.processes]
+    assert codes == ([-signal.SIGTERM, -signal.SIGKILL] if ignore_sigterm else [-signal.SIGTERM] * 2)
+    assert (time.monotonic() - started >= 4.0) == ignore_sigterm   # SIGKILL only after the grace period
