@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples tools
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q src tests

@@ -70,6 +70,10 @@ def test_monitored_barrier_names_the_ranks_that_never_arrived(wait_all_ranks: bo
     def body(rank: int, world_size: int) -> str:
         if rank in (1, 3):
             return "absent"                    # ranks 1 and 3 never call it
+        if rank == 0:
+            # Enter after rank 2 has (its arrival key is set): rank 2's wait for the verdict then starts first,
+            # and must still outlast rank 0's timeout to hear which ranks were missing.
+            default_group().store.wait(["monitored_barrier/1/arrived/2"], timeout=20.0)
         try:
             spmd.monitored_barrier(timeout=0.5, wait_all_ranks=wait_all_ranks)
         except CommTimeoutError as error:
