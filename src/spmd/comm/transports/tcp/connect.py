@@ -1,0 +1,223 @@
+"""Connection set-up of the tcp transport: the listener, dialing, the hello/ack handshake, the full mesh.
+
+Layer: comm. A Connector builds this rank's half of a group's full mesh of authenticated sockets: it
+listens and publishes its address in the group's store, connects to every lower rank and accepts every
+higher one, and hands each authenticated, tuned socket to the transport (`register`). See `wire` (Note:
+handshake) for the frames, and Note: threads of the tcp transport in `transport` for the set-up threads.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from spmd._core import env
+from spmd._core.deadline import Deadline
+from spmd._core.errors import CommError, CommTimeoutError, PeerLostError, StoreTimeoutError
+from spmd.comm.transports.base import TransportSpec
+from spmd.comm.transports.tcp import wire
+
+SOCKET_BUFFER = 4 << 20           # bytes; large buffers keep a ring step's pieces in flight
+SEND_POLL_S = 0.5                 # a blocked send wakes this often to check for failure and its deadline
+HANDSHAKE_S = 10.0                # at most this long for one connection's hello/ack
+
+
+class Connector:
+    """Set-up of one group's connections on this rank; `cond` is the transport's (its lock guards everything).
+
+    `peers` is the transport's table of registered peers (read here, filled by `register`), `closing` says
+    under the lock whether the transport is closing, and `register(peer, sock)` takes an authenticated socket.
+    """
+
+    def __init__(self, spec: TransportSpec, desc: str, cond: threading.Condition, peers: Sequence[object | None],
+                 closing: Callable[[], bool], register: Callable[[int, socket.socket], None]) -> None:
+        self.spec = spec
+        self.group_rank = spec.group_rank
+        self.group_size = spec.group_size
+        self._desc = desc
+        self._cond = cond
+        self._peers = peers
+        self._closing = closing
+        self._register_peer = register
+        self._listener: socket.socket | None = None
+        self._setup_threads: list[threading.Thread] = []
+        self._handshaking: set[socket.socket] = set()
+
+    def connect(self, deadline: Deadline) -> None:
+        """Collective over the group: listen, publish host:port, connect to lower ranks, accept higher ones."""
+        r = self.group_rank
+        one_host = len(set(self.spec.hosts)) == 1
+        if one_host:
+            bind_host, public_host = "127.0.0.1", "127.0.0.1"
+        else:
+            bind_host, public_host = "0.0.0.0", env.socket_address() or _public_host(self.spec.hosts, r)
+        try:
+            self._listener = socket.create_server((bind_host, 0), backlog=max(16, 2 * self.group_size))
+        except OSError as error:
+            raise CommError(f"tcp transport of {self._desc}, rank {self.spec.global_rank}: can't listen on "
+                            f"{bind_host} ({error})") from None
+        port = self._listener.getsockname()[1]
+        self.spec.store.set(f"tcp/addr/{r}", f"{public_host}:{port}")
+        if r < self.group_size - 1:
+            self._start_thread(self._accept_loop, f"spmd-tcp-accept-{self.spec.group_name}-r{r}", deadline)
+        for peer in range(r):
+            self._connect_to(peer, deadline)
+        with self._cond:
+            while not all(p is not None for i, p in enumerate(self._peers) if i != r):
+                if deadline.expired():
+                    missing = [self.spec.global_ranks[i] for i, p in enumerate(self._peers) if p is None and i != r]
+                    raise CommTimeoutError(
+                        f"tcp transport of {self._desc}, rank {self.spec.global_rank}: ranks {missing} did not "
+                        f"connect within {deadline.timeout:.1f}s (they never created this group, or can't "
+                        f"reach {public_host}:{port})")
+                self._cond.wait(deadline.remaining())
+        self._close_listener()
+
+    def _connect_to(self, peer: int, deadline: Deadline) -> None:
+        global_rank = self.spec.global_ranks[peer]
+        key = f"tcp/addr/{peer}"
+        try:
+            self.spec.store.wait([key], timeout=deadline.remaining())
+        except StoreTimeoutError:
+            raise CommTimeoutError(
+                f"tcp transport of {self._desc}, rank {self.spec.global_rank}: rank {global_rank} did not "
+                f"publish its address within {deadline.timeout:.1f}s (it never created this group)") from None
+        host, port = self.spec.store.get(key).decode().rsplit(":", 1)
+        hello = wire.hello_frame(self.spec.token, self.group_rank, self.spec.group_name)
+        while True:
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=max(0.01, deadline.remaining()))
+                break
+            except OSError as error:
+                if deadline.expired():
+                    raise CommTimeoutError(
+                        f"tcp transport of {self._desc}, rank {self.spec.global_rank}: can't connect to rank "
+                        f"{global_rank} at {host}:{port} within {deadline.timeout:.1f}s ({error})") from None
+                time.sleep(0.05)
+        try:
+            sock.settimeout(max(0.01, min(deadline.remaining(), HANDSHAKE_S)))
+            sock.sendall(hello)
+            ack = wire.recv_bytes(sock, wire.ACK_LEN)
+        except (OSError, wire.PeerClosed) as error:
+            sock.close()
+            raise PeerLostError(f"tcp transport of {self._desc}, rank {self.spec.global_rank}: handshake with "
+                                f"rank {global_rank} at {host}:{port} failed ({error})") from None
+        if not wire.check_ack(ack, self.spec.token, hello):
+            sock.close()
+            raise CommError(f"tcp transport of {self._desc}, rank {self.spec.global_rank}: the process at "
+                            f"{host}:{port} is not rank {global_rank} of this group (wrong token in its answer)")
+        self._register(peer, sock)
+
+    def _accept_loop(self, deadline: Deadline) -> None:
+        listener = self._listener
+        assert listener is not None
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return   # the listener was closed: set-up is over
+            name = f"spmd-tcp-handshake-{self.spec.group_name}-r{self.group_rank}"
+            self._start_thread(self._handshake, name, conn, deadline)
+
+    def _handshake(self, conn: socket.socket, deadline: Deadline) -> None:
+        """Authenticate one incoming connection; a stranger is dropped before anything of it is used."""
+        with self._cond:
+            if self._closing():
+                conn.close()
+                return
+            self._handshaking.add(conn)
+        try:
+            conn.settimeout(max(0.01, min(deadline.remaining(), HANDSHAKE_S)))
+            hello = wire.read_hello(conn, self.spec.token, self.spec.group_name)
+            if hello is not None:
+                peer, raw = hello
+                with self._cond:
+                    valid = self.group_rank < peer < self.group_size and self._peers[peer] is None
+                if valid:
+                    conn.sendall(wire.ack_frame(self.spec.token, raw))
+                    self._register(peer, conn)
+                    return
+        except (OSError, wire.PeerClosed, ValueError):
+            pass
+        with self._cond:
+            self._handshaking.discard(conn)
+        conn.close()
+
+    def _register(self, peer: int, sock: socket.socket) -> None:
+        """Hand an authenticated socket to the transport, which from now on closes it as a peer's connection."""
+        _tune(sock)
+        with self._cond:
+            self._handshaking.discard(sock)
+        self._register_peer(peer, sock)
+
+    def _start_thread(self, target, name: str, *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._setup_threads.append(thread)
+        thread.start()
+
+    def _close_listener(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)    # wakes the accept thread
+            except OSError:
+                pass
+            listener.close()
+
+    def close(self) -> None:
+        """Stop set-up (the transport is closing): close the listener, drop handshakes, join the set-up threads."""
+        self._close_listener()
+        with self._cond:
+            handshaking = list(self._handshaking)
+        for conn in handshaking:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)    # wakes a handshake still waiting for a silent stranger
+            except OSError:
+                pass
+        for thread in self._setup_threads:
+            thread.join(timeout=HANDSHAKE_S)
+
+
+def _tune(sock: socket.socket) -> None:
+    """Latency and throughput settings for a peer connection, and the send timeout send_frame relies on."""
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if SOCKET_BUFFER:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+    seconds = int(SEND_POLL_S)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                    struct.pack("ll", seconds, int((SEND_POLL_S - seconds) * 1e6)))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+def _public_host(hosts: tuple[str, ...], me: int) -> str:
+    """An address of this host that the other hosts can reach (SPMD_SOCKET_ADDR overrides this guess).
+
+    The local address of the route towards another rank's host (a UDP connect sends nothing), else the
+    address of this host's name, unless that is a loopback address, else the name itself.
+    """
+    for host in hosts:
+        if host == hosts[me]:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((socket.gethostbyname(host), 9))
+                address = probe.getsockname()[0]
+            if not address.startswith("127."):
+                return address
+        except OSError:
+            continue
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+        if not address.startswith("127."):
+            return address
+    except OSError:
+        pass
+    return socket.gethostname()
