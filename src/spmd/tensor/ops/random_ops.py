@@ -31,9 +31,11 @@ def _full_args(values: tuple | dict, mesh_ndim: int) -> Any:
     return tuple(full(v) for v in values)
 
 
-def _with_generator(kwargs: dict) -> dict:
-    if kwargs.get("generator") is None and get_generator() is not None:
-        return {**kwargs, "generator": get_generator()}
+def _with_generator(kwargs: dict, device: torch.device) -> dict:
+    """kwargs with this rank's generator for `device`, unless the caller passed one (or none is seeded)."""
+    generator = get_generator(device)
+    if kwargs.get("generator") is None and generator is not None:
+        return {**kwargs, "generator": generator}
     return kwargs
 
 
@@ -45,7 +47,7 @@ def _random_inplace(op: OpOverload, args: tuple, kwargs: dict) -> Any:
     self = args[0]
     spec = self._spec
     full = torch.empty(spec.shape, dtype=spec.dtype, device=self._local_tensor.device)
-    op(full, *_full_args(args[1:], spec.mesh.ndim), **_with_generator(_full_args(kwargs, spec.mesh.ndim)))
+    op(full, *_full_args(args[1:], spec.mesh.ndim), **_with_generator(_full_args(kwargs, spec.mesh.ndim), full.device))
     self._local_tensor.copy_(spec.local_from_full(full))
     return self
 
@@ -66,8 +68,8 @@ def _random_like(op: OpOverload, args: tuple, kwargs: dict) -> Any:
     like = args[0]
     spec = like._spec
     placements = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
-    full = torch.empty(spec.shape, dtype=kwargs.get("dtype") or spec.dtype)
-    _LIKE_FILLS[op](full, args, get_generator())
+    full = torch.empty(spec.shape, dtype=kwargs.get("dtype") or spec.dtype, device=like._local_tensor.device)
+    _LIKE_FILLS[op](full, args, get_generator(full.device))
     out_spec = type(spec)(spec.mesh, placements, full.shape, full.stride(), full.dtype)
     return type(like)._wrap_local(out_spec.local_from_full(full), out_spec)
 
@@ -79,7 +81,8 @@ def _bernoulli(op: OpOverload, args: tuple, kwargs: dict) -> Any:
     like = args[0]
     spec = like._spec
     placements = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
-    full = op(*_full_args(args, spec.mesh.ndim), **_with_generator(_full_args(kwargs, spec.mesh.ndim)))
+    device = like._local_tensor.device
+    full = op(*_full_args(args, spec.mesh.ndim), **_with_generator(_full_args(kwargs, spec.mesh.ndim), device))
     out_spec = type(spec)(spec.mesh, placements, full.shape, full.stride(), full.dtype)
     return type(like)._wrap_local(out_spec.local_from_full(full), out_spec)
 
@@ -95,9 +98,11 @@ def _dropout(op: OpOverload, args: tuple, kwargs: dict) -> tuple[Tensor, Tensor]
     mask_spec = type(spec)(spec.mesh, mask_placements, spec.shape, spec.stride, torch.bool)
     if train is False:
         return cls._wrap_local(x._local_tensor.clone(), spec), cls._wrap_local(
-            torch.ones(x._local_tensor.shape, dtype=torch.bool), mask_spec)
+            torch.ones(x._local_tensor.shape, dtype=torch.bool, device=x._local_tensor.device), mask_spec)
     keep = 1.0 - p
-    mask_full = torch.empty(spec.shape, dtype=spec.dtype).bernoulli_(keep, generator=get_generator())
+    device = x._local_tensor.device
+    mask_full = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+    mask_full.bernoulli_(keep, generator=get_generator(device))
     mask_local = mask_spec.local_from_full(mask_full)
     scale = 0.0 if keep == 0 else 1.0 / keep
     out_local = x._local_tensor.mul(mask_local).mul_(scale)
