@@ -36,17 +36,26 @@ def check_tensor(tensor: object, name: str, op: str, group: ProcessGroup) -> Ten
     if not tensor.is_contiguous():
         raise ValueError(f"{_where(op, group)}: {name} must be contiguous (shape {tuple(tensor.shape)}, "
                          f"stride {tensor.stride()}); pass tensor.contiguous() and copy the result back")
-    devices = getattr(group.transport, "devices", ("cpu",))
+    devices = group.transport.devices
     if tensor.device.type not in devices:
         raise ValueError(f"{_where(op, group)}: {name} is on {tensor.device}, but the {group.backend} backend "
-                         f"moves {', '.join(devices)} tensors")
+                         f"moves only {', '.join(devices)} tensors; move it with .to() or use a group whose "
+                         f"backend moves {tensor.device.type} tensors")
     return tensor
+
+
+def _check_same_device(tensor: Tensor, like: Tensor, name: str, op: str, group: ProcessGroup) -> None:
+    """Every tensor of one op lives on one device (the transport moves between ranks, not between devices)."""
+    if tensor.device != like.device:
+        raise ValueError(f"{_where(op, group)}: {name} is on {tensor.device}, but the op's other tensors are on "
+                         f"{like.device}; put every tensor of one op on one device")
 
 
 def _check_same(tensor: Tensor, like: Tensor, name: str, op: str, group: ProcessGroup,
                 numel: int | None = None) -> None:
     if tensor.dtype != like.dtype:
         raise ValueError(f"{_where(op, group)}: {name} has dtype {tensor.dtype}, expected {like.dtype}")
+    _check_same_device(tensor, like, name, op, group)
     want = like.numel() if numel is None else numel
     if tensor.numel() != want:
         raise ValueError(f"{_where(op, group)}: {name} has {tensor.numel()} elements (shape "
@@ -159,7 +168,7 @@ def all_gather(tensor_list: list[Tensor], tensor: Tensor, group: AnyGroup | None
     outputs = _check_list(tensor_list, "tensor_list", "all_gather", pg, tensor)
 
     def body(ctx: OpContext) -> None:
-        gathered = torch.empty(pg.size(), *tensor.shape, dtype=tensor.dtype)
+        gathered = torch.empty(pg.size(), *tensor.shape, dtype=tensor.dtype, device=tensor.device)
         pg.transport.all_gather(_flat(gathered), _flat(tensor), ctx)
         for out, block in zip(outputs, gathered, strict=True):
             out.copy_(block)
@@ -216,7 +225,7 @@ def gather(tensor: Tensor, gather_list: list[Tensor] | None = None, dst: int | N
         outputs = []
 
     def body(ctx: OpContext) -> None:
-        gathered = torch.empty(pg.size(), *tensor.shape, dtype=tensor.dtype) if is_root else None
+        gathered = torch.empty(pg.size(), *tensor.shape, dtype=tensor.dtype, device=tensor.device) if is_root else None
         pg.transport.gather(None if gathered is None else _flat(gathered), _flat(tensor), root, ctx)
         if gathered is not None:
             for out, block in zip(outputs, gathered, strict=True):
@@ -274,6 +283,7 @@ def all_to_all_single(output: Tensor, input: Tensor, output_split_sizes: list[in
     check_tensor(output, "output", name, pg)
     if output.dtype != input.dtype:
         raise ValueError(f"{_where(name, pg)}: output dtype {output.dtype} differs from input dtype {input.dtype}")
+    _check_same_device(output, input, "output", name, pg)
     in_splits = _splits(input_split_sizes, input, "input", name, pg)
     out_splits = _splits(output_split_sizes, output, "output", name, pg)
 
@@ -296,11 +306,13 @@ def all_to_all(output_tensor_list: list[Tensor], input_tensor_list: list[Tensor]
             if tensor.dtype != input_tensor_list[0].dtype:
                 raise ValueError(f"{_where('all_to_all', pg)}: {name}[{index}] has dtype {tensor.dtype}, "
                                  f"expected {input_tensor_list[0].dtype}")
+            _check_same_device(tensor, input_tensor_list[0], f"{name}[{index}]", "all_to_all", pg)
     like = input_tensor_list[0]
 
     def body(ctx: OpContext) -> None:
         flat_in = torch.cat([_flat(t) for t in input_tensor_list])
-        flat_out = torch.empty(sum(_flat(t).numel() for t in output_tensor_list), dtype=flat_in.dtype)
+        flat_out = torch.empty(sum(_flat(t).numel() for t in output_tensor_list), dtype=flat_in.dtype,
+                               device=flat_in.device)
         pg.transport.all_to_all(flat_out, flat_in, [_flat(t).numel() for t in output_tensor_list],
                                 [_flat(t).numel() for t in input_tensor_list], ctx)
         offset = 0

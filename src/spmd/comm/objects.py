@@ -13,14 +13,29 @@ import torch
 from torch import Tensor
 
 from spmd.comm import collectives
+from spmd.comm.group import ProcessGroup
 from spmd.comm.world import AnyGroup, resolve_group
 
 
-def _to_tensor(obj: Any) -> Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+def _staging_device(pg: ProcessGroup, device: torch.device | str | None = None) -> torch.device:
+    """Where an object collective's byte tensors live: `device` if given, else the first device type the
+    group's transport moves (the current device of that type when it is the accelerator, as torch stages
+    objects on the current CUDA device for NCCL)."""
+    if device is not None:
+        return torch.device(device)
+    kind = pg.transport.devices[0]
+    accelerator = torch.accelerator.current_accelerator() if kind != "cpu" else None
+    if accelerator is not None and accelerator.type == kind:
+        return torch.device(kind, torch.accelerator.current_device_index())
+    return torch.device(kind)
+
+
+def _to_tensor(obj: Any, device: torch.device) -> Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
 
 
 def _from_tensor(data: Tensor, length: int) -> Any:
+    """Unpickle from host bytes; `data` already lives on the CPU (one copy per collective, made by the caller)."""
     return pickle.loads(data[:length].numpy().tobytes())
 
 
@@ -30,16 +45,19 @@ def all_gather_object(object_list: list[Any], obj: Any, group: AnyGroup | None =
     if len(object_list) != pg.size():
         raise ValueError(f"all_gather_object on rank {pg.global_rank}: object_list must have {pg.size()} "
                          f"entries, got {len(object_list)}")
-    data = _to_tensor(obj)
-    lengths = torch.empty(pg.size(), dtype=torch.int64)
-    collectives.all_gather_into_tensor(lengths, torch.tensor([data.numel()]), group=pg)
-    longest = int(lengths.max())
-    padded = torch.zeros(longest, dtype=torch.uint8)
+    device = _staging_device(pg)
+    data = _to_tensor(obj, device)
+    lengths = torch.empty(pg.size(), dtype=torch.int64, device=device)
+    collectives.all_gather_into_tensor(lengths, torch.tensor([data.numel()], device=device), group=pg)
+    host_lengths = lengths.tolist()
+    longest = max(host_lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:data.numel()] = data
-    gathered = torch.empty(pg.size(), longest, dtype=torch.uint8)
+    gathered = torch.empty(pg.size(), longest, dtype=torch.uint8, device=device)
     collectives.all_gather_into_tensor(gathered, padded, group=pg)
+    host_gathered = gathered.cpu()
     for rank in range(pg.size()):
-        object_list[rank] = _from_tensor(gathered[rank], int(lengths[rank]))
+        object_list[rank] = _from_tensor(host_gathered[rank], host_lengths[rank])
 
 
 def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0,
@@ -58,19 +76,27 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
 
 def broadcast_object_list(object_list: list[Any], src: int = 0, group: AnyGroup | None = None,
                           device: torch.device | None = None) -> None:
-    """object_list <- `src`'s object_list, in place, on every rank (lists must have equal lengths). Collective."""
+    """object_list <- `src`'s object_list, in place, on every rank (lists must have equal lengths). Collective.
+
+    The pickled bytes travel on `device` when given (as in torch), else where the group's transport stages them.
+    """
     pg = resolve_group(group, "broadcast_object_list")
     root = pg.group_rank_of(src, "broadcast_object_list src")
     is_root = pg.group_rank == root
-    parts = [_to_tensor(obj) for obj in object_list] if is_root else []
-    lengths = torch.tensor([p.numel() for p in parts] if is_root else [0] * len(object_list), dtype=torch.int64)
+    staging = _staging_device(pg, device)
+    parts = [_to_tensor(obj, staging) for obj in object_list] if is_root else []
+    lengths = torch.tensor([p.numel() for p in parts] if is_root else [0] * len(object_list), dtype=torch.int64,
+                           device=staging)
     collectives.broadcast(lengths, group=pg, group_src=root)
-    payload = torch.cat(parts) if is_root and parts else torch.empty(int(lengths.sum()), dtype=torch.uint8)
+    host_lengths = lengths.tolist()
+    payload = (torch.cat(parts) if is_root and parts
+               else torch.empty(sum(host_lengths), dtype=torch.uint8, device=staging))
     collectives.broadcast(payload, group=pg, group_src=root)
     if not is_root:
+        host_payload = payload.cpu()
         offset = 0
-        for index, length in enumerate(lengths.tolist()):
-            object_list[index] = _from_tensor(payload[offset:offset + length], length)
+        for index, length in enumerate(host_lengths):
+            object_list[index] = _from_tensor(host_payload[offset:offset + length], length)
             offset += length
 
 

@@ -11,6 +11,16 @@ Contract for every collective method:
   (`reduce_op.finish_average`).
 Point-to-point methods may run concurrently with collectives and with each other; they complete the
 Work they are given, and messages between one pair of ranks with one tag arrive in the order sent.
+
+Devices: `devices` names the device types whose tensors the transport moves (every transport declares it);
+the group rejects a tensor on any other device before anything is sent. The first one listed is where
+object collectives stage their bytes.
+
+Streams: a transport that moves device tensors is called with the caller's stream S current (the group
+makes it current on its executor thread too). It orders its device work after S's pending work and leaves S
+ordered after its own completion (a stream wait, never a host synchronize), so an op enqueued from S
+completes with respect to S. Returning from a method means the op is enqueued on the device, not finished.
+CPU transports finish the work before they return and have nothing to order.
 """
 
 from __future__ import annotations
@@ -62,8 +72,11 @@ class Transport(abc.ABC):
     """One group's connection to its peers. See the module docstring for the contract."""
 
     name: str = "abstract"
+    devices: tuple[str, ...] = ()   # device types it moves, e.g. ("cpu",); every transport declares its own
 
     def __init__(self, spec: TransportSpec) -> None:
+        if not self.devices:
+            raise TypeError(f"{type(self).__name__} must declare the device types it moves (devices = (...))")
         self.spec = spec
         self.group_rank = spec.group_rank
         self.group_size = spec.group_size

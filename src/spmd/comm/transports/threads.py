@@ -91,6 +91,7 @@ class ThreadsTransport(Transport):
     """Ranks as threads; see the module docstring for the protocol."""
 
     name = "threads"
+    devices = ("cpu",)
 
     def __init__(self, spec: TransportSpec) -> None:
         super().__init__(spec)

@@ -35,6 +35,7 @@ class HierarchicalTransport(Transport):
     """Shared memory inside each host, tcp between hosts; see the module docstring for the algorithms."""
 
     name = "shm"
+    devices = ("cpu",)
 
     def __init__(self, spec: TransportSpec) -> None:
         super().__init__(spec)

@@ -167,6 +167,7 @@ class LocalShmTransport(Transport):
     """Collectives and P2P among ranks of one host through one shared segment."""
 
     name = "shm"
+    devices = ("cpu",)
 
     def __init__(self, spec: TransportSpec) -> None:
         super().__init__(spec)

@@ -21,6 +21,7 @@ class ShmTransport(Transport):
     """Shared memory inside a host; with ranks on several hosts, hierarchical over tcp between hosts."""
 
     name = "shm"
+    devices = ("cpu",)
 
     def __init__(self, spec: TransportSpec) -> None:
         super().__init__(spec)
