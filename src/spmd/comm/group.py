@@ -9,6 +9,7 @@ transport), so they fail fast too; later operations raise GroupAbortedError nami
 from __future__ import annotations
 
 import collections
+import enum
 import threading
 from collections.abc import Callable
 
@@ -29,8 +30,20 @@ from spmd.comm.work import Work
 Body = Callable[[OpContext], None]
 
 
+class GroupState(enum.Enum):
+    """Where a ProcessGroup is in its life on this rank."""
+
+    OPEN = enum.auto()      # operations may be issued; they run one at a time, in program order
+    ABORTED = enum.auto()   # an operation failed here or on a peer: new ones raise GroupAbortedError, queued ones fail
+    CLOSED = enum.auto()    # destroyed: new operations raise; the executor finishes its queue, then exits
+
+
 class ProcessGroup:
-    """A group of ranks that communicate together (the role of torch's ProcessGroup)."""
+    """A group of ranks that communicate together (the role of torch's ProcessGroup).
+
+    Its `state` (GroupState) moves OPEN -> ABORTED on the first failure and OPEN or ABORTED -> CLOSED when
+    it is destroyed; it never returns to OPEN.
+    """
 
     def __init__(self, name: str, global_ranks: list[int], group_rank: int, transport: Transport,
                  store: Store, world_store: Store, timeout: float, recorder: FlightRecorder,
@@ -50,10 +63,10 @@ class ProcessGroup:
         self._lock = threading.Lock()
         self._has_work = threading.Condition(self._lock)
         self._queue: collections.deque[tuple[OpRecord, Body, Work]] = collections.deque()
-        self._busy = False
+        self._running: OpRecord | None = None        # the operation holding the transport (inline or executor)
         self._executor: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._closed = False
+        self._error: BaseException | None = None      # the first failure, kept for later operations' errors
+        self.state = GroupState.OPEN
 
     # the accessors of torch's ProcessGroup
     def rank(self) -> int:
@@ -85,9 +98,9 @@ class ProcessGroup:
         work = Work(f"{fingerprint.op} #{fingerprint.seq} on {self.description}", outputs, record)
         with self._lock:
             self._raise_if_unusable(fingerprint)
-            inline = not async_op and not self._busy and not self._queue
+            inline = not async_op and self._running is None and not self._queue
             if inline:
-                self._busy = True
+                self._running = record
             else:
                 self._queue.append((record, body, work))
                 self._ensure_executor()
@@ -97,7 +110,7 @@ class ProcessGroup:
                 self._execute(record, body, work)
             finally:
                 with self._lock:
-                    self._busy = False
+                    self._running = None
                     if self._queue:
                         self._has_work.notify()
         if async_op:
@@ -121,9 +134,9 @@ class ProcessGroup:
 
     def _raise_if_unusable(self, fingerprint: Fingerprint | None) -> None:
         what = f"{fingerprint.op} #{fingerprint.seq}" if fingerprint else "point-to-point operation"
-        if self._closed:
+        if self.state is GroupState.CLOSED:
             raise RuntimeError(f"{what} on {self.description}: the group was destroyed")
-        if self._error is not None:
+        if self.state is GroupState.ABORTED:
             raise GroupAbortedError(
                 f"{what} on rank {self.global_rank}: {self.description} was aborted by an earlier failure "
                 f"and can't run more operations. First failure: {self._error}") from self._error
@@ -137,20 +150,21 @@ class ProcessGroup:
     def _drain(self) -> None:
         while True:
             with self._lock:
-                while not self._queue or self._busy:
-                    if self._closed:
+                while not self._queue or self._running is not None:
+                    if self.state is GroupState.CLOSED:
                         return
                     self._has_work.wait()
                 record, body, work = self._queue.popleft()
-                self._busy = True
+                self._running = record
+                error = self._error
             try:
-                if self._error is not None:
-                    work.to_failed(GroupAbortedError(f"{work.description}: the group was aborted: {self._error}"))
+                if error is not None:
+                    work.to_failed(GroupAbortedError(f"{work.description}: the group was aborted: {error}"))
                 else:
                     self._execute(record, body, work)
             finally:
                 with self._lock:
-                    self._busy = False
+                    self._running = None
 
     def _execute(self, record: OpRecord, body: Body, work: Work) -> None:
         record.state = OpState.RUNNING
@@ -193,17 +207,24 @@ class ProcessGroup:
     # -- lifetime -------------------------------------------------------------------------------------------
 
     def abort(self, error: BaseException) -> None:
-        """Fail this group on this rank (and, through the transport, on its peers)."""
+        """Fail this group on this rank (and, through the transport, on its peers). The first failure wins; a
+        failure while the closing group finishes its queue is reported too, and the group stays CLOSED."""
         with self._lock:
             if self._error is not None:
                 return
             self._error = error
+            if self.state is GroupState.OPEN:
+                self.state = GroupState.ABORTED
             self._has_work.notify_all()
         self.transport.abort(error)
 
     def close(self) -> None:
+        """Destroy the group on this rank (OPEN or ABORTED -> CLOSED): queued operations run (or fail, if it
+        was aborted), then the transport is released. Closing a closed group does nothing."""
         with self._lock:
-            self._closed = True
+            if self.state is GroupState.CLOSED:
+                return
+            self.state = GroupState.CLOSED
             self._has_work.notify_all()
         if self._executor is not None and self._executor is not threading.current_thread():
             self._executor.join(timeout=self.timeout)

@@ -1,0 +1,45 @@
+"""ProcessGroup's life on one rank: OPEN -> ABORTED on the first failure, OPEN or ABORTED -> CLOSED on destroy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spmd
+from spmd._core.errors import CommError, GroupAbortedError
+from spmd.comm.group import GroupState
+from spmd.testing import run_ranks
+
+
+def test_an_aborted_group_stays_aborted_until_it_is_closed() -> None:
+    def body(rank: int, size: int) -> None:
+        group = spmd.new_group([0])
+        assert group.state is GroupState.OPEN
+        spmd.all_reduce(torch.ones(2), group=group)
+        group.abort(CommError("first"))
+        group.abort(CommError("second"))                 # the first failure wins
+        assert group.state is GroupState.ABORTED
+        with pytest.raises(GroupAbortedError, match="First failure: first"):
+            spmd.all_reduce(torch.ones(2), group=group)
+        spmd.destroy_process_group(group)
+        assert group.state is GroupState.CLOSED
+        with pytest.raises(RuntimeError, match="the group was destroyed"):
+            spmd.all_reduce(torch.ones(2), group=group)
+        spmd.all_reduce(torch.ones(2))                   # the default group is untouched
+
+    run_ranks(body, 1, timeout=30)
+
+
+def test_closing_is_final_and_idempotent() -> None:
+    def body(rank: int, size: int) -> None:
+        group = spmd.new_group([0])
+        work = spmd.all_reduce(torch.ones(2), group=group, async_op=True)
+        group.close()                                    # the queued op finishes first
+        assert work.wait() and group.state is GroupState.CLOSED
+        group.close()
+        group.abort(CommError("late"))
+        assert group.state is GroupState.CLOSED
+        with pytest.raises(RuntimeError, match="the group was destroyed"):
+            spmd.barrier(group=group)
+
+    run_ranks(body, 1, timeout=30)
