@@ -303,3 +303,83 @@ def test_generators_are_per_device_and_cpu_draws_are_unchanged() -> None:
     thread.join(TIMEOUT)
     torch.testing.assert_close(results[0], torch.rand(5, generator=torch.Generator().manual_seed(11)),
                                rtol=0, atol=0)
+
+
+# -- streams ------------------------------------------------------------------------------------------------
+
+def test_cpu_and_meta_ops_have_no_stream_to_order() -> None:
+    from spmd.comm.work import caller_stream
+
+    assert caller_stream(None) is None
+    assert caller_stream(torch.device("cpu")) is None
+    assert caller_stream(torch.device("meta")) is None
+
+
+class _FakeEvent:
+    def __init__(self, stream: _FakeStream) -> None:
+        self.stream = stream
+        self.device = torch.device("meta")
+
+
+class _FakeStream:
+    """Stands in for an accelerator stream: logs where it is made current, recorded on and waited from."""
+
+    def __init__(self, name: str, log: list[tuple[str, str, str]]) -> None:
+        self.name = name
+        self.log = log
+
+    def _note(self, what: str) -> None:
+        self.log.append((what, self.name, threading.current_thread().name))
+
+    def __enter__(self) -> _FakeStream:
+        self._note("enter")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._note("exit")
+
+    def record_event(self) -> _FakeEvent:
+        self._note("record")
+        return _FakeEvent(self)
+
+    def wait_event(self, event: _FakeEvent) -> None:
+        self._note(f"wait for {event.stream.name}")
+
+    def synchronize(self) -> None:
+        raise AssertionError("no host synchronize may be added")
+
+
+def test_a_queued_op_runs_after_the_callers_stream_and_wait_orders_the_waiters_stream(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wiring of ProcessGroup's Note on streams, with fake streams standing in for an accelerator's."""
+    from spmd.comm import group as group_module
+    from spmd.comm import work as work_module
+
+    log: list[tuple[str, str, str]] = []
+
+    def caller_stream(device: torch.device | None) -> _FakeStream | None:
+        if device is None or device.type != "meta":
+            return None
+        log.append(("capture", "S", threading.current_thread().name))
+        return _FakeStream("S", log)
+
+    monkeypatch.setattr(group_module, "caller_stream", caller_stream)
+    monkeypatch.setattr(work_module, "current_stream", lambda device: _FakeStream("W", log))
+    all_reduce = MetaTransport.all_reduce
+
+    def logged_all_reduce(self: MetaTransport, *args: Any) -> None:
+        log.append(("all_reduce", "", threading.current_thread().name))
+        all_reduce(self, *args)
+
+    monkeypatch.setattr(MetaTransport, "all_reduce", logged_all_reduce)
+
+    def body(rank: int, size: int) -> None:
+        spmd.all_reduce(meta(3))                                 # inline: the caller's stream is current
+        spmd.all_reduce(meta(3), async_op=True).wait()
+        spmd.barrier(async_op=True).wait()                       # no tensor: no stream
+
+    run_ranks(body, 1, timeout=TIMEOUT, backend=MetaTransport.name)
+    caller, executor = "spmd-rank0", "spmd-group-default-rank0"
+    assert log == [("all_reduce", "", caller),
+                   ("capture", "S", caller), ("enter", "S", executor), ("all_reduce", "", executor),
+                   ("record", "S", executor), ("exit", "S", executor), ("wait for S", "W", caller)]

@@ -97,7 +97,7 @@ def _run(group: ProcessGroup, op: str, like: Tensor | None, shape: tuple[int, ..
     dtype = "" if like is None else str(like.dtype).removeprefix("torch.")
     fingerprint = group.next_fingerprint(op, shape, dtype,
                                          None if reduce_op is None else reduce_op.name, root, user_call_site())
-    return group.run(fingerprint, body, outputs, async_op)
+    return group.run(fingerprint, body, outputs, async_op, device=None if like is None else like.device)
 
 
 def all_reduce(tensor: Tensor, op: ReduceOp = ReduceOp.SUM, group: AnyGroup | None = None,

@@ -13,6 +13,8 @@ import enum
 import threading
 from collections.abc import Callable
 
+import torch
+
 from spmd._core.deadline import Deadline
 from spmd._core.errors import CommError, CommTimeoutError, GroupAbortedError, SpmdError, StoreError
 from spmd.comm.debug import (
@@ -25,7 +27,7 @@ from spmd.comm.debug import (
 )
 from spmd.comm.store.base import Store
 from spmd.comm.transports.base import OpContext, Transport
-from spmd.comm.work import Work
+from spmd.comm.work import Work, caller_stream
 
 Body = Callable[[OpContext], None]
 
@@ -62,7 +64,7 @@ class ProcessGroup:
         self._p2p_seq = 0
         self._lock = threading.Lock()
         self._has_work = threading.Condition(self._lock)
-        self._queue: collections.deque[tuple[OpRecord, Body, Work]] = collections.deque()
+        self._queue: collections.deque[tuple[OpRecord, Body, Work, torch.Stream | None]] = collections.deque()
         self._running: OpRecord | None = None        # the operation holding the transport (inline or executor)
         self._executor: threading.Thread | None = None
         self._error: BaseException | None = None      # the first failure, kept for later operations' errors
@@ -92,8 +94,12 @@ class ProcessGroup:
 
     # -- collectives ----------------------------------------------------------------------------------------
 
-    def run(self, fingerprint: Fingerprint, body: Body, outputs: list, async_op: bool) -> Work | None:
-        """Issue one collective: record it, run `body` in program order, return a Work if `async_op`."""
+    def run(self, fingerprint: Fingerprint, body: Body, outputs: list, async_op: bool,
+            device: torch.device | None = None) -> Work | None:
+        """Issue one collective: record it, run `body` in program order, return a Work if `async_op`.
+
+        `device`: where the op's tensors live; a queued op on an accelerator runs after the caller's stream.
+        """
         record = self._recorder.record(self.name, fingerprint)
         work = Work(f"{fingerprint.op} #{fingerprint.seq} on {self.description}", outputs, record)
         with self._lock:
@@ -102,12 +108,12 @@ class ProcessGroup:
             if inline:
                 self._running = record
             else:
-                self._queue.append((record, body, work))
+                self._queue.append((record, body, work, caller_stream(device)))
                 self._ensure_executor()
                 self._has_work.notify()
         if inline:
             try:
-                self._execute(record, body, work)
+                self._execute(record, body, work, None)    # the caller's thread: its stream is current already
             finally:
                 with self._lock:
                     self._running = None
@@ -154,29 +160,48 @@ class ProcessGroup:
                     if self.state is GroupState.CLOSED:
                         return
                     self._has_work.wait()
-                record, body, work = self._queue.popleft()
+                record, body, work, stream = self._queue.popleft()
                 self._running = record
                 error = self._error
             try:
                 if error is not None:
                     work.to_failed(GroupAbortedError(f"{work.description}: the group was aborted: {error}"))
                 else:
-                    self._execute(record, body, work)
+                    self._execute(record, body, work, stream)
             finally:
                 with self._lock:
                     self._running = None
 
-    def _execute(self, record: OpRecord, body: Body, work: Work) -> None:
+    # Note: streams. An op enqueued from stream S completes with respect to S, as with torch's NCCL
+    # ProcessGroup, whatever thread runs it:
+    # - CPU transports finish the data movement before the body returns; there is no stream, `stream` is
+    #   None, and nothing here costs anything.
+    # - For tensors on an accelerator, `run` captures the caller's current stream S when it queues the op
+    #   (`caller_stream`). The executor makes S current on its own thread while the body runs, so the
+    #   transport's kernels are ordered after S's pending work (the Transport contract: a device transport
+    #   orders its work after the current stream and leaves that stream ordered after its completion). Then
+    #   it records an event on S, which completes the Work, and `Work.wait()` makes the waiter's current
+    #   stream wait on that event: a stream wait, not a host synchronize; no synchronize() is added anywhere.
+    # - An op run inline (synchronous, nothing queued) runs on the caller's thread with S current already.
+    # - Point-to-point ops call the transport from the caller's thread, so S is current there too; their
+    #   Work is completed by the transport, which makes it stream-aware the same way.
+    def _execute(self, record: OpRecord, body: Body, work: Work, stream: torch.Stream | None) -> None:
         record.state = OpState.RUNNING
         ctx = OpContext(record.fingerprint, Deadline(self.timeout), self.description)
         try:
-            body(ctx)
+            if stream is None:
+                body(ctx)
+                ready = None
+            else:
+                with stream:
+                    body(ctx)
+                    ready = stream.record_event()
         except BaseException as error:   # every failure must reach the Work and abort the group
             error = self._explain(error, record.fingerprint)
             self.abort(error)
             work.to_failed(error)
             return
-        work.to_completed()
+        work.to_completed(ready)
 
     def _explain(self, error: BaseException, fingerprint: Fingerprint) -> BaseException:
         """Give a transport's error its context: rank, op, group, and for timeouts what the others are doing."""

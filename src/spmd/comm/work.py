@@ -1,7 +1,9 @@
 """Work: the handle of an asynchronous operation, and its state machine.
 
 Layer: comm. A Work is PENDING until the executor completes or fails it; `wait` re-raises the failure on
-the caller's thread. `get_future()` bridges to torch.futures for code written against torch's Work.
+the caller's thread. `get_future()` bridges to torch.futures for code written against torch's Work. For an
+op on an accelerator, `wait` also orders the waiter's current stream after the op (see ProcessGroup's
+Note on streams); on CPU there is no stream and nothing more to do.
 """
 
 from __future__ import annotations
@@ -17,6 +19,22 @@ from spmd._core.errors import CommTimeoutError
 from spmd.comm.debug import OpRecord, OpState
 
 
+def caller_stream(device: torch.device | None) -> torch.Stream | None:
+    """The calling thread's current stream on `device` when it is the accelerator's (CUDA, ...); None for CPU
+    tensors (one comparison, so CPU ops pay nothing) and for devices without streams (meta)."""
+    if device is None or device.type == "cpu":
+        return None
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None or accelerator.type != device.type:
+        return None
+    return torch.accelerator.current_stream(device)
+
+
+def current_stream(device: torch.device) -> torch.Stream:
+    """The calling thread's current stream on `device` (the stream a waiter's later kernels go on)."""
+    return torch.accelerator.current_stream(device)
+
+
 class WorkState(enum.Enum):
     PENDING = enum.auto()     # enqueued or running; its output tensors must not be read yet
     COMPLETED = enum.auto()   # finished; outputs hold the result
@@ -26,7 +44,8 @@ class WorkState(enum.Enum):
 class Work:
     """An operation in flight. `wait()` blocks until it finishes and re-raises its error, if any."""
 
-    __slots__ = ("_done", "_error", "_future", "_lock", "description", "outputs", "poll", "record", "state")
+    __slots__ = ("_done", "_error", "_future", "_lock", "_ready", "description", "outputs", "poll", "record",
+                 "state")
 
     def __init__(self, description: str, outputs: list[Tensor] | None = None,
                  record: OpRecord | None = None) -> None:
@@ -39,6 +58,7 @@ class Work:
         self._future: torch.futures.Future | None = None
         self._lock = threading.Lock()
         self.poll: Callable[[], None] | None = None   # set by a transport that can advance the op from `wait`
+        self._ready: torch.Event | None = None        # recorded on the op's stream after its device work
 
     @classmethod
     def completed(cls, description: str, outputs: list[Tensor] | None = None) -> Work:
@@ -46,11 +66,13 @@ class Work:
         work.to_completed()
         return work
 
-    def to_completed(self) -> None:
+    def to_completed(self, ready: torch.Event | None = None) -> None:
+        """PENDING -> COMPLETED. `ready`: the event after the op's device work, which waiters' streams wait on."""
         with self._lock:
             if self.state is not WorkState.PENDING:
                 return
             self.state = WorkState.COMPLETED
+            self._ready = ready
             future = self._future
         if self.record is not None:
             self.record.finish(OpState.COMPLETED)
@@ -75,7 +97,8 @@ class Work:
         """Block until the operation finishes; re-raise its error. `timeout` (s) bounds only this wait.
 
         A transport that set `poll` gets the waiting thread first, to move the data itself for a while
-        (a hand-off to its progress thread and back costs two thread wake-ups).
+        (a hand-off to its progress thread and back costs two thread wake-ups). For an op on an accelerator,
+        the waiter's current stream then waits for the op's device work (a stream wait, not a host sync).
         """
         poll = self.poll
         if poll is not None and not self._done.is_set():
@@ -84,6 +107,8 @@ class Work:
             raise CommTimeoutError(f"{self.description}: Work.wait timed out after {timeout}s (still running)")
         if self._error is not None:
             raise self._error
+        if self._ready is not None:
+            current_stream(self._ready.device).wait_event(self._ready)
         return True
 
     def is_completed(self) -> bool:
