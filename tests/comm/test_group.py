@@ -43,3 +43,15 @@ def test_closing_is_final_and_idempotent() -> None:
             spmd.barrier(group=group)
 
     run_ranks(body, 1, timeout=30)
+
+
+def test_torch_compatibility_arguments_are_accepted_and_ignored() -> None:
+    store = spmd.HashStore(timeout=30)
+    spmd.init_process_group("threads", store=store, rank=0, world_size=1, group_name="mine")
+    try:
+        assert spmd.comm.world.default_group().group_name == "default"
+        spmd.barrier(device_ids=[0])
+        with pytest.raises(TypeError, match="device_ids must be a list of ints, got int"):
+            spmd.barrier(device_ids=0)
+    finally:
+        spmd.destroy_process_group()

@@ -326,8 +326,15 @@ def all_to_all(output_tensor_list: list[Tensor], input_tensor_list: list[Tensor]
 
 
 def barrier(group: AnyGroup | None = None, async_op: bool = False, device_ids: list[int] | None = None) -> Work | None:
-    """Return once every rank of the group has entered the barrier."""
+    """Return once every rank of the group has entered the barrier.
+
+    `device_ids` is accepted for torch.distributed compatibility (a list of ints, as torch checks) and ignored:
+    torch's NCCL barrier all-reduces a tensor on that device, but spmd's barrier moves no tensor.
+    """
     pg = resolve_group(group, "barrier")
+    if device_ids is not None and not isinstance(device_ids, list):
+        raise TypeError(f"{_where('barrier', pg)}: device_ids must be a list of ints, got "
+                        f"{type(device_ids).__name__}")
 
     def body(ctx: OpContext) -> None:
         pg.transport.barrier(ctx)

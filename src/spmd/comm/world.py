@@ -116,7 +116,9 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
 
     Collective: every rank of the job calls it. With no arguments it reads RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT (as set by `spmdrun`). `backend` is "auto" (shared memory inside a host, tcp across hosts),
-    "tcp", "shm" or "threads" (ranks are threads of one process; pass the shared `store`).
+    "tcp", "shm" or "threads" (ranks are threads of one process; pass the shared `store`). `group_name` is
+    accepted for torch.distributed compatibility and ignored, as torch ignores it (the default group is
+    always named "default").
     """
     if _world.get() is not None:
         raise RuntimeError("spmd: init_process_group was already called on this rank; call "
