@@ -282,6 +282,26 @@ def test_dtensor_redistribute_and_random_ops_run_on_meta(seeded: bool) -> None:
     run_ranks(body, 2, timeout=TIMEOUT, backend=MetaTransport.name)
 
 
+def test_common_dtensor_ops_run_on_meta() -> None:
+    """Beyond redistribute and random ops: the op families a model uses, each sharded so it communicates."""
+    from spmd.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
+
+    def body(rank: int, size: int) -> None:
+        mesh = DeviceMesh("meta", list(range(size)))
+        with NoCpuTensors():
+            a = distribute_tensor(meta(6, 4), mesh, [Shard(0)])
+            b = distribute_tensor(meta(4, 5), mesh, [Shard(1)])
+            weight = distribute_tensor(meta(10, 4), mesh, [Shard(0)])
+            ids = distribute_tensor(meta(3, dtype=torch.long), mesh, [Replicate()])
+            target = distribute_tensor(meta(6, dtype=torch.long), mesh, [Shard(0)])
+            for made in (a @ b, a.sum(), a.mean(1), a.softmax(-1), torch.nn.functional.layer_norm(a, (4,)),
+                         torch.nn.functional.cross_entropy(a @ b, target), torch.nn.functional.embedding(ids, weight),
+                         a.full_tensor(), a.max(), a.view(24), *torch._foreach_norm([a, a])):
+                assert made.device.type == "meta"
+
+    run_ranks(body, 2, timeout=TIMEOUT, backend=MetaTransport.name)
+
+
 # -- random generators --------------------------------------------------------------------------------------
 
 def test_generators_are_per_device_and_cpu_draws_are_unchanged() -> None:
