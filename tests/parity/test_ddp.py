@@ -49,9 +49,9 @@ def count_collectives(group: ProcessGroup) -> collections.Counter[str]:
     counts: collections.Counter[str] = collections.Counter()
     run = group.run
 
-    def counting_run(fingerprint, body, outputs, async_op):
+    def counting_run(fingerprint, body, outputs, async_op, **options):
         counts[fingerprint.op] += 1
-        return run(fingerprint, body, outputs, async_op)
+        return run(fingerprint, body, outputs, async_op, **options)
 
     group.run = counting_run   # instance attribute shadows the method for this rank only
     return counts
