@@ -60,12 +60,6 @@ class Work:
         self.poll: Callable[[], None] | None = None   # set by a transport that can advance the op from `wait`
         self._ready: torch.Event | None = None        # recorded on the op's stream after its device work
 
-    @classmethod
-    def completed(cls, description: str, outputs: list[Tensor] | None = None) -> Work:
-        work = cls(description, outputs)
-        work.to_completed()
-        return work
-
     def to_completed(self, ready: torch.Event | None = None) -> None:
         """PENDING -> COMPLETED. `ready`: the event after the op's device work, which waiters' streams wait on."""
         with self._lock:
