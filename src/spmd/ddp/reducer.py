@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from spmd._autograd import at_backward_end, on_backward_reaching, on_grad_accumulated
 from spmd._core.errors import SpmdError
 from spmd.comm.collectives import all_reduce
 from spmd.comm.group import ProcessGroup
@@ -75,8 +76,7 @@ class Reducer:
         self._fires = [0] * len(params)
         self._next_bucket = 0
         self._in_flight: list[tuple[Tensor | None, Callable[[], Tensor]]] = []   # (bucket buffer, wait)
-        self._handles = [param.register_post_accumulate_grad_hook(self._hook_for(index))
-                         for index, param in enumerate(params)]
+        self._hooks = on_grad_accumulated(params, self._on_grad_ready)
 
     # -- per-iteration protocol -----------------------------------------------------------------------------
 
@@ -106,14 +106,12 @@ class Reducer:
 
     def watch_outputs(self, output: object) -> None:
         """Queue `_finalize` on the backward that reaches `output` first (step 2)."""
-        tensors = [t for t in _tensors_in(output) if t.requires_grad]
-        if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, self._on_backward_start, mode="any")
+        on_backward_reaching(_tensors_in(output), self._on_backward_start)
 
-    def _on_backward_start(self, _grad: Tensor | None) -> None:
+    def _on_backward_start(self) -> None:
         if self.state is ReducerState.ARMED:
             self.state = ReducerState.REDUCING
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            at_backward_end(self._finalize)
 
     def disarm(self) -> None:
         """Gradients of the next backward stay local (a forward inside no_sync)."""
@@ -123,16 +121,11 @@ class Reducer:
     def _learning_static_graph(self) -> bool:
         return self.static_graph and self.expected_fires is None
 
-    def _hook_for(self, index: int) -> Callable[[Tensor], None]:
-        def hook(_param: Tensor) -> None:
-            self._on_grad_ready(index)
-        return hook
-
     def _on_grad_ready(self, index: int) -> None:
         """Step 2 (autograd engine thread): parameter `index` has its gradient for this backward."""
         if self.state is ReducerState.IDLE:
             return
-        self._on_backward_start(None)
+        self._on_backward_start()
         self._fires[index] += 1
         if self._learning_static_graph():
             return   # iteration 1 of a static graph: learn the firing counts, reduce everything at the end
@@ -292,8 +285,7 @@ class Reducer:
         raise error
 
     def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        self._hooks.remove()
 
 
 def _waiter(work: Work, result: Tensor) -> Callable[[], Tensor]:
