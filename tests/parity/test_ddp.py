@@ -18,6 +18,7 @@ import collections
 import contextlib
 import multiprocessing
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -531,3 +532,26 @@ def test_matches_torch_ddp(tmp_path) -> None:
                                    rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ours[rank]["params"], theirs["params"], rtol=1e-5, atol=1e-6)
 
+
+
+# -- lifetime ------------------------------------------------------------------------------------------------
+
+def test_discarded_wrapper_releases_its_hooks_and_buckets() -> None:
+    # Wrapping a module again (after changing it, as the "changed after wrapping" error advises) must not leave
+    # the first wrapper's hooks copying every gradient into buckets nobody reads.
+    def body(rank: int, size: int) -> list[Tensor]:
+        module = MLP()
+        first = spmd.DistributedDataParallel(module)
+        reducer = weakref.ref(first.reducer)
+        del first
+        assert reducer() is None
+        assert all(not param._post_accumulate_grad_hooks for param in module.parameters())
+        second = spmd.DistributedDataParallel(module)
+        counts = count_collectives(second.process_group)
+        x, _ = batch("mlp", 4 * size, seed=0)
+        second(x.chunk(size)[rank]).sum().backward()
+        assert dict(counts) == {"all_reduce": len(second.reducer.buckets)}
+        return [param.grad.clone() for param in module.parameters()]
+
+    first, second = run_ranks(body, 2, timeout=TIMEOUT)
+    torch.testing.assert_close(first, second, rtol=0, atol=0)

@@ -1,7 +1,9 @@
 """The Reducer: turns gradient-ready events during backward into bucketed, overlapped all-reduces.
 
 Layer: ddp. One Reducer per DistributedDataParallel module; it owns the buckets, the per-parameter
-post-accumulate-grad hooks, and the end-of-backward callback that waits for communication.
+post-accumulate-grad hooks, and the end-of-backward callback that waits for communication. The hooks hold the
+reducer weakly and are removed when it is collected: a discarded wrapper (say, one replaced by wrapping the module
+again) frees its buckets and stops reducing, as torch's DDP does.
 
 Note: one iteration of the reducer
   1. (forward)  `arm()`: reset readiness; parameters known to be unused (static_graph) are marked ready now.
@@ -24,6 +26,7 @@ Every rank runs the same collectives in the same order: the buckets, then the us
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -76,7 +79,8 @@ class Reducer:
         self._fires = [0] * len(params)
         self._next_bucket = 0
         self._in_flight: list[tuple[Tensor | None, Callable[[], Tensor]]] = []   # (bucket buffer, wait)
-        self._hooks = on_grad_accumulated(params, self._on_grad_ready)
+        self._hooks = on_grad_accumulated(params, _weakly(self._on_grad_ready))
+        weakref.finalize(self, self._hooks.remove)
 
     # -- per-iteration protocol -----------------------------------------------------------------------------
 
@@ -284,8 +288,16 @@ class Reducer:
         self.group.abort(error)
         raise error
 
-    def remove_hooks(self) -> None:
-        self._hooks.remove()
+
+def _weakly(method: Callable[[int], None]) -> Callable[[int], None]:
+    """`method` called through a weak reference to its object (a no-op once the object is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(index: int) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(index)
+    return call
 
 
 def _waiter(work: Work, result: Tensor) -> Callable[[], Tensor]:
