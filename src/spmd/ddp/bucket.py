@@ -61,18 +61,12 @@ class Bucket:
         self.params = [params[i] for i in param_indices]
         numel = sum(p.numel() for p in self.params)
         self.buffer = torch.zeros(numel, dtype=self.params[0].dtype, device=self.params[0].device)
-        self.offsets: list[int] = []
         self.views: list[Tensor] = []
         offset = 0
         for param in self.params:
-            self.offsets.append(offset)
             self.views.append(self.buffer[offset:offset + param.numel()].view(param.shape))
             offset += param.numel()
         self.pending = len(self.params)
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
 
 
 @dataclasses.dataclass
