@@ -18,6 +18,7 @@ import collections
 import contextlib
 import multiprocessing
 import os
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,7 @@ from spmd.ddp import (
     fp16_compress_hook,
     powerSGD_hook,
 )
+from spmd.ddp.api import _device_ids
 from spmd.ddp.powersgd import _split
 from spmd.testing import run_ranks
 from tests.parity.models import MLP, batch, build, loss_fn
@@ -555,3 +557,34 @@ def test_discarded_wrapper_releases_its_hooks_and_buckets() -> None:
 
     first, second = run_ranks(body, 2, timeout=TIMEOUT)
     torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
+# -- torch-compatibility arguments --------------------------------------------------------------------------
+
+def test_device_ids_and_output_device_follow_torchs_rules() -> None:
+    def body(rank: int, size: int) -> None:
+        model = spmd.DistributedDataParallel(MLP(), device_ids=None, output_device=None, dim=0)
+        assert (model.device, model.device_ids, model.output_device, model.dim) == (torch.device("cpu"), None,
+                                                                                    None, 0)
+        with pytest.raises(ValueError, match=r"leave them None for CPU and multi-device modules \(got device_ids "
+                                             r"\[0\], output_device None, module parameters on \['cpu'\]\)"):
+            spmd.DistributedDataParallel(MLP(), device_ids=[0])
+        with pytest.raises(ValueError, match="leave them None"):
+            spmd.DistributedDataParallel(MLP(), output_device=0)
+        with pytest.raises(ValueError, match="device_ids can only be None or contain a single element"):
+            spmd.DistributedDataParallel(MLP(), device_ids=[0, 1])
+
+    run_ranks(body, 2, timeout=TIMEOUT)
+
+
+def test_device_ids_on_an_accelerator_module() -> None:
+    # The rules alone (no accelerator needed): they read only each parameter's device.
+    on = [types.SimpleNamespace(device=torch.device("cuda", 1))]
+    assert _device_ids([1], None, on) == ([1], 1)
+    assert _device_ids([torch.device("cuda", 1)], 0, on) == ([1], 0)
+    assert _device_ids(None, None, on) == (None, None)
+    with pytest.raises(ValueError, match=r"names a device other than the module's cuda:1; pass device_ids=\[1\]"):
+        _device_ids([0], None, on)
+    two = [*on, types.SimpleNamespace(device=torch.device("cuda", 0))]
+    with pytest.raises(ValueError, match=r"module parameters on \['cuda:0', 'cuda:1'\]"):
+        _device_ids([1], None, two)

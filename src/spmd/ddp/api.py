@@ -40,8 +40,14 @@ class DistributedDataParallel(nn.Module):
     receive gradients several times per backward, as with reentrant checkpointing, and the unused set is
     learned once); `gradient_as_bucket_view` makes .grad views into the buckets, saving a copy; with
     `broadcast_buffers`, rank 0's buffers overwrite the others' before each forward that records gradients
-    (so an evaluation forward under torch.no_grad() on one rank alone does not hang).
-    `device_ids` moves the inputs to that device; `device_mesh` (1-D) may replace `process_group`.
+    (so an evaluation forward under torch.no_grad() on one rank alone does not hang). `device_mesh` (1-D) may
+    replace `process_group`.
+
+    Accepted for torch compatibility, with torch's rules: `device_ids` is None, or for a module on one
+    accelerator the one index of its device (checked); then forward moves the inputs there. `output_device` only
+    sets `self.output_device` (default device_ids[0]): the module's output is already on its device, so it
+    moves nothing, as in torch for single-device modules. Both must be None for CPU and multi-device modules.
+    `dim` is ignored: torch uses it only to scatter inputs over the devices of one process, which neither does.
 
     Unused parameters are found at the end of backward, not by walking the graph after forward: a parameter
     whose gradient never arrived (skipped by forward, or feeding only outputs the loss ignores) is reduced as
@@ -55,11 +61,12 @@ class DistributedDataParallel(nn.Module):
                  broadcast_buffers: bool = True, init_sync: bool = True,
                  process_group: ProcessGroup | NonMemberGroup | None = None, bucket_cap_mb: float | None = None,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False, device_mesh: Any = None) -> None:
+                 static_graph: bool = False, device_mesh: Any = None, *,
+                 output_device: int | torch.device | None = None, dim: int = 0) -> None:
         super().__init__()
         self.module = module
         self.process_group = _resolve(process_group, device_mesh)
-        self.device = torch.device(device_ids[0]) if device_ids else None
+        self.dim = dim
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
         self.find_unused_parameters = find_unused_parameters
@@ -69,6 +76,8 @@ class DistributedDataParallel(nn.Module):
         self._param_names = [name for name, _ in named]
         self._params = [param for _, param in named]
         self._param_shapes = [param.shape for param in self._params]
+        self.device = self._params[0].device
+        self.device_ids, self.output_device = _device_ids(device_ids, output_device, self._params)
         self._join: JoinContext | None = None
         if init_sync and self.process_group.size() > 1:
             _check_same_parameters(named, self.process_group)
@@ -93,7 +102,7 @@ class DistributedDataParallel(nn.Module):
                 self.reducer.arm()
             else:
                 self.reducer.disarm()
-        if self.device is not None:
+        if self.device_ids is not None:
             inputs, kwargs = _to_device((inputs, kwargs), self.device)
         output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
@@ -201,6 +210,31 @@ def _trainable(module: nn.Module, group: ProcessGroup) -> list[tuple[str, nn.Par
         raise ValueError(f"DistributedDataParallel: modules {sparse} produce sparse gradients, which spmd's DDP "
                          f"does not reduce; use sparse=False")
     return named
+
+
+def _device_ids(device_ids: list[int | torch.device] | None, output_device: int | torch.device | None,
+                params: list[nn.Parameter]) -> tuple[list[int] | None, int | None]:
+    """torch's device_ids / output_device rules, checked: as indices, or None for CPU and multi-device modules."""
+    devices = sorted({param.device for param in params}, key=str)
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError(f"DistributedDataParallel: device_ids can only be None or contain a single element, got "
+                         f"{device_ids}")
+    if not device_ids or devices[0].type == "cpu" or len(devices) > 1:
+        if device_ids or output_device is not None:
+            raise ValueError(f"DistributedDataParallel: device_ids and output_device only work with modules on "
+                             f"one accelerator; leave them None for CPU and multi-device modules (got device_ids "
+                             f"{device_ids}, output_device {output_device}, module parameters on "
+                             f"{[str(device) for device in devices]})")
+        return None, None
+    index = _index(device_ids[0])
+    if torch.device(devices[0].type, index) != devices[0]:
+        raise ValueError(f"DistributedDataParallel: device_ids {device_ids} names a device other than the module's "
+                         f"{devices[0]}; pass device_ids=[{devices[0].index}], or move the module first")
+    return [index], index if output_device is None else _index(output_device)
+
+
+def _index(device: int | torch.device) -> int | None:
+    return device if isinstance(device, int) else torch.device(device).index
 
 
 def _check_same_parameters(named: list[tuple[str, nn.Parameter]], group: ProcessGroup) -> None:
