@@ -19,13 +19,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from spmd.comm.collectives import broadcast
 from spmd.comm.group import NonMemberGroup, ProcessGroup
 from spmd.comm.objects import all_gather_object
 from spmd.comm.world import resolve_group
 from spmd.ddp.bucket import FIRST_BUCKET_BYTES
 from spmd.ddp.join import JoinContext
 from spmd.ddp.reducer import CommHook, Reducer
+from spmd.ddp.sync import broadcast_module_state
 
 _MIB = 1 << 20
 
@@ -81,7 +81,7 @@ class DistributedDataParallel(nn.Module):
         self._join: JoinContext | None = None
         if init_sync and self.process_group.size() > 1:
             _check_same_parameters(named, self.process_group)
-            self._broadcast_state(src=0, include_params=True)
+            broadcast_module_state(self.module, self.process_group, src=0, include_params=True)
         bucket_bytes = int((25.0 if bucket_cap_mb is None else bucket_cap_mb) * _MIB)
         if bucket_bytes <= 0:
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be positive, got {bucket_cap_mb}")
@@ -97,7 +97,7 @@ class DistributedDataParallel(nn.Module):
             if self._join is not None:
                 self._join.notify_forward(self.require_backward_grad_sync)
             if self.broadcast_buffers and self.process_group.size() > 1:
-                self._broadcast_state(src=0, include_params=False)
+                broadcast_module_state(self.module, self.process_group, src=0, include_params=False)
             if self.require_backward_grad_sync:
                 self.reducer.arm()
             else:
@@ -147,23 +147,6 @@ class DistributedDataParallel(nn.Module):
         return JoinContext(self, divide_by_initial_world_size, throw_on_early_termination)
 
     # -- internals ------------------------------------------------------------------------------------------
-
-    def _broadcast_state(self, src: int, include_params: bool) -> None:
-        """Overwrite buffers (and parameters) with group rank `src`'s, one broadcast per dtype. Collective."""
-        tensors = [buf for buf in self.module.buffers()]
-        if include_params:
-            tensors = [param.detach() for param in self.module.parameters()] + tensors
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for tensor in tensors:
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        with torch.no_grad():
-            for group in by_dtype.values():
-                flat = torch.cat([tensor.reshape(-1) for tensor in group])
-                broadcast(flat, group=self.process_group, group_src=src)
-                offset = 0
-                for tensor in group:
-                    tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-                    offset += tensor.numel()
 
     def _check_parameters_unchanged(self) -> None:
         current = [param for param in self.module.parameters() if param.requires_grad]

@@ -24,6 +24,7 @@ import torch
 
 from spmd.comm.collectives import all_reduce
 from spmd.comm.reduce_op import ReduceOp
+from spmd.ddp.sync import broadcast_module_state
 
 if TYPE_CHECKING:
     from spmd.ddp.api import DistributedDataParallel
@@ -70,7 +71,7 @@ class JoinContext:
             if not self.divide_by_initial_world_size:
                 self.ddp.reducer.div_factor = active
             if self.ddp.broadcast_buffers and self.group.size() > 1:
-                self.ddp._broadcast_state(src=0, include_params=False)
+                broadcast_module_state(self.ddp.module, self.group, src=0, include_params=False)
             if syncing:
                 self.ddp.reducer.shadow_iteration()
             self.shadow_iterations += 1
@@ -81,7 +82,7 @@ class JoinContext:
         """Broadcast the model from the highest rank among those that joined last. Collective."""
         candidate = torch.tensor([self.group.group_rank if self.shadow_iterations == 0 else -1], dtype=torch.int64)
         all_reduce(candidate, ReduceOp.MAX, group=self.group)
-        self.ddp._broadcast_state(src=int(candidate), include_params=True)
+        broadcast_module_state(self.ddp.module, self.group, src=int(candidate), include_params=True)
 
     def _early_message(self, joined: int) -> str:
         return (f"DistributedDataParallel.join on rank {self.group.global_rank} of {self.group.description}: "
