@@ -588,3 +588,20 @@ def test_device_ids_on_an_accelerator_module() -> None:
     two = [*on, types.SimpleNamespace(device=torch.device("cuda", 0))]
     with pytest.raises(ValueError, match=r"module parameters on \['cuda:0', 'cuda:1'\]"):
         _device_ids([1], None, two)
+
+
+def test_join_blocks_do_not_nest_and_end_cleanly() -> None:
+    def body(rank: int, size: int) -> int:
+        model = spmd.DistributedDataParallel(MLP())
+        with model.join():
+            with pytest.raises(RuntimeError, match="already inside a join context"), model.join():
+                pass
+            model(torch.randn(2, 7)).sum().backward()
+        with model.join(enable=False):
+            model(torch.randn(2, 7)).sum().backward()
+        with model.join():   # a second block after the first ended
+            for _ in range(rank):
+                model(torch.randn(2, 7)).sum().backward()
+        return model.reducer.div_factor
+
+    assert run_ranks(body, 2, timeout=TIMEOUT) == [2, 2]

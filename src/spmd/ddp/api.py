@@ -23,7 +23,7 @@ from spmd.comm.group import NonMemberGroup, ProcessGroup
 from spmd.comm.objects import all_gather_object
 from spmd.comm.world import resolve_group
 from spmd.ddp.bucket import FIRST_BUCKET_BYTES
-from spmd.ddp.join import JoinContext
+from spmd.ddp.join import JoinProtocol
 from spmd.ddp.reducer import CommHook, Reducer
 from spmd.ddp.sync import broadcast_module_state
 
@@ -78,7 +78,7 @@ class DistributedDataParallel(nn.Module):
         self._param_shapes = [param.shape for param in self._params]
         self.device = self._params[0].device
         self.device_ids, self.output_device = _device_ids(device_ids, output_device, self._params)
-        self._join: JoinContext | None = None
+        self._join: JoinProtocol | None = None   # the join() block this rank is inside, if any
         if init_sync and self.process_group.size() > 1:
             _check_same_parameters(named, self.process_group)
             broadcast_module_state(self.module, self.process_group, src=0, include_params=True)
@@ -144,7 +144,19 @@ class DistributedDataParallel(nn.Module):
         """A context for training loops whose ranks have different numbers of batches (see join.py)."""
         if not enable:
             return contextlib.nullcontext()
-        return JoinContext(self, divide_by_initial_world_size, throw_on_early_termination)
+        return self._joining(JoinProtocol(self.module, self.process_group, self.reducer, self.broadcast_buffers,
+                                          divide_by_initial_world_size, throw_on_early_termination))
+
+    @contextlib.contextmanager
+    def _joining(self, join: JoinProtocol) -> Iterator[None]:
+        if self._join is not None:
+            raise RuntimeError("DistributedDataParallel.join: already inside a join context for this module")
+        self._join = join
+        try:
+            yield
+        finally:
+            self._join = None
+        join.keep_pace()   # only when the block did not raise: a failing rank's group is aborted by the failure
 
     # -- internals ------------------------------------------------------------------------------------------
 

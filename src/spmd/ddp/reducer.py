@@ -122,6 +122,11 @@ class Reducer:
         if self.state is ReducerState.ARMED:
             self.state = ReducerState.IDLE
 
+    def set_divisor(self, ranks: int) -> None:
+        """Divide the summed gradients by `ranks` from the next backward on (the group size unless join() sets the
+        number of ranks still training)."""
+        self.div_factor = ranks
+
     def _learning_static_graph(self) -> bool:
         return self.static_graph and self.expected_fires is None
 
