@@ -92,22 +92,28 @@ class DistributedDataParallel(nn.Module):
     # -- forward --------------------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self._check_parameters_unchanged()
-        if torch.is_grad_enabled():
-            if self._join is not None:
-                self._join.notify_forward(self.require_backward_grad_sync)
-            if self.broadcast_buffers and self.process_group.size() > 1:
-                broadcast_module_state(self.module, self.process_group, src=0, include_params=False)
-            if self.require_backward_grad_sync:
-                self.reducer.arm()
-            else:
-                self.reducer.disarm()
+        self._pre_forward()
         if self.device_ids is not None:
             inputs, kwargs = _to_device((inputs, kwargs), self.device)
         output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.reducer.watch_outputs(output)
         return output
+
+    def _pre_forward(self) -> None:
+        """Before the module runs: check the parameters; in a training forward, join's count, the buffers'
+        broadcast, and arming (or, under no_sync, disarming) the reducer."""
+        self._check_parameters_unchanged()
+        if not torch.is_grad_enabled():
+            return
+        if self._join is not None:
+            self._join.notify_forward(self.require_backward_grad_sync)
+        if self.broadcast_buffers and self.process_group.size() > 1:
+            broadcast_module_state(self.module, self.process_group, src=0, include_params=False)
+        if self.require_backward_grad_sync:
+            self.reducer.arm()
+        else:
+            self.reducer.disarm()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
