@@ -45,7 +45,7 @@ class JoinProtocol:
 
     def notify_forward(self, sync: bool) -> None:
         """Every training forward inside the block: count the ranks still training. Collective."""
-        counts = torch.tensor([1, int(sync)], dtype=torch.int64)
+        counts = torch.tensor([1, int(sync)], dtype=torch.int64, device=self.reducer.device)
         all_reduce(counts, ReduceOp.SUM, group=self.group)
         active = int(counts[0])
         if self.throw_on_early_termination and active < self.group.size():
@@ -56,7 +56,7 @@ class JoinProtocol:
     def keep_pace(self) -> None:
         """This rank has no more batches: shadow the others' iterations until all have joined. Collective."""
         while True:
-            counts = torch.zeros(2, dtype=torch.int64)
+            counts = torch.zeros(2, dtype=torch.int64, device=self.reducer.device)
             all_reduce(counts, ReduceOp.SUM, group=self.group)
             active, syncing = int(counts[0]), int(counts[1])
             if active == 0:
@@ -75,7 +75,8 @@ class JoinProtocol:
 
     def _sync_final_model(self) -> None:
         """Broadcast the model from the highest rank among those that joined last. Collective."""
-        candidate = torch.tensor([self.group.group_rank if self.shadow_iterations == 0 else -1], dtype=torch.int64)
+        candidate = torch.tensor([self.group.group_rank if self.shadow_iterations == 0 else -1], dtype=torch.int64,
+                                 device=self.reducer.device)
         all_reduce(candidate, ReduceOp.MAX, group=self.group)
         broadcast_module_state(self.module, self.group, src=int(candidate), include_params=True)
 

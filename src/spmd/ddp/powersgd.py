@@ -65,10 +65,12 @@ class PowerSGDState:
             # torch's rule: error feedback needs one plain iteration to size its memory safely.
             raise ValueError("PowerSGDState: start_powerSGD_iter must be >= 1 when use_error_feedback=True")
 
-    def random_q(self, rows: int, cols: int) -> Tensor:
+    def random_q(self, rows: int, cols: int, like: Tensor) -> Tensor:
+        """The next seeded (rows, cols) draw, on `like`'s device and dtype. Drawn on the CPU, as torch's PowerSGD
+        does, so that every rank and every device type draws the same numbers."""
         if self._generator is None:
-            self._generator = torch.Generator().manual_seed(self.random_seed)
-        return torch.randn(rows, cols, generator=self._generator)
+            self._generator = torch.Generator(device="cpu").manual_seed(self.random_seed)
+        return torch.randn(rows, cols, generator=self._generator, device="cpu").to(like.device, like.dtype)
 
 
 @dataclasses.dataclass
@@ -105,7 +107,8 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
     finish_uncompressed = _reduce_flat(plain, group, ranks)
     matrices = [grad.view(grad.shape[0], -1) for grad in compress]
     qs = _initial_qs(state, index, matrices)
-    p_flat = torch.empty(sum(m.shape[0] * q.shape[1] for m, q in zip(matrices, qs)), dtype=buffer.dtype)
+    p_flat = torch.empty(sum(m.shape[0] * q.shape[1] for m, q in zip(matrices, qs)), dtype=buffer.dtype,
+                         device=buffer.device)
     ps = _split_flat(p_flat, [(m.shape[0], q.shape[1]) for m, q in zip(matrices, qs)])
     for matrix, q, p in zip(matrices, qs, ps):
         torch.matmul(matrix, q, out=p)
@@ -154,7 +157,7 @@ def _initial_qs(state: PowerSGDState, index: int, matrices: list[Tensor]) -> lis
     memory = state.q_memory.get(index)
     if state.warm_start and memory is not None and [tuple(q.shape) for q in memory] == shapes:
         return memory
-    qs = [state.random_q(cols, rank).to(m.dtype) for (cols, rank), m in zip(shapes, matrices)]
+    qs = [state.random_q(cols, rank, like=m) for (cols, rank), m in zip(shapes, matrices)]
     for q in qs:
         _orthonormalize_(q, state.orthogonalization_epsilon)
     return qs
@@ -169,7 +172,7 @@ def _second_phase(state: PowerSGDState, phase: _Phase) -> None:
         phase.p_work.wait()
         for p in phase.ps:
             _orthonormalize_(p, state.orthogonalization_epsilon)
-        q_flat = torch.empty(sum(q.numel() for q in phase.qs), dtype=phase.p_flat.dtype)
+        q_flat = torch.empty(sum(q.numel() for q in phase.qs), dtype=phase.p_flat.dtype, device=phase.p_flat.device)
         new_qs = _split_flat(q_flat, [tuple(q.shape) for q in phase.qs])
         for matrix, p, q in zip(phase.matrices, phase.ps, new_qs):
             torch.matmul(matrix.t(), p, out=q)

@@ -62,6 +62,7 @@ class Reducer:
         self.static_graph = static_graph
         self.as_view = gradient_as_bucket_view
         self.div_factor = group.size()
+        self.device = params[0].device   # of the used map and join's counts: the first parameter's, as in torch
         self.buckets = [Bucket(index, members, params)
                         for index, members in enumerate(assign_buckets(params, bucket_bytes, first_bucket_bytes))]
         self.locate: list[tuple[int, int]] = [(0, 0)] * len(params)   # param index -> (bucket, slot)
@@ -240,7 +241,8 @@ class Reducer:
             self._mark_unused(index)
         if not (self.find_unused or learning) or self.expected_fires is not None:
             return None
-        return self._reduce_used_map(torch.tensor([fires > 0 for fires in self._fires], dtype=torch.int32))
+        return self._reduce_used_map(torch.tensor([fires > 0 for fires in self._fires], dtype=torch.int32,
+                                                  device=self.device))
 
     def _reduce_used_map(self, used_map: Tensor) -> Tensor:
         """Count, per parameter, the ranks that used it (async; waited with the buckets)."""
@@ -281,7 +283,7 @@ class Reducer:
             bucket.pending = 0
         self._launch_ready_buckets()
         if self._learning_static_graph() or (self.find_unused and self.expected_fires is None):
-            self._reduce_used_map(torch.zeros(len(self.params), dtype=torch.int32))
+            self._reduce_used_map(torch.zeros(len(self.params), dtype=torch.int32, device=self.device))
         for _buffer, wait in self._in_flight:
             wait()
         self._in_flight = []

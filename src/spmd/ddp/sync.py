@@ -14,18 +14,21 @@ from spmd.comm.group import ProcessGroup
 
 
 def broadcast_module_state(module: nn.Module, group: ProcessGroup, src: int, include_params: bool) -> None:
-    """Overwrite buffers (and parameters) with group rank `src`'s, one broadcast per dtype. Collective."""
+    """Overwrite buffers (and parameters) with group rank `src`'s, one broadcast per dtype and device. Collective.
+
+    Every rank groups the same tensors the same way (same module, same order), so the broadcasts line up.
+    """
     tensors = [buf for buf in module.buffers()]
     if include_params:
         tensors = [param.detach() for param in module.parameters()] + tensors
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     with torch.no_grad():
-        for same_dtype in by_dtype.values():
-            flat = torch.cat([tensor.reshape(-1) for tensor in same_dtype])
+        for same_kind in by_kind.values():
+            flat = torch.cat([tensor.reshape(-1) for tensor in same_kind])
             broadcast(flat, group=group, group_src=src)
             offset = 0
-            for tensor in same_dtype:
+            for tensor in same_kind:
                 tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
                 offset += tensor.numel()
