@@ -156,27 +156,6 @@ class _ReduceScatterFwdAllGatherBwd(torch.autograd.Function):
         return all_gathered(grad_y, ctx.dim, ctx.group), None, None
 
 
-class _AllToAllFwdAllToAllBwd(torch.autograd.Function):
-    """Forward: split along `split_dim`, exchange, concatenate along `cat_dim` (equal pieces); backward: the
-    same with the dims swapped. Its own adjoint."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, split_dim: int, cat_dim: int, group: ProcessGroup) -> Tensor:
-        n = group.size()
-        if x.shape[split_dim] % n:
-            raise ValueError(f"all_to_all_fwd_all_to_all_bwd on rank {group.global_rank} of {group.description}: "
-                             f"dim {split_dim} of shape {tuple(x.shape)} does not divide into {n} equal pieces")
-        ctx.split_dim, ctx.cat_dim, ctx.group = split_dim, cat_dim, group
-        return all_to_all_dims(x, split_dim, cat_dim, group, [x.shape[split_dim] // n] * n, [x.shape[cat_dim]] * n)
-
-    @staticmethod
-    def backward(ctx, grad_y: Tensor) -> tuple[Tensor, None, None, None]:
-        n = ctx.group.size()
-        grad_x = all_to_all_dims(grad_y, ctx.cat_dim, ctx.split_dim, ctx.group,
-                                 [grad_y.shape[ctx.cat_dim] // n] * n, [grad_y.shape[ctx.split_dim]] * n)
-        return grad_x, None, None, None
-
-
 def all_reduce_fwd_identity_bwd(x: Tensor, group: ProcessGroup) -> Tensor:
     """y = sum of x over the group; the gradient passes through unchanged. Adjoint: identity_fwd_all_reduce_bwd."""
     return _AllReduceFwdIdentityBwd.apply(x, group)
@@ -196,7 +175,3 @@ def reduce_scatter_fwd_all_gather_bwd(x: Tensor, dim: int, group: ProcessGroup) 
     """y = this rank's piece of sum(x) along `dim`; dx = dy gathered. Adjoint: all_gather_fwd_reduce_scatter_bwd."""
     return _ReduceScatterFwdAllGatherBwd.apply(x, dim, group)
 
-
-def all_to_all_fwd_all_to_all_bwd(x: Tensor, split_dim: int, cat_dim: int, group: ProcessGroup) -> Tensor:
-    """Move the sharded dim from `cat_dim` to `split_dim` (equal pieces); its own adjoint."""
-    return _AllToAllFwdAllToAllBwd.apply(x, split_dim, cat_dim, group)
