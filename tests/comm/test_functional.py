@@ -195,3 +195,50 @@ def test_megatron_mlp_matches_one_process(world_size: int, sequence_parallel: bo
         torch.testing.assert_close(x_grad, pieces(ref[0].grad), **TOL)
         torch.testing.assert_close(w1_grad, ref[1].grad.chunk(world_size, dim=0)[rank], **TOL)
         torch.testing.assert_close(w2_grad, ref[2].grad.chunk(world_size, dim=1)[rank], **TOL)
+
+
+# -- second derivatives --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", SIZES)
+@pytest.mark.parametrize("kind", ["identity_fwd", "all_reduce_fwd", "all_gather_fwd", "reduce_scatter_fwd"])
+def test_double_backward_matches_one_process(world_size: int, kind: str) -> None:
+    # A Hessian-vector product through each collective (gradient penalties, some optimizers need one): with
+    # create_graph=True the backward is itself differentiated, so it must be the adjoint collective run as an
+    # autograd function, not a plain collective autograd can't see.
+    n = world_size
+    replicated_in, replicated_out = kind == "identity_fwd", kind == "all_reduce_fwd"
+    xs = [randn(2, 3 * n, seed=0 if replicated_in else r) for r in range(n)]
+    vs = [randn(2, 3 * n, seed=20 if replicated_in else 20 + r) for r in range(n)]
+    out_shape = {"identity_fwd": (2, 3 * n), "all_reduce_fwd": (2, 3 * n), "all_gather_fwd": (2, 3 * n * n),
+                 "reduce_scatter_fwd": (2, 3)}[kind]
+    ws = [randn(*out_shape, seed=40 if replicated_out else 40 + r) for r in range(n)]
+    fn: dict[str, Callable[[Tensor, ProcessGroup], Tensor]] = {
+        "identity_fwd": identity_fwd_all_reduce_bwd,
+        "all_reduce_fwd": all_reduce_fwd_identity_bwd,
+        "all_gather_fwd": lambda x, group: all_gather_fwd_reduce_scatter_bwd(x, 1, group),
+        "reduce_scatter_fwd": lambda x, group: reduce_scatter_fwd_all_gather_bwd(x, 1, group),
+    }
+
+    def body(rank: int, group: ProcessGroup) -> tuple[Tensor, Tensor]:
+        x = xs[rank].clone().requires_grad_()
+        loss = (ws[rank] * fn[kind](x, group) ** 3).sum()
+        (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+        (second,) = torch.autograd.grad((grad * vs[rank]).sum(), x)
+        return grad.detach(), second
+
+    # One process: every rank's tensors at once, the collectives written as sums, concatenations and chunks.
+    leaves = [xs[0].clone().requires_grad_()] if replicated_in else [x.clone().requires_grad_() for x in xs]
+    if kind == "identity_fwd":
+        total = sum((w * leaves[0] ** 3).sum() for w in ws)
+    elif kind == "all_reduce_fwd":
+        total = (ws[0] * sum(leaves) ** 3).sum()
+    elif kind == "all_gather_fwd":
+        total = sum((w * torch.cat(leaves, dim=1) ** 3).sum() for w in ws)
+    else:
+        total = sum((w * piece ** 3).sum() for w, piece in zip(ws, sum(leaves).chunk(n, dim=1)))
+    grads = torch.autograd.grad(total, leaves, create_graph=True)
+    seconds = torch.autograd.grad(sum((g * v).sum() for g, v in zip(grads, vs)), leaves)
+    for rank, (grad, second) in enumerate(on_ranks(n, body)):
+        leaf = 0 if replicated_in else rank
+        torch.testing.assert_close(grad, grads[leaf].detach(), **TOL)
+        torch.testing.assert_close(second, seconds[leaf], **TOL)

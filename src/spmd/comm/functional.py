@@ -6,7 +6,9 @@ Layer: comm. Two kinds:
   (torch.chunk-sized) pieces. Autograd does not see through them: DTensor's redistribute uses them below its
   own autograd functions.
 - Autograd-aware collectives, defined in adjoint pairs side by side (STYLE rule 4). Each is named by what it
-  does forward and backward, and its docstring names its adjoint.
+  does forward and backward, and its docstring names its adjoint. Each backward applies its adjoint as an
+  autograd function, so a backward with create_graph=True can be differentiated again (Hessian-vector
+  products). tests/comm/test_functional.py states which gradient each rank receives.
 Every function here is collective over `group`: all its ranks call it, in the same order.
 """
 
@@ -101,11 +103,12 @@ class _AllReduceFwdIdentityBwd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group = group
         return all_reduced(x, ReduceOp.SUM, group)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor, None]:
-        return grad_y, None
+        return _IdentityFwdAllReduceBwd.apply(grad_y, ctx.group), None
 
 
 class _IdentityFwdAllReduceBwd(torch.autograd.Function):
@@ -121,7 +124,7 @@ class _IdentityFwdAllReduceBwd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor, None]:
-        return all_reduced(grad_y, ReduceOp.SUM, ctx.group), None
+        return _AllReduceFwdIdentityBwd.apply(grad_y, ctx.group), None
 
 
 class _AllGatherFwdReduceScatterBwd(torch.autograd.Function):
@@ -135,7 +138,7 @@ class _AllGatherFwdReduceScatterBwd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor, None, None]:
-        return reduce_scattered(grad_y, ReduceOp.SUM, ctx.dim, ctx.group), None, None
+        return _ReduceScatterFwdAllGatherBwd.apply(grad_y, ctx.dim, ctx.group), None, None
 
 
 class _ReduceScatterFwdAllGatherBwd(torch.autograd.Function):
@@ -153,7 +156,7 @@ class _ReduceScatterFwdAllGatherBwd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor, None, None]:
-        return all_gathered(grad_y, ctx.dim, ctx.group), None, None
+        return _AllGatherFwdReduceScatterBwd.apply(grad_y, ctx.dim, ctx.group), None, None
 
 
 def all_reduce_fwd_identity_bwd(x: Tensor, group: ProcessGroup) -> Tensor:
