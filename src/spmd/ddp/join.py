@@ -1,6 +1,6 @@
 """Join: let ranks with fewer batches keep pace with the others instead of leaving them hanging.
 
-Layer: ddp. It drives the module only through the Reducer's `set_divisor` and `shadow_iteration` and
+Layer: ddp. It drives the module only through the Reducer's `set_divisor`, `shadow_iteration` and `device` and
 `sync.broadcast_module_state`; DistributedDataParallel owns which block, if any, a rank is inside.
 
 Note: the join protocol
