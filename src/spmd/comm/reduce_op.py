@@ -1,12 +1,13 @@
-"""ReduceOp and the local reduction kernels every transport uses to combine two buffers.
+"""ReduceOp and the one local reduction kernel every transport uses (`reduce_into`, with AVG finishing).
 
-Layer: comm. Kernels work in place on contiguous tensors with torch's vectorized ops; nothing here
-communicates. AVG is reduced as SUM and divided once at the end (see `finish_average`).
+Layer: comm. The kernel writes into a caller's buffer with torch's vectorized out= ops, so a transport
+reduces in place or straight into shared memory without extra copies; nothing here communicates.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -41,28 +42,43 @@ def check_reduce_op(op: ReduceOp, dtype: torch.dtype, op_name: str) -> None:
         raise ValueError(f"{op_name}: ReduceOp.AVG needs a floating-point tensor, got {dtype}; use SUM and divide")
 
 
-def combine_(acc: Tensor, other: Tensor, op: ReduceOp) -> Tensor:
-    """acc <- op(acc, other), in place; AVG accumulates as SUM."""
-    if op is ReduceOp.SUM or op is ReduceOp.AVG:
-        if acc.dtype is torch.bool:
-            return acc.logical_or_(other)
-        return acc.add_(other)
-    if op is ReduceOp.PRODUCT:
-        if acc.dtype is torch.bool:
-            return acc.logical_and_(other)
-        return acc.mul_(other)
-    if op is ReduceOp.MIN:
-        return torch.minimum(acc, other, out=acc)
-    if op is ReduceOp.MAX:
-        return torch.maximum(acc, other, out=acc)
-    if op is ReduceOp.BAND:
-        return acc.bitwise_and_(other)
-    if op is ReduceOp.BOR:
-        return acc.bitwise_or_(other)
-    return acc.bitwise_xor_(other)
+_KERNELS: dict[ReduceOp, Callable[..., Tensor]] = {
+    ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PRODUCT: torch.mul,
+    ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum, ReduceOp.BAND: torch.bitwise_and,
+    ReduceOp.BOR: torch.bitwise_or, ReduceOp.BXOR: torch.bitwise_xor,
+}
+_BOOL_KERNELS: dict[ReduceOp, Callable[..., Tensor]] = {ReduceOp.SUM: torch.logical_or,
+                                                        ReduceOp.PRODUCT: torch.logical_and}
 
 
-def finish_average(tensor: Tensor, op: ReduceOp, group_size: int) -> None:
-    """Turn a SUM-reduced buffer into the AVG the caller asked for (no-op for other ops)."""
-    if op is ReduceOp.AVG and group_size > 1:
-        tensor.div_(group_size)
+def reduce_into(dst: Tensor, sources: Sequence[Tensor], op: ReduceOp) -> Tensor:
+    """dst <- op over `sources` (at least one), combined left to right; returns dst.
+
+    Every rank that reduces the same sources in the same order gets the same bits. AVG is the sum divided
+    once by len(sources); bool SUM and PRODUCT are logical or and and. dst may be sources[0] or sources[1]
+    itself (reduction in place: both are read before dst is written) but must not overlap any other source.
+    A reduction made of several calls (pairwise steps, or partial results from several groups) reduces with
+    `partial_op(op)` and ends with `finish_average`.
+    """
+    kernel = _BOOL_KERNELS.get(op, _KERNELS[op]) if dst.dtype is torch.bool else _KERNELS[op]
+    if len(sources) == 1:
+        if sources[0] is not dst:
+            dst.copy_(sources[0])
+        return dst
+    kernel(sources[0], sources[1], out=dst)
+    for source in sources[2:]:
+        kernel(dst, source, out=dst)
+    if op is ReduceOp.AVG:
+        dst.div_(len(sources))
+    return dst
+
+
+def partial_op(op: ReduceOp) -> ReduceOp:
+    """The op that combines part of a reduction's operands: SUM for AVG (see `finish_average`), else `op`."""
+    return ReduceOp.SUM if op is ReduceOp.AVG else op
+
+
+def finish_average(tensor: Tensor, op: ReduceOp, count: int) -> None:
+    """End a reduction of `count` operands made with `partial_op(op)`: AVG divides the sum once by `count`."""
+    if op is ReduceOp.AVG and count > 1:
+        tensor.div_(count)

@@ -7,8 +7,10 @@ Contract for every collective method:
 - tensors are flat (1-D), contiguous, and already validated (dtypes agree, sizes fit);
 - it raises CommTimeoutError when `ctx.deadline` passes, PeerLostError when a peer dies,
   CollectiveMismatchError when a peer's fingerprint differs from `ctx.fingerprint`;
-- AVG arrives as AVG; a transport may reduce it as SUM (`reduce_op.combine_`) and divide once
-  (`reduce_op.finish_average`).
+- a reduction combines each element in one fixed order, so every rank gets the same bits; a transport that
+  combines buffers itself does so with `reduce_op.reduce_into`. AVG arrives as AVG: one `reduce_into` over
+  all operands divides once itself; a reduction made of several steps combines with `reduce_op.partial_op(op)`
+  and divides once at the end with `reduce_op.finish_average`.
 Point-to-point methods may run concurrently with collectives and with each other; they complete the
 Work they are given, and messages between one pair of ranks with one tag arrive in the order sent.
 

@@ -15,11 +15,12 @@ import threading
 import uuid
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from spmd._core.errors import CollectiveMismatchError, CommError, CommTimeoutError, GroupAbortedError
 from spmd.comm.debug import Fingerprint, mismatch_message
-from spmd.comm.reduce_op import ReduceOp, combine_, finish_average
+from spmd.comm.reduce_op import ReduceOp, reduce_into
 from spmd.comm.transports.base import OpContext, Transport, TransportSpec
 from spmd.comm.work import Work
 
@@ -144,11 +145,8 @@ class ThreadsTransport(Transport):
     # -- collectives ----------------------------------------------------------------------------------------
 
     def _reduced(self, inputs: list[Tensor], op: ReduceOp) -> Tensor:
-        acc = inputs[0].clone()
-        for other in inputs[1:]:
-            combine_(acc, other, op)
-        finish_average(acc, op, self.group_size)
-        return acc
+        """A new tensor holding op over the posted inputs in rank order (they stay readable by every rank)."""
+        return reduce_into(torch.empty_like(inputs[0]), inputs, op)
 
     def all_reduce(self, tensor: Tensor, op: ReduceOp, ctx: OpContext) -> None:
         result = self._reduced(self._post(tensor, ctx), op)

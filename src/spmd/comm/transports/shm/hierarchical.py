@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.reduce_op import ReduceOp, finish_average, partial_op
 from spmd.comm.store.base import PrefixStore
 from spmd.comm.transports.base import OpContext, Transport, TransportSpec
 from spmd.comm.transports.shm.local import LocalShmTransport
@@ -72,12 +72,11 @@ class HierarchicalTransport(Transport):
     # -- hierarchical collectives ---------------------------------------------------------------------------
 
     def all_reduce(self, tensor: Tensor, op: ReduceOp, ctx: OpContext) -> None:
-        partial = ReduceOp.SUM if op is ReduceOp.AVG else op     # AVG: sum everywhere, divide once at the end
+        partial = partial_op(op)                  # AVG: sum inside hosts and across them, divide once at the end
         self.local.reduce(tensor, 0, partial, ctx)
         if self.leader_group is not None:
             self.leader_group.all_reduce(tensor, partial, ctx)
-            if op is ReduceOp.AVG:
-                tensor.div_(self.group_size)
+            finish_average(tensor, op, self.group_size)
         self.local.broadcast(tensor, 0, ctx)
 
     def broadcast(self, tensor: Tensor, root: int, ctx: OpContext) -> None:

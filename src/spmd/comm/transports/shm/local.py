@@ -39,7 +39,7 @@ from torch import Tensor
 from spmd._core.deadline import Deadline
 from spmd._core.errors import CollectiveMismatchError, CommError, GroupAbortedError, PeerLostError
 from spmd.comm.debug import Fingerprint, mismatch_message
-from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.reduce_op import ReduceOp, reduce_into
 from spmd.comm.transports.base import OpContext, Transport, TransportSpec
 from spmd.comm.transports.shm.p2p import P2PEngine
 from spmd.comm.transports.shm.segment import (
@@ -54,22 +54,6 @@ from spmd.comm.work import Work
 
 SMALL_BYTES = 32 << 10      # (all_)reduce up to this size: one chunk, and every rank reduces the whole tensor
 ALIGN_BYTES = 64            # slice boundaries fall on cache lines, so vectorized kernels see aligned data
-
-_BINARY = {
-    ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PRODUCT: torch.mul,
-    ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum, ReduceOp.BAND: torch.bitwise_and,
-    ReduceOp.BOR: torch.bitwise_or, ReduceOp.BXOR: torch.bitwise_xor,
-}
-_BOOL_BINARY = {ReduceOp.SUM: torch.logical_or, ReduceOp.PRODUCT: torch.logical_and}
-
-
-def reduce_into(dst: Tensor, sources: list[Tensor], op: ReduceOp) -> None:
-    """dst <- op over `sources` (at least two) in list order, with torch's vectorized out= kernels."""
-    fn = (_BOOL_BINARY.get(op) if dst.dtype is torch.bool else None) or _BINARY[op]
-    fn(sources[0], sources[1], out=dst)
-    for source in sources[2:]:
-        fn(dst, source, out=dst)
-
 
 def _columns(flat: Tensor, chunk: int, lo: int, hi: int) -> list[Tensor]:
     """flat[c * chunk + lo:c * chunk + hi] for every whole chunk c of `flat`, by one view op (slicing each
@@ -340,8 +324,6 @@ class LocalShmTransport(Transport):
 
             def reduce_all(t: int, write: int, read: int) -> None:
                 reduce_into(tensor, [heads[rank][read] for rank in range(size)], op)
-                if op is ReduceOp.AVG:
-                    tensor.div_(size)
 
             self._pipeline(ctx, 1, [stage_all, reduce_all if receives else None])
             return
@@ -363,10 +345,7 @@ class LocalShmTransport(Transport):
             sources = list(sliced.peers[read])
             sources[me] = mine
             result = sliced.result_mine[write]
-            dst = mine if in_place else result
-            reduce_into(dst, sources, op)
-            if op is ReduceOp.AVG:
-                dst.div_(size)
+            reduce_into(mine if in_place else result, sources, op)
             if in_place:
                 result.copy_(mine)
             elif receives:
@@ -401,8 +380,6 @@ class LocalShmTransport(Transport):
             regions = views.regions(out.numel())
             sources = [blocks[me][t] if rank == me else regions[rank][read][me] for rank in range(size)]
             reduce_into(out, sources, op)
-            if op is ReduceOp.AVG:
-                out.div_(size)
 
         self._begin(ctx)
         self._pipeline(ctx, len(outs), [stage_blocks, reduce_mine])

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from spmd._core.errors import CollectiveMismatchError
-from spmd.comm.reduce_op import ReduceOp, combine_, finish_average
+from spmd.comm.reduce_op import ReduceOp, finish_average, partial_op, reduce_into
 
 SMALL_BYTES = 64 * 1024       # at or below: latency-optimal exchanges; above: ring with pipelined pieces
 DOUBLING_BYTES = 4 << 20      # all_reduce on 2^k ranks: pipelined recursive doubling up to this size (one hop
@@ -110,12 +110,13 @@ def all_reduce(ex: Exchange, tensor: Tensor, op: ReduceOp) -> None:
     if n == 1:
         return
     nbytes = tensor.numel() * tensor.element_size()
+    partial = partial_op(op)      # every algorithm combines pairwise, so AVG sums and divides once at the end
     if n & (n - 1) == 0 and (nbytes <= DOUBLING_BYTES or tensor.numel() < n):
-        _all_reduce_recursive_doubling(ex, tensor, op)
+        _all_reduce_recursive_doubling(ex, tensor, partial)
     elif _is_small(tensor) or tensor.numel() < n:
-        _all_reduce_via_root(ex, tensor, op)
+        _all_reduce_via_root(ex, tensor, partial)
     else:
-        _all_reduce_ring(ex, tensor, op)
+        _all_reduce_ring(ex, tensor, partial)
     finish_average(tensor, op, n)
 
 
@@ -136,7 +137,7 @@ def _all_reduce_recursive_doubling(ex: Exchange, tensor: Tensor, op: ReduceOp) -
         for a, length in pieces:
             ex.wait(next(handles))
             mine = tensor[a:a + length]
-            combine_(mine, temp[k][a:a + length], op)
+            reduce_into(mine, (mine, temp[k][a:a + length]), op)
             if k + 1 < rounds:
                 ex.send(partners[k + 1], mine)
 
@@ -148,7 +149,7 @@ def _all_reduce_via_root(ex: Exchange, tensor: Tensor, op: ReduceOp) -> None:
         handles = ex.post([(peer, temp[peer - 1]) for peer in range(1, n)])
         for peer in range(1, n):
             ex.wait(handles[peer - 1])
-            combine_(tensor, temp[peer - 1], op)
+            reduce_into(tensor, (tensor, temp[peer - 1]), op)
         for peer in range(1, n):
             ex.send(peer, tensor)
     else:
@@ -191,7 +192,7 @@ def _all_reduce_ring(ex: Exchange, tensor: Tensor, op: ReduceOp) -> None:
         if s > 0:
             ex.wait(handles[(s - 1, k)])
             if s - 1 < n - 1:
-                combine_(mine, received(s - 1, k), op)
+                reduce_into(mine, (mine, received(s - 1, k)), op)
         ex.send(nxt, mine)
     for k in range(count):
         ex.wait(handles[(steps - 1, k)])
@@ -242,9 +243,9 @@ def reduce_scatter(ex: Exchange, output: Tensor, input: Tensor, op: ReduceOp) ->
         output.copy_(input)
         return
     if _is_small(input):
-        _reduce_scatter_direct(ex, output, input, op)
+        _reduce_scatter_direct(ex, output, input, partial_op(op))
     else:
-        _reduce_scatter_ring(ex, output, input, op)
+        _reduce_scatter_ring(ex, output, input, partial_op(op))
     finish_average(output, op, n)
 
 
@@ -259,9 +260,7 @@ def _reduce_scatter_direct(ex: Exchange, output: Tensor, input: Tensor, op: Redu
     for handle in handles:
         ex.wait(handle)
     temp[r].copy_(input[r * m:(r + 1) * m])
-    output.copy_(temp[0])
-    for rank in range(1, n):
-        combine_(output, temp[rank], op)
+    reduce_into(output, temp.unbind(0), op)
 
 
 def _reduce_scatter_ring(ex: Exchange, output: Tensor, input: Tensor, op: ReduceOp) -> None:
@@ -283,7 +282,7 @@ def _reduce_scatter_ring(ex: Exchange, output: Tensor, input: Tensor, op: Reduce
         for a, length in local[s]:
             ex.wait(next(handles))
             partial = dests[s][a:a + length]
-            combine_(partial, input[block * m + a:block * m + a + length], op)
+            reduce_into(partial, (partial, input[block * m + a:block * m + a + length]), op)
             if s < n - 2:
                 ex.send(nxt, partial)
 
@@ -362,9 +361,9 @@ def reduce(ex: Exchange, tensor: Tensor, root: int, op: ReduceOp) -> None:
     if n == 1:
         return
     if n == 2 or _is_small(tensor):
-        _reduce_direct(ex, tensor, root, op)
+        _reduce_direct(ex, tensor, root, partial_op(op))
     else:
-        _reduce_chain(ex, tensor, root, op)
+        _reduce_chain(ex, tensor, root, partial_op(op))
     if r == root:
         finish_average(tensor, op, n)
         _greet_all(ex, root)     # the ack
@@ -383,9 +382,7 @@ def _reduce_direct(ex: Exchange, tensor: Tensor, root: int, op: ReduceOp) -> Non
     _greet_all(ex, root)
     _wait_all(ex, handles)
     temp[root].copy_(tensor)
-    tensor.copy_(temp[0])
-    for rank in range(1, n):
-        combine_(tensor, temp[rank], op)
+    reduce_into(tensor, temp.unbind(0), op)
 
 
 def _reduce_chain(ex: Exchange, tensor: Tensor, root: int, op: ReduceOp) -> None:
@@ -410,10 +407,11 @@ def _reduce_chain(ex: Exchange, tensor: Tensor, root: int, op: ReduceOp) -> None
     for (a, length), handle in zip(pieces, handles):
         ex.wait(handle)
         if position == 0:
-            combine_(tensor[a:a + length], temp[a:a + length], op)
+            mine = tensor[a:a + length]
+            reduce_into(mine, (mine, temp[a:a + length]), op)
         else:
             partial = temp[a:a + length]
-            combine_(partial, tensor[a:a + length], op)
+            reduce_into(partial, (partial, tensor[a:a + length]), op)
             ex.send(downstream, partial)
     if position != 0:
         ex.wait(ack)
