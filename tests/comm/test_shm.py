@@ -27,13 +27,12 @@ import spmd
 from spmd._core.deadline import Deadline
 from spmd._core.errors import CollectiveMismatchError, CommError, CommTimeoutError
 from spmd.comm.debug import Fingerprint
-from spmd.comm.transports.base import OpContext, TransportSpec
+from spmd.comm.transports.base import OpContext, Transport, TransportSpec, create_transport
 from spmd.comm.transports.shm import local as shm_local
 from spmd.comm.transports.shm import names as shm_names
 from spmd.comm.transports.shm import segment as shm_segment
 from spmd.comm.transports.shm.hierarchical import HierarchicalTransport
 from spmd.comm.transports.shm.local import LocalShmTransport
-from spmd.comm.transports.shm.transport import ShmTransport
 from spmd.comm.work import Work
 from spmd.comm.world import current_world
 from spmd.testing import run_ranks
@@ -392,7 +391,7 @@ def _spawn(target: Callable[..., None], count: int, *args: Any) -> tuple[list[mu
     seconds of a fresh interpreter importing torch, and none inherits this process's threads.
     """
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "spmd", "spmd.comm.transports.shm.transport", __name__])
+    ctx.set_forkserver_preload(["torch", "spmd", "spmd.comm.transports.shm.hierarchical", __name__])
     pipes = [ctx.Pipe(duplex=False) for _ in range(count)]
     processes = [ctx.Process(target=target, args=(rank, count, pipes[rank][1], *args), daemon=True)
                  for rank in range(count)]
@@ -512,8 +511,8 @@ def test_orphan_sweep_keeps_live_creators_segments() -> None:
 
 # -- hierarchical -------------------------------------------------------------------------------------------
 
-def _on_fake_hosts(hosts: tuple[str, ...], fn: Callable[[ShmTransport, int], Any], timeout: float = 60) -> list[Any]:
-    """Run fn(transport, group_rank) on one thread per rank, each rank's transport built with `hosts`."""
+def _on_fake_hosts(hosts: tuple[str, ...], fn: Callable[[Transport, int], Any], timeout: float = 60) -> list[Any]:
+    """Run fn(transport, group_rank) on one thread per rank, each rank's shm transport built with `hosts`."""
     store = spmd.HashStore(timeout=timeout)
     results: list[Any] = [None] * len(hosts)
     errors: list[BaseException] = []
@@ -521,7 +520,7 @@ def _on_fake_hosts(hosts: tuple[str, ...], fn: Callable[[ShmTransport, int], Any
     def rank_main(rank: int) -> None:
         spec = TransportSpec(store=store, group_name="hier", group_rank=rank, global_ranks=tuple(range(len(hosts))),
                              hosts=hosts, timeout=timeout, token=b"t")
-        transport = ShmTransport(spec)
+        transport = create_transport(SHM, spec)
         try:
             results[rank] = fn(transport, rank)
         except BaseException as error:   # reported below, after the other ranks are released
@@ -551,8 +550,9 @@ def _ctx(op: str, seq: int, tensor: torch.Tensor, reduce_op: spmd.ReduceOp | Non
 def test_hierarchical_collectives_equal_the_flat_algorithm(hosts: tuple[str, ...], small_slots: None) -> None:
     n = 3001
 
-    def body(transport: ShmTransport, rank: int) -> list[torch.Tensor]:
-        assert isinstance(transport.engine, HierarchicalTransport if len(set(hosts)) > 1 else LocalShmTransport)
+    def body(transport: Transport, rank: int) -> list[torch.Tensor]:
+        assert isinstance(transport, HierarchicalTransport if len(set(hosts)) > 1 else LocalShmTransport)
+        assert transport.name == SHM
         results = []
         for seq, op in enumerate((spmd.ReduceOp.SUM, spmd.ReduceOp.AVG, spmd.ReduceOp.MAX)):
             t = _inputs(rank, n, torch.float64) * (rank + 1)
@@ -597,7 +597,7 @@ def _two_host_worker(rank: int, world_size: int, results: Any, store_path: str) 
     torch.set_num_threads(1)
     spmd.init_process_group("shm", init_method=f"file://{store_path}", rank=rank, world_size=world_size, timeout=60)
     try:
-        engine = type(current_world().default_group.transport.engine).__name__
+        engine = type(current_world().default_group.transport).__name__
         t = torch.arange(300_000, dtype=torch.float64) * (rank + 1)
         spmd.all_reduce(t)
         b = torch.full((1000,), float(rank))
@@ -620,5 +620,5 @@ def test_a_rank_that_never_joins_the_set_up_times_out_and_leaves_no_segment() ->
     spec = TransportSpec(store=spmd.HashStore(timeout=5), group_name="lonely", group_rank=0, global_ranks=(0, 1),
                          hosts=("h", "h"), timeout=0.5, token=b"t")
     with pytest.raises(CommTimeoutError, match="group rank 1 did not map the shared segment"):
-        ShmTransport(spec)
+        create_transport(SHM, spec)
     assert _segments_of([os.getpid()]) == []

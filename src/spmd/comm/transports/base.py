@@ -137,10 +137,13 @@ class Transport(abc.ABC):
         """Release sockets, threads and shared memory (normal shutdown; peers are closing too)."""
 
 
-_TRANSPORTS: dict[str, str] = {
+_TRANSPORTS: dict[str, str] = {            # backend -> "module:class", imported when a group first needs it
     "threads": "spmd.comm.transports.threads:ThreadsTransport",
     "tcp": "spmd.comm.transports.tcp.transport:TcpTransport",
-    "shm": "spmd.comm.transports.shm.transport:ShmTransport",
+    "shm": "spmd.comm.transports.shm.local:LocalShmTransport",
+}
+_ACROSS_HOSTS: dict[str, str] = {          # what a backend builds instead for a group whose ranks span hosts
+    "shm": "spmd.comm.transports.shm.hierarchical:HierarchicalTransport",
 }
 
 
@@ -162,7 +165,15 @@ def resolve_backend(backend: str, hosts: tuple[str, ...]) -> str:
 
 
 def create_transport(backend: str, spec: TransportSpec) -> Transport:
-    """Build and connect the transport named `backend` for one group (collective over the group's ranks)."""
-    module_name, class_name = _TRANSPORTS[resolve_backend(backend, spec.hosts)].split(":")
+    """Build and connect the transport named `backend` for one group (collective over the group's ranks).
+
+    "shm" builds LocalShmTransport for a group on one host and HierarchicalTransport for one spanning hosts;
+    both are named "shm".
+    """
+    name = resolve_backend(backend, spec.hosts)
+    path = _TRANSPORTS[name]
+    if len(set(spec.hosts)) > 1:
+        path = _ACROSS_HOSTS.get(name, path)
+    module_name, class_name = path.split(":")
     transport_class = getattr(importlib.import_module(module_name), class_name)
     return transport_class(spec)

@@ -1,6 +1,6 @@
 """The hierarchical shm transport: a group spanning hosts, shared memory inside each host, tcp between hosts.
 
-Layer: comm. Built by ShmTransport when the group's ranks are on more than one host (spec.hosts). The
+Layer: comm. What backend "shm" builds when the group's ranks are on more than one host (spec.hosts). The
 bandwidth-heavy collectives whose hierarchical form is cheap run in three steps:
 
     all_reduce   1. (every host)   reduce to the host's leader through shared memory (sliced, see local)

@@ -1,4 +1,4 @@
-"""The intra-host engine of the shm transport: every collective through one shared segment.
+"""The shm transport inside one host: every collective through one shared segment.
 
 Layer: comm. All ranks of the group run on one host and map one Segment (see segment's Notes: segment
 layout, phases). Data moves by torch copies into and out of shared memory; only 8-byte phase counters
