@@ -1,0 +1,299 @@
+"""Running a call: the handler or the cached decision (compiled on a miss), the fast path, input
+redistribution, the local op, and wrapping the outputs; out= variants and the fallback.
+
+Layer: tensor. Collective only through redistribution (redistribute.run_plan) and the fallback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._ops import OpOverload
+from torch.utils._mode_utils import no_dispatch
+
+from spmd.tensor.dispatch.decision import FAST_INPLACE, Compiled, compile_call, where
+from spmd.tensor.dispatch.keys import key_of, substitute
+from spmd.tensor.dispatch.signature import INT_LIST_ARGS, functional_of, int_list_args, mutated_positions, op_info
+from spmd.tensor.placement import Replicate
+from spmd.tensor.redistribute import run_plan
+from spmd.tensor.rules import HANDLERS, warn_fallback_once
+from spmd.tensor.spec import DTensorSpec, Placements, contiguous_stride
+
+_CACHE_LIMIT = 8192
+_NUMBERS = (bool, int, float)
+
+
+class MixedTensorError(ValueError):
+    """A DTensor and a plain (non-scalar) tensor met in one op, where the plain tensor's layout is ambiguous.
+
+    A ValueError, not a TypeError: torch turns a TypeError raised inside `a + b` into NotImplemented, which
+    would hide this message behind "unsupported operand type(s)".
+    """
+
+
+# Autograd builds the gradients of unused outputs (of split, unbind, ...) as plain zeros and concatenates them
+# with DTensor gradients, and cumprod's backward selects between a DTensor and plain zeros with `where`; for these
+# ops a plain tensor is taken as a Replicate DTensor (same value everywhere).
+_PLAIN_AS_REPLICATE = frozenset({torch.ops.aten.cat.default, torch.ops.aten.stack.default,
+                                 torch.ops.aten.where.self})
+
+
+def _replicate_plain(cls: type, args: tuple, mesh: Any) -> tuple:
+    def convert(value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return type(value)(convert(item) for item in value)
+        if isinstance(value, Tensor) and not isinstance(value, cls):
+            spec = DTensorSpec(mesh, _replicated(mesh.ndim), value.shape, contiguous_stride(value.shape), value.dtype)
+            return cls._wrap_local(value.contiguous(), spec)
+        return value
+    return tuple(convert(value) for value in args)
+
+
+def dispatch(cls: type, op: OpOverload, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """DTensor.__torch_dispatch__ (see Note: the dispatch fast path)."""
+    handler = HANDLERS.get(op)
+    if handler is not None:
+        return handler(op, args, kwargs or {})
+    result = _fast_path(cls, op, args, kwargs)
+    if result is not _MISS:
+        return result
+    kwargs = kwargs or {}
+    out_args = op_info(op).out_args
+    if out_args:
+        functional = functional_of(op, out_args)
+        if functional is not None:
+            return _run_out_variant(cls, op, functional, args, kwargs, out_args)
+    dtensors: list = []
+    plain: list[Tensor] = []
+    key_parts: list[Any] = [op]
+    int_lists = int_list_args(op)
+    for index, value in enumerate(args):
+        if index in int_lists and type(value) in (list, tuple):
+            key_parts.append((list, *value))      # the fast path's key for it (see int_list_args)
+        else:
+            key_parts.append(key_of(value, cls, dtensors, plain))
+    for name, value in kwargs.items():
+        key_parts.append(name)
+        key_parts.append(key_of(value, cls, dtensors, plain))
+    if not dtensors:
+        return op(*args, **kwargs)
+    if plain and op in _PLAIN_AS_REPLICATE:
+        args = _replicate_plain(cls, args, dtensors[0]._spec.mesh)
+        return dispatch(cls, op, types, args, kwargs)
+    for tensor in plain:
+        if tensor.numel() != 1:
+            raise MixedTensorError(
+                f"{where(op, tuple(dt._spec for dt in dtensors))}: got a plain torch.Tensor of shape "
+                f"{tuple(tensor.shape)} beside DTensors; its layout is ambiguous. Make it a DTensor first "
+                f"(distribute_tensor(t, mesh, placements) or DTensor.from_local(...)). Only one-element plain "
+                f"tensors are treated as replicated scalars.")
+    mesh = dtensors[0]._spec.mesh
+    key = tuple(key_parts)
+    cache = mesh.dispatch_cache
+    try:
+        compiled = cache.get(key)
+    except TypeError:          # an unhashable argument: decide without caching
+        key, compiled = None, None
+    if compiled is None:
+        compiled = compile_call(op, args, kwargs, dtensors, cls)
+        if key is not None:
+            if len(cache) >= _CACHE_LIMIT:
+                cache.clear()
+            cache[key] = compiled
+    if compiled.fallback:
+        return _run_fallback(cls, op, args, kwargs, dtensors, plain, compiled)
+    return _run(cls, args, kwargs, dtensors, plain, compiled)
+
+
+_MISS = object()
+_make_wrapper_subclass = Tensor._make_wrapper_subclass
+
+
+def _fast_path(cls: type, op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
+    """A cached call with flat positional args, tensor-free kwargs, no redistribution and one output (most
+    calls): the key built and the op run inline. Returns _MISS to take the general path. Keys match the general
+    path's."""
+    key: list[Any] = [op]
+    first = None
+    int_lists = None
+    for index, value in enumerate(args):
+        kind = type(value)
+        if kind is cls:
+            key.append(value._spec)
+            if first is None:
+                first = value
+        elif kind in _NUMBERS:
+            key.append((kind, value))
+        elif kind is list or kind is tuple:
+            if int_lists is None:
+                int_lists = INT_LIST_ARGS.get(op)
+                if int_lists is None:
+                    int_lists = int_list_args(op)
+            if index not in int_lists:
+                return _MISS
+            key.append((list, *value))
+        elif isinstance(value, Tensor):
+            return _MISS
+        else:
+            key.append(value)
+    if first is None:
+        return _MISS
+    if kwargs:
+        for name, value in kwargs.items():
+            kind = type(value)
+            if kind is cls or kind is list or kind is tuple or isinstance(value, Tensor):
+                return _MISS
+            key.append(name)
+            key.append((kind, value) if kind in _NUMBERS else value)
+    try:
+        compiled = first._spec.mesh.dispatch_cache.get(tuple(key))
+    except TypeError:
+        return _MISS
+    if compiled is None or not compiled.fast:
+        return _MISS
+    kwargs = kwargs or {}
+    if compiled.local_args is None:
+        out = compiled.fn(*[value._local_tensor if type(value) is cls else value for value in args], **kwargs)
+    else:         # e.g. view: the local sizes replace the global ones; specs stand for the DTensors in order
+        locals_ = iter([value._local_tensor for value in args if type(value) is cls])
+        out = compiled.fn(*[next(locals_) if type(value) is DTensorSpec else value for value in compiled.local_args],
+                          **kwargs)
+    if compiled.fast == FAST_INPLACE:
+        return args[0]
+    spec = compiled.output_specs[0]
+    wrapped = _make_wrapper_subclass(cls, spec.shape, strides=spec.stride, dtype=spec.dtype, device=out.device)
+    wrapped._local_tensor = out
+    wrapped._spec = spec
+    return wrapped
+
+
+# Note: in-place ops on Partial tensors
+# An in-place op that is not linear in its Partial self (x.pow_(2), x.add_(1)) can't keep self Partial. Its rule
+# asks for self Replicate; since that keeps the global value and the local shape, dispatch all-reduces self and
+# writes the sum into self's local tensor, updates self's spec, then runs the op. Views taken of self earlier
+# keep their own (Partial) spec and local values: they read the partial sums as before, which is what they hold.
+#
+# In-place view ops (squeeze_, unsqueeze_, transpose_, t_, as_strided_) change self's shape: the local op runs on
+# the local tensor, then self's spec becomes the output spec and the op runs once more on the wrapper itself with
+# dispatch disabled, which changes only the wrapper's sizes and strides (no data is behind a wrapper).
+
+
+# Note: out= variants
+# `torch.maximum(a, b, out=c)` runs as the functional op (`maximum.default`, with its own rule and cache entry)
+# followed by a write of each result into its out tensor, which takes the result's placements (the rule's
+# choice): when its local shape already fits, the result is copied into its local tensor (cast to its dtype);
+# otherwise the local tensor is resized first, and so is the wrapper when the global shape changes (torch's
+# resize semantics for out=; the wrapper's resize allocates a storage of the global size, as a plain tensor would).
+
+
+def _run_out_variant(cls: type, op: OpOverload, functional: OpOverload, args: tuple, kwargs: dict,
+                     out_args: tuple[str, ...]) -> Any:
+    outs = [kwargs[name] for name in out_args]
+    rest = {name: value for name, value in kwargs.items() if name not in out_args}
+    result = functional(*args, **rest)
+    results = list(result) if isinstance(result, (tuple, list)) else [result]
+    for out, value in zip(outs, results):
+        if not isinstance(out, cls) or not isinstance(value, cls):
+            specs = tuple(v._spec for v in (*outs, *results) if isinstance(v, cls))
+            raise MixedTensorError(f"{where(op, specs)}: an out= argument and the result must both be DTensors, "
+                                   f"got {type(out).__name__} for a {type(value).__name__} result")
+        _write_out(out, value)
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _write_out(out: Any, value: Any) -> None:
+    """Write DTensor `value` into DTensor `out` (see Note: out= variants)."""
+    spec, source = value._spec, value._local_tensor
+    if tuple(out.shape) != tuple(spec.shape):
+        with no_dispatch():
+            out.resize_(spec.shape)
+    local = out._local_tensor
+    if local.shape != source.shape:
+        local.resize_(source.shape)
+    local.copy_(source)
+    out._spec = DTensorSpec(spec.mesh, spec.placements, spec.shape, tuple(out.stride()), out.dtype)
+
+
+def _run(cls: type, args: tuple, kwargs: dict, dtensors: list, plain: list[Tensor], compiled: Compiled) -> Any:
+    locals_ = []
+    for k, (dt, target) in enumerate(zip(dtensors, compiled.input_targets) if compiled.input_targets else ()):
+        local = dt._local_tensor
+        if target is not None and k in compiled.reduce_in_place:
+            local.copy_(run_plan(local, dt._spec, target))
+            spec = dt._spec
+            dt._spec = DTensorSpec(spec.mesh, target, spec.shape, spec.stride, spec.dtype)
+            target = None
+        locals_.append(local if target is None else run_plan(local, dt._spec, target))
+    if not compiled.input_targets:
+        locals_ = [dt._local_tensor for dt in dtensors]
+    spec_type = DTensorSpec
+    local_args = compiled.local_args if compiled.local_args is not None else args
+    local_kwargs = compiled.local_kwargs if compiled.local_kwargs is not None else kwargs
+    local_iter, plain_iter = iter(locals_), iter(plain)
+    call_args = [substitute(a, cls, spec_type, local_iter, plain_iter) for a in local_args]
+    call_kwargs = {k: substitute(v, cls, spec_type, local_iter, plain_iter) for k, v in local_kwargs.items()}
+    out = compiled.fn(*call_args, **call_kwargs)
+    if compiled.inplace_view:
+        self_ = args[0]
+        self_._spec = compiled.output_specs[0]
+        with no_dispatch():
+            compiled.fn(*args, **kwargs)
+    return _wrap(cls, out, args, kwargs, compiled)
+
+
+def _wrap(cls: type, out: Any, args: tuple, kwargs: dict, compiled: Compiled) -> Any:
+    if compiled.returns_mutated is not None:
+        returned = [args[w] if isinstance(w, int) else kwargs[w] for w in compiled.returns_mutated]
+        if not returned:
+            return None if out is None else out
+        return returned[0] if compiled.single_output and len(returned) == 1 else tuple(returned)
+    if compiled.single_output:
+        spec = compiled.output_specs[0]
+        return out if spec is None else cls._wrap_local(out, spec)
+    wrapped = [item if spec is None else cls._wrap_local(item, spec)
+               for item, spec in zip(out, compiled.output_specs)]
+    return type(out)(wrapped) if isinstance(out, tuple) else wrapped
+
+
+def _run_fallback(cls: type, op: OpOverload, args: tuple, kwargs: dict, dtensors: list, plain: list[Tensor],
+                  compiled: Compiled) -> Any:
+    """Replicate-compute-reshard (see the rules module docstring); writes mutated inputs back."""
+    warn_fallback_once(op)
+    mesh = dtensors[0]._spec.mesh
+    full_locals = [run_plan(dt._local_tensor, dt._spec, _replicated(mesh.ndim)) for dt in dtensors]
+    local_iter, plain_iter = iter(full_locals), iter(plain)
+    call_args = [substitute(a, cls, DTensorSpec, local_iter, plain_iter) for a in args]
+    call_kwargs = {k: substitute(v, cls, DTensorSpec, local_iter, plain_iter) for k, v in kwargs.items()}
+    out = op(*call_args, **call_kwargs)
+    for position in mutated_positions(op, args, kwargs, cls):
+        dt, full = dtensors[position], full_locals[position]
+        if full is not dt._local_tensor:
+            dt._local_tensor.copy_(dt._spec.local_from_full(full))
+    if compiled.returns_mutated is not None:
+        return _wrap(cls, out, args, kwargs, compiled)
+    first = dtensors[0]._spec
+
+    def reshard(value: Any) -> Any:
+        if not isinstance(value, Tensor):
+            return value
+        stride = contiguous_stride(value.shape)
+        if value.shape == first.shape and not first.has_partial():
+            spec = DTensorSpec(mesh, first.placements, value.shape, stride, value.dtype)
+            return cls._wrap_local(spec.local_from_full(value), spec)
+        spec = DTensorSpec(mesh, _replicated(mesh.ndim), value.shape, stride, value.dtype)
+        return cls._wrap_local(value.contiguous(), spec)
+
+    if isinstance(out, (tuple, list)):
+        return type(out)(reshard(item) for item in out)
+    return reshard(out)
+
+
+def local_as(dtensor: Any, placements: Placements) -> Tensor:
+    """`dtensor`'s local tensor laid out as `placements` (for handlers; collective over the mesh when it moves)."""
+    return run_plan(dtensor._local_tensor, dtensor._spec, tuple(placements))
+
+
+def _replicated(ndim: int) -> Placements:
+    return (Replicate(),) * ndim
