@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from spmd.device_mesh import DeviceMesh
 from spmd.tensor import DTensor, Partial, Replicate, Shard
-from spmd.tensor.dispatch import _MISS, _fast_path
+from spmd.tensor.dispatch.decision import Path
+from spmd.tensor.dispatch.keys import call_key
 from spmd.tensor.rules import ShardingError
 from tests.tensor.rule_checks import check, make_dtensor, on_meshes
 
@@ -266,9 +267,10 @@ def test_int_list_arguments_hit_the_fast_path() -> None:
         for op, args in ((aten.sum.dim_IntList, (d, [1])), (aten.view.default, (d, (4, 3, 2))),
                          (aten.sum.dim_IntList, (d, [0, 1], True))):
             first = op(*args)
-            assert any(key[0] is op and key[2] == (list, *args[1]) for key in mesh.dispatch_cache)
-            again = _fast_path(DTensor, op, args, None)
-            assert again is not _MISS, f"{op} missed the fast path"
+            assert any(key[0] is op._op and key[2] == (list, *args[1]) for key in mesh.dispatch_cache)
+            key = call_key(op, args, {}, DTensor)[0]
+            assert mesh.dispatch_cache[key].path is Path.DIRECT_ONE, f"{op} missed the fast path"
+            again = op(*args)
             assert again.placements == first.placements
             torch.testing.assert_close(again.full_tensor(), first.full_tensor())
         torch.testing.assert_close(d.sum([1]).full_tensor(), x.sum(1))

@@ -2,7 +2,7 @@
 distribute_tensor / distribute_module.
 
 Layer: tensor. A DTensor is a wrapper subclass: it reports the GLOBAL shape, stride and dtype, holds this
-rank's `_local_tensor` and a `_spec` (DTensorSpec). Ops on it go through `__torch_dispatch__` (dispatch.py).
+rank's `_local_tensor` and a `_spec` (DTensorSpec). Ops on it go through `__torch_dispatch__` (the dispatch package).
 
 Note: DTensor autograd
 Autograd runs above dispatch, on DTensors: every gradient is a DTensor whose full value is the gradient of

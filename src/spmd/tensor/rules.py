@@ -2,12 +2,14 @@
 
 Layer: tensor. Pure decisions on metadata; nothing here communicates or touches tensor data.
 
-How an op on DTensors runs (dispatch.py does this; a rule only decides):
+How an op on DTensors runs (the dispatch package does this; a rule only decides):
   1. dispatch replaces every DTensor argument by its DTensorSpec and builds an `OpSchema`;
   2. the op's rule returns a `ShardingDecision`: the placements each DTensor input must be redistributed to,
-     and the placements of each output;
-  3. dispatch redistributes the inputs (cheapest collectives), runs the op on the local tensors, computes the
-     outputs' GLOBAL shape/stride/dtype by running the op on meta tensors, and wraps the outputs as DTensors.
+     and the placements of each output; dispatch checks it (one entry per input and per output, valid
+     placements, written inputs kept) and computes the outputs' GLOBAL shape/stride/dtype by running the op
+     on meta tensors;
+  3. dispatch redistributes the inputs (cheapest collectives), runs the local op (the op itself, or the
+     op's kernel: see `kernel=` below) on the local tensors, and wraps the outputs as DTensors.
 Decisions are cached per (op, input specs, non-tensor arguments), so a rule runs once per distinct call and
 may be slow-ish; it must be a pure function of its schema (it may read `schema.mesh` and its coordinate).
 
@@ -56,6 +58,20 @@ Four ways to register, from simplest to most general. Import from `spmd.tensor.r
 4. `@register_handler(*ops)` with `fn(op, args, kwargs) -> result`: full control, no caching; `args` hold
    the DTensors themselves. For ops that aren't a placement decision (random ops, `.item()`), or that are
    easiest written as other DTensor ops (call torch functions on the DTensor args: they dispatch again).
+
+Options of register_rule / register_strategy (see `OpOptions`):
+- `kernel=make_kernel`: for an op whose local computation is not the op itself (a mean over a sharded dim is
+  a local sum over the GLOBAL count; a vocab-sharded embedding masks the ids other ranks hold). Once per
+  distinct call, after the decision is checked, dispatch calls `make_kernel(LocalPlan)` (the call's schema,
+  the specs of the local inputs after redistribution, the output specs) and caches the function it returns;
+  every such call then runs it in place of the op, with the call's arguments, DTensors replaced by local
+  tensors, and wraps what it returns (a local tensor per output, laid out as the output specs say). It may
+  communicate (an all-reduce of a local statistic). Return `plan.op` where the op itself is right.
+- `numbers_matter=False`: neither the rule nor the kernel factory reads the Python-number arguments (only
+  their types), so calls differing only in them share one decision: an optimizer's step-dependent scalars
+  would otherwise make every step a cache miss.
+- `adopt_reduced_partials=True`: a Partial input the decision reduces (one the op reads, not writes) keeps
+  its reduced layout afterwards, in place (same global value), so later ops don't reduce it again.
 
 Contract for rules (all kinds):
 - Input placements: one entry per DTensor input (`schema.input_specs` order: positional args, then keyword
@@ -150,11 +166,40 @@ class Strategy:
     output: Placement | tuple[Placement | None, ...] | None
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalPlan:
+    """What a kernel factory sees once per distinct call: the call with GLOBAL specs (`schema`), the specs of
+    the local tensors the kernel will receive (after redistribution, in schema order), and the output specs."""
+
+    schema: OpSchema
+    input_specs: tuple[DTensorSpec, ...]
+    output_specs: tuple[DTensorSpec | None, ...]
+
+    @property
+    def op(self) -> OpOverload:
+        return self.schema.op
+
+
 Rule = Callable[[OpSchema], ShardingDecision]
 StrategyFn = Callable[[OpSchema], Sequence[Strategy]]
 Handler = Callable[[OpOverload, tuple[Any, ...], dict[str, Any]], Any]
+LocalKernel = Callable[..., Any]
+KernelFactory = Callable[[LocalPlan], LocalKernel]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpOptions:
+    """How dispatch runs an op beyond its rule's decision (see "Options of register_rule" above)."""
+
+    kernel: KernelFactory | None = None     # builds the local function from a LocalPlan; None: the op itself
+    numbers_matter: bool = True             # False: Python numbers are keyed by type only
+    adopt_reduced_partials: bool = False    # a reduced Partial input keeps the reduced layout
+
 
 RULES: dict[OpOverload, Rule] = {}
+OPTIONS: dict[OpOverload, OpOptions] = {}   # only ops registered with options; the rest run with OpOptions()
+NUMBERS_BY_TYPE: set[Any] = set()   # op._op of the ops registered with numbers_matter=False: read per call,
+                                    # and op._op hashes in C (an OpOverload's hash is a Python call)
 HANDLERS: dict[OpOverload, Handler] = {}
 _FAMILIES: list[tuple[Callable[[OpOverload], bool], Rule]] = []
 _FAMILY_RULES: dict[OpOverload, Rule | None] = {}
@@ -167,24 +212,38 @@ def _check_new(op: object) -> None:
         raise ValueError(f"{op} already has a sharding rule or handler; each op gets exactly one")
 
 
-def register_rule(*ops: OpOverload) -> Callable[[Rule], Rule]:
-    """Decorator: `fn(schema) -> ShardingDecision` decides the placements of `ops`."""
+def _register(ops: Sequence[OpOverload], rule: Rule, options: OpOptions) -> None:
+    for op in ops:
+        _check_new(op)
+    for op in ops:
+        RULES[op] = rule
+        if options != _DEFAULT_OPTIONS:
+            OPTIONS[op] = options
+        if not options.numbers_matter:
+            NUMBERS_BY_TYPE.add(op._op)
+
+
+def register_rule(*ops: OpOverload, kernel: KernelFactory | None = None, numbers_matter: bool = True,
+                  adopt_reduced_partials: bool = False) -> Callable[[Rule], Rule]:
+    """Decorator: `fn(schema) -> ShardingDecision` decides the placements of `ops` (options: see OpOptions)."""
+    options = OpOptions(kernel, numbers_matter, adopt_reduced_partials)
+
     def decorate(fn: Rule) -> Rule:
-        for op in ops:
-            _check_new(op)
-            RULES[op] = fn
+        _register(ops, fn, options)
         return fn
     return decorate
 
 
-def register_strategy(*ops: OpOverload) -> Callable[[StrategyFn], StrategyFn]:
-    """Decorator: `fn(schema) -> list[Strategy]` lists per-mesh-dim candidates; the cheapest is chosen per dim."""
+def register_strategy(*ops: OpOverload, kernel: KernelFactory | None = None, numbers_matter: bool = True,
+                      adopt_reduced_partials: bool = False) -> Callable[[StrategyFn], StrategyFn]:
+    """Decorator: `fn(schema) -> list[Strategy]` lists per-mesh-dim candidates; the cheapest is chosen per dim
+    (options: see OpOptions)."""
+    options = OpOptions(kernel, numbers_matter, adopt_reduced_partials)
+
     def decorate(fn: StrategyFn) -> StrategyFn:
         def rule(schema: OpSchema) -> ShardingDecision:
             return pick_per_mesh_dim(schema, fn(schema))
-        for op in ops:
-            _check_new(op)
-            RULES[op] = rule
+        _register(ops, rule, options)
         return fn
     return decorate
 
@@ -204,6 +263,14 @@ def register_family(predicate: Callable[[OpOverload], bool], rule: Rule) -> None
     tagged torch.Tag.pointwise). Families are tried in registration order; explicit registrations win."""
     _FAMILIES.append((predicate, rule))
     _FAMILY_RULES.clear()
+
+
+def op_options(op: OpOverload) -> OpOptions:
+    """How dispatch runs `op` beyond its rule: its kernel factory and keying options (defaults if none)."""
+    return OPTIONS.get(op, _DEFAULT_OPTIONS)
+
+
+_DEFAULT_OPTIONS = OpOptions()
 
 
 def lookup_rule(op: OpOverload) -> Rule | None:

@@ -13,16 +13,15 @@ from torch import Tensor
 from torch._ops import OpOverload
 from torch.utils._mode_utils import no_dispatch
 
-from spmd.tensor.dispatch.decision import FAST_INPLACE, Compiled, compile_call, where
-from spmd.tensor.dispatch.keys import key_of, substitute
-from spmd.tensor.dispatch.signature import INT_LIST_ARGS, functional_of, int_list_args, mutated_positions, op_info
+from spmd.tensor.dispatch.decision import Compiled, Path, compile_call, where
+from spmd.tensor.dispatch.keys import call_key, substitute
+from spmd.tensor.dispatch.signature import functional_of, mutated_positions, op_info
 from spmd.tensor.placement import Replicate
 from spmd.tensor.redistribute import run_plan
 from spmd.tensor.rules import HANDLERS, warn_fallback_once
 from spmd.tensor.spec import DTensorSpec, Placements, contiguous_stride
 
 _CACHE_LIMIT = 8192
-_NUMBERS = (bool, int, float)
 
 
 class MixedTensorError(ValueError):
@@ -56,29 +55,50 @@ def dispatch(cls: type, op: OpOverload, types: tuple, args: tuple = (), kwargs: 
     handler = HANDLERS.get(op)
     if handler is not None:
         return handler(op, args, kwargs or {})
-    result = _fast_path(cls, op, args, kwargs)
-    if result is not _MISS:
-        return result
-    kwargs = kwargs or {}
+    if kwargs is None:
+        kwargs = {}
+    key, dtensors, plain = call_key(op, args, kwargs, cls)
+    if not dtensors:
+        return op(*args, **kwargs)
+    cache = dtensors[0]._spec.mesh.dispatch_cache
+    try:
+        compiled = cache.get(key)
+    except TypeError:          # an unhashable argument: decide without caching
+        key, compiled = None, None
+    if compiled is None:
+        return _first_call(cls, op, types, args, kwargs, key, dtensors, plain)
+    path = compiled.path
+    if path is _DIRECT_ONE:          # most calls
+        local_args = compiled.local_args
+        if local_args is None:
+            out = compiled.fn(*[value._local_tensor if type(value) is cls else value for value in args], **kwargs)
+        else:       # e.g. view: the local sizes replace the global ones; specs stand for the DTensors in order
+            locals_ = iter([dt._local_tensor for dt in dtensors])
+            out = compiled.fn(*[next(locals_) if type(value) is DTensorSpec else value for value in local_args],
+                              **kwargs)
+        spec = compiled.output_specs[0]
+        wrapped = _make_wrapper_subclass(cls, spec.shape, strides=spec.stride, dtype=spec.dtype, device=out.device)
+        wrapped._local_tensor = out
+        wrapped._spec = spec
+        return wrapped
+    if path is _DIRECT_SELF:         # in-place ops
+        compiled.fn(*[value._local_tensor if type(value) is cls else value for value in args], **kwargs)
+        return args[0]
+    return _execute(cls, args, kwargs, dtensors, plain, compiled)
+
+
+_DIRECT, _DIRECT_ONE, _DIRECT_SELF = Path.DIRECT, Path.DIRECT_ONE, Path.DIRECT_SELF
+_make_wrapper_subclass = Tensor._make_wrapper_subclass
+
+
+def _first_call(cls: type, op: OpOverload, types: tuple, args: tuple, kwargs: dict, key: tuple | None,
+                dtensors: list, plain: list[Tensor]) -> Any:
+    """A call without a cache entry: out= variants and plain tensors first, then compile, cache and run."""
     out_args = op_info(op).out_args
     if out_args:
         functional = functional_of(op, out_args)
         if functional is not None:
             return _run_out_variant(cls, op, functional, args, kwargs, out_args)
-    dtensors: list = []
-    plain: list[Tensor] = []
-    key_parts: list[Any] = [op]
-    int_lists = int_list_args(op)
-    for index, value in enumerate(args):
-        if index in int_lists and type(value) in (list, tuple):
-            key_parts.append((list, *value))      # the fast path's key for it (see int_list_args)
-        else:
-            key_parts.append(key_of(value, cls, dtensors, plain))
-    for name, value in kwargs.items():
-        key_parts.append(name)
-        key_parts.append(key_of(value, cls, dtensors, plain))
-    if not dtensors:
-        return op(*args, **kwargs)
     if plain and op in _PLAIN_AS_REPLICATE:
         args = _replicate_plain(cls, args, dtensors[0]._spec.mesh)
         return dispatch(cls, op, types, args, kwargs)
@@ -89,84 +109,35 @@ def dispatch(cls: type, op: OpOverload, types: tuple, args: tuple = (), kwargs: 
                 f"{tuple(tensor.shape)} beside DTensors; its layout is ambiguous. Make it a DTensor first "
                 f"(distribute_tensor(t, mesh, placements) or DTensor.from_local(...)). Only one-element plain "
                 f"tensors are treated as replicated scalars.")
-    mesh = dtensors[0]._spec.mesh
-    key = tuple(key_parts)
-    cache = mesh.dispatch_cache
-    try:
-        compiled = cache.get(key)
-    except TypeError:          # an unhashable argument: decide without caching
-        key, compiled = None, None
-    if compiled is None:
-        compiled = compile_call(op, args, kwargs, dtensors, cls)
-        if key is not None:
-            if len(cache) >= _CACHE_LIMIT:
-                cache.clear()
-            cache[key] = compiled
-    if compiled.fallback:
-        return _run_fallback(cls, op, args, kwargs, dtensors, plain, compiled)
-    return _run(cls, args, kwargs, dtensors, plain, compiled)
+    compiled = compile_call(op, args, kwargs, dtensors, plain, cls)
+    if key is not None:
+        cache = dtensors[0]._spec.mesh.dispatch_cache
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        cache[key] = compiled
+    return _execute(cls, args, kwargs, dtensors, plain, compiled)
 
 
-_MISS = object()
-_make_wrapper_subclass = Tensor._make_wrapper_subclass
-
-
-def _fast_path(cls: type, op: OpOverload, args: tuple, kwargs: dict | None) -> Any:
-    """A cached call with flat positional args, tensor-free kwargs, no redistribution and one output (most
-    calls): the key built and the op run inline. Returns _MISS to take the general path. Keys match the general
-    path's."""
-    key: list[Any] = [op]
-    first = None
-    int_lists = None
-    for index, value in enumerate(args):
-        kind = type(value)
-        if kind is cls:
-            key.append(value._spec)
-            if first is None:
-                first = value
-        elif kind in _NUMBERS:
-            key.append((kind, value))
-        elif kind is list or kind is tuple:
-            if int_lists is None:
-                int_lists = INT_LIST_ARGS.get(op)
-                if int_lists is None:
-                    int_lists = int_list_args(op)
-            if index not in int_lists:
-                return _MISS
-            key.append((list, *value))
-        elif isinstance(value, Tensor):
-            return _MISS
+def _execute(cls: type, args: tuple, kwargs: dict, dtensors: list, plain: list[Tensor], compiled: Compiled) -> Any:
+    """Run a decided call on its path (see Path; dispatch runs DIRECT_ONE and DIRECT_SELF hits inline)."""
+    path = compiled.path
+    if path is _DIRECT_ONE or path is _DIRECT_SELF or path is _DIRECT:
+        if compiled.local_args is not None:     # see dispatch
+            locals_ = iter([dt._local_tensor for dt in dtensors])
+            call_args = [next(locals_) if type(value) is DTensorSpec else value for value in compiled.local_args]
+        elif compiled.list_args:                # a foreach op: lists of DTensors
+            lists = compiled.list_args
+            call_args = [[item._local_tensor for item in value] if index in lists else
+                         value._local_tensor if type(value) is cls else value for index, value in enumerate(args)]
         else:
-            key.append(value)
-    if first is None:
-        return _MISS
-    if kwargs:
-        for name, value in kwargs.items():
-            kind = type(value)
-            if kind is cls or kind is list or kind is tuple or isinstance(value, Tensor):
-                return _MISS
-            key.append(name)
-            key.append((kind, value) if kind in _NUMBERS else value)
-    try:
-        compiled = first._spec.mesh.dispatch_cache.get(tuple(key))
-    except TypeError:
-        return _MISS
-    if compiled is None or not compiled.fast:
-        return _MISS
-    kwargs = kwargs or {}
-    if compiled.local_args is None:
-        out = compiled.fn(*[value._local_tensor if type(value) is cls else value for value in args], **kwargs)
-    else:         # e.g. view: the local sizes replace the global ones; specs stand for the DTensors in order
-        locals_ = iter([value._local_tensor for value in args if type(value) is cls])
-        out = compiled.fn(*[next(locals_) if type(value) is DTensorSpec else value for value in compiled.local_args],
-                          **kwargs)
-    if compiled.fast == FAST_INPLACE:
-        return args[0]
-    spec = compiled.output_specs[0]
-    wrapped = _make_wrapper_subclass(cls, spec.shape, strides=spec.stride, dtype=spec.dtype, device=out.device)
-    wrapped._local_tensor = out
-    wrapped._spec = spec
-    return wrapped
+            call_args = [value._local_tensor if type(value) is cls else value for value in args]
+        out = compiled.fn(*call_args, **kwargs)
+        if path is _DIRECT_SELF:
+            return args[0]
+        return _wrap(cls, out, args, kwargs, compiled)
+    if path is Path.FALLBACK:
+        return _run_fallback(cls, compiled.op, args, kwargs, dtensors, plain, compiled)
+    return _run(cls, args, kwargs, dtensors, plain, compiled)
 
 
 # Note: in-place ops on Partial tensors
@@ -217,33 +188,53 @@ def _write_out(out: Any, value: Any) -> None:
 
 
 def _run(cls: type, args: tuple, kwargs: dict, dtensors: list, plain: list[Tensor], compiled: Compiled) -> Any:
-    locals_ = []
-    for k, (dt, target) in enumerate(zip(dtensors, compiled.input_targets) if compiled.input_targets else ()):
-        local = dt._local_tensor
-        if target is not None and k in compiled.reduce_in_place:
-            local.copy_(run_plan(local, dt._spec, target))
-            spec = dt._spec
-            dt._spec = DTensorSpec(spec.mesh, target, spec.shape, spec.stride, spec.dtype)
-            target = None
-        locals_.append(local if target is None else run_plan(local, dt._spec, target))
-    if not compiled.input_targets:
-        locals_ = [dt._local_tensor for dt in dtensors]
-    spec_type = DTensorSpec
+    """The general path: redistribute the inputs, substitute local tensors anywhere in the arguments, run."""
+    locals_ = _local_inputs(dtensors, compiled)
     local_args = compiled.local_args if compiled.local_args is not None else args
     local_kwargs = compiled.local_kwargs if compiled.local_kwargs is not None else kwargs
     local_iter, plain_iter = iter(locals_), iter(plain)
-    call_args = [substitute(a, cls, spec_type, local_iter, plain_iter) for a in local_args]
-    call_kwargs = {k: substitute(v, cls, spec_type, local_iter, plain_iter) for k, v in local_kwargs.items()}
+    call_args = [substitute(a, cls, DTensorSpec, local_iter, plain_iter) for a in local_args]
+    call_kwargs = {k: substitute(v, cls, DTensorSpec, local_iter, plain_iter) for k, v in local_kwargs.items()}
     out = compiled.fn(*call_args, **call_kwargs)
     if compiled.inplace_view:
         self_ = args[0]
         self_._spec = compiled.output_specs[0]
         with no_dispatch():
-            compiled.fn(*args, **kwargs)
+            compiled.op._op(*args, **kwargs)
     return _wrap(cls, out, args, kwargs, compiled)
 
 
+def _local_inputs(dtensors: list, compiled: Compiled) -> list[Tensor]:
+    """The local tensors the op gets, in input order: each DTensor input redistributed to its target
+    (collective). An input passed twice is moved once. Written inputs are reduced in place (see Note: in-place
+    ops on Partial tensors); read inputs in `compiled.adopt` take their reduced layout (OpOptions)."""
+    moved: dict[tuple[int, Placements], Tensor] = {}
+    locals_ = []
+    for k, (dt, target) in enumerate(zip(dtensors, compiled.input_targets)):
+        local = dt._local_tensor
+        if target is None:
+            locals_.append(local)
+        elif k in compiled.reduce_in_place:
+            local.copy_(run_plan(local, dt._spec, target))
+            dt._spec = dt._spec.with_placements(target)
+            locals_.append(local)
+        else:
+            local = moved.get((id(dt), target))
+            if local is None:
+                local = moved[(id(dt), target)] = run_plan(dt._local_tensor, dt._spec, target)
+            locals_.append(local)
+    if compiled.adopt:
+        written = {id(dtensors[k]) for k in compiled.mutated}
+        for k in compiled.adopt:
+            dt, target = dtensors[k], compiled.input_targets[k]
+            if id(dt) not in written and dt._spec.placements != target:    # a written tensor keeps its own
+                dt._local_tensor = moved[(id(dt), target)]
+                dt._spec = dt._spec.with_placements(target)
+    return locals_
+
+
 def _wrap(cls: type, out: Any, args: tuple, kwargs: dict, compiled: Compiled) -> Any:
+    """The call's result: the written arguments it returns, or its local outputs wrapped as DTensors."""
     if compiled.returns_mutated is not None:
         returned = [args[w] if isinstance(w, int) else kwargs[w] for w in compiled.returns_mutated]
         if not returned:
@@ -251,10 +242,17 @@ def _wrap(cls: type, out: Any, args: tuple, kwargs: dict, compiled: Compiled) ->
         return returned[0] if compiled.single_output and len(returned) == 1 else tuple(returned)
     if compiled.single_output:
         spec = compiled.output_specs[0]
-        return out if spec is None else cls._wrap_local(out, spec)
-    wrapped = [item if spec is None else cls._wrap_local(item, spec)
-               for item, spec in zip(out, compiled.output_specs)]
+        return out if spec is None else _wrap_one(cls, out, spec)
+    wrapped = [item if spec is None else _wrap_one(cls, item, spec) for item, spec in zip(out, compiled.output_specs)]
     return type(out)(wrapped) if isinstance(out, tuple) else wrapped
+
+
+def _wrap_one(cls: type, local: Tensor, spec: DTensorSpec) -> Any:
+    """cls._wrap_local, inlined (this is per output per call)."""
+    wrapped = _make_wrapper_subclass(cls, spec.shape, strides=spec.stride, dtype=spec.dtype, device=local.device)
+    wrapped._local_tensor = local
+    wrapped._spec = spec
+    return wrapped
 
 
 def _run_fallback(cls: type, op: OpOverload, args: tuple, kwargs: dict, dtensors: list, plain: list[Tensor],

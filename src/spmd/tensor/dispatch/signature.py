@@ -102,16 +102,16 @@ def mutated_positions(op: OpOverload, args: tuple, kwargs: dict, dtensor_type: t
     return positions
 
 
-INT_LIST_ARGS: dict[OpOverload, frozenset[int]] = {}
+INT_LIST_ARGS: dict[Any, frozenset[int]] = {}      # by op._op, hashed in C (an OpOverload's hash is a Python call)
 
 
 def int_list_args(op: OpOverload) -> frozenset[int]:
     """Positions of the op's `int[]` arguments (sizes, dims). The dispatcher hands them to __torch_dispatch__ as
     lists of Python ints, so their cache key can be `(list, *value)` with no per-item type check (a Scalar[]
     argument, whose 1 and 1.0 differ, is keyed item by item)."""
-    found = INT_LIST_ARGS.get(op)
+    found = INT_LIST_ARGS.get(op._op)
     if found is None:
         positional = [a for a in op._schema.arguments if not a.kwarg_only]
         found = frozenset(k for k, a in enumerate(positional) if str(a.type) in ("List[int]", "Optional[List[int]]"))
-        INT_LIST_ARGS[op] = found
+        INT_LIST_ARGS[op._op] = found
     return found

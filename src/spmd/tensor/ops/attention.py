@@ -1,6 +1,6 @@
 """Sharding rules for scaled dot-product attention: the fused kernels F.scaled_dot_product_attention reaches.
 
-Layer: tensor. The rules decide; the kernel (ops/custom.py) guards an empty local shard. On CPU,
+Layer: tensor. The rules decide; the local kernel (`kernel=`) guards an empty local shard. On CPU,
 F.scaled_dot_product_attention runs `_scaled_dot_product_flash_attention_for_cpu` (and its backward) when
 dropout is off; with dropout it runs the math decomposition (bmm, softmax, dropout), which the matmul / norm /
 random rules shard.
@@ -22,11 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 from torch import ops
-from torch._ops import OpOverload
 
-from spmd.tensor.ops.custom import LocalKernel, LocalPlan, empty_outputs, run_custom
+from spmd.tensor.ops.custom import LocalKernel, LocalPlan, empty_outputs
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
-from spmd.tensor.rules import OpSchema, ShardingDecision, Strategy, pick_per_mesh_dim, register_handler
+from spmd.tensor.rules import OpSchema, ShardingDecision, Strategy, pick_per_mesh_dim, register_rule
 from spmd.tensor.spec import DTensorSpec
 
 aten = ops.aten
@@ -109,6 +108,4 @@ def _rule(schema: OpSchema) -> ShardingDecision:
     return pick_per_mesh_dim(schema, _STRATEGIES[schema.op](schema))
 
 
-@register_handler(_FORWARD, _BACKWARD)
-def _flash_attention_cpu(op: OpOverload, args: tuple, kwargs: dict) -> Any:
-    return run_custom(op, args, kwargs, _rule, _kernel)
+register_rule(_FORWARD, _BACKWARD, kernel=_kernel)(_rule)

@@ -1,6 +1,6 @@
 """Sharding rules for embedding lookups, including a vocab-sharded table, and their backward.
 
-Layer: tensor. `embedding` runs through a custom local kernel (ops/custom.py) for the vocab-sharded case;
+Layer: tensor. `embedding` runs a local kernel (`kernel=`, see rules.py) for the vocab-sharded case;
 `embedding_dense_backward` is a plain rule.
 
 Note: embedding sharding
@@ -26,16 +26,15 @@ from typing import Any
 
 import torch
 from torch import Tensor, ops
-from torch._ops import OpOverload
 
-from spmd.tensor.ops.custom import LocalKernel, LocalPlan, run_custom
+from spmd.tensor.ops.custom import LocalKernel, LocalPlan
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 from spmd.tensor.rules import (
     OpSchema,
     ShardingDecision,
     Strategy,
     pick_per_mesh_dim,
-    register_handler,
+    register_rule,
     register_strategy,
     replicated,
 )
@@ -80,9 +79,7 @@ def _lookup_kernel(plan: LocalPlan) -> LocalKernel:
     return kernel
 
 
-@register_handler(aten.embedding.default)
-def _embedding(op: OpOverload, args: tuple, kwargs: dict) -> Any:
-    return run_custom(op, args, kwargs, _lookup_rule, _lookup_kernel)
+register_rule(aten.embedding.default, kernel=_lookup_kernel)(_lookup_rule)
 
 
 @register_strategy(aten.embedding_dense_backward.default)

@@ -1,7 +1,7 @@
 """Sharding rules for the `_foreach_*` and fused optimizer ops, so torch.optim steps on DTensor parameters.
 
-Layer: tensor. The elementwise `_foreach_*` ops get one rule, run through ops/custom.py so that a Partial
-operand keeps the layout it was reduced to; `_foreach_norm` / `_foreach_max` are lists of the reduction handlers;
+Layer: tensor. The elementwise `_foreach_*` ops get one rule, registered so that a Partial operand keeps the
+layout it was reduced to; `_foreach_norm` / `_foreach_max` are lists of the reduction handlers;
 the fused optimizer kernels (`_fused_adam_`, `_fused_adamw_`, `_fused_sgd_`, `_fused_adagrad_`) are handlers
 that run the kernel on the local shards.
 
@@ -26,7 +26,7 @@ norm rule.
 Note: Partial operands are reduced once
 An optimizer reads each gradient in several foreach ops (Adam: lerp_, then addcmul_ with it twice). Were a
 Partial gradient reduced by each op's redistribution, it would be all-reduced three times per step. So a
-Partial operand that a foreach op reduces keeps the result IN PLACE (run_custom's adopt_reduced_partials): the
+Partial operand that a foreach op reduces keeps the result IN PLACE (the rule's adopt_reduced_partials): the
 DTensor keeps its global value and takes the reduced layout, and the later ops find it reduced. Only Partial
 operands are changed this way (their reduced layout is never bigger); other mismatches are redistributed per
 call. An operand passed twice to one op (addcmul_'s tensor1 and tensor2) is moved once.
@@ -52,10 +52,9 @@ from torch._ops import OpOverload
 from spmd.comm.functional import all_reduced
 from spmd.comm.reduce_op import ReduceOp
 from spmd.tensor.api import DTensor
-from spmd.tensor.ops.custom import LocalKernel, LocalPlan, run_custom
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 from spmd.tensor.redistribute import run_plan
-from spmd.tensor.rules import OpSchema, ShardingDecision, ShardingError, register_handler
+from spmd.tensor.rules import OpSchema, ShardingDecision, ShardingError, register_handler, register_rule
 from spmd.tensor.spec import DTensorSpec, Placements
 
 aten = ops.aten
@@ -181,17 +180,9 @@ def _elementwise_foreach_ops() -> list[OpOverload]:
     return found
 
 
-def _the_op_itself(plan: LocalPlan) -> LocalKernel:
-    return plan.op
-
-
-def _foreach(op: OpOverload, args: tuple, kwargs: dict) -> Any:
-    # see Note: Partial operands are reduced once (only self is written; every other input is read)
-    return run_custom(op, args, kwargs, foreach_rule, _the_op_itself, numbers_matter=False,
-                      adopt_reduced_partials=True)
-
-
-register_handler(*_elementwise_foreach_ops())(_foreach)
+# The rule reads no Python number (only types): an optimizer's step-dependent scalars share one decision. See
+# Note: Partial operands are reduced once (only self is written; every other input is read).
+register_rule(*_elementwise_foreach_ops(), numbers_matter=False, adopt_reduced_partials=True)(foreach_rule)
 
 
 # -- reductions over each tensor -----------------------------------------------------------------------------

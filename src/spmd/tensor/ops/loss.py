@@ -1,6 +1,6 @@
 """Sharding rules for losses: nll_loss (and so cross_entropy = log_softmax + nll_loss) and mse_loss.
 
-Layer: tensor. `nll_loss_forward` and `mse_loss` (+ backward) run through custom local kernels (ops/custom.py)
+Layer: tensor. `nll_loss_forward` and `mse_loss` (+ backward) run local kernels (`kernel=`, see rules.py)
 so that a mean over sharded rows is exact; `nll_loss_backward` is a plain rule.
 
 Note: nll_loss sharding
@@ -25,13 +25,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, ops
-from torch._ops import OpOverload
 
 from spmd.comm.reduce_op import ReduceOp
-from spmd.tensor.ops.custom import LocalKernel, LocalPlan, run_custom
+from spmd.tensor.ops.custom import LocalKernel, LocalPlan
 from spmd.tensor.ops.reduction import all_reduce_mesh_dims
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
-from spmd.tensor.rules import OpSchema, ShardingDecision, Strategy, pick_per_mesh_dim, register_handler, register_rule
+from spmd.tensor.rules import OpSchema, ShardingDecision, Strategy, pick_per_mesh_dim, register_rule
 from spmd.tensor.spec import DTensorSpec
 
 aten = ops.aten
@@ -106,9 +105,7 @@ def _forward_kernel(plan: LocalPlan) -> LocalKernel:
     return kernel
 
 
-@register_handler(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
-def _nll_loss_forward(op: OpOverload, args: tuple, kwargs: dict) -> Any:
-    return run_custom(op, args, kwargs, _forward_rule, _forward_kernel)
+register_rule(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, kernel=_forward_kernel)(_forward_rule)
 
 
 @register_rule(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
@@ -190,6 +187,4 @@ def _mse_kernel(plan: LocalPlan) -> LocalKernel:
     return kernel
 
 
-@register_handler(aten.mse_loss.default, aten.mse_loss_backward.default)
-def _mse_loss(op: OpOverload, args: tuple, kwargs: dict) -> Any:
-    return run_custom(op, args, kwargs, _mse_rule, _mse_kernel)
+register_rule(aten.mse_loss.default, aten.mse_loss_backward.default, kernel=_mse_kernel)(_mse_rule)

@@ -37,7 +37,7 @@ aten = ops.aten
 # - masked_fill with the value 0: zeroing entries is linear in self (the mask must be Replicate);
 # - copy_: the copied value may be Partial (self takes it). Everything else reduces Partial inputs first; an
 #   in-place op that is not linear in its Partial self asks for self Replicate, and dispatch all-reduces self in
-#   place first (see Note: in-place ops on Partial tensors, in dispatch.py).
+#   place first (see Note: in-place ops on Partial tensors, in dispatch/run.py).
 _ADDITIVE = frozenset({aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor})
 _SCALING_ANY = frozenset({aten.mul.Tensor, aten.mul_.Tensor, aten.mul.Scalar, aten.mul_.Scalar})  # any operand
 _SCALING_FIRST = frozenset({aten.div.Tensor, aten.div_.Tensor, aten.div.Scalar, aten.div_.Scalar, aten.neg.default,

@@ -1,7 +1,7 @@
 """Sharding rules for reductions: sum, prod, mean, amax/amin, max/min, any/all, argmax/argmin, logsumexp, var/std,
 vector norms.
 
-Layer: tensor. The rules decide; `mean`, `var`/`std` and the norms use custom local kernels (ops/custom.py)
+Layer: tensor. The rules decide; `mean`, `var`/`std` and the norms use local kernels (`kernel=`, see rules.py)
 because their local computation over a shard is not the op itself.
 
 Note: reducing over a sharded dim
@@ -31,18 +31,17 @@ from typing import Any
 
 import torch
 from torch import Tensor, ops
-from torch._ops import OpOverload
 
 from spmd.comm.functional import all_reduced
 from spmd.comm.reduce_op import ReduceOp
-from spmd.tensor.ops.custom import LocalKernel, LocalPlan, empty_outputs, run_custom
+from spmd.tensor.ops.custom import LocalKernel, LocalPlan, empty_outputs
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 from spmd.tensor.rules import (
     OpSchema,
     ShardingDecision,
     Strategy,
     pick_per_mesh_dim,
-    register_handler,
+    register_rule,
     register_strategy,
 )
 from spmd.tensor.spec import DTensorSpec
@@ -177,9 +176,7 @@ def _extremum_kernel(plan: LocalPlan) -> LocalKernel:
     return kernel
 
 
-@register_handler(*_EXTREMUM_OPS)
-def _extremum(op: OpOverload, args: tuple, kwargs: dict) -> Any:
-    return run_custom(op, args, kwargs, _extremum_rule, _extremum_kernel)
+register_rule(*_EXTREMUM_OPS, kernel=_extremum_kernel)(_extremum_rule)
 
 
 # -- reductions that return positions ----------------------------------------------------------------------
@@ -234,9 +231,7 @@ def _mean_kernel(plan: LocalPlan) -> LocalKernel:
     return kernel
 
 
-@register_handler(aten.mean.default, aten.mean.dim)
-def _mean(op: OpOverload, args: tuple, kwargs: dict) -> Any:
-    return run_custom(op, args, kwargs, _mean_rule, _mean_kernel)
+register_rule(aten.mean.default, aten.mean.dim, kernel=_mean_kernel)(_mean_rule)
 
 
 # -- var / std ----------------------------------------------------------------------------------------------
@@ -310,9 +305,7 @@ def _var_kernel(plan: LocalPlan) -> LocalKernel:
     return kernel
 
 
-@register_handler(aten.var.correction, aten.std.correction, *_WITH_MEAN_OPS)
-def _var(op: OpOverload, args: tuple, kwargs: dict) -> Any:
-    return run_custom(op, args, kwargs, _var_rule, _var_kernel)
+register_rule(aten.var.correction, aten.std.correction, *_WITH_MEAN_OPS, kernel=_var_kernel)(_var_rule)
 
 
 # -- vector norms -------------------------------------------------------------------------------------------
@@ -361,6 +354,4 @@ def _norm_kernel(plan: LocalPlan) -> LocalKernel:
     return kernel
 
 
-@register_handler(aten.linalg_vector_norm.default)
-def _vector_norm(op: OpOverload, args: tuple, kwargs: dict) -> Any:
-    return run_custom(op, args, kwargs, _norm_rule, _norm_kernel)
+register_rule(aten.linalg_vector_norm.default, kernel=_norm_kernel)(_norm_rule)
