@@ -9,6 +9,7 @@ from spmd.device_mesh import DeviceMesh, init_device_mesh
 from spmd.tensor import ops as _ops  # noqa: F401  (registers the sharding rules)
 from spmd.tensor.api import DTensor, distribute_module, distribute_tensor
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
+from spmd.tensor.rules import record_fallbacks
 
 __all__ = ["DTensor", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "distribute_module",
-           "distribute_tensor", "init_device_mesh"]
+           "distribute_tensor", "init_device_mesh", "record_fallbacks"]

@@ -88,15 +88,18 @@ Contract for rules (all kinds):
 Fallback: an op with no rule and no handler runs replicate-compute-reshard (all inputs redistributed to
 Replicate, the op run on full values, each output left Replicate, or re-chunked to the first input's
 placements when it has that input's shape) and warns once, naming the op. Mutated inputs are written back.
+`record_fallbacks()` lists, per rank, every op that took the fallback (the warning says it once per process).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch._ops import OpOverload
@@ -380,10 +383,42 @@ def pick_per_mesh_dim(schema: OpSchema,
 
 _warned: set[OpOverload] = set()
 _warned_lock = threading.Lock()
+_recorders: contextvars.ContextVar[tuple[list[OpOverload], ...]] = contextvars.ContextVar(
+    "spmd_fallback_recorders", default=())
 
 
-def warn_fallback_once(op: OpOverload) -> None:
-    """Warn (once per op per process) that `op` ran through replicate-compute-reshard."""
+@contextlib.contextmanager
+def record_fallbacks() -> Iterator[list[OpOverload]]:
+    """Collect every op that runs through replicate-compute-reshard on this rank while the block runs.
+
+    Per rank, not per process: the list lives in the calling context, so with the threads transport each rank
+    thread sees only its own fallbacks, and nested blocks each see all of theirs. Tests use it to turn a
+    missing rule into a failure; a user can find the slow ops of a training step with it.
+
+    >>> import torch
+    >>> from spmd.testing import run_ranks
+    >>> from spmd.tensor import Shard, distribute_tensor, init_device_mesh
+    >>> def body(rank, world_size):
+    ...     x = distribute_tensor(torch.arange(4.0), init_device_mesh("cpu", (2,)), [Shard(0)])
+    ...     with record_fallbacks() as fallbacks:
+    ...         x + 1
+    ...     return fallbacks
+    >>> run_ranks(body, world_size=2)
+    [[], []]
+    """
+    recorded: list[OpOverload] = []
+    token = _recorders.set((*_recorders.get(), recorded))
+    try:
+        yield recorded
+    finally:
+        _recorders.reset(token)
+
+
+def note_fallback(op: OpOverload) -> None:
+    """`op` is about to run as replicate-compute-reshard: tell this rank's recorders, and warn once per op
+    per process."""
+    for recorded in _recorders.get():
+        recorded.append(op)
     with _warned_lock:
         if op in _warned:
             return

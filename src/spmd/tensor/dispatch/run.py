@@ -18,7 +18,7 @@ from spmd.tensor.dispatch.keys import call_key, substitute
 from spmd.tensor.dispatch.signature import functional_of, mutated_positions, op_info
 from spmd.tensor.placement import Replicate
 from spmd.tensor.redistribute import run_plan
-from spmd.tensor.rules import HANDLERS, warn_fallback_once
+from spmd.tensor.rules import HANDLERS, note_fallback
 from spmd.tensor.spec import DTensorSpec, Placements, contiguous_stride
 
 _CACHE_LIMIT = 8192
@@ -258,7 +258,7 @@ def _wrap_one(cls: type, local: Tensor, spec: DTensorSpec) -> Any:
 def _run_fallback(cls: type, op: OpOverload, args: tuple, kwargs: dict, dtensors: list, plain: list[Tensor],
                   compiled: Compiled) -> Any:
     """Replicate-compute-reshard (see the rules module docstring); writes mutated inputs back."""
-    warn_fallback_once(op)
+    note_fallback(op)
     mesh = dtensors[0]._spec.mesh
     full_locals = [run_plan(dt._local_tensor, dt._spec, _replicated(mesh.ndim)) for dt in dtensors]
     local_iter, plain_iter = iter(full_locals), iter(plain)
