@@ -2,7 +2,8 @@
 compare the full result, and the full gradients, with the same function on plain tensors.
 
 The reference is the function itself on plain tensors, so a rule test states only WHAT to compute and which
-layouts to try. Every rank runs the same combinations in the same order (full_tensor is collective).
+layouts to try. Every rank runs the same combinations in the same order (full_tensor is collective). Partial
+inputs hold a random term on every rank (spmd.testing.dtensor.make_dtensor), and a fallback fails the test.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from torch import Tensor
 
 from spmd.device_mesh import DeviceMesh, init_device_mesh
 from spmd.tensor import DTensor, Partial, Placement, Replicate, Shard
-from spmd.tensor.placement import normalize_placements
-from spmd.tensor.spec import DTensorSpec, contiguous_stride
+from spmd.tensor.rules import record_fallbacks
 from spmd.testing import run_ranks
+from spmd.testing.dtensor import make_dtensor
 
 MESH_SHAPES: tuple[tuple[int, ...], ...] = ((1,), (2,), (4,), (2, 2))
 
@@ -31,12 +32,29 @@ ATOL = 1e-5
 
 
 def on_meshes(body: Callable[[DeviceMesh], None], shapes: Iterable[tuple[int, ...]] = MESH_SHAPES,
-              timeout: float = 60.0, backend: str = "threads") -> None:
+              timeout: float = 60.0, backend: str = "threads", expect_fallbacks: Sequence[str] = ()) -> None:
     """Run `body(mesh)` on every rank of a world for each mesh shape (raises the first failure). The ranks are
-    threads; `backend` is the transport they talk over ("threads", or a real one such as "tcp")."""
+    threads; `backend` is the transport they talk over ("threads", or a real one such as "tcp").
+
+    A replicate-compute-reshard fallback on any rank fails the test (every op here must have a rule), unless
+    the test names the ops it expects to fall back in `expect_fallbacks` (e.g. "aten.cumsum.default"): then
+    exactly those must fall back, on every rank of every mesh of more than one rank."""
     for shape in shapes:
-        run_ranks(lambda rank, world_size, shape=shape: body(init_device_mesh("cpu", shape)),
+        run_ranks(lambda rank, world_size, shape=shape: checking_fallbacks(
+                      lambda: body(init_device_mesh("cpu", shape)), expect_fallbacks, math.prod(shape) > 1),
                   world_size=math.prod(shape), timeout=timeout, backend=backend)
+
+
+def checking_fallbacks(body: Callable[[], Any], expected: Sequence[str] = (), must_fire: bool = True) -> Any:
+    """Run `body()` on this rank, failing on any fallback it does not expect (see `on_meshes`)."""
+    with record_fallbacks() as fallbacks:
+        result = body()
+    fired = {str(op) for op in fallbacks}
+    unexpected = fired - set(expected)
+    assert not unexpected, f"ops ran through the replicate-compute-reshard fallback: {sorted(unexpected)}"
+    missing = set(expected) - fired
+    assert not (must_fire and missing), f"expected fallbacks that did not fire: {sorted(missing)}"
+    return result
 
 
 def layouts(ndim: int, mesh: DeviceMesh, *, partial: bool = False,
@@ -67,17 +85,6 @@ def sample(items: Sequence[Any], limit: int | None, seed: int = 0) -> list[Any]:
     if limit is None or len(items) <= limit:
         return list(items)
     return random.Random(seed).sample(list(items), limit)
-
-
-def make_dtensor(full: Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
-                 requires_grad: bool = False) -> DTensor:
-    """A DTensor whose global value is `full` (identical on every rank) laid out as `placements`, a leaf.
-
-    No communication: each rank takes its piece (Partial: the value on the first rank of the mesh dim, zeros
-    elsewhere, which is exact)."""
-    placements = normalize_placements(tuple(placements), full.ndim, mesh.ndim, "make_dtensor")
-    spec = DTensorSpec(mesh, placements, full.shape, contiguous_stride(full.shape), full.dtype)
-    return DTensor(spec.local_from_full(full.detach()), spec, requires_grad=requires_grad)
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -12,6 +12,7 @@ from torch import nn
 
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor, init_device_mesh
 from spmd.tensor.dispatch import MixedTensorError
+from spmd.tensor.rules import record_fallbacks
 from spmd.testing import run_ranks
 from tests.tensor.conftest import run_on_mesh
 
@@ -114,7 +115,7 @@ def test_distribute_module_and_training_step() -> None:
             optimizer.step()
         return outputs + [p.full_tensor() for p in model.parameters()]
 
-    got = run_on_mesh((2,), body, timeout=TIMEOUT, no_fallback=False)
+    got = run_on_mesh((2,), body, timeout=TIMEOUT)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     want = []
     for _ in range(2):
@@ -143,23 +144,47 @@ def test_partial_gradient_is_reduced_by_the_optimizer() -> None:
     run_on_mesh((2,), body, timeout=TIMEOUT)
 
 
-def test_fallback_warns_once_and_writes_back() -> None:
+@pytest.mark.filterwarnings("ignore:spmd DTensor")
+def test_fallback_computes_on_replicas_and_writes_back() -> None:
     def body(mesh) -> None:
         x = distribute_tensor(FULL, mesh, [Shard(0)])
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with record_fallbacks() as fallbacks:
             flipped = torch.roll(x, 1, 0)
             torch.roll(x, 1, 0)
             y = distribute_tensor(FULL, mesh, [Shard(1)])
             y.tril_()
-        messages = [str(w.message) for w in caught if "spmd DTensor" in str(w.message)]
-        assert sum("aten.roll.default" in m for m in messages) <= 1        # once per op (per process)
+        assert [str(op) for op in fallbacks] == ["aten.roll.default", "aten.roll.default", "aten.tril_.default"]
         torch.testing.assert_close(flipped.full_tensor(), FULL.roll(1, 0))
         assert flipped.placements == (Shard(0),)                            # same shape: re-chunked like x
         assert y.placements == (Shard(1),)
         torch.testing.assert_close(y.full_tensor(), FULL.tril())
 
-    run_on_mesh((2,), body, timeout=TIMEOUT, no_fallback=False)
+    run_on_mesh((2,), body, timeout=TIMEOUT, expect_fallbacks=("aten.roll.default", "aten.tril_.default"))
+
+
+_LIBRARY = torch.library.Library("spmd_test_fallback", "DEF")    # an op no other test can have warned about
+_LIBRARY.define("twice(Tensor x) -> Tensor")
+_LIBRARY.impl("twice", lambda x: x * 2, "CompositeExplicitAutograd")
+
+
+def test_fallback_warns_once_per_process_naming_the_op() -> None:
+    op = torch.ops.spmd_test_fallback.twice.default
+
+    def body(rank: int, world_size: int) -> list[str]:
+        x = distribute_tensor(FULL, init_device_mesh("cpu", (2,)), [Shard(0)])
+        with record_fallbacks() as fallbacks:
+            for _ in range(3):
+                torch.testing.assert_close(op(x).full_tensor(), FULL * 2)
+        return [str(f) for f in fallbacks]
+
+    # catch_warnings is entered on this thread only; the rank threads' warnings land in its list
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        recorded = run_ranks(body, world_size=2, timeout=TIMEOUT)
+    assert recorded == [["spmd_test_fallback.twice.default"] * 3] * 2    # every call, on each rank
+    messages = [str(w.message) for w in caught if "spmd DTensor" in str(w.message)]
+    assert len(messages) == 1, messages                                    # but one warning per process
+    assert "spmd_test_fallback.twice.default has no sharding rule" in messages[0]
 
 
 def test_bad_input_errors() -> None:

@@ -41,8 +41,7 @@ def test_initialisers_match_one_process(mesh_shape: tuple[int, ...]) -> None:
             torch.testing.assert_close(x.full_tensor(), _reference(100 + index, fill),
                                        msg=lambda m, name=name: f"{name}: {m}")
 
-    # trunc_normal_ checks its bounds with aten.any, a reduction that may take the (correct) fallback
-    run_on_mesh(mesh_shape, body, timeout=TIMEOUT, no_fallback=False)
+    run_on_mesh(mesh_shape, body, timeout=TIMEOUT)     # trunc_normal_'s aten.any has a rule: no fallback
 
 
 def test_consecutive_ops_stay_in_step_and_replicas_agree() -> None:

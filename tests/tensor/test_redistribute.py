@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import spmd.tensor.redistribute as redistribute_module
-from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from spmd.tensor import DTensor, Partial, Replicate, Shard, init_device_mesh
 from spmd.testing import run_ranks
+from spmd.testing.dtensor import make_dtensor
 from tests.tensor.conftest import placement_combos, run_on_mesh
 
 TIMEOUT = 60
@@ -20,7 +21,7 @@ FULL = torch.randn(7, 5, generator=torch.Generator().manual_seed(0))   # 7 rows:
 
 
 def _check_pair(mesh, src, dst, grad: bool) -> None:
-    x = distribute_tensor(FULL, mesh, list(src)).requires_grad_(grad)
+    x = make_dtensor(FULL, mesh, list(src)).requires_grad_(grad)
     y = x.redistribute(mesh, list(dst))
     assert y.placements == tuple(dst)
     if not any(isinstance(p, Partial) for p in dst):
@@ -45,11 +46,11 @@ def test_every_pair(mesh_shape: tuple[int, ...]) -> None:
 def test_nested_and_uneven_on_2d() -> None:
     def body(mesh) -> None:
         full = torch.arange(13.0 * 3).view(13, 3)
-        x = distribute_tensor(full, mesh, [Shard(0), Shard(0)])
+        x = make_dtensor(full, mesh, [Shard(0), Shard(0)])
         assert x.to_local().shape[0] == [4, 3, 3, 3][mesh.get_rank()]
         for dst in ([Replicate(), Shard(0)], [Shard(1), Shard(0)], [Shard(0), Shard(1)], [Partial(), Shard(0)]):
             torch.testing.assert_close(x.redistribute(mesh, dst).full_tensor(), full)
-        tiny = distribute_tensor(torch.ones(1, 3), mesh, [Shard(0), Replicate()])   # trailing ranks hold 0 rows
+        tiny = make_dtensor(torch.ones(1, 3), mesh, [Shard(0), Replicate()])   # trailing ranks hold 0 rows
         torch.testing.assert_close(tiny.redistribute(mesh, [Shard(1), Shard(0)]).full_tensor(), torch.ones(1, 3))
 
     run_on_mesh((2, 2), body, timeout=TIMEOUT)
@@ -83,7 +84,7 @@ def test_each_transition_uses_the_cheapest_collective(monkeypatch: pytest.Monkey
     counter = _Counter(monkeypatch)
 
     def body(mesh) -> None:
-        x = distribute_tensor(FULL, mesh, [src])
+        x = make_dtensor(FULL, mesh, [src])
         x.redistribute(mesh, [dst])
 
     run_on_mesh((4,), body, timeout=TIMEOUT)
@@ -92,7 +93,7 @@ def test_each_transition_uses_the_cheapest_collective(monkeypatch: pytest.Monkey
 
 def test_redistribute_errors() -> None:
     def body(mesh) -> None:
-        x = distribute_tensor(FULL, mesh, [Shard(0)])
+        x = make_dtensor(FULL, mesh, [Shard(0)])
         with pytest.raises(ValueError, match="placements"):
             x.redistribute(mesh, [Shard(0), Replicate()])
         with pytest.raises(ValueError, match="out of range"):
