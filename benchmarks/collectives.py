@@ -1,6 +1,6 @@
 """Collective bandwidth and latency: spmd's transports and torch gloo side by side, columns as nccl-tests.
 
-    python benchmarks/collectives.py [--world-size 2] [--transports tcp,shm] [--max-size 256M] [--ops ...]
+    python benchmarks/collectives.py [--world-size 2] [--transports tcp,shm] [--max-size 256M] [--ops ...] [--runs 3]
 
 Every rank is a process with one compute thread (torch.set_num_threads(1)) that joins both an spmd world
 per transport and a torch.distributed gloo world, so each size is measured on every backend in the same
@@ -10,13 +10,17 @@ the other backend just dirtied. Times are the slowest rank's median over repetit
 algbw = size / time and busbw = algbw x the nccl-tests factor (all_reduce 2(n-1)/n; all_gather,
 reduce_scatter, all_to_all (n-1)/n; broadcast 1), where size is the largest buffer (all_gather's output,
 reduce_scatter's input). "vs gloo" is gloo's time / spmd's time: above 1 means spmd is faster. send/recv
-is a ping-pong between ranks 0 and 1, reported as one-way latency.
+is a ping-pong between ranks 0 and 1, reported as one-way latency. With --runs N the whole measurement runs N
+times in fresh processes, and a last table gives the median of every time over the runs, and of every ratio
+with its range: the figures the README quotes.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
+import statistics
 import sys
 import warnings
 from collections.abc import Callable
@@ -152,7 +156,13 @@ def worker(rank: int, world_size: int, queue: Any, ports: dict[str, int], transp
         queue.put((rank, RuntimeError(f"rank {rank}: {type(error).__name__}: {error}")))
 
 
-def print_tables(results: list[tuple[str, int, str, float]], world_size: int, names: list[str]) -> None:
+Result = tuple[str, int, str, float]     # (op, bytes, backend, seconds)
+
+
+def print_tables(results: list[Result], world_size: int, names: list[str],
+                 ratios: dict[tuple[str, int, str], list[float]] | None = None) -> None:
+    """One nccl-tests style table per op. With `ratios` (per-run "vs gloo" ratios of several runs), the
+    ratio cells show their median and range instead of the ratio of the times in `results`."""
     table: dict[tuple[str, int], dict[str, float]] = {}
     for op, nbytes, name, seconds in results:
         table.setdefault((op, nbytes), {})[name] = seconds
@@ -165,9 +175,10 @@ def print_tables(results: list[tuple[str, int, str, float]], world_size: int, na
             head += f" {name + ' time (us)':>20} | {'algbw GB/s':>10} | {'busbw GB/s':>10} |"
             rule += "---------------------:|-----------:|-----------:|"
         spmd_names = [name for name in names if name != "gloo"]
+        width = 22 if ratios else 16
         for name in spmd_names:
-            head += f" {name + ' vs gloo':>16} |"
-            rule += "-----------------:|"
+            head += f" {name + ' vs gloo':>{width}} |"
+            rule += "-" * (width + 1) + ":|"
         print(head)
         print(rule)
         for (row_op, nbytes), times in table.items():
@@ -182,6 +193,11 @@ def print_tables(results: list[tuple[str, int, str, float]], world_size: int, na
                 algbw = nbytes / seconds / 1e9
                 line += f" {seconds * 1e6:>20.1f} | {algbw:>10.3f} | {algbw * factor:>10.3f} |"
             for name in spmd_names:
+                if ratios:
+                    runs = ratios.get((op, nbytes, name), [])
+                    cell = f"{statistics.median(runs):.2f}x ({min(runs):.2f}-{max(runs):.2f})" if runs else "-"
+                    line += f" {cell:>{width}} |"
+                    continue
                 ratio = times["gloo"] / times[name] if name in times and "gloo" in times else float("nan")
                 line += f" {ratio:>15.2f}x |"
             print(line)
@@ -195,6 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-size", default="8")
     parser.add_argument("--max-size", default="256M")
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--runs", type=int, default=1,
+                        help="whole measurements, each in fresh processes; with more than one, a last table gives "
+                             "the medians over the runs (what the README quotes)")
     args = parser.parse_args(argv)
     transports = [t for t in args.transports.split(",") if t]
     ops = [op for op in args.ops.split(",") if op]
@@ -204,10 +223,36 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [s for s in sizes_up_to(parse_size(args.max_size)) if s >= parse_size(args.min_size)]
     print(f"# spmd collectives benchmark: {args.world_size} ranks, 1 thread per rank; {machine_line()}")
     print(f"# single-thread memcpy bandwidth (the limit for one copy): {memcpy_bandwidth() / 1e9:.2f} GB/s")
-    ports = {"gloo": free_port(), "spmd": free_port()}
-    per_rank = run_processes(worker, args.world_size, (ports, transports, ops, sizes), args.timeout)
-    print_tables(per_rank[0], args.world_size, [f"spmd-{t}" for t in transports] + ["gloo"])
-    sys.stdout.flush()
+    names = [f"spmd-{t}" for t in transports] + ["gloo"]
+    runs = []
+    for run in range(args.runs):
+        ports = {"gloo": free_port(), "spmd": free_port()}
+        per_rank = run_processes(worker, args.world_size, (ports, transports, ops, sizes), args.timeout)
+        if args.runs > 1:
+            print(f"\n# run {run + 1} of {args.runs} (load average {os.getloadavg()[0]:.1f})")
+        print_tables(per_rank[0], args.world_size, names)
+        sys.stdout.flush()
+        runs.append(per_rank[0])
+    if args.runs > 1:
+        print(f"\n# medians over {args.runs} runs: times (and algbw/busbw from them), and each \"vs gloo\" ratio "
+              f"as the median (range) of the runs' ratios")
+        medians, ratios = summarize(runs)
+        print_tables(medians, args.world_size, names, ratios)
+
+
+def summarize(runs: list[list[Result]]) -> tuple[list[Result], dict[tuple[str, int, str], list[float]]]:
+    """The median time of every (op, size, backend) over the runs, and every spmd backend's per-run ratios."""
+    times: dict[tuple[str, int, str], list[float]] = {}
+    ratios: dict[tuple[str, int, str], list[float]] = {}
+    for results in runs:
+        by_cell = {(op, nbytes, name): seconds for op, nbytes, name, seconds in results}
+        for (op, nbytes, name), seconds in by_cell.items():
+            times.setdefault((op, nbytes, name), []).append(seconds)
+            gloo = by_cell.get((op, nbytes, "gloo"))
+            if name != "gloo" and gloo is not None:
+                ratios.setdefault((op, nbytes, name), []).append(gloo / seconds)
+    medians = [(op, nbytes, name, statistics.median(values)) for (op, nbytes, name), values in times.items()]
+    return medians, ratios
 
 
 if __name__ == "__main__":
