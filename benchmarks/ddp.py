@@ -12,7 +12,10 @@ For each: median step time and tokens/s, and how long backward waits on communic
   exposed    = median backward time with gradient sync - median backward time under no_sync()
   total      = median time of one all-reduce of the whole gradient (21 MB) on the same group
   overlapped = total - exposed (communication hidden behind backward compute)
-Implementations alternate within each repeat, so machine noise hits both alike; medians over all repeats.
+Both implementations live in the same two rank processes (each rank joins an spmd world and a gloo world
+and holds one model per implementation), and their steps alternate one by one (A, B, B, A, ...), so machine
+noise hits both alike. Every step starts after a barrier, and a step's time is the slowest rank's. Medians
+over all steps of all launches (--repeats), and the ratio of each launch.
 """
 
 from __future__ import annotations
@@ -49,39 +52,58 @@ def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 class _Impl:
-    """How one implementation sets up its group, wraps the model and all-reduces (spmd, torch, single)."""
+    """One implementation's group, DDP module, optimizer and data in this rank process (spmd, torch, single)."""
 
-    def __init__(self, name: str, rank: int, world_size: int, init_file: str) -> None:
+    def __init__(self, name: str, rank: int, world_size: int, init_file: str, bucket_cap_mb: float) -> None:
         self.name = name
+        raw = _model()
         if name == "spmd":
             import spmd
 
-            self.lib = spmd
-            spmd.init_process_group("auto", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+            self.lib: Any = spmd
+            spmd.init_process_group("auto", init_method=f"file://{init_file}.spmd", rank=rank,
+                                    world_size=world_size)
             self.backend = spmd.get_backend()
+            self.model = spmd.DistributedDataParallel(raw, bucket_cap_mb=bucket_cap_mb)
         elif name == "torch":
             import torch.distributed as dist
 
             self.lib = dist
-            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+            dist.init_process_group("gloo", init_method=f"file://{init_file}.gloo", rank=rank, world_size=world_size)
             self.backend = "gloo"
+            self.model = torch.nn.parallel.DistributedDataParallel(raw, bucket_cap_mb=bucket_cap_mb)
         else:
             self.lib = None
             self.backend = "none"
+            self.model = raw
+        self.raw = raw
+        self.optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-4)
+        self.generator = torch.Generator().manual_seed(rank)   # the same batches for every implementation
 
-    def wrap(self, model: torch.nn.Module, bucket_cap_mb: float) -> torch.nn.Module:
-        if self.name == "spmd":
-            return self.lib.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-        if self.name == "torch":
-            return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-        return model
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self.model.no_sync() if self.lib is not None else contextlib.nullcontext()
 
-    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
-        return model.no_sync() if self.lib is not None else contextlib.nullcontext()
+    def step(self, micro_batch: int, sync: bool) -> tuple[float, float]:
+        """One training step, started in step with the other ranks: (step seconds, backward seconds)."""
+        tokens = torch.randint(0, VOCAB, (micro_batch, CONTEXT + 1), generator=self.generator)
+        self.barrier()
+        start = time.perf_counter()
+        with contextlib.nullcontext() if sync else self.no_sync():
+            loss = _loss(self.model, tokens)
+            backward_start = time.perf_counter()
+            loss.backward()
+            backward = time.perf_counter() - backward_start
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start, backward
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        if self.lib is not None:
-            self.lib.all_reduce(tensor)
+    def all_reduce_seconds(self, flat: torch.Tensor) -> float:
+        if self.lib is None:
+            return 0.0
+        self.barrier()
+        start = time.perf_counter()
+        self.lib.all_reduce(flat)
+        return time.perf_counter() - start
 
     def barrier(self) -> None:
         if self.lib is not None:
@@ -93,54 +115,41 @@ class _Impl:
             self.lib.destroy_process_group()
 
 
-def _worker(impl_name: str, rank: int, world_size: int, micro_batch: int, steps: int, bucket_cap_mb: float,
+def _worker(names: list[str], rank: int, world_size: int, micro_batch: int, steps: int, bucket_cap_mb: float,
             init_file: str, out_file: str) -> None:
+    """Every implementation in `names` in this one process, their steps interleaved (A, B, B, A, ...)."""
     torch.set_num_threads(1)
-    impl = _Impl(impl_name, rank, world_size, init_file)
+    impls = [_Impl(name, rank, world_size, init_file, bucket_cap_mb) for name in names]
     try:
-        raw = _model()
-        model = impl.wrap(raw, bucket_cap_mb)
-        optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-4)
-        generator = torch.Generator().manual_seed(rank)
-
-        def step(sync: bool) -> tuple[float, float]:
-            tokens = torch.randint(0, VOCAB, (micro_batch, CONTEXT + 1), generator=generator)
-            start = time.perf_counter()
-            with contextlib.nullcontext() if sync else impl.no_sync(model):
-                loss = _loss(model, tokens)
-                backward_start = time.perf_counter()
-                loss.backward()
-                backward = time.perf_counter() - backward_start
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return time.perf_counter() - start, backward
-
+        record: dict[str, dict[str, list[float]]] = {
+            impl.name: {"step": [], "backward": [], "backward_local": [], "allreduce": []} for impl in impls}
         for _ in range(3):
-            step(sync=True)   # warm up (torch DDP also rebuilds its buckets here)
-        impl.barrier()
-        synced = [step(sync=True) for _ in range(steps)]
-        local = [step(sync=False) for _ in range(max(3, steps // 2))]
-        impl.barrier()
-        flat = torch.zeros(sum(p.numel() for p in raw.parameters()))
-        allreduce = []
-        for _ in range(5):
-            start = time.perf_counter()
-            impl.all_reduce(flat)
-            allreduce.append(time.perf_counter() - start)
-        if rank == 0:
-            torch.save({"step": [s for s, _ in synced], "backward": [b for _, b in synced],
-                        "backward_local": [b for _, b in local], "allreduce": allreduce,
-                        "backend": impl.backend, "params": flat.numel()}, out_file)
+            for impl in impls:
+                impl.step(micro_batch, sync=True)   # warm up (torch DDP also rebuilds its buckets here)
+        flat = torch.zeros(sum(p.numel() for p in impls[0].raw.parameters()))
+        for i in range(steps):
+            for impl in impls if i % 2 == 0 else impls[::-1]:
+                seconds, backward = impl.step(micro_batch, sync=True)
+                record[impl.name]["step"].append(seconds)
+                record[impl.name]["backward"].append(backward)
+        for i in range(max(3, steps // 2)):
+            for impl in impls if i % 2 == 0 else impls[::-1]:
+                record[impl.name]["backward_local"].append(impl.step(micro_batch, sync=False)[1])
+                record[impl.name]["allreduce"].append(impl.all_reduce_seconds(flat))
+        torch.save({"record": record, "backends": {impl.name: impl.backend for impl in impls},
+                    "params": flat.numel()}, f"{out_file}.{rank}")
     finally:
-        impl.close()
+        for impl in impls:
+            impl.close()
 
 
-def _run(impl: str, world_size: int, micro_batch: int, args: argparse.Namespace) -> dict[str, Any]:
+def _run(names: list[str], world_size: int, micro_batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One launch of `world_size` rank processes; per implementation, each timing as the slowest rank's."""
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         out_file = os.path.join(tmp, "result.pt")
-        procs = [ctx.Process(target=_worker, args=(impl, rank, world_size, micro_batch, args.steps, args.bucket_cap_mb,
-                                                   os.path.join(tmp, "init"), out_file))
+        procs = [ctx.Process(target=_worker, args=(names, rank, world_size, micro_batch, args.steps,
+                                                   args.bucket_cap_mb, os.path.join(tmp, "init"), out_file))
                  for rank in range(world_size)]
         for proc in procs:
             proc.start()
@@ -152,15 +161,18 @@ def _run(impl: str, world_size: int, micro_batch: int, args: argparse.Namespace)
                 proc.kill()
                 proc.join()
         if any(proc.exitcode != 0 for proc in procs):
-            raise RuntimeError(f"{impl} with {world_size} rank(s) failed: exit codes {[p.exitcode for p in procs]}")
-        return torch.load(out_file)
+            raise RuntimeError(f"{names} with {world_size} rank(s) failed: exit codes {[p.exitcode for p in procs]}")
+        per_rank = [torch.load(f"{out_file}.{rank}") for rank in range(world_size)]
+    slowest = {name: {key: [max(values) for values in zip(*(r["record"][name][key] for r in per_rank))]
+                      for key in per_rank[0]["record"][name]} for name in names}
+    return {"record": slowest, "backends": per_rank[0]["backends"], "params": per_rank[0]["params"]}
 
 
-def _summary(results: list[dict[str, Any]], global_batch: int) -> dict[str, float]:
-    step = statistics.median(t for r in results for t in r["step"])
-    backward = statistics.median(t for r in results for t in r["backward"])
-    local = statistics.median(t for r in results for t in r["backward_local"])
-    total = statistics.median(t for r in results for t in r["allreduce"])
+def _summary(runs: list[dict[str, Any]], name: str, global_batch: int) -> dict[str, float]:
+    def median(key: str) -> float:
+        return statistics.median(t for run in runs for t in run["record"][name][key])
+
+    step, backward, local, total = median("step"), median("backward"), median("backward_local"), median("allreduce")
     exposed = max(0.0, backward - local)
     return {"step_ms": step * 1e3, "tokens_s": global_batch * CONTEXT / step, "exposed_ms": exposed * 1e3,
             "comm_ms": total * 1e3, "overlapped_ms": max(0.0, total - exposed) * 1e3}
@@ -169,7 +181,7 @@ def _summary(results: list[dict[str, Any]], global_batch: int) -> dict[str, floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each implementation, alternating")
+    parser.add_argument("--repeats", type=int, default=2, help="launches, each running both implementations")
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket cap, the same for both")
@@ -180,27 +192,26 @@ def main() -> None:
     for setting in args.settings:
         micro = SETTINGS[setting]
         global_batch = micro * world_size
-        runs: dict[str, list[dict[str, Any]]] = {"spmd": [], "torch": [], "single": []}
-        for _ in range(args.repeats):
-            runs["spmd"].append(_run("spmd", world_size, micro, args))
-            runs["torch"].append(_run("torch", world_size, micro, args))
-            if setting == "compute":
-                runs["single"].append(_run("single", 1, global_batch, args))
-        spmd, ref = _summary(runs["spmd"], global_batch), _summary(runs["torch"], global_batch)
+        runs = [_run(["spmd", "torch"], world_size, micro, args) for _ in range(args.repeats)]
+        singles = [_run(["single"], 1, global_batch, args) for _ in range(args.repeats if setting == "compute" else 0)]
+        spmd, ref = _summary(runs, "spmd", global_batch), _summary(runs, "torch", global_batch)
+        per_run = [_summary([run], "spmd", global_batch)["tokens_s"] /
+                   _summary([run], "torch", global_batch)["tokens_s"] for run in runs]
         print(f"\n{setting}-heavy: micro batch {micro}/rank, global batch {global_batch} x {CONTEXT} tokens, "
-              f"spmd over {runs['spmd'][0]['backend']}, {runs['spmd'][0]['params'] / 1e6:.2f}M parameters")
+              f"spmd over {runs[0]['backends']['spmd']}, {runs[0]['params'] / 1e6:.2f}M parameters "
+              f"(load average {os.getloadavg()[0]:.1f})")
         print(f"  {'':6} {'step ms':>9} {'tokens/s':>10} {'allreduce ms':>13} {'exposed ms':>11} "
               f"{'overlapped ms':>14}")
         for name, row in (("spmd", spmd), ("torch", ref)):
             print(f"  {name:6} {row['step_ms']:9.1f} {row['tokens_s']:10.0f} {row['comm_ms']:13.1f} "
                   f"{row['exposed_ms']:11.1f} {row['overlapped_ms']:14.1f}")
-        print(f"  spmd / torch tokens/s: {spmd['tokens_s'] / ref['tokens_s']:.2f}x")
-        if runs["single"]:
-            single = _summary(runs["single"], global_batch)
+        print(f"  spmd / torch tokens/s: {spmd['tokens_s'] / ref['tokens_s']:.2f}x "
+              f"(per launch: {', '.join(f'{r:.2f}x' for r in per_run)})")
+        if singles:
+            single = _summary(singles, "single", global_batch)
             print(f"  one process, one thread, batch {global_batch}: {single['tokens_s']:.0f} tokens/s; scaling "
                   f"efficiency spmd {spmd['tokens_s'] / (world_size * single['tokens_s']):.2f}, torch "
                   f"{ref['tokens_s'] / (world_size * single['tokens_s']):.2f}")
-
 
 if __name__ == "__main__":
     main()
