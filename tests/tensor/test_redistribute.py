@@ -15,6 +15,7 @@ from spmd.tensor import DTensor, Partial, Replicate, Shard, init_device_mesh
 from spmd.testing import run_ranks
 from spmd.testing.dtensor import make_dtensor
 from tests.tensor.conftest import placement_combos, run_on_mesh
+from tests.tensor.rule_checks import checking_fallbacks
 
 TIMEOUT = 60
 FULL = torch.randn(7, 5, generator=torch.Generator().manual_seed(0))   # 7 rows: uneven over 2 and 4 ranks
@@ -116,4 +117,5 @@ def test_subset_over_tcp() -> None:
         x = DTensor.from_local(torch.full((2, 3), float(rank)), mesh, [Shard(0), Shard(0)])
         torch.testing.assert_close(x.full_tensor()[:, 0], torch.tensor([0.0, 0, 1, 1, 2, 2, 3, 3]))
 
-    run_ranks(body, 4, timeout=TIMEOUT, backend="tcp")
+    run_ranks(lambda rank, world_size: checking_fallbacks(lambda: body(rank, world_size)), 4, timeout=TIMEOUT,
+              backend="tcp")
