@@ -78,7 +78,7 @@ def _root(group: ProcessGroup, global_root: int | None, group_root: int | None, 
     if group_root is None:
         if global_root is None:
             return 0
-        return group.group_rank_of(global_root, f"{op} {role}")
+        return group.group_rank_of(global_root, f"{_where(op, group)}: {role}")
     if not 0 <= group_root < group.size():
         raise ValueError(f"{_where(op, group)}: group_{role}={group_root} is out of range for a group of "
                          f"{group.size()} ranks")

@@ -38,6 +38,9 @@ def check_reduce_op(op: ReduceOp, dtype: torch.dtype, op_name: str) -> None:
         raise ValueError(f"{op_name}: op must be a spmd.ReduceOp, got {op!r}")
     if op in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
         raise ValueError(f"{op_name}: {op!r} needs an integer or bool tensor, got {dtype}")
+    if dtype.is_complex and op not in (ReduceOp.SUM, ReduceOp.AVG):
+        # complex tensors travel as pairs of reals: only sums (and averages) of pairs are sums of complexes
+        raise ValueError(f"{op_name}: {op!r} is not defined for complex tensors ({dtype}); only SUM and AVG are")
     if op is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
         raise ValueError(f"{op_name}: ReduceOp.AVG needs a floating-point tensor, got {dtype}; use SUM and divide")
 

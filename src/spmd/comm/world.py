@@ -125,6 +125,7 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
                            "destroy_process_group() first to re-initialize")
     if backend not in available_backends():
         raise ValueError(f"spmd: unknown backend {backend!r}; choose one of {available_backends()}")
+    _check_rank_arguments(rank, world_size)
     seconds = as_seconds(timeout, DEFAULT_TIMEOUT)
     owns_store = store is None
     if store is not None:
@@ -139,11 +140,25 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
                              "spmd.testing.run_ranks, or pass one HashStore as store= to every thread")
         store, rank, world_size = rendezvous(init_method or "env://", rank, world_size, seconds)
     if not 0 <= rank < world_size:
-        raise ValueError(f"spmd: rank {rank} is out of range for world_size {world_size}")
+        raise ValueError(f"spmd: rank {rank} is out of range for world_size {world_size}: ranks are "
+                         f"0..{world_size - 1}")
     world = World(rank, world_size, store, backend, seconds, owns_store)
     _world.set(world)
     with _process_world_lock:
         _process_worlds.append(world)
+
+
+def _check_rank_arguments(rank: int, world_size: int) -> None:
+    """Explicit rank / world_size arguments that can't be right, rejected before any rendezvous waits on them
+    (-1 means "not given": read from the environment or the init_method)."""
+    if world_size == 0 or world_size < -1:
+        raise ValueError(f"spmd: init_process_group world_size={world_size}: it must be a positive number of "
+                         f"ranks (or -1 to read WORLD_SIZE)")
+    if rank < -1:
+        raise ValueError(f"spmd: init_process_group rank={rank}: ranks count from 0 (or -1 to read RANK)")
+    if world_size > 0 and rank >= world_size:
+        raise ValueError(f"spmd: init_process_group rank={rank} is out of range for world_size={world_size}: "
+                         f"ranks are 0..{world_size - 1}")
 
 
 def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> tuple[Store, int, int]:
