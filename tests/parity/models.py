@@ -72,8 +72,10 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """A GPT-style decoder with tied input/output embeddings; tokens (B, S) -> logits (B, S, V)."""
 
-    def __init__(self, vocab: int = 37, width: int = 24, heads: int = 4, layers: int = 2, context: int = 16) -> None:
+    def __init__(self, vocab: int = 37, width: int = 24, heads: int = 4, layers: int = 2, context: int = 16,
+                 checkpoint_blocks: bool = False) -> None:
         super().__init__()
+        self.checkpoint_blocks = checkpoint_blocks    # recompute each block in backward (non-reentrant)
         self.embed = nn.Embedding(vocab, width)
         self.position = nn.Parameter(torch.randn(context, width) / math.sqrt(width))
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
@@ -82,7 +84,7 @@ class TinyGPT(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.embed(tokens) + self.position[: tokens.shape[1]]                 # (B, S, H)
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks else block(x)
         return self.ln(x) @ self.embed.weight.t()                                 # (B, S, V)
 
 

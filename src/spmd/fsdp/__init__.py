@@ -1,0 +1,11 @@
+"""FSDP2: `fully_shard` shards each parameter as a DTensor over a DeviceMesh, gathering a group's parameters
+for its forward and backward and reduce-scattering its gradients, with torch.distributed.fsdp's API names.
+
+Layer: fsdp (L4; may import _core, _autograd, comm, device_mesh, tensor). Ported code swaps
+`torch.distributed.fsdp` for `spmd.fsdp`.
+"""
+
+from spmd.fsdp.api import FSDPModule, UnshardHandle, fully_shard
+from spmd.fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard"]

@@ -1,0 +1,345 @@
+"""fully_shard and FSDPModule: FSDP2's public API, named and behaving as torch.distributed.fsdp's.
+
+Layer: fsdp (may import _core, _autograd, comm, device_mesh, tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, overload
+
+import torch
+from torch import nn
+
+from spmd.comm.world import current_world, is_initialized
+from spmd.device_mesh import DeviceMesh, init_device_mesh
+from spmd.fsdp.param import FSDPParam, ShardMesh, Slot
+from spmd.fsdp.param_group import FSDPParamGroup, PostForwardMesh
+from spmd.fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from spmd.fsdp.state import FSDPState, state_of
+from spmd.tensor import DTensor
+from spmd.tensor.placement import Shard
+
+ShardPlacementFn = Callable[[nn.Parameter], Shard | None]
+_NO_MIXED_PRECISION = MixedPrecisionPolicy()
+_NO_OFFLOAD = OffloadPolicy()
+
+
+@overload
+def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
+@overload
+def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+
+
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool | int = True, shard_placement_fn: ShardPlacementFn | None = None,
+                mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
+                offload_policy: OffloadPolicy = _NO_OFFLOAD,
+                ignored_params: set[nn.Parameter] | None = None) -> Any:
+    """Shard the parameters of `module` (or of a list of modules, sharded as one group) over `mesh`, in place.
+
+    Apply it bottom-up: to each block, then to the root. Every parameter not already owned by a fully_shard call
+    below becomes a Shard(0) DTensor (or the Shard `shard_placement_fn` returns) on the mesh's last dim; a 2-d
+    mesh (replicate, shard) is HSDP. The call's parameters form one group: all-gathered in one collective before
+    its forward (and again before backward when resharded), reduce-scattered in one after backward. The module's
+    class becomes `FSDP<Class>`, a subclass of FSDPModule. Collective over the world (mesh groups are created).
+    """
+    modules = tuple(module) if isinstance(module, list) else (module,)
+    mesh = mesh if mesh is not None else _default_mesh()
+    shard_mesh = _check_mesh(mesh, modules)
+    _check_not_initialised(modules)
+    post_forward_mesh = _post_forward_mesh(reshard_after_forward, mesh, modules)
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    shard_device = torch.device("cpu") if offload else shard_mesh.device
+    pin_memory = offload and offload_policy.pin_memory and torch.accelerator.is_available()
+    _move_buffers(modules, shard_mesh.device)
+    params = [FSDPParam(param, slots, fqn, shard_mesh, _shard_dim(shard_placement_fn, param, fqn),
+                        mp_policy.param_dtype, shard_device, pin_memory)
+              for param, slots, fqn in _managed_params(modules, ignored_params or set(), mesh)]
+    name = "/".join(type(m).__name__ for m in modules)
+    group = _build_group(params, shard_mesh, mp_policy, post_forward_mesh, name) if params else None
+    FSDPState(modules, group, mp_policy, reshard_after_forward, name)
+    for m in modules:
+        _become_fsdp_module(m)
+    return list(modules) if isinstance(module, list) else module
+
+
+class UnshardHandle:
+    """An `unshard(async_op=True)` in flight; `wait()` makes the module hold its full parameters."""
+
+    def __init__(self, group: FSDPParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+class FSDPModule:
+    """The methods every fully_shard module gains (its class becomes a subclass `FSDP<Class>`)."""
+
+    def _fsdp_state(self) -> FSDPState:
+        state = state_of(self)   # type: ignore[arg-type]
+        assert state is not None
+        return state
+
+    def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [self._fsdp_state()]
+        found: list[FSDPState] = []
+        for sub in self.modules():   # type: ignore[attr-defined]
+            state = state_of(sub)
+            if state is not None and state not in found:
+                found.append(state)
+        return found
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters now (collective); with async_op, return a handle to wait on."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.unshard(async_op=True)
+        handle = UnshardHandle(group)
+        if not async_op:
+            handle.wait()
+            return None
+        return handle
+
+    def reshard(self) -> None:
+        """Free this module's full parameters; the module holds its shards again."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """With False, backward keeps accumulating unsharded gradients without a reduce-scatter (gradient
+        accumulation); the next backward with True reduces the sum."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        for state in self._fsdp_states(recurse):
+            if not state.is_root:
+                state.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """With False, parameters stay unsharded after backward (no all-gather in the next micro-batch's forward;
+        only valid while no optimizer step changes the shards)."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.reshard_after_backward = reshard_after_backward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """With False, the end of backward leaves the last reduce-scatters in flight (micro-batching); the sharded
+        gradients are complete after a backward with True."""
+        self._fsdp_state().is_last_backward = is_last_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by `factor` instead of the number of data-parallel ranks."""
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be positive, got {factor}")
+        for state in self._fsdp_states(recurse=True):
+            if state.group is not None:
+                state.group.divide_factor = float(factor)
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """In this module's forward, start the all-gathers of `modules` (replacing the implicit next-module one)."""
+        self._fsdp_state().forward_prefetch = [_state_for_prefetch(m, "set_modules_to_forward_prefetch")
+                                               for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """In this module's backward, start the all-gathers of `modules` (replacing the implicit one)."""
+        self._fsdp_state().backward_prefetch = [_state_for_prefetch(m, "set_modules_to_backward_prefetch")
+                                                for m in modules]
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> Any:
+        """nn.Module._apply (to_empty, to, ...), then re-adopt the converted shards as the managed parameters."""
+        states = self._fsdp_states(recurse=True)
+        for state in states:
+            if state.group is not None and state.group.state.name != "SHARDED":
+                raise RuntimeError(f"{type(self).__name__}._apply (to/to_empty/...): {state.name} holds its "
+                                   f"full parameters; call reshard() first")
+        result = super()._apply(fn, recurse)   # type: ignore[misc]
+        for state in states:
+            if state.group is not None:
+                for param in state.group.params:
+                    param.reset_sharded_param()
+        return result
+
+
+def _state_for_prefetch(module: object, method: str) -> FSDPState:
+    state = state_of(module) if isinstance(module, nn.Module) else None
+    if state is None:
+        raise ValueError(f"{method}: {type(module).__name__} is not a fully_shard module")
+    return state
+
+
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+def _become_fsdp_module(module: nn.Module) -> None:
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        return
+    fsdp_cls = _FSDP_CLASSES.get(cls)
+    if fsdp_cls is None:
+        fsdp_cls = _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module.__class__ = fsdp_cls
+    module.register_state_dict_pre_hook(_reshard_before_state_dict)
+    module.register_load_state_dict_post_hook(_readopt_after_load)
+
+
+def _reshard_before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    state = state_of(module)
+    if state is not None and state.group is not None:
+        state.group.reshard()
+
+
+def _readopt_after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    state = state_of(module)
+    if state is not None and state.group is not None:
+        for param in state.group.params:
+            param.reset_sharded_param()
+
+
+# -- the steps of fully_shard --------------------------------------------------------------------------------
+
+def _default_mesh() -> DeviceMesh:
+    if not is_initialized():
+        raise RuntimeError("fully_shard: no process group; call spmd.init_process_group() first or pass mesh=")
+    world = current_world()
+    accelerator = torch.accelerator.current_accelerator()
+    devices = world.default_group.transport.devices
+    device_type = accelerator.type if accelerator is not None and accelerator.type in devices else "cpu"
+    return init_device_mesh(device_type, (world.world_size,))
+
+
+def _check_mesh(mesh: DeviceMesh, modules: tuple[nn.Module, ...]) -> ShardMesh:
+    names = ", ".join(type(m).__name__ for m in modules)
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard({names}): mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard({names}): mesh must be 1-d (shard) or 2-d (replicate, shard), got a "
+                         f"{mesh.ndim}-d mesh {tuple(mesh.shape)}")
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"fully_shard({names}) on rank {mesh.get_rank()}: this rank is not in the mesh "
+                         f"{mesh.mesh.tolist()}; every rank that runs the model must be in its mesh")
+    if mesh.device_type == "cpu":
+        device = torch.device("cpu")
+    else:
+        device = torch.device(mesh.device_type, torch.accelerator.current_device_index())
+    return ShardMesh(mesh, device)
+
+
+def _check_not_initialised(modules: tuple[nn.Module, ...]) -> None:
+    for module in modules:
+        if state_of(module) is not None:
+            raise ValueError(f"fully_shard: {type(module).__name__} is already sharded; call fully_shard once per "
+                             f"module")
+        for sub in module.modules():
+            state = state_of(sub)
+            if state is not None and state.root is not None:
+                raise RuntimeError(f"fully_shard({type(module).__name__}): {state.name} already ran forward "
+                                   f"before this module was sharded; shard every module (bottom-up, root last) "
+                                   f"before the first forward")
+
+
+def _post_forward_mesh(reshard_after_forward: bool | int, mesh: DeviceMesh,
+                       modules: tuple[nn.Module, ...]) -> PostForwardMesh | None:
+    if isinstance(reshard_after_forward, bool):
+        return None
+    names = ", ".join(type(m).__name__ for m in modules)
+    size = mesh.size(mesh.ndim - 1)
+    if not isinstance(reshard_after_forward, int) or not 1 < reshard_after_forward < size \
+            or size % reshard_after_forward:
+        raise ValueError(f"fully_shard({names}): reshard_after_forward must be True, False or a divisor of the "
+                         f"shard mesh dim's size {size} other than 1 and {size} (the group to reshard to, e.g. "
+                         f"the ranks of one host), got {reshard_after_forward!r}")
+    small = reshard_after_forward
+    ranks = mesh.mesh.reshape(*mesh.mesh.shape[:-1], size // small, small)
+    post_forward = DeviceMesh(mesh.device_type, ranks)
+    return PostForwardMesh(post_forward.get_group(post_forward.ndim - 1), small,
+                           mesh.get_local_rank(mesh.ndim - 1) % small)
+
+
+def _move_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> None:
+    for module in modules:
+        for sub in module.modules():
+            for name, buffer in sub._buffers.items():
+                if buffer is not None and buffer.device.type != "meta" and buffer.device != device:
+                    sub._buffers[name] = buffer.to(device)
+
+
+def _managed_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter],
+                    mesh: DeviceMesh) -> list[tuple[nn.Parameter, list[Slot], str]]:
+    """The parameters this call shards: those of `modules` not under a fully_shard submodule and not ignored,
+    each once with every (module, name) it is registered under (tied weights) and its qualified name."""
+    ignored_ids = {id(p) for p in ignored}
+    found: dict[int, tuple[nn.Parameter, list[Slot], str]] = {}
+    for module in modules:
+        for prefix, sub in _unowned_modules(module):
+            for name, param in sub._parameters.items():
+                if param is None or id(param) in ignored_ids:
+                    continue
+                fqn = f"{prefix}.{name}" if prefix else name
+                if isinstance(param, DTensor):
+                    if _owned_by_fsdp(param, module):
+                        continue          # a tied parameter a fully_shard submodule already manages
+                    raise ValueError(f"fully_shard({type(module).__name__}): parameter {fqn} is already a DTensor "
+                                     f"({list(param.placements)} on {param.device_mesh}); fully_shard shards plain "
+                                     f"parameters over {mesh}")
+                if id(param) in found:
+                    found[id(param)][1].append(Slot(sub, name))
+                else:
+                    found[id(param)] = (param, [Slot(sub, name)], fqn)
+    return list(found.values())
+
+
+def _unowned_modules(module: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    """`module` and its submodules, skipping the subtrees of fully_shard submodules (their own groups)."""
+    stack = [("", module)]
+    seen: set[int] = set()
+    while stack:
+        prefix, sub = stack.pop(0)
+        if id(sub) in seen:
+            continue
+        seen.add(id(sub))
+        yield prefix, sub
+        for name, child in sub._modules.items():
+            if child is not None and state_of(child) is None:
+                stack.append((f"{prefix}.{name}" if prefix else name, child))
+
+
+def _owned_by_fsdp(param: DTensor, module: nn.Module) -> bool:
+    for sub in module.modules():
+        state = state_of(sub)
+        if state is not None and state.group is not None and any(p.sharded_param is param
+                                                                 for p in state.group.params):
+            return True
+    return False
+
+
+def _shard_dim(shard_placement_fn: ShardPlacementFn | None, param: nn.Parameter, fqn: str) -> int:
+    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if placement is None:
+        placement = Shard(0)
+    if not isinstance(placement, Shard):
+        raise ValueError(f"fully_shard: shard_placement_fn returned {placement!r} for {fqn}; return a Shard(dim) "
+                         f"or None (Shard(0))")
+    dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+    if param.ndim == 0 or not 0 <= dim < param.ndim:
+        raise ValueError(f"fully_shard: cannot shard {fqn} of shape {tuple(param.shape)} on dim {placement.dim}")
+    return dim
+
+
+def _build_group(params: list[FSDPParam], shard_mesh: ShardMesh, mp_policy: MixedPrecisionPolicy,
+                 post_forward_mesh: PostForwardMesh | None, name: str) -> FSDPParamGroup:
+    dtypes = {param.unsharded_dtype for param in params}
+    if len(dtypes) > 1:
+        listed = ", ".join(f"{p.fqn}: {p.orig_dtype}" for p in params)
+        raise ValueError(f"fully_shard({name}): parameters of one group must share a dtype to be all-gathered "
+                         f"together ({listed}); set MixedPrecisionPolicy(param_dtype=...) or shard them separately")
+    gather_dtype = dtypes.pop()
+    reduce_dtype = mp_policy.reduce_dtype or gather_dtype
+    return FSDPParamGroup(params, shard_mesh, gather_dtype, reduce_dtype, post_forward_mesh, name)

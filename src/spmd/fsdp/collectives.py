@@ -1,0 +1,110 @@
+"""The two collectives of a parameter group: copy-in -> all-gather -> copy-out of its parameters, and copy-in ->
+reduce-scatter of its gradients. One collective per group per direction, whatever the number of parameters.
+
+Layer: fsdp. Both collectives are asynchronous: `start_*` issues the op and returns a handle that holds every
+buffer the op reads or writes, so nothing it touches is freed while it is in flight; `finish_*` waits for it.
+
+Note: the flat layouts
+An all-gather input is this rank's padded pieces of the group's parameters end to end, `piece_numels[i]` elements
+for parameter i (see Note: FSDP tensors in param.py). The output holds every rank's input in rank order, so it
+is rank-major, (group_size, sum(piece_numels)); the unsharded buffer is parameter-major (parameter i's
+group_size pieces together), so copy-out is one strided copy, `split_with_sizes_copy` along dim 1. The
+reduce-scatter input is the same rank-major layout built from the unsharded gradients, and its output is this
+rank's padded pieces end to end, again parameter after parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from spmd.comm.collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tensor
+from spmd.comm.group import ProcessGroup
+from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.work import Work
+from spmd.fsdp.param import FSDPParam
+
+
+@dataclasses.dataclass
+class AllGather:
+    """An all-gather in flight: it reads `input` and writes `output` (rank-major; see Note: the flat layouts)."""
+
+    work: Work | None
+    input: Tensor
+    output: Tensor
+    group_size: int
+    piece_numels: list[int]
+
+
+def start_all_gather(params: list[FSDPParam], dtype: torch.dtype, device: torch.device, group: ProcessGroup,
+                     pieces: Tensor | None = None, piece_numels: list[int] | None = None) -> AllGather:
+    """Issue the all-gather of `params`: from their sharded parameters (copy-in, casting to `dtype`), or from
+    `pieces`, an all-gather input already laid out (the shards kept after forward for a smaller group)."""
+    if pieces is None:
+        piece_numels = [param.padded_numel for param in params]
+        pieces = torch.empty(sum(piece_numels), dtype=dtype, device=device)
+        for param, piece in zip(params, pieces.split(piece_numels), strict=True):
+            param.copy_shard_into(piece)
+    assert piece_numels is not None
+    output = pieces.new_empty(pieces.numel() * group.size())
+    work = all_gather_into_tensor(output, pieces, group=group, async_op=True)
+    return AllGather(work, pieces, output, group.size(), piece_numels)
+
+
+def finish_all_gather(gather: AllGather, unsharded: Tensor) -> None:
+    """Wait for `gather` and copy its output into `unsharded`, the group's parameter-major buffer.
+
+    The copy keeps the buffer's version counter: autograd saved views of it in forward, and backward's all-gather
+    refills them with the values they were saved with (see Note: FSDP tensors in param.py).
+    """
+    if gather.work is not None:
+        gather.work.wait()
+    size = gather.group_size
+    segments = unsharded.split([numel * size for numel in gather.piece_numels])
+    outs = [segment.view(size, numel) for segment, numel in zip(segments, gather.piece_numels, strict=True)]
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(unsharded):
+        torch.split_with_sizes_copy(gather.output.view(size, -1), gather.piece_numels, dim=1, out=outs)
+
+
+@dataclasses.dataclass
+class ReduceScatter:
+    """A gradient reduce-scatter in flight: it reads `input` (rank-major) and writes `output`, this rank's
+    reduced pieces of `params` end to end."""
+
+    work: Work | None
+    input: Tensor
+    output: Tensor
+    params: list[FSDPParam]
+
+
+def start_reduce_scatter(params: list[FSDPParam], dtype: torch.dtype, device: torch.device,
+                         group: ProcessGroup) -> ReduceScatter:
+    """Copy the unsharded gradients of `params` into one rank-major buffer (cast to `dtype`, padding zeroed) and
+    issue its SUM reduce-scatter over `group`. The unsharded gradients can be dropped once this returns."""
+    piece_numels = [param.padded_numel for param in params]
+    flat = torch.empty(group.size(), sum(piece_numels), dtype=dtype, device=device)
+    with torch.no_grad():
+        for param, rows in zip(params, flat.split(piece_numels, dim=1), strict=True):
+            param.copy_grad_into(rows)
+    output = flat.new_empty(sum(piece_numels))
+    work = reduce_scatter_tensor(output, flat.view(-1), ReduceOp.SUM, group=group, async_op=True)
+    return ReduceScatter(work, flat, output, params)
+
+
+def finish_reduce_scatter(reduction: ReduceScatter, replicate_group: ProcessGroup | None,
+                          divide_factor: float) -> None:
+    """Wait for `reduction`, sum it over `replicate_group` (HSDP), divide by `divide_factor` and add each
+    parameter's piece into its sharded gradient."""
+    if reduction.work is not None:
+        reduction.work.wait()
+    output = reduction.output
+    if replicate_group is not None and replicate_group.size() > 1:
+        all_reduce(output, ReduceOp.SUM, group=replicate_group)
+    with torch.no_grad():
+        if divide_factor != 1:
+            output.div_(divide_factor)
+        pieces = output.split([param.padded_numel for param in reduction.params])
+        for param, piece in zip(reduction.params, pieces, strict=True):
+            param.accumulate_sharded_grad(piece)

@@ -1,0 +1,228 @@
+"""FSDPParam: one parameter under FSDP, its two forms (sharded and unsharded) and the transitions between them.
+
+Layer: fsdp. Nothing here communicates; the parameter group moves the bytes (collectives.py) and calls these.
+
+Note: FSDP tensors
+A parameter of global shape S, sharded on tensor dim d over the group_size ranks of the shard mesh dim, exists as:
+- the sharded parameter: an nn.Parameter DTensor with placements Shard(d) (Replicate() first on an HSDP mesh),
+  whose local tensor is this rank's torch.chunk along d. It is what the optimizer steps and what state_dict saves.
+- its padded piece: rows_pad = ceil(S[d] / group_size) rows along d (dim d moved to the front), this rank's
+  local rows then padding, flattened: `padded_numel` elements. Every rank's piece has the same size, so the
+  pieces of a group's parameters, laid end to end, make one all-gather input and one reduce-scatter output.
+- the unsharded parameter: a plain nn.Parameter of shape S, a view of this parameter's segment of the group's
+  unsharded buffer, where group_size padded pieces lie end to end (rank order): narrowing away the padding and
+  moving dim d back gives the full parameter with no copy. The module holds it from the all-gather until the
+  reshard, and autograd accumulates its gradient, which the reduce-scatter turns into the sharded gradient.
+The unsharded parameter object lives as long as the FSDPParam: freeing it frees its group's buffer storage
+(resize to 0 bytes) and the next all-gather re-allocates and refills the same storage. So the tensors autograd
+saved in forward, views of that storage, hold the right values again once backward's all-gather has run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+import torch
+from torch import Tensor, nn
+
+from spmd.device_mesh import DeviceMesh
+from spmd.tensor import DTensor
+from spmd.tensor.placement import Placement, Replicate, Shard
+from spmd.tensor.spec import DTensorSpec, contiguous_stride
+
+
+class ParamState(enum.Enum):
+    SHARDED = enum.auto()     # the module holds the sharded DTensor parameter; no unsharded memory is needed
+    UNSHARDED = enum.auto()   # the module holds the full parameter (a view of the group's unsharded buffer)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where a parameter is registered: `module._parameters[name]` (a tied parameter has several slots)."""
+
+    module: nn.Module
+    name: str
+
+    def get(self) -> Tensor | None:
+        return self.module._parameters.get(self.name)
+
+    def set(self, param: Tensor) -> None:
+        self.module._parameters[self.name] = param
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardMesh:
+    """The mesh FSDP shards over: parameters are sharded along its last dim; on a 2-d (replicate, shard) mesh
+    (HSDP) they are replicated along the first, and gradients are all-reduced over it."""
+
+    mesh: DeviceMesh
+    device: torch.device
+
+    @property
+    def shard_mesh_dim(self) -> int:
+        return self.mesh.ndim - 1
+
+    @property
+    def group_size(self) -> int:
+        return self.mesh.size(self.shard_mesh_dim)
+
+    @property
+    def group_rank(self) -> int:
+        return self.mesh.get_local_rank(self.shard_mesh_dim)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.mesh.ndim == 2
+
+    def placements(self, shard_dim: int) -> tuple[Placement, ...]:
+        return (Replicate(), Shard(shard_dim)) if self.is_hybrid else (Shard(shard_dim),)
+
+
+class FSDPParam:
+    """One managed parameter (see Note: FSDP tensors). `fqn` names it in every error."""
+
+    sharded_param: nn.Parameter
+    unsharded_param: nn.Parameter | None
+
+    def __init__(self, param: nn.Parameter, slots: list[Slot], fqn: str, shard_mesh: ShardMesh, shard_dim: int,
+                 param_dtype: torch.dtype | None, shard_device: torch.device, pin_memory: bool) -> None:
+        self.fqn = fqn
+        self.slots = slots
+        self.shard_mesh = shard_mesh
+        self.shard_dim = shard_dim
+        self.shape = param.shape
+        self.orig_dtype = param.dtype
+        self.unsharded_dtype = param_dtype if param_dtype is not None else param.dtype
+        self.requires_grad = param.requires_grad
+        self.shard_device = shard_device
+        self.pin_memory = pin_memory
+        group_size = shard_mesh.group_size
+        self.rows_full = param.shape[shard_dim]
+        self.moved_rest = tuple(s for i, s in enumerate(param.shape) if i != shard_dim)   # shape without dim d
+        self.rows_pad = -(-self.rows_full // group_size)
+        self.padded_numel = self.rows_pad * math.prod(self.moved_rest)
+        self.rows_local = max(0, min(self.rows_pad, self.rows_full - self.rows_pad * shard_mesh.group_rank))
+        self.spec = DTensorSpec(shard_mesh.mesh, shard_mesh.placements(shard_dim), param.shape,
+                                contiguous_stride(param.shape), param.dtype)
+        self.sharded_param = nn.Parameter(DTensor(self._local_shard_of(param), self.spec),
+                                          requires_grad=param.requires_grad)
+        self.unsharded_param = None
+        self.state = ParamState.SHARDED
+        for slot in slots:
+            slot.set(self.sharded_param)
+
+    # -- the sharded form -----------------------------------------------------------------------------------
+
+    def _local_shard_of(self, param: Tensor) -> Tensor:
+        """This rank's rows of `param` along the shard dim, as a new tensor on the shard device (meta stays meta)."""
+        local_shape = list(self.shape)
+        local_shape[self.shard_dim] = self.rows_local
+        if param.device.type == "meta":
+            return torch.empty(local_shape, dtype=param.dtype, device="meta")
+        start = self.rows_pad * self.shard_mesh.group_rank
+        rows = param.detach().narrow(self.shard_dim, min(start, self.rows_full), self.rows_local)
+        local = torch.empty(local_shape, dtype=param.dtype, device=self.shard_device, pin_memory=self.pin_memory)
+        return local.copy_(rows)
+
+    @property
+    def local_shard(self) -> Tensor:
+        return self.sharded_param._local_tensor
+
+    def copy_shard_into(self, piece: Tensor) -> None:
+        """Write this rank's rows into `piece`, its padded piece of an all-gather input (padding left as is)."""
+        if self.rows_local:
+            piece.view(self.rows_pad, *self.moved_rest)[: self.rows_local].copy_(
+                self.local_shard.movedim(self.shard_dim, 0), non_blocking=True)
+
+    def reset_sharded_param(self) -> None:
+        """Adopt the tensor now in the first slot as the sharded parameter (after `module._apply`, e.g. to_empty,
+        or `load_state_dict(assign=True)` replaced it), re-registering it in every slot so tied weights stay tied."""
+        current = self.slots[0].get()
+        if current is self.sharded_param:
+            return
+        if not isinstance(current, DTensor) or current._spec.placements != self.spec.placements \
+                or current.shape != self.shape:
+            found = (f"a {type(current).__name__} of shape {tuple(current.shape)}" if current is not None
+                     else "nothing")
+            raise RuntimeError(f"fully_shard: parameter {self.fqn} should be a {list(self.spec.placements)} DTensor "
+                               f"of shape {tuple(self.shape)}, but the module holds {found}; replace parameters "
+                               f"before fully_shard, or load sharded DTensors with the same placements")
+        if current.dtype != self.orig_dtype:
+            raise RuntimeError(f"fully_shard: parameter {self.fqn} changed dtype from {self.orig_dtype} to "
+                               f"{current.dtype} after sharding; change dtypes before fully_shard (or use "
+                               f"MixedPrecisionPolicy)")
+        if not isinstance(current, nn.Parameter):
+            current = nn.Parameter(current, requires_grad=self.requires_grad)
+        self.sharded_param = current
+        for slot in self.slots:
+            slot.set(current)
+
+    # -- the unsharded form ---------------------------------------------------------------------------------
+
+    def init_unsharded(self, segment: Tensor) -> None:
+        """Make the unsharded parameter a view of `segment`, this parameter's group_size padded pieces in the
+        group's unsharded buffer (see Note: FSDP tensors). Once per FSDPParam."""
+        full = segment.view(self.rows_pad * self.shard_mesh.group_size, *self.moved_rest)[: self.rows_full]
+        self.unsharded_param = nn.Parameter(full.movedim(0, self.shard_dim), requires_grad=self.requires_grad)
+
+    def to_unsharded(self) -> None:
+        self._expect(ParamState.SHARDED)
+        assert self.unsharded_param is not None
+        self.check_slots_hold(self.sharded_param)
+        for slot in self.slots:
+            slot.set(self.unsharded_param)
+        self.state = ParamState.UNSHARDED
+
+    def to_sharded(self) -> None:
+        self._expect(ParamState.UNSHARDED)
+        for slot in self.slots:
+            slot.set(self.sharded_param)
+        self.state = ParamState.SHARDED
+
+    def check_slots_hold(self, expected: Tensor) -> None:
+        """Raise when user code replaced the parameter on its module after fully_shard."""
+        for slot in self.slots:
+            if slot.get() is not expected:
+                raise RuntimeError(f"fully_shard: parameter {self.fqn} was replaced on its module "
+                                   f"({type(slot.module).__name__}.{slot.name}) after fully_shard; FSDP would "
+                                   f"all-gather the old one. Assign parameters before fully_shard, or change "
+                                   f"values in place (param.copy_ under torch.no_grad())")
+
+    # -- gradients ------------------------------------------------------------------------------------------
+
+    def unsharded_grad(self) -> Tensor | None:
+        return None if self.unsharded_param is None else self.unsharded_param.grad
+
+    def copy_grad_into(self, rows: Tensor) -> None:
+        """Write the unsharded gradient into `rows`, a (group_size, padded_numel) view of a reduce-scatter input:
+        row r gets rank r's padded piece, padding zeroed. A parameter without a gradient contributes zeros."""
+        grad = self.unsharded_grad()
+        pieces = rows.view(rows.shape[0], self.rows_pad, *self.moved_rest)
+        if grad is None:
+            pieces.zero_()
+            return
+        moved = grad.movedim(self.shard_dim, 0)                      # (S[d], *rest)
+        full_pieces, tail = divmod(self.rows_full, self.rows_pad)
+        pieces[:full_pieces].copy_(moved[: full_pieces * self.rows_pad].view(full_pieces, self.rows_pad,
+                                                                             *self.moved_rest))
+        if full_pieces < pieces.shape[0]:
+            pieces[full_pieces:].zero_()
+            if tail:
+                pieces[full_pieces, :tail].copy_(moved[full_pieces * self.rows_pad:])
+
+    def accumulate_sharded_grad(self, piece: Tensor) -> None:
+        """Add this rank's reduced padded piece (flat, any dtype) into the sharded gradient (or set it)."""
+        local = piece.view(self.rows_pad, *self.moved_rest)[: self.rows_local].movedim(0, self.shard_dim)
+        local = local.contiguous().to(device=self.shard_device, dtype=self.orig_dtype)
+        grad = self.sharded_param.grad
+        if grad is None:
+            self.sharded_param.grad = DTensor(local, self.spec)
+        else:
+            grad._local_tensor.add_(local)
+
+    def _expect(self, *allowed: ParamState) -> None:
+        if self.state not in allowed:
+            raise RuntimeError(f"FSDP parameter {self.fqn}: expected state {[s.name for s in allowed]}, found "
+                               f"{self.state.name}")

@@ -1,0 +1,231 @@
+"""FSDPParamGroup: the parameters of one `fully_shard` call, communicated together; unshard, reshard, reduce.
+
+Layer: fsdp. The group's collectives run over the shard mesh dim (all-gather, reduce-scatter) and, on an HSDP
+mesh, the replicate mesh dim (the gradient all-reduce). Every method that communicates is collective: every rank
+of those groups calls it in the same order, which FSDP's hooks guarantee by running the same model on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from spmd._autograd import HookHandles, on_grad_accumulated
+from spmd.comm.group import ProcessGroup
+from spmd.device_mesh import DeviceMesh
+from spmd.fsdp.collectives import (
+    AllGather,
+    ReduceScatter,
+    finish_all_gather,
+    finish_reduce_scatter,
+    start_all_gather,
+    start_reduce_scatter,
+)
+from spmd.fsdp.param import FSDPParam, ShardMesh
+
+
+class GroupState(enum.Enum):
+    SHARDED = enum.auto()               # the modules hold the sharded parameters; no unsharded memory is held
+    GATHERING = enum.auto()             # an all-gather into the unsharded buffer is in flight (prefetch, async)
+    UNSHARDED = enum.auto()             # the modules hold the full parameters (views of the unsharded buffer)
+    SHARDED_POST_FORWARD = enum.auto()  # the modules hold the shards; a copy sharded over the smaller post-forward
+                                        # group is kept, so backward's all-gather stays within that group
+
+
+class BackwardState(enum.Enum):
+    IDLE = enum.auto()       # no backward has reached the group since its last post-backward
+    COMPUTING = enum.auto()  # pre-backward ran: the parameters are unsharded and gradients are accumulating
+    REDUCED = enum.auto()    # post-backward ran in this backward: gradients reduced (or held, without sync)
+
+
+@dataclasses.dataclass(frozen=True)
+class PostForwardMesh:
+    """reshard_after_forward=int: the group of `size` ranks (consecutive along the shard mesh dim) that keeps the
+    parameters sharded between forward and backward, and this rank's position in it."""
+
+    group: ProcessGroup
+    size: int
+    position: int
+
+
+class PendingReductions:
+    """The reduce-scatters of one root's groups still in flight, finished in issue order (shared by the tree)."""
+
+    def __init__(self) -> None:
+        self._finishers: list[Callable[[], None]] = []
+
+    def push(self, finisher: Callable[[], None]) -> None:
+        self._finishers.append(finisher)
+
+    def finish_all(self) -> None:
+        while self._finishers:
+            self._finishers.pop(0)()
+
+
+class FSDPParamGroup:
+    """The parameters of one fully_shard call and their two collectives."""
+
+    def __init__(self, params: list[FSDPParam], shard_mesh: ShardMesh, gather_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype, post_forward_mesh: PostForwardMesh | None, name: str) -> None:
+        self.params = params
+        self.grad_params = [param for param in params if param.requires_grad]   # frozen ones take no reduction
+        self.shard_mesh = shard_mesh
+        self.device = shard_mesh.device
+        mesh: DeviceMesh = shard_mesh.mesh
+        self.shard_group: ProcessGroup = mesh.get_group(shard_mesh.shard_mesh_dim)
+        self.replicate_group: ProcessGroup | None = mesh.get_group(0) if shard_mesh.is_hybrid else None
+        self.gather_dtype = gather_dtype
+        self.reduce_dtype = reduce_dtype
+        self.post_forward_mesh = post_forward_mesh
+        self.name = name
+        self.state = GroupState.SHARDED
+        self.backward_state = BackwardState.IDLE
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.divide_factor: float = float(mesh.mesh.numel())   # average over every data-parallel rank
+        self.reductions = PendingReductions()                  # replaced by the root's at lazy init
+        self._unsharded: Tensor | None = None                  # parameter-major buffer (see Note: the flat layouts)
+        self._gather: AllGather | None = None
+        self._post_forward_pieces: Tensor | None = None
+        self._awaiting_grads: set[int] = set()
+        self._grad_hooks: HookHandles | None = None
+        self._late_grads = False
+
+    # -- unshard / reshard ----------------------------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Start gathering the full parameters (no-op when they are gathered or on their way). Collective."""
+        if self.state is GroupState.SHARDED:
+            self._gather = start_all_gather(self.params, self.gather_dtype, self.device, self.shard_group)
+        elif self.state is GroupState.SHARDED_POST_FORWARD:
+            assert self._post_forward_pieces is not None and self.post_forward_mesh is not None
+            size = self.shard_mesh.group_size // self.post_forward_mesh.size
+            self._gather = start_all_gather(self.params, self.gather_dtype, self.device, self.post_forward_mesh.group,
+                                            pieces=self._post_forward_pieces,
+                                            piece_numels=[param.padded_numel * size for param in self.params])
+            self._post_forward_pieces = None
+        else:
+            return
+        self.state = GroupState.GATHERING
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Make the modules hold the full parameters, gathering them first if no all-gather is in flight."""
+        if self.state in (GroupState.SHARDED, GroupState.SHARDED_POST_FORWARD):
+            self.unshard(async_op=True)
+        if self.state is not GroupState.GATHERING:
+            return
+        assert self._gather is not None
+        finish_all_gather(self._gather, self._allocate_unsharded())
+        self._gather = None
+        for param in self.params:
+            param.to_unsharded()
+        self.state = GroupState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Make the modules hold the shards again and free the unsharded buffer (and any post-forward copy)."""
+        if self.state is GroupState.GATHERING:
+            self.wait_for_unshard()
+        if self.state is GroupState.UNSHARDED:
+            for param in self.params:
+                param.to_sharded()
+            self._free_unsharded()
+        self._post_forward_pieces = None
+        self.state = GroupState.SHARDED
+
+    def reshard_to_post_forward_mesh(self) -> None:
+        """reshard_after_forward=int: keep this rank's piece of the parameters sharded over the smaller post-forward
+        group, then free the unsharded buffer."""
+        if self.state is GroupState.GATHERING:
+            self.wait_for_unshard()
+        if self.state is not GroupState.UNSHARDED:
+            return
+        assert self._unsharded is not None and self.post_forward_mesh is not None
+        small = self.post_forward_mesh
+        segments = self._unsharded.split([param.padded_numel * self.shard_mesh.group_size for param in self.params])
+        with torch.no_grad():
+            self._post_forward_pieces = torch.cat([segment.view(small.size, -1)[small.position]
+                                                   for segment in segments])
+        for param in self.params:
+            param.to_sharded()
+        self._free_unsharded()
+        self.state = GroupState.SHARDED_POST_FORWARD
+
+    def reshard_after_forward(self, policy: bool | int) -> None:
+        if policy is True:
+            self.reshard()
+        elif policy is not False:
+            self.reshard_to_post_forward_mesh()
+
+    def _allocate_unsharded(self) -> Tensor:
+        total = sum(param.padded_numel for param in self.params) * self.shard_mesh.group_size
+        if self._unsharded is None:
+            self._unsharded = torch.empty(total, dtype=self.gather_dtype, device=self.device)
+            sizes = [param.padded_numel * self.shard_mesh.group_size for param in self.params]
+            for param, segment in zip(self.params, self._unsharded.split(sizes), strict=True):
+                param.init_unsharded(segment)
+            self._grad_hooks = on_grad_accumulated([param.unsharded_param for param in self.grad_params],
+                                                   self._on_grad_accumulated)
+        else:
+            storage = self._unsharded.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(total * self._unsharded.element_size())
+        return self._unsharded
+
+    def _free_unsharded(self) -> None:
+        if self._unsharded is not None:
+            self._unsharded.untyped_storage().resize_(0)
+
+    # -- backward -------------------------------------------------------------------------------------------
+
+    def pre_backward(self) -> None:
+        """A backward reached the group's outputs: gather the parameters (unless held) and expect gradients."""
+        if self.backward_state is BackwardState.IDLE:
+            self._awaiting_grads = set(range(len(self.grad_params)))
+            self.backward_state = BackwardState.COMPUTING
+        self.wait_for_unshard()
+
+    def _on_grad_accumulated(self, index: int) -> None:
+        if self.backward_state is BackwardState.REDUCED:
+            self._late_grads = True          # a nested (reentrant) backward reached a parameter again
+            return
+        self._awaiting_grads.discard(index)
+        if not self._awaiting_grads and self.backward_state is BackwardState.COMPUTING:
+            self.post_backward()
+
+    def post_backward(self) -> None:
+        """Every gradient of the group is accumulated: reduce-scatter them (one collective, finished later) unless
+        gradient sync is off, then reshard. Collective when it reduces."""
+        if self.requires_gradient_sync and any(param.unsharded_grad() is not None for param in self.grad_params):
+            self.reductions.finish_all()     # bounds memory: at most one group's reduction stays in flight
+            reduction = start_reduce_scatter(self.grad_params, self.reduce_dtype, self.device, self.shard_group)
+            for param in self.grad_params:
+                assert param.unsharded_param is not None
+                param.unsharded_param.grad = None
+            self.reductions.push(lambda: self._finish_reduction(reduction))
+        if self.reshard_after_backward:
+            self.reshard()
+        self._late_grads = False
+        self.backward_state = BackwardState.REDUCED
+
+    def _finish_reduction(self, reduction: ReduceScatter) -> None:
+        finish_reduce_scatter(reduction, self.replicate_group, self.divide_factor)
+
+    def finish_backward(self) -> None:
+        """The backward pass ended: reduce what no hook reduced (parameters it never reached, gradients a nested
+        backward added late), reshard, and expect the next backward. Collective when it reduces."""
+        if self.backward_state is BackwardState.COMPUTING or self._late_grads:
+            self.post_backward()
+        if self.reshard_after_backward:
+            self.reshard()
+        self.backward_state = BackwardState.IDLE
+
+    def drop_post_forward_copy(self) -> None:
+        """Forget the post-forward shards (a forward without backward left them; the optimizer may have stepped)."""
+        if self.state is GroupState.SHARDED_POST_FORWARD:
+            self.reshard()

@@ -1,0 +1,240 @@
+"""FSDP2 parity: fully_shard on N thread ranks trains exactly like one process on the global batch.
+
+Start here when FSDP gives wrong numbers. Each test names the option it exercises; the harness (harness.py)
+says how the reference is built and why the tolerances are what they are. Sizes are odd on purpose: the MLP's
+layers (7 -> 15 -> 13 -> 3) and the GPT's vocabulary (37) do not divide by 2 or 4, so every run shards unevenly,
+and on 4 ranks the last MLP layer's 3 output rows leave one rank an empty shard.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from spmd.fsdp import MixedPrecisionPolicy, fully_shard
+from spmd.tensor import DTensor, Shard
+from spmd.tensor.random import manual_seed
+from spmd.testing import run_ranks
+from tests.fsdp.harness import (
+    BATCH_PER_RANK,
+    STEPS,
+    TIMEOUT,
+    assert_parity,
+    blocks_of,
+    fsdp_train,
+    optimizer,
+    reference,
+    shard_blocks_then_root,
+)
+from tests.parity.models import TinyGPT, batch, build, loss_fn
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_matches_one_process(kind: str, world_size: int) -> None:
+    results = run_ranks(lambda rank, size: fsdp_train(kind, rank, size), world_size, timeout=TIMEOUT)
+    assert_parity(results, reference(kind, world_size))
+    for result in results:
+        for param in result["model"].parameters():
+            assert isinstance(param, DTensor) and param.placements == (Shard(0),)
+
+
+@pytest.mark.parametrize("reshard_after_forward", [False, 2])
+def test_reshard_after_forward_options(reshard_after_forward: bool | int) -> None:
+    def shard(model, mesh):
+        shard_blocks_then_root(model, mesh, reshard_after_forward=reshard_after_forward)
+    results = run_ranks(lambda rank, size: fsdp_train("gpt", rank, size, shard=shard), 4, timeout=TIMEOUT)
+    assert_parity(results, reference("gpt", 4))
+    blocks = len(blocks_of(build("gpt")))
+    for result in results:
+        step = result["counts"][0][0]
+        # forward: one all-gather per group; backward: one per block resharded to the smaller group (those run
+        # on the post-forward groups, not the mesh's); never for the root or with reshard_after_forward=False
+        assert step["all_gather"] == blocks + 1
+        assert step["reduce_scatter"] == blocks + 1
+
+
+def test_explicit_prefetch() -> None:
+    def setup(model):
+        blocks = blocks_of(model)
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1: i + 2])
+            block.set_modules_to_backward_prefetch(blocks[i - 1: i] if i else [])
+    results = run_ranks(lambda rank, size: fsdp_train("gpt", rank, size, setup=setup, build_kwargs={"layers": 3}),
+                        2, timeout=TIMEOUT)
+    assert_parity(results, reference("gpt", 2, build_kwargs={"layers": 3}))
+
+
+def test_collectives_per_step() -> None:
+    results = run_ranks(lambda rank, size: fsdp_train("gpt", rank, size, build_kwargs={"layers": 3}), 2,
+                        timeout=TIMEOUT)
+    for result in results:
+        for step in result["counts"]:
+            # forward: the root and 3 blocks; backward: the 3 resharded blocks again; one reduce-scatter per group
+            assert step[0] == {"all_gather": 4 + 3, "reduce_scatter": 4}
+
+
+def test_gradient_accumulation_reduces_once() -> None:
+    results = run_ranks(lambda rank, size: fsdp_train("gpt", rank, size, micro_steps=3), 2, timeout=TIMEOUT)
+    assert_parity(results, reference("gpt", 2, micro_steps=3))
+    blocks = len(blocks_of(build("gpt")))
+    for result in results:
+        # three forwards and backwards, one reduce-scatter per group (the last micro-batch's)
+        assert result["counts"][0][0] == {"all_gather": 3 * (2 * blocks + 1), "reduce_scatter": blocks + 1}
+
+
+def test_hsdp_on_a_2x2_mesh() -> None:
+    results = run_ranks(lambda rank, size: fsdp_train("gpt", rank, size, mesh_shape=(2, 2)), 4, timeout=TIMEOUT)
+    assert_parity(results, reference("gpt", 4))
+    blocks = len(blocks_of(build("gpt")))
+    for result in results:
+        step = result["counts"][0]
+        assert step[1] == {"all_gather": 2 * blocks + 1, "reduce_scatter": blocks + 1}   # the shard dim
+        assert step[0] == {"all_reduce": blocks + 1}                                      # the replicate dim
+        for param in result["model"].parameters():
+            assert param.placements[0].is_replicate() and param.placements[1] == Shard(0)
+
+
+def _freeze_first_layer(model: nn.Module) -> None:
+    for param in model.layers[0].parameters():
+        param.requires_grad_(False)
+
+
+def test_frozen_parameters_take_no_reduction() -> None:
+    results = run_ranks(lambda rank, size: fsdp_train("mlp", rank, size, frozen=_freeze_first_layer), 2,
+                        timeout=TIMEOUT)
+    assert_parity(results, reference("mlp", 2, frozen=_freeze_first_layer))
+    for result in results:
+        layer = result["model"].layers[0]
+        assert all(p.grad is None for p in layer.parameters())
+        # 3 layers gathered in forward and backward (root has no parameters); layers 1 and 2 reduce
+        assert result["counts"][0][0] == {"all_gather": 3 + 3, "reduce_scatter": 2}
+
+
+def test_activation_checkpointing() -> None:
+    kwargs = {"checkpoint_blocks": True}
+    results = run_ranks(lambda rank, size: fsdp_train("gpt", rank, size, build_kwargs=kwargs), 2, timeout=TIMEOUT)
+    assert_parity(results, reference("gpt", 2, build_kwargs=kwargs))
+
+
+def test_tied_weights_stay_tied() -> None:
+    results = run_ranks(lambda rank, size: fsdp_train("gpt", rank, size), 2, timeout=TIMEOUT)
+    for result in results:
+        model = result["model"]
+        assert isinstance(model.embed.weight, DTensor)
+        names = [name for name, _ in model.named_parameters()]
+        assert names == [name for name, _ in build("gpt").named_parameters()]
+
+
+def _init_like_one_process(model: nn.Module, generator: torch.Generator | None) -> None:
+    """GPT-2 style init drawn parameter by parameter (the DTensor ops draw the global tensor's numbers)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim >= 2:
+                nn.init.normal_(param, std=0.02, generator=generator)
+            elif name.endswith("weight"):
+                nn.init.ones_(param)
+            else:
+                nn.init.normal_(param, std=0.01, generator=generator)
+
+
+def test_meta_device_init_materialises_only_shards() -> None:
+    ref_model = build("gpt")
+    _init_like_one_process(ref_model, torch.Generator().manual_seed(5))
+
+    def body(rank: int, size: int):
+        with torch.device("meta"):
+            model = TinyGPT()
+
+        def shard(model, mesh):
+            shard_blocks_then_root(model, mesh)
+            for param in model.parameters():
+                assert param.device.type == "meta"
+            model.to_empty(device="cpu")
+            manual_seed(5)
+            _init_like_one_process(model, None)
+            for param in model.parameters():
+                assert param._local_tensor.numel() < param.numel()
+            assert model.embed.weight is model._parameters.get("embed.weight", model.embed.weight)
+        return fsdp_train("gpt", rank, size, model=model, shard=shard)
+
+    results = run_ranks(body, 2, timeout=TIMEOUT)
+    assert_parity(results, reference("gpt", 2, model=ref_model))
+
+
+def _bf16(model_kind: str, reduce_dtype: torch.dtype):
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+
+    def shard(model, mesh):
+        shard_blocks_then_root(model, mesh, mp_policy=policy)
+    return shard
+
+
+def _bf16_reference(kind: str, world_size: int, reduce_dtype: torch.dtype) -> dict:
+    """One process under the same casts: bf16 copies of the fp32 parameters compute each rank's shard; the shard
+    gradients are cast to `reduce_dtype`, summed there and averaged, then applied to the fp32 parameters."""
+    master = build(kind)
+    opt = optimizer(master.parameters())
+    losses = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)    # as each rank: bf16 LayerNorm grads depend on how many threads split the sum
+    try:
+        _bf16_steps(kind, world_size, reduce_dtype, master, opt, losses)
+    finally:
+        torch.set_num_threads(threads)
+    return {"losses": losses, "params": [p.detach().clone() for p in master.parameters()]}
+
+
+def _bf16_steps(kind, world_size, reduce_dtype, master, opt, losses) -> None:
+    for step in range(STEPS):
+        x, y = batch(kind, BATCH_PER_RANK * world_size, seed=step)
+        grads = [torch.zeros_like(p, dtype=reduce_dtype) for p in master.parameters()]
+        total = 0.0
+        for xs, ys in zip(x.chunk(world_size), y.chunk(world_size), strict=True):
+            low = build(kind)
+            low.load_state_dict(master.state_dict())
+            low.to(torch.bfloat16)
+            loss = loss_fn(kind, low(xs.to(torch.bfloat16) if xs.is_floating_point() else xs), ys)
+            loss.backward()
+            total += loss.item() / world_size
+            for acc, p in zip(grads, low.parameters(), strict=True):
+                acc += p.grad.to(reduce_dtype)
+        for p, acc in zip(master.parameters(), grads, strict=True):
+            p.grad = (acc / world_size).to(torch.float32)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_mixed_precision(reduce_dtype: torch.dtype) -> None:
+    results = run_ranks(lambda rank, size: fsdp_train("gpt", rank, size, shard=_bf16("gpt", reduce_dtype)), 2,
+                        timeout=TIMEOUT)
+    # Each rank computes the same bf16 numbers as the reference's shard (one intra-op thread on both sides), and
+    # both reduce in `reduce_dtype` (a sum of two values, exact in the same order), so fp32 tolerances hold.
+    assert_parity(results, _bf16_reference("gpt", 2, reduce_dtype))
+    for result in results:
+        assert all(p.dtype == torch.float32 for p in result["model"].parameters())
+
+
+def test_clip_grad_norm_matches_one_process() -> None:
+    def clip(model):
+        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5))
+    results = run_ranks(lambda rank, size: fsdp_train("gpt", rank, size, before_step=clip), 2, timeout=TIMEOUT)
+    ref = reference("gpt", 2, before_step=clip)
+    assert_parity(results, ref)
+    for result in results:
+        torch.testing.assert_close(result["extras"], ref["extras"], rtol=1e-5, atol=1e-6)
+    assert ref["extras"][0] > 0.5    # the clipping really clipped
+
+
+def test_a_list_of_modules_is_one_group() -> None:
+    def shard(model, mesh):
+        fully_shard(list(model.layers[:2]), mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    results = run_ranks(lambda rank, size: fsdp_train("mlp", rank, size, shard=shard), 2, timeout=TIMEOUT)
+    assert_parity(results, reference("mlp", 2))
+    for result in results:
+        # forward: the pair (gathered once for both) and the root (layer 2); backward: the pair again
+        assert result["counts"][0][0] == {"all_gather": 3, "reduce_scatter": 2}
