@@ -121,7 +121,8 @@ def fsdp_train(kind: str, rank: int, world_size: int, *, mesh_shape: tuple[int, 
         if counts:
             step_counts.append({dim: {op: n - before[dim].get(op, 0) for op, n in c.items()}
                                 for dim, c in counts.items()})
-    params = [p.full_tensor() for p in model.parameters()]
+    with torch.no_grad():
+        params = [p.full_tensor() for p in model.parameters()]
     return {"losses": losses, "params": params, "extras": extras, "counts": step_counts, "model": model}
 
 

@@ -1,0 +1,60 @@
+"""FSDP2 in real rank processes: spmd's fully_shard on the shared-memory transport and torch's own FSDP2 on gloo,
+side by side in the same two processes, on the same model, data and optimizer: same losses and parameters to
+1e-5, and both equal to one process. Pool workers (tests/procpool.py) spare the torch import per test."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import spmd
+from tests.fsdp.harness import BATCH_PER_RANK, STEPS, assert_parity, fsdp_train, optimizer, reference
+from tests.parity.models import batch, build, loss_fn
+from tests.procpool import ProcPool, free_port
+
+
+def _torch_fsdp2_train(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = build("gpt")
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = optimizer(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch("gpt", BATCH_PER_RANK * world_size, seed=step)
+        loss = loss_fn("gpt", model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        return {"losses": losses, "params": [p.full_tensor() for p in model.parameters()]}
+
+
+def _spmd_and_torch(rank: int, world_size: int, gloo_port: int) -> dict[str, Any]:
+    import torch.distributed as tdist
+
+    spmd.init_process_group("shm", timeout=60)
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world_size)
+    try:
+        ours = fsdp_train("gpt", rank, world_size)
+        ours.pop("model")
+        return {"spmd": ours, "torch": _torch_fsdp2_train(rank, world_size)}
+    finally:
+        tdist.destroy_process_group()
+        spmd.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_matches_torch_fsdp2_on_gloo_and_one_process(procpool: ProcPool) -> None:
+    results = procpool.run(_spmd_and_torch, 2, timeout=150, args=(free_port(),))
+    assert_parity([r["spmd"] for r in results], reference("gpt", 2))
+    for result in results:
+        torch.testing.assert_close(result["spmd"]["losses"], result["torch"]["losses"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(result["spmd"]["params"], result["torch"]["params"], rtol=1e-5, atol=1e-6)
