@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._foreach_utils
 from torch import Tensor, nn
 from torch._ops import OpOverload
 
@@ -157,6 +158,13 @@ class DTensor(torch.Tensor):
         """The whole global value as a plain tensor on every rank (collective: gathers and reduces as needed)."""
         replicated = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
         return replicated.to_local(grad_placements=grad_placements)
+
+
+# torch's optimizers and clip_grad_norm_ take their fast multi-tensor (foreach) path only for the tensor types
+# listed here, as torch's own DTensor is; spmd's DTensor has foreach rules (ops/foreach.py), one dispatch per op
+# for the whole parameter list instead of one per parameter.
+if DTensor not in torch.utils._foreach_utils._foreach_supported_types:
+    torch.utils._foreach_utils._foreach_supported_types.append(DTensor)
 
 
 def _with_partial_as_replicate(placements: Placements) -> Placements:
