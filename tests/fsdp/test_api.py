@@ -47,7 +47,7 @@ def test_state_dict_is_sharded_and_loads_back() -> None:
             for p in other.parameters():
                 p.zero_()
         other.load_state_dict(state)
-        for (key, value), p in zip(state.items(), other.parameters(), strict=False):
+        for key, p in zip(state, other.parameters(), strict=True):
             torch.testing.assert_close(p.full_tensor(), want[key])
         other.load_state_dict(state, assign=True)           # new parameter objects are adopted
         torch.testing.assert_close(other(x), model(x))

@@ -112,8 +112,9 @@ def test_frozen_parameters_take_no_reduction() -> None:
         assert result["counts"][0][0] == {"all_gather": 3 + 3, "reduce_scatter": 2}
 
 
-def test_activation_checkpointing() -> None:
-    kwargs = {"checkpoint_blocks": True}
+@pytest.mark.parametrize("how", ["non-reentrant", "reentrant"])
+def test_activation_checkpointing(how: str) -> None:
+    kwargs = {"checkpoint_blocks": how}
     results = run_ranks(lambda rank, size: fsdp_train("gpt", rank, size, build_kwargs=kwargs), 2, timeout=TIMEOUT)
     assert_parity(results, reference("gpt", 2, build_kwargs=kwargs))
 
@@ -238,3 +239,41 @@ def test_a_list_of_modules_is_one_group() -> None:
     for result in results:
         # forward: the pair (gathered once for both) and the root (layer 2); backward: the pair again
         assert result["counts"][0][0] == {"all_gather": 3, "reduce_scatter": 2}
+
+
+class _Autocast(nn.Module):
+    """The GPT's forward under torch.autocast (bf16 matmuls, fp32 parameters)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, tokens):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(tokens).float()
+
+
+def test_autocast() -> None:
+    def shard(model, mesh):
+        shard_blocks_then_root(model.inner, mesh)
+        fully_shard(model, mesh=mesh)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)     # as each rank (bf16 reductions split over threads round differently)
+    try:
+        ref = reference("gpt", 2, model=_Autocast(build("gpt")))
+    finally:
+        torch.set_num_threads(threads)
+    results = run_ranks(lambda rank, size: fsdp_train("gpt", rank, size, model=_Autocast(build("gpt")), shard=shard),
+                        2, timeout=TIMEOUT)
+    assert_parity(results, ref)
+
+
+def test_gradient_arriving_in_two_backwards_is_reduced_in_full() -> None:
+    # Reentrant's `shared` layer runs twice, once inside reentrant checkpointing: its gradient is accumulated in
+    # the nested backward (when the group looks complete) and again in the outer one. Both parts must be reduced.
+    def shard(model, mesh):
+        fully_shard(model, mesh=mesh)
+    results = run_ranks(lambda rank, size: fsdp_train("reentrant", rank, size, shard=shard), 2, timeout=TIMEOUT)
+    assert_parity(results, reference("reentrant", 2))
+    for result in results:
+        assert result["counts"][0][0]["reduce_scatter"] == 2

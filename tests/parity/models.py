@@ -73,9 +73,9 @@ class TinyGPT(nn.Module):
     """A GPT-style decoder with tied input/output embeddings; tokens (B, S) -> logits (B, S, V)."""
 
     def __init__(self, vocab: int = 37, width: int = 24, heads: int = 4, layers: int = 2, context: int = 16,
-                 checkpoint_blocks: bool = False) -> None:
+                 checkpoint_blocks: str | None = None) -> None:
         super().__init__()
-        self.checkpoint_blocks = checkpoint_blocks    # recompute each block in backward (non-reentrant)
+        self.checkpoint_blocks = checkpoint_blocks    # recompute each block in backward: "reentrant" or "non-reentrant"
         self.embed = nn.Embedding(vocab, width)
         self.position = nn.Parameter(torch.randn(context, width) / math.sqrt(width))
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
@@ -84,7 +84,10 @@ class TinyGPT(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.embed(tokens) + self.position[: tokens.shape[1]]                 # (B, S, H)
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks else block(x)
+            if self.checkpoint_blocks is None:
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.checkpoint_blocks == "reentrant")
         return self.ln(x) @ self.embed.weight.t()                                 # (B, S, V)
 
 

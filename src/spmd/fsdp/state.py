@@ -19,8 +19,9 @@ adopts every state below it (lazy init, collective: it checks that all ranks bui
      this group's, reshard. So group i's reduce-scatter runs while group i-1 computes its backward.
   6. end of backward (root): post-backward for groups no hook finished, then wait for every reduce-scatter and
      add the results into the sharded `.grad`s.
-A forward that runs again inside backward (activation checkpointing's recomputation) only makes sure the group's
-parameters are gathered: it neither reshards nor hooks its outputs.
+A forward that runs again inside backward (activation checkpointing's recomputation) runs pre-backward (the only
+one under reentrant checkpointing, whose forward ran without grad and left no output hook): it neither reshards
+nor hooks its outputs.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class FSDPState:
             self._lazy_init()
         if in_backward():                     # recomputation (see Note: one training step under FSDP)
             if self.group is not None:
-                self.group.wait_for_unshard()
+                self.group.pre_backward()     # reentrant checkpointing: no output hook ran pre-backward
             return args, kwargs
         root = self.root
         assert root is not None
