@@ -41,6 +41,7 @@ _POINTWISE = ("tests/tensor/test_pointwise_view.py",)
 _NORMS = ("tests/tensor/test_ops_embedding_norm_loss.py",)
 _POWERSGD = ("tests/parity/test_powersgd_oracle.py", "tests/parity/test_ddp.py", "-k", "powersgd or PowerSGD")
 _REDUCE = ("tests/comm/test_reduce_op.py", "tests/comm/test_matrix.py")
+_FSDP_PARITY = ("tests/fsdp/test_parity.py", "-k", "matches_one_process")
 
 MUTATIONS: tuple[Mutation, ...] = (
     # DTensor rules: each passed every test while Partial inputs were the value on one rank and zeros elsewhere
@@ -124,6 +125,37 @@ MUTATIONS: tuple[Mutation, ...] = (
              "        grace = max(1.0, 0.5 * seconds)",
              "        grace = 0.0",
              ("tests/comm/test_init_and_monitoring.py",)),
+    # FSDP2: wrong gradients that still train (no error, no hang): only parity against one process shows them
+    Mutation("fsdp: reduced gradients not averaged",
+             "src/spmd/fsdp/collectives.py",
+             "        if divide_factor != 1:\n            output.div_(divide_factor)",
+             "        if divide_factor == 0:\n            output.div_(divide_factor)",
+             _FSDP_PARITY),
+    Mutation("fsdp: the tail rows of an uneven gradient dropped",
+             "src/spmd/fsdp/param.py",
+             "pieces[full_pieces, :tail].copy_(moved[full_pieces * self.rows_pad:])",
+             "pieces[full_pieces, :tail].zero_()",
+             _FSDP_PARITY),
+    Mutation("fsdp: HSDP gradients not all-reduced over the replicate dim",
+             "src/spmd/fsdp/collectives.py",
+             "    if replicate_group is not None and replicate_group.size() > 1:",
+             "    if replicate_group is not None and replicate_group.size() > 99:",
+             ("tests/fsdp/test_parity.py", "-k", "hsdp")),
+    Mutation("fsdp: every rank keeps the first piece after forward (reshard_after_forward=int)",
+             "src/spmd/fsdp/api.py",
+             "mesh.get_local_rank(mesh.ndim - 1) % small)",
+             "0)",
+             ("tests/fsdp/test_parity.py", "-k", "reshard_after_forward")),
+    Mutation("fsdp: a gradient arriving after its group's reduction is dropped",
+             "src/spmd/fsdp/param_group.py",
+             "            self._late_grads = True          # a nested (reentrant) backward reached a parameter again",
+             "            self._late_grads = False",
+             ("tests/fsdp/test_parity.py", "-k", "two_backwards")),
+    Mutation("fsdp: recomputation under reentrant checkpointing skips pre-backward",
+             "src/spmd/fsdp/state.py",
+             "                self.group.pre_backward()     # reentrant checkpointing: no output hook ran pre-backward",
+             "                self.group.wait_for_unshard()",
+             ("tests/fsdp/test_parity.py", "-k", "checkpointing")),
 )
 
 
