@@ -277,3 +277,34 @@ def test_gradient_arriving_in_two_backwards_is_reduced_in_full() -> None:
     assert_parity(results, reference("reentrant", 2))
     for result in results:
         assert result["counts"][0][0]["reduce_scatter"] == 2
+
+
+def test_grad_scaler_with_fp16_skips_on_every_rank_when_one_shard_overflows() -> None:
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+
+    def body(rank: int, size: int) -> dict:
+        from spmd.device_mesh import init_device_mesh
+        model = build("mlp")
+        shard_blocks_then_root(model, init_device_mesh("cpu", (size,)), mp_policy=policy)
+        opt = optimizer(model.parameters())
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        scales, stepped = [], []
+        for step in range(3):
+            x, y = batch("mlp", BATCH_PER_RANK * size, seed=step)
+            before = [p.detach().full_tensor() for p in model.parameters()]
+            loss = loss_fn("mlp", model(x.chunk(size)[rank]).float(), y.chunk(size)[rank])
+            scaler.scale(loss).backward()
+            if step == 1 and rank == 1:
+                model.layers[1].weight.grad._local_tensor[0, 0] = float("inf")   # one shard of one rank
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            after = [p.detach().full_tensor() for p in model.parameters()]
+            stepped.append(any(not torch.equal(a, b) for a, b in zip(after, before, strict=True)))
+            scales.append(scaler.get_scale())
+        return {"scales": scales, "stepped": stepped}
+
+    results = run_ranks(body, 2, timeout=TIMEOUT)
+    for result in results:
+        assert result["stepped"] == [True, False, True]           # step 1 skipped everywhere
+        assert result["scales"] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9]  # and the scale backed off identically
