@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -56,14 +55,15 @@ class PendingReductions:
     """The reduce-scatters of one root's groups still in flight, finished in issue order (shared by the tree)."""
 
     def __init__(self) -> None:
-        self._finishers: list[Callable[[], None]] = []
+        self.in_flight: list[tuple[FSDPParamGroup, ReduceScatter]] = []
 
-    def push(self, finisher: Callable[[], None]) -> None:
-        self._finishers.append(finisher)
+    def push(self, group: FSDPParamGroup, reduction: ReduceScatter) -> None:
+        self.in_flight.append((group, reduction))
 
     def finish_all(self) -> None:
-        while self._finishers:
-            self._finishers.pop(0)()
+        while self.in_flight:
+            group, reduction = self.in_flight.pop(0)
+            finish_reduce_scatter(reduction, group.replicate_group, group.divide_factor)
 
 
 class FSDPParamGroup:
@@ -94,6 +94,17 @@ class FSDPParamGroup:
         self._awaiting_grads: set[int] = set()
         self._grad_hooks: HookHandles | None = None
         self._late_grads = False
+
+    def held_tensors(self) -> dict[str, list[Tensor]]:
+        """The tensors the group holds right now, by purpose: for memory accounting (spmd.testing.memory)."""
+        comm = [] if self._gather is None else [self._gather.input, self._gather.output]
+        comm += [t for group, reduction in self.reductions.in_flight if group is self
+                 for t in (reduction.input, reduction.output)]
+        if self._post_forward_pieces is not None:
+            comm.append(self._post_forward_pieces)
+        return {"unsharded parameters": [] if self._unsharded is None else [self._unsharded],
+                "unsharded gradients": [g for g in (p.unsharded_grad() for p in self.grad_params) if g is not None],
+                "communication buffers": comm}
 
     # -- unshard / reshard ----------------------------------------------------------------------------------
 
@@ -207,14 +218,11 @@ class FSDPParamGroup:
             for param in self.grad_params:
                 assert param.unsharded_param is not None
                 param.unsharded_param.grad = None
-            self.reductions.push(lambda: self._finish_reduction(reduction))
+            self.reductions.push(self, reduction)
         if self.reshard_after_backward:
             self.reshard()
         self._late_grads = False
         self.backward_state = BackwardState.REDUCED
-
-    def _finish_reduction(self, reduction: ReduceScatter) -> None:
-        finish_reduce_scatter(reduction, self.replicate_group, self.divide_factor)
 
     def finish_backward(self) -> None:
         """The backward pass ended: reduce what no hook reduced (parameters it never reached, gradients a nested
