@@ -13,7 +13,7 @@ Temporaries inside DTensor's dispatch (it runs the local ops under the mode) are
     print(tracker.peak_bytes, tracker.peak_breakdown)
 
 `classify()` returns {storage key: category} for the storages the caller can name (see `storage_key`); it runs at
-each new peak (at most once per MiB of growth), and the peak's bytes are split by it, the rest "other".
+each new peak, and the peak's bytes are split by it, the rest "other".
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from spmd.fsdp.state import state_of
-
-_SNAPSHOT_STEP = 1 << 20
 
 
 def storage_key(tensor: Tensor) -> int | None:
@@ -51,7 +49,6 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.current_bytes = 0
         self.peak_bytes = 0
         self.peak_breakdown: dict[str, int] = {}
-        self._last_snapshot = -_SNAPSHOT_STEP
 
     def track(self, tensors: Iterable[Any]) -> None:
         """Count these existing tensors (and tensors inside lists, dicts, optimizer states) from now on."""
@@ -64,7 +61,6 @@ class TensorMemoryTracker(TorchDispatchMode):
         self._update()
         self.peak_bytes = self.current_bytes
         self.peak_breakdown = {}
-        self._last_snapshot = -_SNAPSHOT_STEP
 
     def _add(self, tensor: Tensor) -> None:
         key = storage_key(tensor)
@@ -84,10 +80,10 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.current_bytes = total
         if total > self.peak_bytes:
             self.peak_bytes = total
-            if self._classify is not None and total - self._last_snapshot >= _SNAPSHOT_STEP:
-                self._snapshot(total)
+            if self._classify is not None:
+                self._snapshot()
 
-    def _snapshot(self, total: int) -> None:
+    def _snapshot(self) -> None:
         assert self._classify is not None
         names = self._classify()
         breakdown: dict[str, int] = {}
@@ -97,7 +93,6 @@ class TensorMemoryTracker(TorchDispatchMode):
                 category = names.get(key, "other")
                 breakdown[category] = breakdown.get(category, 0) + storage.nbytes()
         self.peak_breakdown = breakdown
-        self._last_snapshot = total
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -122,16 +117,17 @@ def fsdp_categories(model: torch.nn.Module,
                 if key is not None:
                     names.setdefault(key, category)
 
-        params = list(model.parameters())
-        name(params, "sharded parameters")
-        name((p.grad for p in params if p.grad is not None), "sharded gradients")
+        groups = [state.group for sub in model.modules() if (state := state_of(sub)) is not None
+                  and state.group is not None and state.modules[0] is sub]
+        sharded = [param.sharded_param for group in groups for param in group.params]
+        name(sharded, "sharded parameters")          # the modules may hold unsharded ones right now
+        name((p.grad for p in sharded if p.grad is not None), "sharded gradients")
         if optimizer is not None:
             name(optimizer.state.values(), "optimizer state")
-        for sub in model.modules():
-            state = state_of(sub)
-            if state is not None and state.group is not None and state.modules[0] is sub:
-                for category, tensors in state.group.held_tensors().items():
-                    name(tensors, category)
+        for group in groups:
+            for category, tensors in group.held_tensors().items():
+                name(tensors, category)
+        name(model.parameters(), "parameters not sharded")
         return names
 
     return classify
