@@ -1,0 +1,334 @@
+"""FSDP2 throughput and memory: spmd's fully_shard vs torch's FSDP2 on gloo, same model, same machine, same run.
+
+    python benchmarks/fsdp.py [--steps 6] [--repeats 2] [--layers 8 --width 768 --heads 12]
+    python benchmarks/fsdp.py --scale [--scale-layers 20 --scale-width 2048]
+
+The GPT of examples/gpt.py (default: 8 layers, width 768, 12 heads, context 128, vocabulary 4096: 63 M
+parameters), AdamW, global batch 8 x 128 tokens, 2 ranks x 1 torch thread as spawned processes, fully_shard on
+every block and then the root. spmd on its default transport ("auto": shared memory on one host), torch on gloo.
+  - throughput: both implementations in the same two rank processes, steps alternating (A, B, B, A, ...), each
+    step started after a barrier and timed as the slowest rank's; medians over all steps of all launches, and
+    the ratio per launch. One process with one thread on the whole global batch is the reference.
+  - tensor peak per rank: live tensor bytes through a dispatch-mode tracker (spmd.testing.memory), on a separate
+    step, for spmd (with its breakdown at the peak), torch FSDP2 and the one-process run.
+  - peak RSS per rank: each implementation alone in fresh processes (RSS is per process), ru_maxrss.
+  - communication (spmd): exposed = time the step spends waiting on FSDP's all-gathers and reduce-scatters;
+    total = the same step's collectives run back to back on their own; overlapped = total - exposed.
+With --scale: a GPT of about 1 B parameters built on the meta device, fully_shard over 4 ranks, to_empty, each
+rank initialising only its shards, then one forward/backward/SGD step; each rank's peak RSS beside the whole
+model's fp32 size (torch is not run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import pathlib
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _common import free_port, human_bytes, machine_line
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+VOCAB, CONTEXT, GLOBAL_BATCH = 4096, 128, 8
+MiB = 1 << 20
+
+
+def _gpt(layers: int, width: int, heads: int, device: str = "cpu") -> torch.nn.Module:
+    sys.path.insert(0, str(EXAMPLES))
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        return GPT(GPTConfig(vocab=VOCAB, context=CONTEXT, layers=layers, width=width, heads=heads))
+
+
+def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+class _TimedWaits:
+    """Wraps the collectives spmd's FSDP issues so that every wait on them is timed (the exposed communication)."""
+
+    def __init__(self) -> None:
+        from spmd.fsdp import collectives
+
+        self.seconds = 0.0
+        for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+            setattr(collectives, name, self._timed(getattr(collectives, name)))
+
+    def _timed(self, issue):
+        waits = self
+
+        class Timed:
+            def __init__(self, work) -> None:
+                self.work = work
+
+            def wait(self) -> None:
+                start = time.perf_counter()
+                self.work.wait()
+                waits.seconds += time.perf_counter() - start
+
+        return lambda *args, **kwargs: Timed(issue(*args, **kwargs))
+
+
+class _Impl:
+    """One implementation's model, optimizer and data in this rank process: "spmd", "torch" or "single"."""
+
+    def __init__(self, name: str, rank: int, world_size: int, args: argparse.Namespace, gloo_port: int) -> None:
+        self.name, self.rank, self.world_size = name, rank, world_size
+        self.model = _gpt(args.layers, args.width, args.heads)
+        if name == "spmd":
+            import spmd
+            from spmd.device_mesh import init_device_mesh
+            from spmd.fsdp import fully_shard
+
+            if not spmd.is_initialized():
+                spmd.init_process_group("auto", timeout=300)
+            self.barrier = spmd.barrier
+            mesh = init_device_mesh("cpu", (world_size,))
+        elif name == "torch":
+            import torch.distributed as dist
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank,
+                                        world_size=world_size)
+            self.barrier = dist.barrier
+            mesh = init_device_mesh("cpu", (world_size,))
+        else:
+            self.barrier = lambda: None
+        if name != "single":
+            for block in self.model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        generator = torch.Generator().manual_seed(rank)
+        self.tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH // world_size, CONTEXT + 1), generator=generator)
+
+    def step(self) -> float:
+        self.barrier()
+        start = time.perf_counter()
+        _loss(self.model, self.tokens).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return time.perf_counter() - start
+
+    def tensor_peak(self) -> tuple[int, dict[str, int]]:
+        from spmd.testing.memory import TensorMemoryTracker, fsdp_categories
+
+        classify = fsdp_categories(self.model, self.opt) if self.name == "spmd" else None
+        with TensorMemoryTracker(classify=classify) as tracker:
+            tracker.track([*self.model.parameters(), self.opt.state])
+            self.step()
+        return tracker.peak_bytes, tracker.peak_breakdown
+
+    def communication_seconds(self, reps: int = 3) -> float:
+        """The step's collectives back to back on their own: an all-gather per group in forward, another per
+        resharded group (every one but the root's) in backward, a reduce-scatter per group."""
+        if self.name == "spmd":
+            import spmd as comm
+        else:
+            import torch.distributed as comm
+        n = self.world_size
+        in_blocks = {id(p) for block in self.model.blocks for p in block.parameters()}
+        root = [p for p in self.model.parameters() if id(p) not in in_blocks]
+        sizes = [sum(-(-p.shape[0] // n) * (p.numel() // p.shape[0]) for p in params)
+                 for params in [*(list(b.parameters()) for b in self.model.blocks), root]]
+        plan = [("ag", s) for s in sizes] + [("ag", s) for s in sizes[:-1]] + [("rs", s) for s in sizes]
+        buffers = {s: (torch.empty(s), torch.empty(n * s)) for s in set(sizes)}
+        best = float("inf")
+        for _ in range(reps):
+            self.barrier()
+            start = time.perf_counter()
+            for op, size in plan:
+                piece, whole = buffers[size]
+                if op == "ag":
+                    comm.all_gather_into_tensor(whole, piece)
+                else:
+                    comm.reduce_scatter_tensor(piece, whole)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    def close(self) -> None:
+        if self.name == "spmd":
+            import spmd
+            spmd.destroy_process_group()
+        elif self.name == "torch":
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def _env(rank: int, world_size: int, store_port: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port))
+
+
+def _throughput_worker(names: list[str], rank: int, world_size: int, args: argparse.Namespace,
+                       ports: tuple[int, int], out_file: str) -> None:
+    """Every implementation in `names` in this process; steps interleaved; then tensor peaks and comm times."""
+    torch.set_num_threads(1)
+    _env(rank, world_size, ports[0])
+    waits = _TimedWaits() if "spmd" in names else None
+    impls = [_Impl(name, rank, world_size, args, ports[1]) for name in names]
+    try:
+        steps: dict[str, list[float]] = {impl.name: [] for impl in impls}
+        exposed: list[float] = []
+        for impl in impls:
+            impl.step()                        # warm up
+        for i in range(args.steps):
+            for impl in impls if i % 2 == 0 else impls[::-1]:
+                before = waits.seconds if waits is not None else 0.0
+                steps[impl.name].append(impl.step())
+                if impl.name == "spmd" and waits is not None:
+                    exposed.append(waits.seconds - before)
+        peaks = {impl.name: impl.tensor_peak() for impl in impls}
+        comm = {impl.name: impl.communication_seconds() for impl in impls if impl.name != "single"}
+        torch.save({"steps": steps, "exposed": exposed, "peaks": peaks, "comm": comm,
+                    "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                    "params": sum(p.numel() for p in impls[0].model.parameters())}, f"{out_file}.{rank}")
+    finally:
+        for impl in impls:
+            impl.close()
+
+
+def _launch(target: Any, world_size: int, args: argparse.Namespace, extra: tuple) -> list[dict[str, Any]]:
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = os.path.join(tmp, "result.pt")
+        ports = (free_port(), free_port())
+        procs = [ctx.Process(target=target, args=(*extra, rank, world_size, args, ports, out_file))
+                 for rank in range(world_size)]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + args.timeout
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if any(proc.exitcode != 0 for proc in procs):
+            raise RuntimeError(f"{target.__name__}{extra} failed: exit codes {[p.exitcode for p in procs]}")
+        return [torch.load(f"{out_file}.{rank}") for rank in range(world_size)]
+
+
+def _slowest(per_rank: list[dict[str, Any]], name: str) -> list[float]:
+    return [max(values) for values in zip(*(r["steps"][name] for r in per_rank), strict=True)]
+
+
+def _throughput(args: argparse.Namespace) -> None:
+    launches = [_launch(_throughput_worker, 2, args, (["spmd", "torch"],)) for _ in range(args.repeats)]
+    single = _launch(_throughput_worker, 1, args, (["single"],))
+    rss = {name: max(r["rss"] for r in _launch(_throughput_worker, 2, args, ([name],))) for name in ("spmd", "torch")}
+    rss["single"] = single[0]["rss"]
+    params = launches[0][0]["params"]
+    spmd_steps = [t for run in launches for t in _slowest(run, "spmd")]
+    torch_steps = [t for run in launches for t in _slowest(run, "torch")]
+    single_step = statistics.median(single[0]["steps"]["single"])
+    tokens = GLOBAL_BATCH * CONTEXT
+    ratios = [statistics.median(_slowest(run, "torch")) / statistics.median(_slowest(run, "spmd")) for run in launches]
+    print(f"GPT {args.layers}x{args.width}, {args.heads} heads, context {CONTEXT}, vocab {VOCAB}: {params / 1e6:.1f} M "
+          f"parameters; AdamW; global batch {GLOBAL_BATCH} x {CONTEXT}; 2 ranks x 1 thread; {args.steps} timed steps "
+          f"x {args.repeats} launches; medians; {machine_line()}")
+    print(f"\n{'':24}{'step ms':>10}{'tokens/s':>10}")
+    for name, step in (("spmd fully_shard (shm)", statistics.median(spmd_steps)),
+                       ("torch FSDP2 (gloo)", statistics.median(torch_steps)),
+                       ("one process, 1 thread", single_step)):
+        print(f"{name:24}{step * 1e3:>10.0f}{tokens / step:>10.0f}")
+    print(f"spmd / torch tokens/s: {statistics.median(ratios):.2f}x (launches: "
+          f"{', '.join(f'{r:.2f}' for r in ratios)})")
+
+    def peak(name: str, runs: list[dict[str, Any]]) -> int:
+        return max(r["peaks"][name][0] for r in runs)
+
+    print(f"\ntensor peak per rank: spmd {human_bytes(peak('spmd', launches[0]))}, torch "
+          f"{human_bytes(peak('torch', launches[0]))}, one process {human_bytes(peak('single', single))}")
+    print(f"peak RSS per rank (each alone): spmd {human_bytes(rss['spmd'])}, torch {human_bytes(rss['torch'])}, "
+          f"one process {human_bytes(rss['single'])}")
+    worst = max(launches[0], key=lambda r: r["peaks"]["spmd"][0])
+    print("spmd at its peak:", ", ".join(f"{k} {human_bytes(v)}" for k, v in
+                                         sorted(worst["peaks"]["spmd"][1].items(), key=lambda kv: -kv[1])))
+    exposed = statistics.median(t for run in launches for r in run for t in r["exposed"])
+    total = statistics.median(r["comm"]["spmd"] for run in launches for r in run)
+    torch_total = statistics.median(r["comm"]["torch"] for run in launches for r in run)
+    print(f"spmd communication per step: exposed {exposed * 1e3:.0f} ms, total {total * 1e3:.0f} ms, overlapped "
+          f"{max(0.0, total - exposed) * 1e3:.0f} ms (the same collectives on torch gloo: {torch_total * 1e3:.0f} ms)")
+
+
+def _scale_worker(rank: int, world_size: int, args: argparse.Namespace, ports: tuple[int, int],
+                  out_file: str) -> None:
+    torch.set_num_threads(1)
+    _env(rank, world_size, ports[0])
+    import spmd
+    from spmd.device_mesh import init_device_mesh
+    from spmd.fsdp import fully_shard
+    from spmd.tensor.random import manual_seed
+
+    spmd.init_process_group("auto", timeout=600)
+    try:
+        model = _gpt(args.scale_layers, args.scale_width, args.scale_heads, device="meta")
+        params = sum(p.numel() for p in model.parameters())
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        manual_seed(0)
+        start = time.perf_counter()
+        with torch.no_grad():
+            for param in model.parameters():
+                torch.nn.init.normal_(param, std=0.02) if param.ndim > 1 else torch.nn.init.zeros_(param)
+        init_seconds = time.perf_counter() - start
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        tokens = torch.randint(0, VOCAB, (1, CONTEXT + 1), generator=torch.Generator().manual_seed(rank))
+        start = time.perf_counter()
+        loss = _loss(model, tokens)
+        loss.backward()
+        opt.step()
+        torch.save({"params": params, "loss": loss.item(), "init_s": init_seconds,
+                    "step_s": time.perf_counter() - start,
+                    "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, f"{out_file}.{rank}")
+    finally:
+        spmd.destroy_process_group()
+
+
+def _scale(args: argparse.Namespace) -> None:
+    results = _launch(_scale_worker, 4, args, ())
+    params = results[0]["params"]
+    print(f"GPT {args.scale_layers}x{args.scale_width} ({params / 1e9:.2f} B parameters, {human_bytes(4 * params)} in "
+          f"fp32) on meta, fully_shard over 4 ranks, to_empty, shards initialised in place, one SGD step; "
+          f"{machine_line()}")
+    for rank, result in enumerate(results):
+        print(f"rank {rank}: peak RSS {human_bytes(result['rss'])} ({result['rss'] / (4 * params):.2f} x the whole "
+              f"model), init {result['init_s']:.0f} s, step {result['step_s']:.0f} s, loss {result['loss']:.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per implementation per launch")
+    parser.add_argument("--repeats", type=int, default=2, help="launches running both implementations")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--scale", action="store_true", help="the ~1 B parameter meta-device run instead")
+    parser.add_argument("--scale-layers", type=int, default=20)
+    parser.add_argument("--scale-width", type=int, default=2048)
+    parser.add_argument("--scale-heads", type=int, default=16)
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds allowed per launch")
+    args = parser.parse_args()
+    _scale(args) if args.scale else _throughput(args)
+
+
+if __name__ == "__main__":
+    main()
