@@ -156,6 +156,11 @@ MUTATIONS: tuple[Mutation, ...] = (
              "                self.group.pre_backward()     # reentrant checkpointing: no output hook ran pre-backward",
              "                self.group.wait_for_unshard()",
              ("tests/fsdp/test_parity.py", "-k", "checkpointing")),
+    Mutation("GradScaler: found_inf not reduced across ranks",
+             "src/spmd/tensor/ops/foreach.py",
+             "                all_reduce(found, ReduceOp.MAX, group=mesh.get_group(mesh_dim))",
+             "                pass",
+             ("tests/tensor/test_ops_foreach.py", "-k", "amp")),
 )
 
 

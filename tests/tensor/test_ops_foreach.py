@@ -173,3 +173,28 @@ def test_foreach_norm_batches_one_all_reduce_per_layout(monkeypatch: pytest.Monk
                 torch.testing.assert_close(got.full_tensor(), expected)
     on_meshes(body, [(2,)])
     assert sorted(calls) == ["spmd-rank0"] * 3 + ["spmd-rank1"] * 3     # one per norm order, per rank
+
+
+# -- GradScaler's unscale-and-check --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=str)
+@pytest.mark.parametrize("overflow_rank", [None, 1])
+def test_amp_unscale_checks_every_rank(mesh_shape: tuple[int, ...], overflow_rank: int | None) -> None:
+    from tests.tensor.conftest import run_on_mesh
+
+    fulls = [torch.randn(5, 3, generator=torch.Generator().manual_seed(0)), torch.randn(3)]
+
+    def body(mesh: DeviceMesh) -> tuple[float, list[torch.Tensor]]:
+        placements = [(Shard(0),) * mesh.ndim, (Partial(),) + (Shard(0),) * (mesh.ndim - 1)]
+        grads = [make_dtensor(full, mesh, p) for full, p in zip(fulls, placements, strict=True)]
+        if mesh.get_rank() == overflow_rank:
+            grads[0]._local_tensor.view(-1)[0] = float("inf")     # rank 1 holds rows of the 5x3 gradient
+        found_inf, inv_scale = torch.zeros(1), torch.full((1,), 0.25)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        return found_inf.item(), [g.full_tensor() for g in grads]
+
+    for found, grads in run_on_mesh(mesh_shape, body):
+        assert found == (0.0 if overflow_rank is None else 1.0)       # every rank, not just the one that overflowed
+        if overflow_rank is None:
+            for got, full in zip(grads, fulls, strict=True):
+                torch.testing.assert_close(got, full * 0.25)

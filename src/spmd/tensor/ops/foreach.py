@@ -3,7 +3,8 @@
 Layer: tensor. The elementwise `_foreach_*` ops get one rule, registered so that a Partial operand keeps the
 layout it was reduced to; `_foreach_norm` / `_foreach_max` are lists of the reduction handlers;
 the fused optimizer kernels (`_fused_adam_`, `_fused_adamw_`, `_fused_sgd_`, `_fused_adagrad_`) are handlers
-that run the kernel on the local shards.
+that run the kernel on the local shards, and so is GradScaler's unscale-and-check (see Note: GradScaler on
+DTensor gradients).
 
 Note: foreach ops position by position
 A foreach op is the same elementwise op applied at every list position i to (self[i], other[i], ...). Each
@@ -37,6 +38,13 @@ can't redistribute a gradient for them. Their handler first brings each gradient
 parameter's layout IN PLACE: the DTensor object keeps its global value and gets the parameter's placements
 (a Partial gradient is reduced once, here, and stays reduced). Then the kernel runs on the local shards,
 which are elementwise-aligned.
+
+Note: GradScaler on DTensor gradients
+`_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)` multiplies every gradient by
+inv_scale in place and sets the plain one-element `found_inf` to 1 if any value is inf or NaN. On DTensors each
+rank unscales its local shards (Partial gradients are reduced in place first: the check must see real values),
+then `found_inf` is all-reduced with MAX over every mesh dim of the gradients' meshes, so that when one rank's
+shard overflowed every rank skips the optimizer step and backs off the scale alike (torch's ShardedGradScaler).
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import torch
 from torch import Tensor, ops
 from torch._ops import OpOverload
 
+from spmd.comm.collectives import all_reduce
 from spmd.comm.functional import all_reduced
 from spmd.comm.reduce_op import ReduceOp
 from spmd.tensor.api import DTensor
@@ -281,3 +290,21 @@ def _fused_optimizer_ops() -> list[OpOverload]:
 
 
 register_handler(*_fused_optimizer_ops())(_fused_optimizer)
+
+
+@register_handler(aten._amp_foreach_non_finite_check_and_unscale_.default)
+def _amp_unscale(op: OpOverload, args: tuple, kwargs: dict) -> None:
+    """Unscale local shards, then found_inf = MAX over the ranks (see Note: GradScaler on DTensor gradients)."""
+    grads, found_inf, inv_scale = (*args, *kwargs.values())
+    meshes = []
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            _align_in_place(grad, tuple(Replicate() if isinstance(p, Partial) else p for p in grad.placements))
+            if grad._spec.mesh not in meshes:
+                meshes.append(grad._spec.mesh)
+    found = _local(found_inf)
+    op(_local(list(grads)), found, _local(inv_scale))
+    for mesh in meshes:
+        for mesh_dim in range(mesh.ndim):
+            if mesh.size(mesh_dim) > 1:
+                all_reduce(found, ReduceOp.MAX, group=mesh.get_group(mesh_dim))
