@@ -81,13 +81,16 @@ class ReduceScatter:
 
 def start_reduce_scatter(params: list[FSDPParam], dtype: torch.dtype, device: torch.device,
                          group: ProcessGroup) -> ReduceScatter:
-    """Copy the unsharded gradients of `params` into one rank-major buffer (cast to `dtype`, padding zeroed) and
-    issue its SUM reduce-scatter over `group`. The unsharded gradients can be dropped once this returns."""
+    """Move the unsharded gradients of `params` into one rank-major buffer (cast to `dtype`, padding zeroed; each
+    gradient is dropped once copied, so the two never both hold the whole group) and issue its SUM
+    reduce-scatter over `group`."""
     piece_numels = [param.padded_numel for param in params]
     flat = torch.empty(group.size(), sum(piece_numels), dtype=dtype, device=device)
     with torch.no_grad():
         for param, rows in zip(params, flat.split(piece_numels, dim=1), strict=True):
             param.copy_grad_into(rows)
+            if param.unsharded_param is not None:
+                param.unsharded_param.grad = None
     output = flat.new_empty(sum(piece_numels))
     work = reduce_scatter_tensor(output, flat.view(-1), ReduceOp.SUM, group=group, async_op=True)
     return ReduceScatter(work, flat, output, params)

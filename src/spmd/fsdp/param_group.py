@@ -212,15 +212,12 @@ class FSDPParamGroup:
     def post_backward(self) -> None:
         """Every gradient of the group is accumulated: reduce-scatter them (one collective, finished later) unless
         gradient sync is off, then reshard. Collective when it reduces."""
+        if self.reshard_after_backward:
+            self.reshard()                   # first: the reduction needs the gradients, not the parameters
         if self.requires_gradient_sync and any(param.unsharded_grad() is not None for param in self.grad_params):
             self.reductions.finish_all()     # bounds memory: at most one group's reduction stays in flight
             reduction = start_reduce_scatter(self.grad_params, self.reduce_dtype, self.device, self.shard_group)
-            for param in self.grad_params:
-                assert param.unsharded_param is not None
-                param.unsharded_param.grad = None
             self.reductions.push(self, reduction)
-        if self.reshard_after_backward:
-            self.reshard()
         self._late_grads = False
         self.backward_state = BackwardState.REDUCED
 

@@ -15,8 +15,8 @@ adopts every state below it (lazy init, collective: it checks that all ranks bui
   4. pre-backward: queue the root's end-of-backward callback (once per backward), wait for the group's
      parameters (gather them again if resharded), start the next group's all-gather in backward order (the
      reverse of the post-forward order, or `set_modules_to_backward_prefetch`).
-  5. post-backward (the group's last gradient accumulated): finish the previous group's reduce-scatter, issue
-     this group's, reshard. So group i's reduce-scatter runs while group i-1 computes its backward.
+  5. post-backward (the group's last gradient accumulated): reshard, finish the previous group's reduce-scatter,
+     issue this group's. So group i's reduce-scatter runs while group i-1 computes its backward.
   6. end of backward (root): post-backward for groups no hook finished, then wait for every reduce-scatter and
      add the results into the sharded `.grad`s.
 A forward that runs again inside backward (activation checkpointing's recomputation) runs pre-backward (the only
