@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -55,3 +58,18 @@ def test_torch_compatibility_arguments_are_accepted_and_ignored() -> None:
             spmd.barrier(device_ids=0)
     finally:
         spmd.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["threads", "shm", "tcp"])
+def test_finished_ops_do_not_keep_their_tensors_alive(backend: str) -> None:
+    # FSDP frees an all-gather's buffers as soon as it drops them; a transport or executor still holding the
+    # last op's tensors until the next op arrives kept one group's worth of buffers alive for nothing.
+    def body(rank: int, size: int) -> list[bool]:
+        inp, out = torch.ones(1000), torch.empty(1000 * size)
+        spmd.all_gather_into_tensor(out, inp, async_op=True).wait()
+        refs = [weakref.ref(inp.untyped_storage()), weakref.ref(out.untyped_storage())]
+        del inp, out
+        gc.collect()
+        return [ref() is None for ref in refs]
+
+    assert run_ranks(body, 2, backend=backend) == [[True, True]] * 2

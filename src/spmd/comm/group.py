@@ -171,6 +171,9 @@ class ProcessGroup:
             finally:
                 with self._lock:
                     self._running = None
+                # The op's tensors (its body's closure, the Work's outputs) must not stay alive while this thread
+                # waits for the next op: FSDP frees its all-gather buffers as soon as the caller drops them.
+                del record, body, work, stream
 
     # Note: streams. An op enqueued from stream S completes with respect to S, as with torch's NCCL
     # ProcessGroup, whatever thread runs it:

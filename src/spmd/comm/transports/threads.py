@@ -139,8 +139,10 @@ class ThreadsTransport(Transport):
         return [entry[1] for entry in posted]
 
     def _finish(self, ctx: OpContext) -> None:
-        """Phase 2: wait until every rank has read the board."""
+        """Phase 2: wait until every rank has read the board, then take this rank's payload off it (its tensors
+        must not live on until the next op)."""
         self._wait_all(ctx)
+        self._hub.board[self.group_rank] = None
 
     # -- collectives ----------------------------------------------------------------------------------------
 
