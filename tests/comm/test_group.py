@@ -73,3 +73,16 @@ def test_finished_ops_do_not_keep_their_tensors_alive(backend: str) -> None:
         return [ref() is None for ref in refs]
 
     assert run_ranks(body, 2, backend=backend) == [[True, True]] * 2
+
+
+@pytest.mark.parametrize("backend", ["threads", "shm", "tcp"])
+def test_all_gather_in_place(backend: str) -> None:
+    # The input may be this rank's own block of the output (as NCCL allows): FSDP gathers that way.
+    def body(rank: int, size: int) -> bool:
+        block = 10007
+        out = torch.empty(size * block)
+        out[rank * block:(rank + 1) * block] = torch.arange(block, dtype=torch.float32) + 1e6 * rank
+        spmd.all_gather_into_tensor(out, out[rank * block:(rank + 1) * block])
+        return torch.equal(out, torch.cat([torch.arange(block, dtype=torch.float32) + 1e6 * r for r in range(size)]))
+
+    assert run_ranks(body, 3, backend=backend) == [True] * 3

@@ -40,15 +40,19 @@ class AllGather:
 
 def start_all_gather(params: list[FSDPParam], dtype: torch.dtype, device: torch.device, group: ProcessGroup,
                      pieces: Tensor | None = None, piece_numels: list[int] | None = None) -> AllGather:
-    """Issue the all-gather of `params`: from their sharded parameters (copy-in, casting to `dtype`), or from
-    `pieces`, an all-gather input already laid out (the shards kept after forward for a smaller group)."""
+    """Issue the all-gather of `params`: from their sharded parameters (copied, cast to `dtype`, straight into
+    this rank's block of the output: an in-place all-gather needs no input buffer), or from `pieces`, an
+    all-gather input already laid out (the shards kept after forward for a smaller group)."""
     if pieces is None:
         piece_numels = [param.padded_numel for param in params]
-        pieces = torch.empty(sum(piece_numels), dtype=dtype, device=device)
+        total = sum(piece_numels)
+        output = torch.empty(total * group.size(), dtype=dtype, device=device)
+        pieces = output.narrow(0, total * group.rank(), total)     # in place: this rank's block of the output
         for param, piece in zip(params, pieces.split(piece_numels), strict=True):
             param.copy_shard_into(piece)
+    else:
+        output = pieces.new_empty(pieces.numel() * group.size())
     assert piece_numels is not None
-    output = pieces.new_empty(pieces.numel() * group.size())
     work = all_gather_into_tensor(output, pieces, group=group, async_op=True)
     return AllGather(work, pieces, output, group.size(), piece_numels)
 
