@@ -5,7 +5,9 @@ Layer: testing. `TensorMemoryTracker` is a TorchDispatchMode: every tensor an op
 re-read from each storage after every op, so a storage resized outside dispatch (FSDP frees an unsharded
 parameter with `untyped_storage().resize_(0)` and re-allocates it the same way) is counted at its current size.
 Tensors that exist before the tracker starts (parameters, optimizer state) are counted once passed to `track()`.
-Temporaries inside DTensor's dispatch (it runs the local ops under the mode) are not seen; their outputs are.
+An op on a tensor subclass (a DTensor) is handed to the subclass, whose local ops then come back through the
+mode (as torch's MemTracker does), so temporaries inside DTensor's dispatch count too: a random init of a sharded
+parameter fills the global tensor first (see spmd.tensor.random), and that is part of the peak.
 
     with TensorMemoryTracker(classify=lambda: {...}) as tracker:
         tracker.track(model.parameters())
@@ -95,6 +97,8 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.peak_breakdown = breakdown
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if any(cls is not Tensor for cls in types):
+            return NotImplemented            # the subclass runs its local ops, which come back here
         out = func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, Tensor):
