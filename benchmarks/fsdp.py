@@ -1,7 +1,8 @@
 """FSDP2 throughput and memory: spmd's fully_shard vs torch's FSDP2 on gloo, same model, same machine, same run.
 
-    python benchmarks/fsdp.py [--steps 6] [--repeats 2] [--layers 8 --width 768 --heads 12]
+    python benchmarks/fsdp.py [--steps 6] [--repeats 2] [--layers 8 --width 768 --heads 12] [--impls ...]
     python benchmarks/fsdp.py --scale [--scale-layers 20 --scale-width 2048]
+    python benchmarks/fsdp.py --layers 2 --width 128 --heads 4 --steps 2 --repeats 1   # smoke check
 
 The GPT of examples/gpt.py (default: 8 layers, width 768, 12 heads, context 128, vocabulary 4096: 63 M
 parameters), AdamW, global batch 8 x 128 tokens, 2 ranks x 1 torch thread as spawned processes, fully_shard on
@@ -11,9 +12,13 @@ every block and then the root. spmd on its default transport ("auto": shared mem
     the ratio per launch. One process with one thread on the whole global batch is the reference.
   - tensor peak per rank: live tensor bytes through a dispatch-mode tracker (spmd.testing.memory), on a separate
     step, for spmd (with its breakdown at the peak), torch FSDP2 and the one-process run.
-  - peak RSS per rank: each implementation alone in fresh processes (RSS is per process), ru_maxrss.
-  - communication (spmd): exposed = time the step spends waiting on FSDP's all-gathers and reduce-scatters;
-    total = the same step's collectives run back to back on their own; overlapped = total - exposed.
+  - peak RSS per rank: each implementation alone in fresh processes (RSS is per process) running only its
+    training steps, ru_maxrss; beside it the RSS before the model was built (interpreter, torch, process group).
+  - communication (spmd): exposed = time the step spends waiting on FSDP's all-gathers and reduce-scatters, per
+    step the rank that waits least (the other also waits for the slower rank's compute, not for bytes), with the
+    other rank's wait beside it; total = the same step's collectives run back to back on their own;
+    overlapped = total - exposed.
+`--impls` picks the implementations (e.g. `--impls torch single` while spmd.fsdp is not there).
 With --scale: a GPT of about 1 B parameters built on the meta device, fully_shard over 4 ranks, to_empty, each
 rank initialising only its shards, then one forward/backward/SGD step; each rank's peak RSS beside the whole
 model's fp32 size (torch is not run).
@@ -30,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -86,7 +92,6 @@ class _Impl:
 
     def __init__(self, name: str, rank: int, world_size: int, args: argparse.Namespace, gloo_port: int) -> None:
         self.name, self.rank, self.world_size = name, rank, world_size
-        self.model = _gpt(args.layers, args.width, args.heads)
         if name == "spmd":
             import spmd
             from spmd.device_mesh import init_device_mesh
@@ -108,6 +113,8 @@ class _Impl:
             mesh = init_device_mesh("cpu", (world_size,))
         else:
             self.barrier = lambda: None
+        self.baseline_rss = _max_rss()         # the process group is up, this model not built yet
+        self.model = _gpt(args.layers, args.width, args.heads)
         if name != "single":
             for block in self.model.blocks:
                 fully_shard(block, mesh=mesh)
@@ -174,10 +181,16 @@ def _env(rank: int, world_size: int, store_port: int) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port))
 
 
-def _throughput_worker(names: list[str], rank: int, world_size: int, args: argparse.Namespace,
+def _max_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
+
+
+def _throughput_worker(names: list[str], rss_only: bool, rank: int, world_size: int, args: argparse.Namespace,
                        ports: tuple[int, int], out_file: str) -> None:
-    """Every implementation in `names` in this process; steps interleaved; then tensor peaks and comm times."""
+    """Every implementation in `names` in this process; steps interleaved; then (unless `rss_only`, where only
+    the steps run, so that ru_maxrss is theirs) tensor peaks and comm times."""
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)   # torch 2.13 renames the *_tensor collectives
     _env(rank, world_size, ports[0])
     waits = _TimedWaits() if "spmd" in names else None
     impls = [_Impl(name, rank, world_size, args, ports[1]) for name in names]
@@ -192,11 +205,13 @@ def _throughput_worker(names: list[str], rank: int, world_size: int, args: argpa
                 steps[impl.name].append(impl.step())
                 if impl.name == "spmd" and waits is not None:
                     exposed.append(waits.seconds - before)
-        peaks = {impl.name: impl.tensor_peak() for impl in impls}
-        comm = {impl.name: impl.communication_seconds() for impl in impls if impl.name != "single"}
-        torch.save({"steps": steps, "exposed": exposed, "peaks": peaks, "comm": comm,
-                    "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                    "params": sum(p.numel() for p in impls[0].model.parameters())}, f"{out_file}.{rank}")
+        rss = _max_rss()
+        peaks = {} if rss_only else {impl.name: impl.tensor_peak() for impl in impls}
+        comm = {} if rss_only else {impl.name: impl.communication_seconds() for impl in impls
+                                    if impl.name != "single"}
+        params = sum(p.numel() for p in impls[0].model.parameters())
+        torch.save({"steps": steps, "exposed": exposed, "peaks": peaks, "comm": comm, "rss": rss,
+                    "baseline_rss": impls[0].baseline_rss, "params": params}, f"{out_file}.{rank}")
     finally:
         for impl in impls:
             impl.close()
@@ -228,42 +243,56 @@ def _slowest(per_rank: list[dict[str, Any]], name: str) -> list[float]:
 
 
 def _throughput(args: argparse.Namespace) -> None:
-    launches = [_launch(_throughput_worker, 2, args, (["spmd", "torch"],)) for _ in range(args.repeats)]
-    single = _launch(_throughput_worker, 1, args, (["single"],))
-    rss = {name: max(r["rss"] for r in _launch(_throughput_worker, 2, args, ([name],))) for name in ("spmd", "torch")}
-    rss["single"] = single[0]["rss"]
-    params = launches[0][0]["params"]
-    spmd_steps = [t for run in launches for t in _slowest(run, "spmd")]
-    torch_steps = [t for run in launches for t in _slowest(run, "torch")]
-    single_step = statistics.median(single[0]["steps"]["single"])
+    distributed = [name for name in ("spmd", "torch") if name in args.impls]
+    launches = [_launch(_throughput_worker, 2, args, (distributed, False)) for _ in range(args.repeats)
+                if distributed]
+    single = _launch(_throughput_worker, 1, args, (["single"], False)) if "single" in args.impls else []
+    alone = {name: _launch(_throughput_worker, 2, args, ([name], True)) for name in distributed}
+    rss = {name: (max(r["rss"] for r in runs), max(r["baseline_rss"] for r in runs)) for name, runs in alone.items()}
+    if single:
+        rss["single"] = (single[0]["rss"], single[0]["baseline_rss"])
+    params = (launches[0] if launches else single)[0]["params"]
     tokens = GLOBAL_BATCH * CONTEXT
-    ratios = [statistics.median(_slowest(run, "torch")) / statistics.median(_slowest(run, "spmd")) for run in launches]
     print(f"GPT {args.layers}x{args.width}, {args.heads} heads, context {CONTEXT}, vocab {VOCAB}: {params / 1e6:.1f} M "
           f"parameters; AdamW; global batch {GLOBAL_BATCH} x {CONTEXT}; 2 ranks x 1 thread; {args.steps} timed steps "
           f"x {args.repeats} launches; medians; {machine_line()}")
+    step_ms = {name: statistics.median(t for run in launches for t in _slowest(run, name)) for name in distributed}
+    if single:
+        step_ms["single"] = statistics.median(single[0]["steps"]["single"])
+    labels = {"spmd": "spmd fully_shard (shm)", "torch": "torch FSDP2 (gloo)", "single": "one process, 1 thread"}
     print(f"\n{'':24}{'step ms':>10}{'tokens/s':>10}")
-    for name, step in (("spmd fully_shard (shm)", statistics.median(spmd_steps)),
-                       ("torch FSDP2 (gloo)", statistics.median(torch_steps)),
-                       ("one process, 1 thread", single_step)):
-        print(f"{name:24}{step * 1e3:>10.0f}{tokens / step:>10.0f}")
-    print(f"spmd / torch tokens/s: {statistics.median(ratios):.2f}x (launches: "
-          f"{', '.join(f'{r:.2f}' for r in ratios)})")
+    for name, step in step_ms.items():
+        print(f"{labels[name]:24}{step * 1e3:>10.0f}{tokens / step:>10.0f}")
+    if len(distributed) == 2:
+        ratios = [statistics.median(_slowest(run, "torch")) / statistics.median(_slowest(run, "spmd"))
+                  for run in launches]
+        print(f"spmd / torch tokens/s: {step_ms['torch'] / step_ms['spmd']:.2f}x (launches: "
+              f"{', '.join(f'{r:.2f}' for r in ratios)})")
 
-    def peak(name: str, runs: list[dict[str, Any]]) -> int:
-        return max(r["peaks"][name][0] for r in runs)
+    def peak(name: str) -> int:
+        return max(r["peaks"][name][0] for r in (single if name == "single" else launches[0]))
 
-    print(f"\ntensor peak per rank: spmd {human_bytes(peak('spmd', launches[0]))}, torch "
-          f"{human_bytes(peak('torch', launches[0]))}, one process {human_bytes(peak('single', single))}")
-    print(f"peak RSS per rank (each alone): spmd {human_bytes(rss['spmd'])}, torch {human_bytes(rss['torch'])}, "
-          f"one process {human_bytes(rss['single'])}")
+    print("\ntensor peak per rank: " + ", ".join(f"{name} {human_bytes(peak(name))}" for name in step_ms))
+    print("peak RSS per rank (each alone; before the model): " + ", ".join(
+        f"{name} {human_bytes(rss[name][0])} ({human_bytes(rss[name][1])})" for name in step_ms))
+    if "spmd" in distributed:
+        _spmd_breakdown(launches)
+
+
+def _spmd_breakdown(launches: list[list[dict[str, Any]]]) -> None:
+    """spmd's tensors at its peak by category, and its exposed vs total communication."""
     worst = max(launches[0], key=lambda r: r["peaks"]["spmd"][0])
     print("spmd at its peak:", ", ".join(f"{k} {human_bytes(v)}" for k, v in
                                          sorted(worst["peaks"]["spmd"][1].items(), key=lambda kv: -kv[1])))
-    exposed = statistics.median(t for run in launches for r in run for t in r["exposed"])
+    per_step = [sorted(waits) for run in launches for waits in zip(*(r["exposed"] for r in run), strict=True)]
+    exposed = statistics.median(waits[0] for waits in per_step)
+    other = statistics.median(waits[-1] for waits in per_step)
     total = statistics.median(r["comm"]["spmd"] for run in launches for r in run)
-    torch_total = statistics.median(r["comm"]["torch"] for run in launches for r in run)
-    print(f"spmd communication per step: exposed {exposed * 1e3:.0f} ms, total {total * 1e3:.0f} ms, overlapped "
-          f"{max(0.0, total - exposed) * 1e3:.0f} ms (the same collectives on torch gloo: {torch_total * 1e3:.0f} ms)")
+    print(f"spmd communication per step: exposed {exposed * 1e3:.0f} ms (the other rank waits {other * 1e3:.0f} ms), "
+          f"total {total * 1e3:.0f} ms, overlapped {max(0.0, total - exposed) * 1e3:.0f} ms")
+    if "torch" in launches[0][0]["comm"]:
+        torch_total = statistics.median(r["comm"]["torch"] for run in launches for r in run)
+        print(f"the same collectives on torch's gloo: {torch_total * 1e3:.0f} ms")
 
 
 def _scale_worker(rank: int, world_size: int, args: argparse.Namespace, ports: tuple[int, int],
@@ -276,6 +305,7 @@ def _scale_worker(rank: int, world_size: int, args: argparse.Namespace, ports: t
     from spmd.tensor.random import manual_seed
 
     spmd.init_process_group("auto", timeout=600)
+    baseline_rss = _max_rss()
     try:
         model = _gpt(args.scale_layers, args.scale_width, args.scale_heads, device="meta")
         params = sum(p.numel() for p in model.parameters())
@@ -297,8 +327,8 @@ def _scale_worker(rank: int, world_size: int, args: argparse.Namespace, ports: t
         loss.backward()
         opt.step()
         torch.save({"params": params, "loss": loss.item(), "init_s": init_seconds,
-                    "step_s": time.perf_counter() - start,
-                    "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, f"{out_file}.{rank}")
+                    "step_s": time.perf_counter() - start, "rss": _max_rss(), "baseline_rss": baseline_rss},
+                   f"{out_file}.{rank}")
     finally:
         spmd.destroy_process_group()
 
@@ -306,12 +336,13 @@ def _scale_worker(rank: int, world_size: int, args: argparse.Namespace, ports: t
 def _scale(args: argparse.Namespace) -> None:
     results = _launch(_scale_worker, 4, args, ())
     params = results[0]["params"]
-    print(f"GPT {args.scale_layers}x{args.scale_width} ({params / 1e9:.2f} B parameters, {human_bytes(4 * params)} in "
+    print(f"GPT {args.scale_layers}x{args.scale_width} ({params / 1e6:,.0f} M parameters, {human_bytes(4 * params)} in "
           f"fp32) on meta, fully_shard over 4 ranks, to_empty, shards initialised in place, one SGD step; "
           f"{machine_line()}")
     for rank, result in enumerate(results):
         print(f"rank {rank}: peak RSS {human_bytes(result['rss'])} ({result['rss'] / (4 * params):.2f} x the whole "
-              f"model), init {result['init_s']:.0f} s, step {result['step_s']:.0f} s, loss {result['loss']:.3f}")
+              f"model; {human_bytes(result['baseline_rss'])} before it), "
+              f"init {result['init_s']:.0f} s, step {result['step_s']:.0f} s, loss {result['loss']:.3f}")
 
 
 def main() -> None:
@@ -321,6 +352,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--impls", nargs="+", choices=("spmd", "torch", "single"), default=["spmd", "torch", "single"])
     parser.add_argument("--scale", action="store_true", help="the ~1 B parameter meta-device run instead")
     parser.add_argument("--scale-layers", type=int, default=20)
     parser.add_argument("--scale-width", type=int, default=2048)
