@@ -18,6 +18,7 @@ from spmd.tensor.random import manual_seed
 from spmd.testing import run_ranks
 from spmd.testing.memory import TensorMemoryTracker, storage_key
 from tests.parity.models import batch, build, loss_fn
+from tests.procpool import ProcPool
 
 
 def test_allocations_views_frees_and_resizes() -> None:
@@ -128,10 +129,9 @@ def test_peak_equals_torch_mem_tracker_on_a_training_step() -> None:
     assert ours > 3 * sum(p.nbytes for p in model.parameters())   # parameters, gradients, two AdamW moments
 
 
-def test_peak_equals_torch_fsdp_mem_tracker_on_torch_fsdp2() -> None:
-    # torch's FSDP2 over a fake 2-rank process group in this process: collectives allocate their outputs but move
-    # nothing, so the memory pattern is FSDP2's (all-gather buffers, unsharded parameters freed and re-allocated
-    # with untyped_storage().resize_ between ops, reduce-scatter buffers).
+def _torch_fsdp2_peaks(rank: int, world_size: int) -> tuple[int, int, int]:
+    """In a fresh pool process (torch's FSDPMemTracker patches FSDP2's hooks process-wide): (ours, torch's peak,
+    a block's full parameter bytes) for one FSDP2 step."""
     from torch.distributed.device_mesh import init_device_mesh as torch_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -148,8 +148,15 @@ def test_peak_equals_torch_fsdp_mem_tracker_on_torch_fsdp2() -> None:
         fsdp_tracker = FSDPMemTracker(model, opt)
         fsdp_tracker.track_inputs((x, y))
         ours, theirs = _both_peaks(fsdp_tracker, model, opt, x, y)
-        unsharded = sum(p.nbytes for p in model.blocks[0].parameters()) * 2   # a block's full parameters
-        assert ours == theirs
-        assert ours > unsharded
+        return ours, theirs, sum(p.nbytes for p in model.blocks[0].parameters()) * 2
     finally:
         dist.destroy_process_group()
+
+
+def test_peak_equals_torch_fsdp_mem_tracker_on_torch_fsdp2(procpool: ProcPool) -> None:
+    # torch's FSDP2 over a fake 2-rank process group: collectives allocate their outputs but move nothing, so
+    # the memory pattern is FSDP2's (all-gather buffers, unsharded parameters freed and re-allocated with
+    # untyped_storage().resize_ between ops, reduce-scatter buffers).
+    [(ours, theirs, unsharded)] = procpool.run(_torch_fsdp2_peaks, 1, timeout=120)
+    assert ours == theirs
+    assert ours > unsharded
