@@ -162,6 +162,21 @@ class DeviceMesh:
     def get_all_groups(self) -> list[AnyGroup]:
         return list(self._groups)
 
+    def existing_group(self) -> AnyGroup | None:
+        """A process group of exactly this mesh's ranks that already exists, or None: the group of its only mesh
+        dim of size > 1, the default group for a mesh over the whole world, or one `flatten` made. Never creates
+        one (that is collective over the whole world), so only this mesh's ranks need to call it."""
+        if self._coordinate is None:
+            return None
+        wide = [d for d in range(self.ndim) if self.mesh.shape[d] > 1]
+        if len(wide) <= 1:
+            return self._groups[wide[0] if wide else 0]
+        assert self._world is not None
+        ranks = tuple(sorted(self.mesh.reshape(-1).tolist()))
+        if ranks == tuple(range(self._world.world_size)):
+            return self._world.default_group
+        return _GROUP_REGISTRY.get(self._world, {}).get(ranks)
+
     def _dim_or_only(self, mesh_dim: int | str | None, what: str) -> int:
         if mesh_dim is None:
             if self.ndim != 1:

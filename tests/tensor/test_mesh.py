@@ -62,7 +62,13 @@ def test_groups_are_created_once_and_work() -> None:
 def test_flatten() -> None:
     def body(rank: int, world_size: int) -> tuple:
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+        groups = len(current_world().groups)
+        assert mesh.existing_group() is current_world().default_group       # the whole world
+        assert mesh["tp"].existing_group() is mesh.get_group("tp")          # one mesh dim
+        assert mesh["dp", "tp"].existing_group() is None                    # none yet, and none created
+        assert len(current_world().groups) == groups
         flat = mesh["dp", "tp"].flatten()
+        assert mesh["dp", "tp"].existing_group() is flat.get_group()
         assert mesh["dp_tp"] is flat and mesh["dp", "tp"].flatten() is flat     # reachable and idempotent
         t = torch.tensor([float(rank)])
         spmd.all_reduce(t, group=flat.get_group())
