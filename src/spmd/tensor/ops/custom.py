@@ -6,7 +6,8 @@ package); the only thing it adds is its local kernel, which `make_kernel(LocalPl
 call. Used in this package by `mean` over a sharded dim (a local sum scaled by the GLOBAL count, exact for
 uneven shards), max/min with empty shards, var/std and norms over sharded dims (one small all-reduce inside
 the kernel), the vocab-sharded `embedding` (ids outside this rank's rows masked), `nll_loss` and `mse_loss`
-with mean reduction, attention with an empty query shard, and the foreach ops.
+with mean reduction, attention with an empty query shard, GradScaler's unscale (found_inf all-reduced over
+the mesh), and the foreach ops.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 Layer: tensor. The elementwise `_foreach_*` ops get one rule, registered so that a Partial operand keeps the
 layout it was reduced to; `_foreach_norm` / `_foreach_max` are lists of the reduction handlers;
 the fused optimizer kernels (`_fused_adam_`, `_fused_adamw_`, `_fused_sgd_`, `_fused_adagrad_`) are handlers
-that run the kernel on the local shards, and so is GradScaler's unscale-and-check (see Note: GradScaler on
-DTensor gradients).
+that run the kernel on the local shards.
 
 Note: foreach ops position by position
 A foreach op is the same elementwise op applied at every list position i to (self[i], other[i], ...). Each
@@ -39,12 +38,18 @@ parameter's layout IN PLACE: the DTensor object keeps its global value and gets 
 (a Partial gradient is reduced once, here, and stays reduced). Then the kernel runs on the local shards,
 which are elementwise-aligned.
 
-Note: GradScaler on DTensor gradients
-`_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)` multiplies every gradient by
-inv_scale in place and sets the plain one-element `found_inf` to 1 if any value is inf or NaN. On DTensors each
-rank unscales its local shards (Partial gradients are reduced in place first: the check must see real values),
-then `found_inf` is all-reduced with MAX over every mesh dim of the gradients' meshes, so that when one rank's
-shard overflowed every rank skips the optimizer step and backs off the scale alike (torch's ShardedGradScaler).
+Note: GradScaler on sharded gradients
+`torch.amp.GradScaler` unscales the gradients with `_amp_foreach_non_finite_check_and_unscale_(grads,
+found_inf, inv_scale)`, then skips the optimizer step if `found_inf` (a plain one-element tensor, written in
+place) is nonzero. On DTensor gradients each rank unscales its own shard, so it sees only its own infs; its
+kernel then all-reduces `found_inf` with MAX over the whole mesh, so that every rank skips the step when any
+shard had an inf or NaN (torch's ShardedGradScaler does the same). The whole mesh, not only the mesh dims the
+gradients are sharded over: a replica that went wrong on one rank must stop every rank too. That is ONE
+all-reduce where a group of all the mesh's ranks exists (a 1-d mesh, a mesh over the whole world, a flattened
+mesh: DeviceMesh.existing_group), else one per mesh dim of size > 1. A Partial gradient is reduced (in place,
+to Replicate) first: its partial terms could be finite where their sum is not, or the reverse. `inv_scale`
+and `found_inf` are plain one-element tensors, which dispatch passes to the kernel as they are (a DTensor one
+is made Replicate).
 """
 
 from __future__ import annotations
@@ -63,7 +68,16 @@ from spmd.comm.reduce_op import ReduceOp
 from spmd.tensor.api import DTensor
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 from spmd.tensor.redistribute import run_plan
-from spmd.tensor.rules import OpSchema, ShardingDecision, ShardingError, register_handler, register_rule
+from spmd.tensor.rules import (
+    LocalKernel,
+    LocalPlan,
+    OpSchema,
+    ShardingDecision,
+    ShardingError,
+    register_handler,
+    register_rule,
+    replicated,
+)
 from spmd.tensor.spec import DTensorSpec, Placements
 
 aten = ops.aten
@@ -292,19 +306,29 @@ def _fused_optimizer_ops() -> list[OpOverload]:
 register_handler(*_fused_optimizer_ops())(_fused_optimizer)
 
 
-@register_handler(aten._amp_foreach_non_finite_check_and_unscale_.default)
-def _amp_unscale(op: OpOverload, args: tuple, kwargs: dict) -> None:
-    """Unscale local shards, then found_inf = MAX over the ranks (see Note: GradScaler on DTensor gradients)."""
-    grads, found_inf, inv_scale = (*args, *kwargs.values())
-    meshes = []
-    for grad in grads:
-        if isinstance(grad, DTensor):
-            _align_in_place(grad, tuple(Replicate() if isinstance(p, Partial) else p for p in grad.placements))
-            if grad._spec.mesh not in meshes:
-                meshes.append(grad._spec.mesh)
-    found = _local(found_inf)
-    op(_local(list(grads)), found, _local(inv_scale))
-    for mesh in meshes:
-        for mesh_dim in range(mesh.ndim):
-            if mesh.size(mesh_dim) > 1:
-                all_reduce(found, ReduceOp.MAX, group=mesh.get_group(mesh_dim))
+# -- GradScaler: unscale and check for infs -------------------------------------------------------------------
+
+def _unscale_kernel(plan: LocalPlan) -> LocalKernel:
+    """Unscale the local shards, then make found_inf the MAX over the mesh (see Note: GradScaler on sharded
+    gradients)."""
+    mesh = plan.schema.mesh
+    whole = mesh.existing_group() if mesh.size() > 1 else None
+    groups = [whole] if whole is not None else [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
+    unscale = plan.op._op
+
+    def kernel(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+        unscale(grads, found_inf, inv_scale)
+        for group in groups:
+            all_reduce(found_inf, ReduceOp.MAX, group=group)
+    return kernel
+
+
+@register_rule(aten._amp_foreach_non_finite_check_and_unscale_.default, kernel=_unscale_kernel)
+def _unscale_rule(schema: OpSchema) -> ShardingDecision:
+    """Each gradient unscaled where it lies, a Partial one reduced first; DTensor found_inf / inv_scale
+    Replicate (see Note: GradScaler on sharded gradients)."""
+    grads = sum(isinstance(value, DTensorSpec) for value in schema.args[0])
+    placements: list[Placements] = [tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+                                    for spec in schema.input_specs[:grads]]
+    placements += [replicated(schema.mesh)] * (len(schema.input_specs) - grads)
+    return ShardingDecision(None, placements)
