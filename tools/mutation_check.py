@@ -42,6 +42,7 @@ _NORMS = ("tests/tensor/test_ops_embedding_norm_loss.py",)
 _POWERSGD = ("tests/parity/test_powersgd_oracle.py", "tests/parity/test_ddp.py", "-k", "powersgd or PowerSGD")
 _REDUCE = ("tests/comm/test_reduce_op.py", "tests/comm/test_matrix.py")
 _FSDP_PARITY = ("tests/fsdp/test_parity.py", "-k", "matches_one_process")
+_AMP = ("tests/tensor/test_amp_and_clipping.py",)
 
 MUTATIONS: tuple[Mutation, ...] = (
     # DTensor rules: each passed every test while Partial inputs were the value on one rank and zeros elsewhere
@@ -72,6 +73,16 @@ MUTATIONS: tuple[Mutation, ...] = (
              "reduction_strategies(spec, reduced, keepdim, reduce_op, (reduce_op,))",
              'reduction_strategies(spec, reduced, keepdim, reduce_op, (reduce_op, "sum"))',
              ("tests/tensor/test_ops_reduction.py",)),
+    Mutation("GradScaler: found_inf not reduced across ranks (only the rank with the inf skips the step)",
+             "src/spmd/tensor/ops/foreach.py",
+             "            all_reduce(found_inf, ReduceOp.MAX, group=group)",
+             "            pass",
+             _AMP),
+    Mutation("GradScaler: found_inf reduced over the last mesh dim only (a replica's inf stops only its row)",
+             "src/spmd/tensor/ops/foreach.py",
+             "    groups = [whole] if whole is not None else",
+             "    groups = [mesh.get_group(mesh.ndim - 1)] if whole is not None else",
+             _AMP),
     # a missing rule must fail the rule tests (the fallback computes the right values, slowly)
     Mutation("rules: softmax and log_softmax removed",
              "src/spmd/tensor/ops/norm.py",
@@ -156,11 +167,6 @@ MUTATIONS: tuple[Mutation, ...] = (
              "                self.group.pre_backward()     # reentrant checkpointing: no output hook ran pre-backward",
              "                self.group.wait_for_unshard()",
              ("tests/fsdp/test_parity.py", "-k", "checkpointing")),
-    Mutation("GradScaler: found_inf not reduced across ranks",
-             "src/spmd/tensor/ops/foreach.py",
-             "                all_reduce(found, ReduceOp.MAX, group=mesh.get_group(mesh_dim))",
-             "                pass",
-             ("tests/tensor/test_ops_foreach.py", "-k", "amp")),
 )
 
 
