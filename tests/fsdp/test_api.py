@@ -241,3 +241,22 @@ def test_different_models_across_ranks_are_named_not_hung() -> None:
         with pytest.raises(ValueError, match=r"the model differs from group rank \d.*parameter position"):
             model(batch("gpt", 1)[0])
     run_ranks(body, 2, timeout=TIMEOUT)
+
+
+def test_mixed_precision_casts_inputs_and_root_outputs() -> None:
+    from spmd.fsdp import MixedPrecisionPolicy
+
+    def body(rank: int, size: int) -> tuple:
+        seen = []
+        model = MLP()
+        model.layers[1].register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float16)
+        mesh = init_device_mesh("cpu", (size,))
+        fully_shard(model.layers[1], mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        out = model(torch.randn(2, 7))
+        no_cast = MLP()
+        fully_shard(no_cast, mesh=mesh, mp_policy=MixedPrecisionPolicy(cast_forward_inputs=False))
+        return seen[0], out.dtype, no_cast(torch.randn(2, 7)).dtype
+
+    assert run_ranks(body, 2, timeout=TIMEOUT) == [(torch.bfloat16, torch.float16, torch.float32)] * 2
