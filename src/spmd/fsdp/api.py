@@ -14,7 +14,7 @@ from torch import nn
 from spmd.comm.world import current_world, is_initialized
 from spmd.device_mesh import DeviceMesh, init_device_mesh
 from spmd.fsdp.param import FSDPParam, ShardMesh, Slot
-from spmd.fsdp.param_group import FSDPParamGroup, PostForwardMesh
+from spmd.fsdp.param_group import FSDPParamGroup, GroupState, PostForwardMesh
 from spmd.fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from spmd.fsdp.state import FSDPState, state_of
 from spmd.tensor import DTensor
@@ -157,7 +157,7 @@ class FSDPModule:
         """nn.Module._apply (to_empty, to, ...), then re-adopt the converted shards as the managed parameters."""
         states = self._fsdp_states(recurse=True)
         for state in states:
-            if state.group is not None and state.group.state.name != "SHARDED":
+            if state.group is not None and state.group.state is not GroupState.SHARDED:
                 raise RuntimeError(f"{type(self).__name__}._apply (to/to_empty/...): {state.name} holds its "
                                    f"full parameters; call reshard() first")
         result = super()._apply(fn, recurse)   # type: ignore[misc]
