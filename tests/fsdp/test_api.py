@@ -189,6 +189,10 @@ def test_bad_options_are_refused() -> None:
             fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (size, 1, 1)))
         with pytest.raises(ValueError, match="returned Replicate"):
             fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: Replicate())
+        scalar = nn.Module()
+        scalar.temperature = nn.Parameter(torch.tensor(1.0))
+        with pytest.raises(ValueError, match="temperature is a scalar"):
+            fully_shard(scalar, mesh=mesh)
         layer = nn.Linear(4, 4)
         fully_shard(layer, mesh=mesh)
         with pytest.raises(ValueError, match="Linear is already sharded"):

@@ -327,8 +327,11 @@ def _shard_dim(shard_placement_fn: ShardPlacementFn | None, param: nn.Parameter,
     if not isinstance(placement, Shard):
         raise ValueError(f"fully_shard: shard_placement_fn returned {placement!r} for {fqn}; return a Shard(dim) "
                          f"or None (Shard(0))")
+    if param.ndim == 0:
+        raise ValueError(f"fully_shard: {fqn} is a scalar (0-d) parameter, which can't be sharded (nor can torch's "
+                         f"fully_shard); make it a 1-d tensor of one element")
     dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
-    if param.ndim == 0 or not 0 <= dim < param.ndim:
+    if not 0 <= dim < param.ndim:
         raise ValueError(f"fully_shard: cannot shard {fqn} of shape {tuple(param.shape)} on dim {placement.dim}")
     return dim
 
