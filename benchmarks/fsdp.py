@@ -21,7 +21,7 @@ every block and then the root. spmd on its default transport ("auto": shared mem
 `--impls` picks the implementations (e.g. `--impls torch single` while spmd.fsdp is not there).
 With --scale: a GPT of about 1 B parameters built on the meta device, fully_shard over 4 ranks, to_empty, each
 rank initialising only its shards, then one forward/backward/SGD step; each rank's peak RSS beside the whole
-model's fp32 size (torch is not run).
+model's fp32 size and its tensor peak with the breakdown (torch is not run).
 """
 
 from __future__ import annotations
@@ -303,6 +303,7 @@ def _scale_worker(rank: int, world_size: int, args: argparse.Namespace, ports: t
     from spmd.device_mesh import init_device_mesh
     from spmd.fsdp import fully_shard
     from spmd.tensor.random import manual_seed
+    from spmd.testing.memory import TensorMemoryTracker, fsdp_categories
 
     spmd.init_process_group("auto", timeout=600)
     baseline_rss = _max_rss()
@@ -323,12 +324,14 @@ def _scale_worker(rank: int, world_size: int, args: argparse.Namespace, ports: t
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         tokens = torch.randint(0, VOCAB, (1, CONTEXT + 1), generator=torch.Generator().manual_seed(rank))
         start = time.perf_counter()
-        loss = _loss(model, tokens)
-        loss.backward()
-        opt.step()
+        with TensorMemoryTracker(classify=fsdp_categories(model, opt)) as tracker:   # a few % of the step
+            tracker.track(model.parameters())
+            loss = _loss(model, tokens)
+            loss.backward()
+            opt.step()
         torch.save({"params": params, "loss": loss.item(), "init_s": init_seconds,
-                    "step_s": time.perf_counter() - start, "rss": _max_rss(), "baseline_rss": baseline_rss},
-                   f"{out_file}.{rank}")
+                    "step_s": time.perf_counter() - start, "rss": _max_rss(), "baseline_rss": baseline_rss,
+                    "tensor_peak": tracker.peak_bytes, "breakdown": tracker.peak_breakdown}, f"{out_file}.{rank}")
     finally:
         spmd.destroy_process_group()
 
@@ -343,6 +346,8 @@ def _scale(args: argparse.Namespace) -> None:
         print(f"rank {rank}: peak RSS {human_bytes(result['rss'])} ({result['rss'] / (4 * params):.2f} x the whole "
               f"model; {human_bytes(result['baseline_rss'])} before it), "
               f"init {result['init_s']:.0f} s, step {result['step_s']:.0f} s, loss {result['loss']:.3f}")
+        print(f"        tensor peak {human_bytes(result['tensor_peak'])}: " + ", ".join(
+            f"{k} {human_bytes(v)}" for k, v in sorted(result["breakdown"].items(), key=lambda kv: -kv[1])))
 
 
 def main() -> None:
