@@ -1,8 +1,8 @@
 """FSDP2: `fully_shard` shards each parameter as a DTensor over a DeviceMesh, gathering a group's parameters
-for its forward and backward and reduce-scattering its gradients, with torch.distributed.fsdp's API names.
+for its forward and backward and reduce-scattering its gradients, with the API names of torch's FSDP2.
 
 Layer: fsdp (L4; may import _core, _autograd, comm, device_mesh, tensor). Ported code swaps
-`torch.distributed.fsdp` for `spmd.fsdp`.
+torch's fsdp package for `spmd.fsdp`.
 """
 
 from spmd.fsdp.api import FSDPModule, UnshardHandle, fully_shard

@@ -1,4 +1,4 @@
-"""fully_shard and FSDPModule: FSDP2's public API, named and behaving as torch.distributed.fsdp's.
+"""fully_shard and FSDPModule: FSDP2's public API, named and behaving as torch 2.13's FSDP2.
 
 Layer: fsdp (may import _core, _autograd, comm, device_mesh, tensor).
 """

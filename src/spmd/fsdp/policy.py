@@ -1,6 +1,6 @@
 """The policies `fully_shard` takes: mixed precision and offloading, frozen dataclasses checked on creation.
 
-Layer: fsdp. Same names, fields and defaults as torch.distributed.fsdp's, so code written for torch's FSDP2 ports.
+Layer: fsdp. Same names, fields and defaults as torch's FSDP2 policies, so code written for torch's FSDP2 ports.
 """
 
 from __future__ import annotations
