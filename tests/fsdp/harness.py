@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from spmd.comm.group import ProcessGroup
 from spmd.device_mesh import init_device_mesh
 from spmd.fsdp import fully_shard
 from tests.parity.models import batch, build, loss_fn
+from tests.parity.test_ddp import count_collectives
 
 TIMEOUT = 60.0
 STEPS = 3
@@ -40,19 +40,6 @@ def shard_blocks_then_root(model: nn.Module, mesh: Any, **options: Any) -> None:
     for block in blocks_of(model):
         fully_shard(block, mesh=mesh, **options)
     fully_shard(model, mesh=mesh, **{k: v for k, v in options.items() if k != "reshard_after_forward"})
-
-
-def count_collectives(group: ProcessGroup) -> collections.Counter[str]:
-    """Count the collectives this rank issues on `group` from now on, by op name."""
-    counts: collections.Counter[str] = collections.Counter()
-    run = group.run
-
-    def counting_run(fingerprint, body, outputs, async_op, **options):
-        counts[fingerprint.op] += 1
-        return run(fingerprint, body, outputs, async_op, **options)
-
-    group.run = counting_run   # instance attribute shadows the method for this rank only
-    return counts
 
 
 def reference(kind: str, world_size: int, steps: int = STEPS, micro_steps: int = 1,

@@ -21,6 +21,16 @@ def _sharded_gpt(mesh: DeviceMesh, **options) -> nn.Module:
     return model
 
 
+def _gradients_of_two_backwards() -> list[torch.Tensor]:
+    """One process: the GPT's gradients after two backwards of the same 2-rank global batch (accumulated)."""
+    ref = build("gpt")
+    x, y = batch("gpt", 4)
+    for _ in range(2):
+        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
+            (loss_fn("gpt", ref(xs), ys) / 2).backward()
+    return [p.grad for p in ref.parameters()]
+
+
 def test_module_class_becomes_an_fsdp_subclass() -> None:
     def body(rank: int, size: int) -> None:
         model = _sharded_gpt(init_device_mesh("cpu", (size,)))
@@ -81,15 +91,11 @@ def test_reshard_after_backward_off_keeps_parameters_for_the_next_micro_batch() 
         return {"held": held, "grads": [p.grad.full_tensor() for p in model.parameters()]}
 
     results = run_ranks(body, 2, timeout=TIMEOUT)
-    ref = build("gpt")
-    x, y = batch("gpt", 4)
-    for _ in range(2):
-        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
-            (loss_fn("gpt", ref(xs), ys) / 2).backward()
+    ref = _gradients_of_two_backwards()
     for result in results:
         assert result["held"]
-        for got, p in zip(result["grads"], ref.parameters(), strict=True):
-            torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-6)
+        for got, want in zip(result["grads"], ref, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_is_last_backward_false_leaves_reductions_pending() -> None:
@@ -105,15 +111,11 @@ def test_is_last_backward_false_leaves_reductions_pending() -> None:
         return pending, [p.grad.full_tensor() for p in model.parameters()]
 
     results = run_ranks(body, 2, timeout=TIMEOUT)
-    ref = build("gpt")
-    x, y = batch("gpt", 4)
-    for _ in range(2):
-        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
-            (loss_fn("gpt", ref(xs), ys) / 2).backward()
+    ref = _gradients_of_two_backwards()
     for pending, grads in results:
         assert any(pending)                                   # the last group's reduction was still in flight
-        for got, p in zip(grads, ref.parameters(), strict=True):
-            torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-6)
+        for got, want in zip(grads, ref, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_gradient_divide_factor() -> None:
