@@ -30,18 +30,23 @@ class GPTConfig:
 
 
 class SelfAttention(nn.Module):
+    """Causal self-attention with separate q, k, v projections. The head count is read from q's width, so under
+    tensor parallelism (q/k/v sharded by output features) each rank runs its own heads unchanged."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.heads = config.heads
-        self.qkv = nn.Linear(config.width, 3 * config.width)
+        self.head_width = config.width // config.heads
+        self.q = nn.Linear(config.width, config.width)
+        self.k = nn.Linear(config.width, config.width)
+        self.v = nn.Linear(config.width, config.width)
         self.proj = nn.Linear(config.width, config.width)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).split(h, dim=-1)                                     # (B, S, H) each
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))  # (B, N, S, H/N)
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, -1, self.head_width).transpose(1, 2)                # (B, N, S, H/N)
+                   for t in (self.q(x), self.k(x), self.v(x)))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)               # (B, N, S, H/N)
-        return self.proj(y.transpose(1, 2).reshape(b, s, h))                      # (B, S, H)
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))                     # (B, S, H)
 
 
 class Block(nn.Module):
