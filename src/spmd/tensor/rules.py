@@ -261,6 +261,36 @@ def register_handler(*ops: OpOverload) -> Callable[[Handler], Handler]:
     return decorate
 
 
+_OVERRIDE_LOCK = threading.Lock()
+_OVERRIDE_USERS: dict[tuple[OpOverload, Handler], int] = {}
+
+
+@contextlib.contextmanager
+def overriding_handlers(handlers: dict[OpOverload, Handler]) -> Iterator[None]:
+    """Install `handlers` over these ops' rules while any thread is inside (entries are counted, so thread ranks
+    may enter and leave in any order). A handler sees every rank's calls: for those it does not take (a thread
+    outside its context) it calls `dispatch(..., by_rule=True)`. Ops with a handler of their own are refused."""
+    with _OVERRIDE_LOCK:
+        for op, handler in handlers.items():
+            if op in HANDLERS and (op, HANDLERS[op]) not in _OVERRIDE_USERS:
+                raise ValueError(f"{op} has a handler of its own; it can't be overridden")
+            if op in HANDLERS and HANDLERS[op] is not handler:
+                raise ValueError(f"{op} is already overridden by another handler")
+        for op, handler in handlers.items():
+            _OVERRIDE_USERS[(op, handler)] = _OVERRIDE_USERS.get((op, handler), 0) + 1
+            HANDLERS[op] = handler
+    try:
+        yield
+    finally:
+        with _OVERRIDE_LOCK:
+            for op, handler in handlers.items():
+                left = _OVERRIDE_USERS.pop((op, handler)) - 1
+                if left:
+                    _OVERRIDE_USERS[(op, handler)] = left
+                else:
+                    del HANDLERS[op]
+
+
 def register_family(predicate: Callable[[OpOverload], bool], rule: Rule) -> None:
     """Use `rule` for every op without its own rule or handler for which `predicate(op)` is true (e.g. every op
     tagged torch.Tag.pointwise). Families are tried in registration order; explicit registrations win."""

@@ -50,11 +50,14 @@ def _replicate_plain(cls: type, args: tuple, mesh: Any) -> tuple:
     return tuple(convert(value) for value in args)
 
 
-def dispatch(cls: type, op: OpOverload, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
-    """DTensor.__torch_dispatch__ (see Note: the dispatch fast path)."""
-    handler = HANDLERS.get(op)
-    if handler is not None:
-        return handler(op, args, kwargs or {})
+def dispatch(cls: type, op: OpOverload, types: tuple, args: tuple = (), kwargs: dict | None = None, *,
+             by_rule: bool = False) -> Any:
+    """DTensor.__torch_dispatch__ (see Note: the dispatch fast path). `by_rule=True` skips `op`'s handler: what a
+    handler installed over a rule (rules.overriding_handlers) calls for the calls it leaves to the rule."""
+    if not by_rule:
+        handler = HANDLERS.get(op)
+        if handler is not None:
+            return handler(op, args, kwargs or {})
     if kwargs is None:
         kwargs = {}
     key, dtensors, plain = call_key(op, args, kwargs, cls)
