@@ -1,0 +1,72 @@
+"""parallelize_module: apply a tensor-parallel plan (a style, or module paths -> styles) to a model.
+
+Layer: tensor.parallel. Collective over the mesh: laying out each parameter broadcasts it from `src_data_rank`
+(see distribute_tensor), so every rank must call it with the same model and plan.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+
+from spmd.device_mesh import DeviceMesh
+from spmd.tensor.parallel.style import ParallelStyle
+
+Plan = ParallelStyle | dict[str, ParallelStyle]
+
+
+def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
+                       parallelize_plan: Plan | None = None, *, src_data_rank: int | None = 0) -> nn.Module:
+    """Parallelize `module` in place on the 1-d `device_mesh` (slice an N-d mesh first: `mesh["tp"]`).
+
+    `parallelize_plan` is a ParallelStyle for `module` itself, or a dict from module paths to styles, applied
+    in order; a path's dot-separated parts may be fnmatch patterns (`"layers.*.attention.wq"`), and `""` names
+    `module`. A path that matches no submodule is an error naming it. `src_data_rank`: the rank whose values
+    every parameter takes (None: each rank keeps its own, no communication). Returns `module`.
+    """
+    if device_mesh is None:
+        raise ValueError("parallelize_module: pass the tensor-parallel device_mesh (e.g. mesh['tp'])")
+    if device_mesh.ndim != 1:
+        hint = f"; slice it first, e.g. mesh[{device_mesh.mesh_dim_names[-1]!r}]" if device_mesh.mesh_dim_names \
+            else "; slice a named mesh first, e.g. mesh['tp']"
+        raise ValueError(f"parallelize_module: needs a 1-d tensor-parallel mesh, got {device_mesh.ndim}-d "
+                         f"{device_mesh}{hint}")
+    if parallelize_plan is None:
+        raise ValueError("parallelize_module: pass a parallelize_plan (a ParallelStyle, or a dict from module "
+                         "paths to styles)")
+    _apply_plan(module, device_mesh, parallelize_plan, src_data_rank)
+    return module
+
+
+def _apply_plan(module: nn.Module, mesh: DeviceMesh, plan: Plan, src_data_rank: int | None) -> None:
+    if isinstance(plan, ParallelStyle):
+        plan.src_data_rank = src_data_rank
+        plan._apply(module, mesh)
+        return
+    if not isinstance(plan, dict):
+        raise TypeError(f"parallelize_module: a plan is a ParallelStyle or a dict from module paths to styles, "
+                        f"got {type(plan).__name__}")
+    for path, style in plan.items():
+        if not isinstance(path, str) or not isinstance(style, ParallelStyle):
+            raise TypeError(f"parallelize_module: plan entry {path!r}: {style!r} must map a module path (str) to "
+                            f"a ParallelStyle")
+        matches = _resolve(module, path)
+        if not matches:
+            raise ValueError(f"parallelize_module: plan key {path!r} matches no submodule of "
+                             f"{type(module).__name__} (its children: {[name for name, _ in module.named_children()]})")
+        for fqn, submodule in matches:
+            style.src_data_rank = src_data_rank
+            style._apply(submodule, mesh, fqn)
+
+
+def _resolve(module: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+    """Every (full name, submodule) that `path` (parts may be fnmatch patterns) names under `module`."""
+    found = [("", module)]
+    if path == "":
+        return found
+    for token in path.split("."):
+        found = [(f"{name}.{child_name}" if name else child_name, child)
+                 for name, parent in found for child_name, child in parent.named_children()
+                 if fnmatch.fnmatchcase(child_name, token)]
+    return found
