@@ -14,8 +14,13 @@ With the class dim C split over one mesh dim (each rank holds classes [lo, lo + 
 - nll_loss backward: -w[t_i] * grad (/ W) at (i, t_i): each rank writes its own classes' entries, locally.
 - log_softmax backward: grad - exp(out) * sum_c grad: one all-reduce of the per-row sums.
 So the logits (rows x C) are never gathered: a step moves a few values per row.
-Other mesh dims of the logits are made Replicate first (tensor parallelism has the logits on a 1-d mesh).
-The target may be a plain tensor (the whole target, the same on every rank) or a DTensor.
+On an N-d mesh, other mesh dims may shard the rows (batch or sequence: data or context parallelism); they stay
+sharded. The target is laid out like the logits without their class dim (a plain tensor only where that is
+fully replicated). reduction none keeps the rows' layout; sum is Partial over the row mesh dims; mean is exact
+and Replicate: the (sum, W) pair is all-reduced over the row mesh dims, so W is the global one (torch's
+loss_parallel refuses mean on an N-d mesh). A Partial mesh dim of the logits is reduced first.
+label_smoothing works with the target passed as a DTensor: its extra term is a sum over the class dim that
+DTensor's own rules reduce; a plain target there meets a DTensor in a masked_fill and is refused as ambiguous.
 """
 
 from __future__ import annotations
@@ -31,12 +36,14 @@ from torch._ops import OpOverload
 
 from spmd.comm.functional import all_reduced
 from spmd.comm.reduce_op import ReduceOp
+from spmd.device_mesh import DeviceMesh
 from spmd.tensor.api import DTensor
 from spmd.tensor.dispatch import dispatch
-from spmd.tensor.placement import Replicate, Shard
+from spmd.tensor.ops.reduction import all_reduce_mesh_dims
+from spmd.tensor.placement import Partial, Replicate, Shard
 from spmd.tensor.redistribute import run_plan
 from spmd.tensor.rules import overriding_handlers
-from spmd.tensor.spec import DTensorSpec, contiguous_stride
+from spmd.tensor.spec import DTensorSpec, Placements, contiguous_stride
 
 __all__ = ["loss_parallel"]
 
@@ -77,14 +84,40 @@ def _class_mesh_dim(spec: DTensorSpec, class_dim: int, op: OpOverload) -> int:
 
 
 def _class_layout(x: DTensor, class_dim: int, op: OpOverload) -> tuple[Tensor, DTensorSpec, int]:
-    """x's local tensor laid out as Shard(class_dim) on its class mesh dim and Replicate on the others."""
+    """x's local tensor with its Partial mesh dims reduced (rows stay sharded), the spec, the class mesh dim."""
     if not isinstance(x, DTensor):
         raise TypeError(f"loss_parallel: {op} needs DTensor logits, got a plain {type(x).__name__}")
     spec = x._spec
     mesh_dim = _class_mesh_dim(spec, class_dim, op)
-    target = tuple(Shard(class_dim) if i == mesh_dim else Replicate() for i in range(spec.mesh.ndim))
+    target = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
     local = x._local_tensor if target == spec.placements else run_plan(x._local_tensor, spec, target)
     return local, spec.with_placements(target), mesh_dim
+
+
+def _row_layout(spec: DTensorSpec, class_dim: int) -> Placements:
+    """The placements of the target (and of the per-row loss): the logits' with the class dim removed."""
+    return tuple(Replicate() if isinstance(p, Shard) and p.dim == class_dim else
+                 Shard(p.dim - 1) if isinstance(p, Shard) and p.dim > class_dim else p for p in spec.placements)
+
+
+def _row_mesh_dims(spec: DTensorSpec, class_dim: int) -> list[int]:
+    """The mesh dims that shard the rows (any dim but the class dim)."""
+    return [i for i, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim != class_dim]
+
+
+def _laid_out(value: Any, mesh: DeviceMesh, placements: Placements, what: str) -> Any:
+    """This rank's piece of `value` laid out as `placements`: a DTensor is redistributed; a plain tensor is taken
+    as the whole value, which only a fully replicated layout can use."""
+    if value is None:
+        return None
+    if isinstance(value, DTensor):
+        if value._spec.placements == placements:
+            return value._local_tensor
+        return run_plan(value._local_tensor, value._spec, placements)
+    if not all(isinstance(p, Replicate) for p in placements):
+        raise ValueError(f"loss_parallel on rank {mesh.get_rank()}: the logits' rows are sharded, so the {what} must "
+                         f"be a DTensor laid out as {list(placements)} (a plain tensor would be ambiguous)")
+    return value
 
 
 def _full(value: Any) -> Any:
@@ -94,12 +127,8 @@ def _full(value: Any) -> Any:
     return value
 
 
-def _wrap(local: Tensor, spec: DTensorSpec, shape: torch.Size, dtype: torch.dtype) -> DTensor:
-    return DTensor._wrap_local(local, DTensorSpec(spec.mesh, spec.placements, shape, contiguous_stride(shape), dtype))
-
-
-def _replicated(spec: DTensorSpec) -> DTensorSpec:
-    return spec.with_placements((Replicate(),) * spec.mesh.ndim)
+def _wrap(local: Tensor, mesh: DeviceMesh, placements: Placements, shape: torch.Size, dtype: torch.dtype) -> DTensor:
+    return DTensor._wrap_local(local, DTensorSpec(mesh, placements, shape, contiguous_stride(shape), dtype))
 
 
 # -- log_softmax --------------------------------------------------------------------------------------------------
@@ -120,7 +149,7 @@ def _log_softmax(op: OpOverload, args: tuple, kwargs: dict) -> Any:
     row_max = all_reduced(local_max, ReduceOp.MAX, group)
     shifted = local - row_max
     row_sum = all_reduced(shifted.exp().sum(dim, keepdim=True), ReduceOp.SUM, group)
-    return _wrap(shifted - row_sum.log(), spec, x.shape, local.dtype)
+    return _wrap(shifted - row_sum.log(), spec.mesh, spec.placements, x.shape, local.dtype)
 
 
 def _log_softmax_backward(op: OpOverload, args: tuple, kwargs: dict) -> Any:
@@ -133,7 +162,7 @@ def _log_softmax_backward(op: OpOverload, args: tuple, kwargs: dict) -> Any:
         grad._local_tensor, grad._spec, spec.placements)
     row_sum = all_reduced(grad_local.sum(dim, keepdim=True), ReduceOp.SUM, spec.mesh.get_group(mesh_dim))
     grad_input = (grad_local - out_local.exp() * row_sum).to(input_dtype)
-    return _wrap(grad_input, spec, output.shape, input_dtype)
+    return _wrap(grad_input, spec.mesh, spec.placements, output.shape, input_dtype)
 
 
 # -- nll_loss -----------------------------------------------------------------------------------------------------
@@ -162,20 +191,34 @@ def _nll_loss_forward(op: OpOverload, args: tuple, kwargs: dict) -> Any:
     x, target, weight, reduction, ignore_index = args
     class_dim = 0 if x.ndim == 1 else 1
     local, spec, mesh_dim = _class_layout(x, class_dim, op)
-    target, weight = _full(target), _full(weight)
+    mesh, rows = spec.mesh, _row_layout(spec, class_dim)
+    target = _laid_out(target, mesh, rows, "target")
+    weight = _full(weight)
     local_target, local_weight = _local_targets(target, weight, ignore_index, spec, class_dim)
     terms, _ = op(local, local_target, local_weight, _NONE, _LOCAL_IGNORE)
-    group = spec.mesh.get_group(mesh_dim)
     total_weight = _total_weight(target, weight, ignore_index, local.dtype)
+    class_group = mesh.get_group(mesh_dim)
+    row_dims = _row_mesh_dims(spec, class_dim)
     if reduction == _NONE:
-        loss = all_reduced(terms, ReduceOp.SUM, group)
-    else:
-        loss = all_reduced(terms.sum(), ReduceOp.SUM, group)
-        if reduction == _MEAN:
-            loss = loss / total_weight
-    replicated = _replicated(spec)
-    return (_wrap(loss, replicated, loss.shape, loss.dtype),
-            _wrap(total_weight, replicated, total_weight.shape, total_weight.dtype))
+        loss, placements = all_reduced(terms, ReduceOp.SUM, class_group), rows
+        weight_placements = tuple(Partial() if i in row_dims else Replicate() for i in range(mesh.ndim))
+    elif reduction == _SUM:
+        loss = all_reduced(terms.sum(), ReduceOp.SUM, class_group)
+        placements = weight_placements = tuple(Partial() if i in row_dims else Replicate() for i in range(mesh.ndim))
+    else:       # mean: the global sum over the global W (one all-reduce of the pair over the row mesh dims)
+        total = all_reduced(terms.sum(), ReduceOp.SUM, class_group)
+        pair = all_reduce_mesh_dims(torch.stack([total, total_weight]), spec, row_dims, ReduceOp.SUM)
+        loss, total_weight = pair[0] / pair[1], pair[1]
+        placements = weight_placements = (Replicate(),) * mesh.ndim
+    return (_wrap(loss, mesh, placements, _loss_shape(x, class_dim, reduction), loss.dtype),
+            _wrap(total_weight, mesh, weight_placements, torch.Size([]), total_weight.dtype))
+
+
+def _loss_shape(x: DTensor, class_dim: int, reduction: int) -> torch.Size:
+    """The global shape of the loss: the rows for reduction none, else a scalar."""
+    if reduction != _NONE:
+        return torch.Size([])
+    return torch.Size([*x.shape[:class_dim], *x.shape[class_dim + 1:]])
 
 
 def _nll_loss_backward(op: OpOverload, args: tuple, kwargs: dict) -> Any:
@@ -184,10 +227,18 @@ def _nll_loss_backward(op: OpOverload, args: tuple, kwargs: dict) -> Any:
     grad, x, target, weight, reduction, ignore_index, total_weight = args
     class_dim = 0 if x.ndim == 1 else 1
     local, spec, _ = _class_layout(x, class_dim, op)
-    target, weight = _full(target), _full(weight)
+    mesh, rows = spec.mesh, _row_layout(spec, class_dim)
+    target = _laid_out(target, mesh, rows, "target")
+    weight = _full(weight)
     local_target, local_weight = _local_targets(target, weight, ignore_index, spec, class_dim)
-    grad_input = op(_full(grad), local, local_target, local_weight, reduction, _LOCAL_IGNORE, _full(total_weight))
-    return _wrap(grad_input, spec, x.shape, grad_input.dtype)
+    if reduction == _NONE:
+        grad = _laid_out(grad, mesh, rows, "gradient")
+    else:
+        grad = _full(grad)
+    total_weight = _full(total_weight) if reduction == _MEAN else (
+        total_weight._local_tensor if isinstance(total_weight, DTensor) else total_weight)
+    grad_input = op(grad, local, local_target, local_weight, reduction, _LOCAL_IGNORE, total_weight)
+    return _wrap(grad_input, mesh, spec.placements, x.shape, grad_input.dtype)
 
 
 _HANDLERS = {aten._log_softmax.default: _log_softmax,

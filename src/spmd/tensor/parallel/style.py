@@ -64,9 +64,6 @@ def _distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict
                            src_data_rank: int | None, fqn: str) -> None:
     """Replace `module`'s own parameters by DTensors laid out as `placements[name]` (Replicate if not named)."""
     for name, param in list(module.named_parameters(recurse=False)):
-        if isinstance(param, DTensor):
-            raise ValueError(f"parallelize_module: parameter {name!r} of {_describe(module, fqn)} is already a "
-                             f"DTensor ({list(param.placements)}); a module can be parallelized once")
         placement = placements.get(name, Replicate())
         if isinstance(placement, Shard):
             extent = param.shape[placement.dim]
@@ -79,6 +76,11 @@ def _distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict
 
 
 def _check_mesh(mesh: DeviceMesh, style: ParallelStyle, module: nn.Module, fqn: str) -> None:
+    """A 1-d mesh, and (for the styles that lay out parameters) a module not parallelized before."""
+    laid_out = [name for name, p in module.named_parameters() if isinstance(p, DTensor)]
+    if laid_out and not isinstance(style, (PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)):
+        raise ValueError(f"parallelize_module: {type(style).__name__} on {_describe(module, fqn)}: parameter "
+                         f"{laid_out[0]!r} is already a DTensor; a module can be parallelized once")
     if mesh.ndim != 1:
         names = f" (dims {mesh.mesh_dim_names}; pass e.g. mesh[{mesh.mesh_dim_names[-1]!r}])" \
             if mesh.mesh_dim_names else ""

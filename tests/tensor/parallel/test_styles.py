@@ -1,0 +1,182 @@
+"""The parallel styles one by one (layouts of parameters, inputs and outputs, keyword inputs, wildcards,
+src_data_rank) and the bad inputs parallelize_module must name: unknown plan keys, unsupported module types,
+meshes of the wrong dimension, dims too small to split, malformed plans."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from spmd.device_mesh import init_device_mesh
+from spmd.tensor import DTensor, Partial, Replicate, Shard
+from spmd.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from spmd.testing import run_ranks
+
+TIMEOUT = 60.0
+
+
+_RNG_LOCK = threading.Lock()     # thread ranks share torch's global RNG
+
+
+def seeded(make, seed: int = 0) -> nn.Module:
+    with _RNG_LOCK, torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return make()
+
+
+def on_ranks(fn, world_size: int = 2):
+    def body(rank: int, size: int):
+        return fn(init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))["tp"], rank)
+    return run_ranks(body, world_size, timeout=TIMEOUT)
+
+
+def test_colwise_and_rowwise_embeddings_match_the_plain_lookup() -> None:
+    ids = torch.tensor([[0, 5, 9, 3], [9, 9, 1, 0]])
+    table = seeded(lambda: nn.Embedding(10, 6))
+    want = table(ids)
+    want.sum().backward()
+
+    def body(mesh, rank: int) -> list:
+        out = []
+        for style, weight_layout, output_layout in (
+                (ColwiseParallel(use_local_output=False), Shard(1), Shard(2)),
+                (RowwiseParallel(input_layouts=Replicate(), use_local_output=False), Shard(0), Replicate()),
+                (RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+                 Shard(0), Shard(1))):
+            module = parallelize_module(seeded(lambda: nn.Embedding(10, 6)), mesh, style)
+            assert module.weight.placements == (weight_layout,)
+            y = module(ids)
+            assert isinstance(y, DTensor) and y.placements == (output_layout,)
+            y.sum().backward()
+            out.append((y.full_tensor(), module.weight.grad.full_tensor()))
+        return out
+    for results in on_ranks(body):
+        for value, grad in results:
+            torch.testing.assert_close(value, want)
+            torch.testing.assert_close(grad, table.weight.grad)
+
+
+def test_linear_layouts_and_local_outputs() -> None:
+    x = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(0))
+
+    def body(mesh, rank: int) -> None:
+        up = parallelize_module(seeded(lambda: nn.Linear(8, 6)), mesh, ColwiseParallel())
+        assert (up.weight.placements, up.bias.placements) == ((Shard(0),), (Shard(0),))
+        hidden = up(x)
+        assert type(hidden) is Tensor and hidden.shape == (3, 4, 3)       # this rank's output features
+        down = parallelize_module(seeded(lambda: nn.Linear(6, 8), 1), mesh, RowwiseParallel(use_local_output=False))
+        assert (down.weight.placements, down.bias.placements) == ((Shard(1),), (Replicate(),))
+        y = down(hidden)
+        assert isinstance(y, DTensor) and y.placements == (Replicate(),)
+        plain_up, plain_down = seeded(lambda: nn.Linear(8, 6)), seeded(lambda: nn.Linear(6, 8), 1)
+        torch.testing.assert_close(y.full_tensor(), plain_down(plain_up(x)))
+    on_ranks(body)
+
+
+def test_sequence_parallel_keeps_the_sequence_sharded() -> None:
+    x = torch.randn(2, 8, 5, generator=torch.Generator().manual_seed(1))
+
+    def body(mesh, rank: int) -> None:
+        norm = parallelize_module(nn.LayerNorm(5), mesh, SequenceParallel())
+        assert norm.weight.placements == (Replicate(),)
+        local = x.chunk(mesh.size(), dim=1)[rank]
+        y = norm(local)                                     # a plain input is this rank's sequence shard
+        assert isinstance(y, DTensor) and y.placements == (Shard(1),)
+        torch.testing.assert_close(y.full_tensor(), nn.functional.layer_norm(x, (5,)))
+        replicated = DTensor.from_local(x, mesh, [Replicate()])
+        assert norm(replicated).placements == (Shard(1),)    # a DTensor input is redistributed to Shard(1)
+        y.sum().backward()
+        assert norm.weight.grad.placements in ((Partial(),), (Replicate(),))
+        local_output = parallelize_module(nn.Dropout(0.0), mesh,
+                                          SequenceParallel(sequence_dim=0, use_local_output=True))
+        assert type(local_output(x[0])) is Tensor
+    on_ranks(body)
+
+
+class TwoInputs(nn.Module):
+    def forward(self, x: Tensor, scale: Tensor | None = None, *, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        assert isinstance(x, DTensor) and x.placements == (Replicate(),)
+        assert bias is None or (isinstance(bias, DTensor) and bias.placements == (Shard(0),))
+        return x * 2, x + (bias.full_tensor().sum() if bias is not None else 0)
+
+
+def test_prepare_module_input_output_with_positional_and_keyword_layouts() -> None:
+    x = torch.arange(8.0).reshape(4, 2)
+
+    def body(mesh, rank: int) -> None:
+        module = parallelize_module(TwoInputs(), mesh, PrepareModuleInputOutput(
+            input_layouts=(Shard(0), None), desired_input_layouts=(Replicate(), None),
+            input_kwarg_layouts={"bias": Replicate()}, desired_input_kwarg_layouts={"bias": Shard(0)},
+            output_layouts=(Replicate(), None), desired_output_layouts=(Shard(0), None)))
+        first, second = module(x.chunk(2)[rank], None, bias=torch.ones(4))
+        torch.testing.assert_close(first, (x * 2).chunk(2)[rank])        # Shard(0), then the local tensor
+        assert isinstance(second, DTensor) and second.placements == (Replicate(),)   # None: left alone
+        torch.testing.assert_close(second.full_tensor(), x + 4)
+    on_ranks(body)
+
+
+def test_wildcard_paths_the_empty_path_and_src_data_rank() -> None:
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+
+    def body(mesh, rank: int) -> list[Tensor]:
+        model = seeded(make, seed=rank)                   # the ranks start from different values
+        own = model[1][0].weight.detach().clone()
+        parallelize_module(model, mesh, {"*.0": ColwiseParallel()})
+        assert all(isinstance(model[i][0].weight, DTensor) for i in range(2))
+        other = seeded(make, seed=rank)
+        parallelize_module(other[1][0], mesh, {"": ColwiseParallel()}, src_data_rank=None)
+        torch.testing.assert_close(other[1][0].weight.to_local(), own.chunk(2)[rank])   # kept its own values
+        return [model[1][0].weight.full_tensor(), own]
+    (rank0_full, rank0_own), (rank1_full, _) = on_ranks(body)
+    torch.testing.assert_close(rank1_full, rank0_own)      # src_data_rank=0: every rank takes rank 0's values
+    torch.testing.assert_close(rank0_full, rank0_own)
+
+
+def test_bad_plans_name_what_is_wrong() -> None:
+    def body(mesh, rank: int) -> None:
+        model = nn.Sequential(nn.Linear(4, 1), nn.LayerNorm(4))
+        with pytest.raises(ValueError, match=r"plan key 'blocks\.\*\.wq' matches no submodule of Sequential"):
+            parallelize_module(model, mesh, {"blocks.*.wq": ColwiseParallel()})
+        with pytest.raises(TypeError, match=r"ColwiseParallel supports nn.Linear and nn.Embedding, but '1' "
+                                            r"\(LayerNorm\)"):
+            parallelize_module(model, mesh, {"1": ColwiseParallel()})
+        with pytest.raises(ValueError, match=r"'0' \(Linear\)\.weight has 1 entries along dim 0, fewer than the 2"):
+            parallelize_module(model, mesh, {"0": ColwiseParallel()})
+        with pytest.raises(TypeError, match=r"plan entry '0'"):
+            parallelize_module(model, mesh, {"0": "colwise"})
+        with pytest.raises(TypeError, match=r"a ParallelStyle or a dict"):
+            parallelize_module(model, mesh, [ColwiseParallel()])
+        with pytest.raises(ValueError, match=r"pass a parallelize_plan"):
+            parallelize_module(model, mesh)
+        grown = nn.Linear(4, 4)
+        parallelize_module(grown, mesh, ColwiseParallel())
+        with pytest.raises(ValueError, match=r"already a DTensor"):
+            parallelize_module(grown, mesh, RowwiseParallel())
+        wrong = parallelize_module(nn.Identity(), mesh, PrepareModuleInput(input_layouts=(Shard(0), None),
+                                                                           desired_input_layouts=(Replicate(), None)))
+        with pytest.raises(ValueError, match=r"got 1 positional inputs but input_layouts has 2 entries"):
+            wrong(torch.ones(2))
+        with pytest.raises(ValueError, match=r"2 output_layouts but 1 desired_output_layouts"):
+            PrepareModuleOutput(output_layouts=(Shard(0), None), desired_output_layouts=(Replicate(),))
+    on_ranks(body)
+
+
+def test_a_2d_mesh_is_refused_with_the_slice_to_use() -> None:
+    def body(rank: int, size: int) -> None:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with pytest.raises(ValueError, match=r"needs a 1-d tensor-parallel mesh, got 2-d .*mesh\['tp'\]"):
+            parallelize_module(nn.Linear(4, 4), mesh, ColwiseParallel())
+        parallelize_module(nn.Linear(4, 4), mesh["tp"], ColwiseParallel())
+    run_ranks(body, 4, timeout=TIMEOUT)
