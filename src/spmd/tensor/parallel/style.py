@@ -17,14 +17,26 @@ Note: Megatron's layers as DTensor layouts
   run on a slice of the sequence; a Replicate parameter's gradient is Partial and is reduced where it is read.
 Colwise then rowwise is Megatron's pair: one all-reduce in forward and one in backward per pair; with
 sequence parallelism an all-gather before and a reduce-scatter after instead.
+
+Note: one DTensor per shared input
+Attention's q, k and v projections are three ColwiseParallel Linears reading the same plain input x. Made into
+three DTensors, x would get three Partial gradients, each all-reduced in backward (torch's tensor parallel
+does that: three all-reduces where Megatron has one). So a plain input becomes ONE DTensor, reused by every
+module it enters while that DTensor is alive (autograd keeps it for backward): the three gradients add up as
+Partials on it and its single from_local backward all-reduces their sum. The reuse is keyed on the tensor's
+identity and version (an in-place change makes a new one), the grad mode, the mesh and the layout, per rank
+thread; entries hold only weak references.
 """
 
 from __future__ import annotations
 
 import abc
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor, nn
 
 from spmd.device_mesh import DeviceMesh
@@ -51,13 +63,39 @@ def _describe(module: nn.Module, fqn: str) -> str:
     return f"{fqn!r} ({type(module).__name__})" if fqn else type(module).__name__
 
 
+class _SharedInputs(threading.local):
+    """Per rank thread: the DTensor each plain input tensor became, while that DTensor is alive (see Note:
+    one DTensor per shared input)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, tuple[weakref.ref, int, bool, DeviceMesh, Placement, weakref.ref]] = {}
+
+
+_shared_inputs = _SharedInputs()
+
+
 def _as_dtensor(value: Any, mesh: DeviceMesh, layout: Placement, what: str) -> DTensor:
-    """A module input: a DTensor is kept; a plain tensor is this rank's piece of a DTensor laid out as `layout`."""
+    """A module input: a DTensor is kept; a plain tensor is this rank's piece of a DTensor laid out as `layout`,
+    the same DTensor for every module it enters (Note: one DTensor per shared input)."""
     if isinstance(value, DTensor):
         return value
     if not isinstance(value, Tensor):
         raise TypeError(f"{what}: expected a tensor, got {type(value).__name__}")
-    return DTensor.from_local(value, mesh, (layout,), run_check=False)
+    entries = _shared_inputs.entries
+    grad_enabled = torch.is_grad_enabled()
+    entry = entries.get(id(value))
+    if entry is not None:
+        source, version, grad, entry_mesh, entry_layout, made = entry
+        dt = made()
+        if (source() is value and version == value._version and grad == grad_enabled and entry_mesh == mesh
+                and entry_layout == layout and dt is not None):
+            return dt
+    dt = DTensor.from_local(value, mesh, (layout,), run_check=False)
+    if len(entries) > 64:
+        for key in [key for key, item in entries.items() if item[0]() is None or item[5]() is None]:
+            del entries[key]
+    entries[id(value)] = (weakref.ref(value), value._version, grad_enabled, mesh, layout, weakref.ref(dt))
+    return dt
 
 
 def _distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement],
