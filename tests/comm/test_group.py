@@ -10,7 +10,9 @@ import torch
 
 import spmd
 from spmd._core.errors import CommError, GroupAbortedError
-from spmd.comm.group import GroupState
+from spmd.comm.debug import Fingerprint
+from spmd.comm.group import GroupState, ProcessGroup
+from spmd.comm.world import current_world
 from spmd.testing import run_ranks
 
 
@@ -86,3 +88,32 @@ def test_all_gather_in_place(backend: str) -> None:
         return torch.equal(out, torch.cat([torch.arange(block, dtype=torch.float32) + 1e6 * r for r in range(size)]))
 
     assert run_ranks(body, 3, backend=backend) == [True] * 3
+
+
+def test_observers_see_every_collective_on_the_ranks_groups_and_no_point_to_point() -> None:
+    def body(rank: int, world_size: int) -> list[tuple[str, str, int]]:
+        world = current_world()
+        pair = spmd.new_group([0, 1])
+        seen: list[tuple[str, str, int]] = []
+
+        def observer(group: ProcessGroup, fingerprint: Fingerprint) -> None:
+            seen.append((group.name, fingerprint.op, fingerprint.seq))
+
+        assert world.observers.callbacks == () and pair.observers is world.observers
+        world.observers.add(observer)
+        t = torch.ones(2)
+        spmd.all_reduce(t)
+        spmd.all_gather_into_tensor(torch.empty(2 * world_size), t, group=pair)
+        spmd.broadcast(t, src=0, async_op=True).wait()
+        if rank == 0:
+            spmd.send(t, dst=1)
+        else:
+            spmd.recv(t, src=0)
+        world.observers.remove(observer)
+        world.observers.remove(observer)          # a second remove finds nothing and does nothing
+        spmd.barrier()
+        assert world.observers.callbacks == ()
+        return seen
+
+    expected = [("default", "all_reduce", 1), ("1", "all_gather", 1), ("default", "broadcast", 2)]
+    assert run_ranks(body, 2, timeout=30) == [expected] * 2

@@ -4,6 +4,7 @@ Layer: comm. Collectives on one group complete in the order they were issued, li
 synchronous call runs on the caller's thread when nothing is queued, and asynchronous calls run on one
 executor thread per group. Any failure aborts the group on this rank and tells the peers (through the
 transport), so they fail fast too; later operations raise GroupAbortedError naming the first failure.
+Every collective is announced to the rank's CollectiveObservers as it is issued (see Note: observers).
 """
 
 from __future__ import annotations
@@ -30,6 +31,40 @@ from spmd.comm.transports.base import OpContext, Transport
 from spmd.comm.work import Work, caller_stream
 
 Body = Callable[[OpContext], None]
+CollectiveObserver = Callable[["ProcessGroup", Fingerprint], None]
+
+
+class CollectiveObservers:
+    """The callbacks told of every collective one rank issues; all of that rank's groups share one (World.observers).
+
+    Note: observers
+    `ProcessGroup.run` calls each callback with the group and the op's Fingerprint on the issuing thread, before
+    the op is queued, for every collective (point-to-point operations are not collectives and are not announced).
+    Debug tools above comm (the tensor layer's CommDebugMode) count with it without comm knowing them. The tuple
+    of callbacks is replaced, never mutated, so `run` reads it without a lock, and with no observer registered
+    the hook costs one attribute read and a truth test. A callback that raises fails the collective before it
+    is issued, on this rank only: keep callbacks to bookkeeping.
+    """
+
+    __slots__ = ("_lock", "callbacks")
+
+    def __init__(self) -> None:
+        self.callbacks: tuple[CollectiveObserver, ...] = ()
+        self._lock = threading.Lock()
+
+    def add(self, callback: CollectiveObserver) -> None:
+        with self._lock:
+            self.callbacks = (*self.callbacks, callback)
+
+    def remove(self, callback: CollectiveObserver) -> None:
+        """Forget one registration of `callback` (the latest); nothing if it is not registered."""
+        with self._lock:
+            callbacks = list(self.callbacks)
+            for index in reversed(range(len(callbacks))):
+                if callbacks[index] is callback:
+                    del callbacks[index]
+                    self.callbacks = tuple(callbacks)
+                    return
 
 
 class GroupState(enum.Enum):
@@ -49,7 +84,7 @@ class ProcessGroup:
 
     def __init__(self, name: str, global_ranks: list[int], group_rank: int, transport: Transport,
                  store: Store, world_store: Store, timeout: float, recorder: FlightRecorder,
-                 backend: str) -> None:
+                 backend: str, observers: CollectiveObservers | None = None) -> None:
         self.name = name
         self.ranks = list(global_ranks)
         self.group_rank = group_rank
@@ -60,6 +95,7 @@ class ProcessGroup:
         self.description = f"group '{name}' (ranks {self.ranks})"
         self._world_store = world_store
         self._recorder = recorder
+        self.observers = observers if observers is not None else CollectiveObservers()
         self._seq = 0
         self._p2p_seq = 0
         self._lock = threading.Lock()
@@ -100,6 +136,10 @@ class ProcessGroup:
 
         `device`: where the op's tensors live; a queued op on an accelerator runs after the caller's stream.
         """
+        observers = self.observers.callbacks
+        if observers:
+            for observer in observers:
+                observer(self, fingerprint)
         record = self._recorder.record(self.name, fingerprint)
         work = Work(f"{fingerprint.op} #{fingerprint.seq} on {self.description}", outputs, record)
         with self._lock:

@@ -18,7 +18,7 @@ import urllib.parse
 from spmd._core import env
 from spmd._core.deadline import as_seconds
 from spmd.comm.debug import FlightRecorder, StatusService
-from spmd.comm.group import NonMemberGroup, ProcessGroup
+from spmd.comm.group import CollectiveObservers, NonMemberGroup, ProcessGroup
 from spmd.comm.store.base import PrefixStore, Store
 from spmd.comm.transports.base import TransportSpec, available_backends, create_transport
 
@@ -40,6 +40,7 @@ class World:
         self.owns_store = owns_store
         self.recorder = FlightRecorder()
         self.groups: list[AnyGroup] = []
+        self.observers = CollectiveObservers()      # told of every collective on this rank's groups
         # Every init over one long-lived store gets fresh keys: ranks re-initialize in lockstep, so the
         # count of this rank's inits names the same generation on every rank.
         self.prefix = f"spmd/{store.add(f'spmd/inits/rank{rank}', 1)}"
@@ -69,7 +70,7 @@ class World:
                                  timeout=timeout, token=self.token)
             transport = create_transport(backend, spec)
             group = ProcessGroup(name, ranks, ranks.index(self.rank), transport, group_store, self.store, timeout,
-                                 self.recorder, transport.name)
+                                 self.recorder, transport.name, self.observers)
         self.groups.append(group)
         return group
 
