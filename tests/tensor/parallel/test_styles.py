@@ -21,6 +21,7 @@ from spmd.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from spmd.tensor.random import manual_seed
 from spmd.testing import run_ranks
 
 TIMEOUT = 60.0
@@ -180,3 +181,18 @@ def test_a_2d_mesh_is_refused_with_the_slice_to_use() -> None:
             parallelize_module(nn.Linear(4, 4), mesh, ColwiseParallel())
         parallelize_module(nn.Linear(4, 4), mesh["tp"], ColwiseParallel())
     run_ranks(body, 4, timeout=TIMEOUT)
+
+
+def test_sequence_parallel_dropout_draws_the_one_process_mask() -> None:
+    x = torch.randn(2, 8, 6, generator=torch.Generator().manual_seed(3))
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        want = nn.functional.dropout(x, 0.5)
+
+    def body(mesh, rank: int) -> Tensor:
+        manual_seed(0)
+        dropout = parallelize_module(nn.Dropout(0.5), mesh, SequenceParallel())
+        y = dropout(x.chunk(mesh.size(), dim=1)[rank])
+        return y.full_tensor()
+    for got in on_ranks(body, 4):
+        torch.testing.assert_close(got, want)
