@@ -260,6 +260,34 @@ class DeviceMesh:
 
     _flatten = flatten    # torch's spelling (DeviceMesh._flatten), for code ported from torch
 
+    def _get_root_mesh(self) -> DeviceMesh:
+        """The mesh this one was sliced or flattened from (itself for a mesh built directly); torch's name."""
+        return self._root
+
+    @staticmethod
+    def _concatenate(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
+        """The mesh over the dims of `meshes`, sub-meshes of one root mesh naming distinct root dims in the root's
+        order: e.g. `_concatenate([mesh["dp"], mesh["tp"]])` is `mesh["dp", "tp"]` (the root itself when they
+        cover it). No new groups. FSDP over tensor parallelism lays its parameters out on it; torch's name."""
+        if not meshes:
+            raise ValueError("DeviceMesh._concatenate: no meshes given")
+        root = meshes[0]._root
+        names: list[str] = []
+        for mesh in meshes:
+            if mesh._root is not root:
+                raise ValueError(f"DeviceMesh._concatenate: {mesh} and {meshes[0]} are not slices of one mesh; "
+                                 f"slice both from the same init_device_mesh(..., mesh_dim_names=...) mesh")
+            if mesh.mesh_dim_names is None or root.mesh_dim_names is None \
+                    or not set(mesh.mesh_dim_names) <= set(root.mesh_dim_names):
+                raise ValueError(f"DeviceMesh._concatenate: {mesh} is not a slice of named dims of its root mesh "
+                                 f"{root} (a flattened mesh can't be concatenated)")
+            names.extend(mesh.mesh_dim_names)
+        dims = [root.mesh_dim_names.index(name) for name in names]
+        if len(set(dims)) != len(dims) or dims != sorted(dims):
+            raise ValueError(f"DeviceMesh._concatenate: the meshes' dims {names} must be distinct dims of the root "
+                             f"mesh {root}, in its order {root.mesh_dim_names}")
+        return root if tuple(names) == root.mesh_dim_names else root[tuple(names)]
+
 
 def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], *,
                      mesh_dim_names: tuple[str, ...] | None = None) -> DeviceMesh:

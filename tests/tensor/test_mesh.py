@@ -82,6 +82,32 @@ def test_flatten() -> None:
     assert results[0] == ([0, 1, 2, 3], 0, 6.0, 8)
 
 
+def test_root_and_concatenate() -> None:
+    def body(rank: int, world_size: int) -> tuple:
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rep", "shard", "tp"))
+        groups = len(current_world().groups)
+        assert mesh._get_root_mesh() is mesh and mesh["tp"]._get_root_mesh() is mesh
+        assert mesh["rep", "tp"]["tp"]._get_root_mesh() is mesh
+        assert DeviceMesh._concatenate([mesh["rep", "shard"], mesh["tp"]]) is mesh     # they cover the root
+        dp_tp = DeviceMesh._concatenate([mesh["rep"], mesh["tp"]])
+        assert dp_tp is mesh["rep", "tp"] and dp_tp.get_group(1) is mesh.get_group("tp")
+        assert len(current_world().groups) == groups                                   # no group made
+        with pytest.raises(ValueError, match="must be distinct dims of the root mesh"):
+            DeviceMesh._concatenate([mesh["tp"], mesh["rep"]])
+        with pytest.raises(ValueError, match="must be distinct dims"):
+            DeviceMesh._concatenate([mesh["rep", "tp"], mesh["tp"]])
+        other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with pytest.raises(ValueError, match="not slices of one mesh"):
+            DeviceMesh._concatenate([other["dp"], mesh["tp"]])
+        with pytest.raises(ValueError, match="a flattened mesh can't be concatenated"):
+            DeviceMesh._concatenate([mesh["rep", "shard"].flatten("dp"), mesh["tp"]])
+        return dp_tp.mesh.tolist(), dp_tp.get_coordinate()
+
+    results = run_ranks(body, 4, timeout=TIMEOUT)
+    assert results[3] == ([[0, 1], [2, 3]], [1, 1])
+    assert results[0] == ([[0, 1], [2, 3]], [0, 0])
+
+
 @pytest.mark.parametrize("shape", [(1,), (2,), (4,)])
 def test_1d_meshes(shape: tuple[int, ...]) -> None:
     def body(rank: int, world_size: int) -> tuple:
