@@ -1,4 +1,4 @@
-"""Placements: how one mesh dimension lays out a tensor (Shard, Replicate, Partial).
+"""Placements: how one mesh dimension lays out a tensor (Shard, Replicate, Partial, and _StridedShard).
 
 Layer: tensor. Pure data and local index arithmetic; nothing here communicates.
 
@@ -8,12 +8,30 @@ A DTensor has one placement per mesh dimension:
   (5 rows over 4 ranks -> 2, 2, 1, 0).
 - `Replicate()`: every rank along that mesh dim holds the same full value.
 - `Partial(reduce_op)`: every rank holds a partial value; the logical value is `reduce_op` over the ranks.
+- `_StridedShard(dim, split_factor=k)`: a Shard that splits tensor dim `dim` AFTER the later mesh dims that
+  shard it (see Note: strided sharding). Only FSDP over tensor parallelism makes it.
 Placements are frozen and hashable: they are part of the cache keys of op dispatch.
+
+Note: strided sharding
+Several mesh dims sharding one tensor dim split it in ascending mesh-dim order (see Note: nested sharding order
+in spec.py). FSDP over tensor parallelism splits in the other order: tensor parallelism chunked a weight's rows
+over the tp mesh dim first, then FSDP chunks each tp rank's rows over the dp mesh dim, which comes first in a
+(dp, tp) mesh. `(_StridedShard(0, split_factor=2), Shard(0))` on a (2, 2) (dp, tp) mesh says exactly that: rank
+(d, t) holds torch.chunk(torch.chunk(rows, 2)[t], 2)[d], still one contiguous block of rows (rows 0-1, 4-5, 2-3,
+6-7 of 8 on ranks 0..3, where (Shard(0), Shard(0)) gives 0-1, 2-3, 4-5, 6-7). `split_factor` is how many
+pieces the later mesh dims cut the dim into before this one splits (the product of their sizes); it is checked
+against the mesh. Torch's `_StridedShard` has the same name and meaning, and gives the same blocks whenever the
+dim's size divides by split_factor (with other sizes torch's blocks are not the nested chunks FSDP holds).
+Supported, and checked on use: one _StridedShard per tensor dim, no earlier mesh dim sharding that dim, and at
+least one later plain Shard of it. Every spec function, the redistribution planner, pointwise and foreach ops
+with every operand laid out alike, and whole-tensor norms handle it; dispatch refuses (never mislabels) any other
+op that would keep it (see Note: ops on strided shards in dispatch/decision.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch import Tensor
@@ -54,8 +72,28 @@ class Shard(Placement):
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
+    def with_dim(self, dim: int) -> Shard:
+        """The same kind of shard (a _StridedShard keeps its split factor) of tensor dim `dim`."""
+        return dataclasses.replace(self, dim=dim)
+
     def __repr__(self) -> str:
         return f"Shard({self.dim})"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _StridedShard(Shard):
+    """Tensor dim `dim` split over the mesh dim after the later mesh dims sharding it cut it into `split_factor`
+    pieces: each rank holds a torch.chunk of its piece (see Note: strided sharding). Torch's name and meaning."""
+
+    split_factor: int = dataclasses.field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        Shard.__post_init__(self)
+        if not isinstance(self.split_factor, int) or isinstance(self.split_factor, bool) or self.split_factor < 1:
+            raise TypeError(f"_StridedShard: split_factor must be a positive int, got {self.split_factor!r}")
+
+    def __repr__(self) -> str:
+        return f"_StridedShard({self.dim}, split_factor={self.split_factor})"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -145,9 +183,39 @@ def normalize_placements(placements: object, ndim: int, mesh_ndim: int, what: st
             dim = placement.dim + ndim if placement.dim < 0 else placement.dim
             if not 0 <= dim < ndim:
                 raise ValueError(f"{what}: {placement} is out of range for a tensor with {ndim} dims")
-            placement = Shard(dim)
+            placement = placement.with_dim(dim) if dim != placement.dim else placement
         out.append(placement)
     partial_ops = {p.reduce_op for p in out if isinstance(p, Partial)}
     if len(partial_ops) > 1:
         raise ValueError(f"{what}: placements {out} mix Partial reduce ops {sorted(partial_ops)}; use one")
+    check_strided(tuple(out), None, what)
     return tuple(out)
+
+
+def check_strided(placements: tuple[Placement, ...], mesh_shape: tuple[int, ...] | None, what: str) -> None:
+    """Raise ValueError naming `what` unless every _StridedShard in `placements` is one this library supports
+    (see Note: strided sharding); with `mesh_shape`, also that its split_factor is the product of the sizes of
+    the later mesh dims sharding its tensor dim."""
+    for i, placement in enumerate(placements):
+        if not isinstance(placement, _StridedShard):
+            continue
+        dim = placement.dim
+        earlier = [j for j in range(i) if isinstance(placements[j], Shard) and placements[j].dim == dim]
+        later = [j for j in range(i + 1, len(placements))
+                 if isinstance(placements[j], Shard) and placements[j].dim == dim]
+        problem = None
+        if earlier:
+            problem = f"mesh dim {earlier[0]} shards tensor dim {dim} before it"
+        elif not later:
+            problem = f"no later mesh dim shards tensor dim {dim} (use Shard({dim}))"
+        elif any(isinstance(placements[j], _StridedShard) for j in later):
+            problem = f"another _StridedShard of tensor dim {dim} follows it"
+        elif mesh_shape is not None and math.prod(mesh_shape[j] for j in later) != placement.split_factor:
+            problem = (f"the later mesh dims {later} sharding tensor dim {dim} split it into "
+                       f"{math.prod(mesh_shape[j] for j in later)} pieces, not split_factor="
+                       f"{placement.split_factor}")
+        if problem is not None:
+            raise ValueError(f"{what}: {placement} on mesh dim {i} of {list(placements)} is not supported: "
+                             f"{problem}; a _StridedShard must be the first of the mesh dims sharding its "
+                             f"tensor dim, followed by plain Shards of it whose sizes multiply to its "
+                             f"split_factor")

@@ -15,12 +15,14 @@ One step changes the placement of one mesh dim and uses that dim's group:
 
 Note: planning order on N-d meshes
 The local tensor of a nested sharding (see Note: nested sharding order in spec.py) is a chunk of a chunk, so a
-mesh dim's Shard(d) can only be gathered once every LATER mesh dim sharding d is gathered, and a Shard whose
-meaning changes (the earlier mesh dims sharding d differ between source and target, e.g. (S0, S0) -> (R, S0))
-must be gathered and re-chunked. Phase 1 walks mesh dims last to first and unshards every Shard that doesn't
-stay (by all-to-all straight into its target Shard when no other mesh dim shards either tensor dim, else by
-all-gather). Phase 2 walks first to last and moves every dim to its target; by then every Shard it creates is
-the innermost so far, which is what the target means.
+mesh dim's Shard(d) can only be gathered once every mesh dim splitting d AFTER it is gathered, and a Shard whose
+meaning changes (the mesh dims splitting d before it differ between source and target, e.g. (S0, S0) -> (R, S0))
+must be gathered and re-chunked. Phase 1 walks the source's mesh dims in reverse split order (last to first,
+a _StridedShard before the later Shards it follows) and unshards every Shard that doesn't stay (by all-to-all
+straight into its target Shard when no other mesh dim shards either tensor dim and neither is strided, else by
+all-gather). Phase 2 walks the target's mesh dims in split order and moves every dim to its target; by then
+every Shard it creates is the last to split its dim so far, which is what the target means. So
+(R, S0) -> (_StridedShard(0, split_factor=n), S0) is a local chunk: each rank keeps its chunk of its tp piece.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import functools
 from torch import Tensor
 
 from spmd.comm.functional import all_gathered, all_reduced, all_to_all_dims, reduce_scattered
-from spmd.tensor.placement import Partial, Placement, Replicate, Shard, chunk_range, chunk_sizes
-from spmd.tensor.spec import DTensorSpec, Placements
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard, _StridedShard, chunk_range, chunk_sizes
+from spmd.tensor.spec import DTensorSpec, Placements, split_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,39 +49,50 @@ class Step:
         return f"mesh dim {self.mesh_dim}: {self.source} -> {self.target}"
 
 
-def _prefix(placements: list[Placement] | Placements, mesh_dim: int, dim: int) -> tuple[int, ...]:
-    return tuple(j for j in range(mesh_dim) if placements[j] == Shard(dim))
+def _prefix(placements: list[Placement] | Placements, mesh_shape: tuple[int, ...], mesh_dim: int,
+            dim: int) -> tuple[tuple[int, Placement], ...]:
+    """The mesh dims (with their placements) that split tensor dim `dim` before `mesh_dim` does."""
+    order = split_order(tuple(placements), mesh_shape)
+    before = order[:order.index(mesh_dim)]
+    return tuple((j, placements[j]) for j in before
+                 if isinstance(placements[j], Shard) and placements[j].dim == dim)
 
 
-def _can_all_to_all(current: list[Placement], target: Placements, mesh_dim: int, src_dim: int, dst_dim: int) -> bool:
-    """Shard(src_dim) -> Shard(dst_dim) in one all-to-all is exact when no other mesh dim shards either tensor
-    dim now, and no earlier mesh dim will shard dst_dim in the target (it would have to split it first)."""
+def _can_all_to_all(current: list[Placement], target: Placements, mesh_shape: tuple[int, ...], mesh_dim: int,
+                    src: Shard, dst: Shard) -> bool:
+    """Shard(src) -> Shard(dst) in one all-to-all is exact when neither is strided, no other mesh dim shards
+    either tensor dim now, and no mesh dim will split dst before this one in the target."""
+    if isinstance(src, _StridedShard) or isinstance(dst, _StridedShard):
+        return False
     for j, placement in enumerate(current):
-        if j != mesh_dim and isinstance(placement, Shard) and placement.dim in (src_dim, dst_dim):
+        if j != mesh_dim and isinstance(placement, Shard) and placement.dim in (src.dim, dst.dim):
             return False
-    return not _prefix(target, mesh_dim, dst_dim)
+    return not _prefix(target, mesh_shape, mesh_dim, dst.dim)
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_redistribute(source: DTensorSpec, target: Placements) -> tuple[Step, ...]:
     """The steps that take `source` to `target` placements (see Note: planning order on N-d meshes)."""
     current = list(source.placements)
+    mesh_shape = tuple(source.mesh.shape)
     steps: list[Step] = []
-    for i in reversed(range(len(current))):           # phase 1: unshard what doesn't stay
+    for i in reversed(source.split_order()):          # phase 1: unshard what doesn't stay
         placement = current[i]
         if not isinstance(placement, Shard):
             continue
         goal = target[i]
-        if placement == goal and _prefix(current, i, placement.dim) == _prefix(target, i, placement.dim):
+        if placement == goal and _prefix(current, mesh_shape, i, placement.dim) == _prefix(target, mesh_shape, i,
+                                                                                           placement.dim):
             continue
-        if isinstance(goal, Shard) and goal != placement and _can_all_to_all(current, target, i, placement.dim,
-                                                                             goal.dim):
+        if isinstance(goal, Shard) and goal != placement and _can_all_to_all(current, target, mesh_shape, i,
+                                                                             placement, goal):
             steps.append(Step(i, placement, goal))
             current[i] = goal
         else:
             steps.append(Step(i, placement, Replicate()))
             current[i] = Replicate()
-    for i, goal in enumerate(target):                 # phase 2: move every dim to its target
+    for i in split_order(target, mesh_shape):         # phase 2: move every dim to its target
+        goal = target[i]
         placement = current[i]
         if placement == goal:
             continue

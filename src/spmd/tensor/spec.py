@@ -5,17 +5,20 @@ Layer: tensor. Pure metadata and shard arithmetic; nothing here communicates.
 Note: nested sharding order
 When several mesh dims shard the same tensor dim (e.g. placements (Shard(0), Shard(0)) on a (2, 2) mesh), the
 mesh dims split it in ascending order: mesh dim 0 takes a torch.chunk of the global extent, mesh dim 1 takes a
-torch.chunk of that chunk. Every function here and the redistribution planner follow this order.
+torch.chunk of that chunk. A _StridedShard is the exception: it splits after the later mesh dims sharding its
+dim (see Note: strided sharding in placement.py). `split_order` gives the order; every function here and the
+redistribution planner follow it. Either way a rank's piece is one contiguous block of each tensor dim.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from spmd.tensor.placement import Partial, Placement, Replicate, Shard, chunk_range
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard, _StridedShard, check_strided, chunk_range
 
 if TYPE_CHECKING:
     from spmd.device_mesh import DeviceMesh
@@ -72,9 +75,14 @@ class DTensorSpec:
     def has_partial(self) -> bool:
         return any(isinstance(p, Partial) for p in self.placements)
 
+    def split_order(self) -> tuple[int, ...]:
+        """Every mesh dim, in the order the mesh dims split their tensor dims (see Note: nested sharding order)."""
+        return split_order(self.placements, tuple(self.mesh.shape))
+
     def shard_mesh_dims(self, dim: int) -> list[int]:
         """The mesh dims that shard tensor dim `dim`, in the order they split it (see Note: nested sharding order)."""
-        return [i for i, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim]
+        placements = self.placements
+        return [i for i in self.split_order() if isinstance(placements[i], Shard) and placements[i].dim == dim]
 
     def num_shards(self, dim: int) -> int:
         """How many pieces tensor dim `dim` is split into across the whole mesh."""
@@ -102,13 +110,14 @@ class DTensorSpec:
     def local_shape_and_offset(self, coordinate: list[int] | None) -> tuple[torch.Size, tuple[int, ...]]:
         """(local shape, global offset of the local block) at mesh `coordinate` (None: a rank outside the mesh).
 
-        Walks mesh dims in order, each Shard splitting the current extent of its tensor dim with torch.chunk.
+        Walks mesh dims in split order, each Shard splitting the current extent of its tensor dim with torch.chunk.
         """
         shape = list(self.shape)
         offset = [0] * len(shape)
         if coordinate is None:
             return torch.Size([0] * len(shape)), tuple(offset)
-        for mesh_dim, placement in enumerate(self.placements):
+        for mesh_dim in self.split_order():
+            placement = self.placements[mesh_dim]
             if isinstance(placement, Shard):
                 start, length = chunk_range(shape[placement.dim], self.mesh.size(mesh_dim), coordinate[mesh_dim])
                 shape[placement.dim] = length
@@ -116,9 +125,11 @@ class DTensorSpec:
         return torch.Size(shape), tuple(offset)
 
     def extent_at(self, mesh_dim: int, dim: int, coordinate: list[int]) -> int:
-        """The extent of tensor dim `dim` that mesh dim `mesh_dim` splits (after the earlier mesh dims split it)."""
+        """The extent of tensor dim `dim` that mesh dim `mesh_dim` splits (after the mesh dims that split it first)."""
         extent = self.shape[dim]
-        for i in range(mesh_dim):
+        for i in self.split_order():
+            if i == mesh_dim:
+                break
             placement = self.placements[i]
             if isinstance(placement, Shard) and placement.dim == dim:
                 extent = chunk_range(extent, self.mesh.size(i), coordinate[i])[1]
@@ -131,7 +142,8 @@ class DTensorSpec:
         if coordinate is None:
             return full.new_empty(self.local_shape())
         local = full
-        for mesh_dim, placement in enumerate(self.placements):
+        for mesh_dim in self.split_order():
+            placement = self.placements[mesh_dim]
             if isinstance(placement, Shard):
                 start, length = chunk_range(local.shape[placement.dim], self.mesh.size(mesh_dim),
                                             coordinate[mesh_dim])
@@ -141,6 +153,27 @@ class DTensorSpec:
             if isinstance(placement, Partial):   # several Partial dims: partition each in turn
                 local = placement.partition(local, self.mesh.size(mesh_dim), coordinate[mesh_dim])
         return local
+
+
+@functools.lru_cache(maxsize=1024)
+def split_order(placements: Placements, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The mesh dims in the order they split their tensor dims: ascending, except that each _StridedShard comes
+    right after the last later mesh dim sharding its tensor dim (see Note: nested sharding order). Raises
+    ValueError for a _StridedShard this library does not support (placement.check_strided)."""
+    if not any(isinstance(p, _StridedShard) for p in placements):
+        return tuple(range(len(placements)))
+    check_strided(placements, mesh_shape, "DTensorSpec")
+    order: list[int] = []
+    after: dict[int, list[int]] = {}
+    for i, placement in enumerate(placements):
+        if isinstance(placement, _StridedShard):
+            last = max(j for j in range(i + 1, len(placements))
+                       if isinstance(placements[j], Shard) and placements[j].dim == placement.dim)
+            after.setdefault(last, []).append(i)
+            continue
+        order.append(i)
+        order.extend(after.pop(i, ()))
+    return tuple(order)
 
 
 def contiguous_stride(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ from torch._ops import OpOverload
 
 from spmd.tensor.dispatch.keys import meta_form, schema_form
 from spmd.tensor.dispatch.signature import mutated_positions, op_info
-from spmd.tensor.placement import Placement, normalize_placements
+from spmd.tensor.placement import Placement, Shard, _StridedShard, normalize_placements
 from spmd.tensor.rules import LocalPlan, OpSchema, ShardingDecision, ShardingError, lookup_rule, op_options
 from spmd.tensor.spec import DTensorSpec, Placements
 
@@ -89,6 +89,7 @@ def compile_call(op: OpOverload, args: tuple, kwargs: dict, dtensors: list, plai
     except ShardingError as error:
         raise ShardingError(f"{where(op, specs)}: {error}") from None
     checked = check_decision(schema, decision, mutated)
+    check_strided_alignment(schema, checked)
     options = op_options(op)
     adopt = frozenset(k for k, target in enumerate(checked.targets) if target is not None and k not in mutated
                       and specs[k].has_partial()) if options.adopt_reduced_partials else frozenset()
@@ -137,6 +138,66 @@ def check_decision(schema: OpSchema, decision: ShardingDecision, mutated: frozen
         normalized = normalize_placements(out_placements, out.ndim, mesh.ndim, what)
         output_specs.append(DTensorSpec(mesh, normalized, out.shape, out.stride(), out.dtype))
     return Checked(targets, reduce_in_place, tuple(output_specs), single)
+
+
+# Note: ops on strided shards
+# A rule written for Shard sees a _StridedShard as the Shard it is a subclass of. That is right where the rule
+# passes the placement through to operands and outputs of the same shape (pointwise ops, foreach ops, *_like:
+# every operand's block is the same block of the same tensor, so the local op is elementwise-aligned), and
+# wrong where it maps it onto another dim or shape as a plain Shard (a view, a transpose, a matmul), which would
+# mislabel the local blocks. So, where a decision keeps a _StridedShard (an input that stays strided), dispatch
+# checks that, per foreach position (or for the whole call), every sharded input has the very placements and
+# shape of the strided one, and every sharded output too; any other output is Replicate or Partial (a whole-dim
+# reduction, whose result doesn't depend on which block a rank holds). Otherwise it raises. Rules that build
+# plain Shards ask for the strided input to be redistributed to them instead, which the planner does exactly.
+
+def check_strided_alignment(schema: OpSchema, checked: Checked) -> None:
+    """Raise ShardingError when the decision keeps a _StridedShard in a call whose operands or outputs are not
+    laid out alike (see Note: ops on strided shards)."""
+    specs = schema.input_specs
+    effective = [spec.placements if target is None else target for spec, target in zip(specs, checked.targets)]
+    if not any(isinstance(p, _StridedShard) for placements in effective for p in placements):
+        return
+    positions = _list_positions(schema)
+    groups: dict[int | None, set[tuple[Placements, torch.Size]]] = {}
+    for placements, spec, position in zip(effective, specs, positions):
+        if any(isinstance(p, Shard) for p in placements):
+            groups.setdefault(position, set()).add((placements, spec.shape))
+    strided = {key for key, members in groups.items()
+               if any(isinstance(p, _StridedShard) for placements, _ in members for p in placements)}
+    problem = None
+    for key in strided:
+        if len(groups[key]) > 1:
+            problem = "its sharded operands are laid out differently: " + ", ".join(
+                f"{list(placements)} {tuple(shape)}" for placements, shape in sorted(groups[key], key=repr))
+    per_position = any(position is not None for position in positions)
+    for k, out in enumerate(checked.output_specs):
+        if problem is not None or out is None or not any(isinstance(p, Shard) for p in out.placements):
+            continue
+        key = k if per_position else None
+        is_strided = any(isinstance(p, _StridedShard) for p in out.placements)
+        if (is_strided or key in strided) and groups.get(key) != {(out.placements, out.shape)}:
+            problem = f"output {k} would be {list(out.placements)} {tuple(out.shape)}"
+    if problem is not None:
+        raise ShardingError(f"{where(schema.op, specs)}: this op can't keep a _StridedShard operand: {problem}. "
+                            f"_StridedShard works in ops whose sharded operands and outputs are all laid out "
+                            f"alike (pointwise, foreach, *_like, norms); redistribute the operand first (to "
+                            f"Shard or Replicate placements) or take its full_tensor()")
+
+
+def _list_positions(schema: OpSchema) -> list[int | None]:
+    """Per DTensor input (input_specs order), its position in the list argument holding it, or None."""
+    found: list[int | None] = []
+
+    def walk(value: Any, position: int | None) -> None:
+        if isinstance(value, DTensorSpec):
+            found.append(position)
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(item, index if position is None else position)
+    for value in (*schema.args, *schema.kwargs.values()):
+        walk(value, None)
+    return found
 
 
 def _path(op: OpOverload, args: tuple, kwargs: dict, plain: list[Tensor], dtensor_type: type,

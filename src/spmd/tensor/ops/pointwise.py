@@ -3,8 +3,8 @@
 Layer: tensor. Decisions only.
 
 The output follows the inputs: on each mesh dim the candidates are the placements the inputs already have
-(mapped through broadcasting: a Shard of an input dim becomes a Shard of the matching output dim; an input
-broadcast along the output dim must be Replicate there), then Replicate. In-place ops keep self's placement.
+(mapped through broadcasting: a Shard of an input dim becomes the same kind of Shard of the matching output dim;
+an input broadcast along the output dim must be Replicate there), then Replicate. In-place ops keep self's placement.
 Partial survives only where the op is linear in the Partial operand (see Note: pointwise ops and Partial).
 """
 
@@ -104,7 +104,7 @@ def pointwise_rule(schema: OpSchema) -> ShardingDecision:
             inputs = []
             for spec in specs:
                 dim = _input_dim(spec, out_shape, output.dim)
-                inputs.append(Replicate() if dim is None else Shard(dim))
+                inputs.append(Replicate() if dim is None else output.with_dim(dim))
             return Strategy(tuple(inputs), output)
         if isinstance(output, Partial):
             return None
@@ -136,14 +136,14 @@ def pointwise_rule(schema: OpSchema) -> ShardingDecision:
             if isinstance(own, Partial):
                 kept = [s for s in partial_strategies(mesh_dim) if s.output == own]
                 return kept[:1] or [strategy(Replicate())]    # not linear: dispatch reduces self in place
-            own_out = own if not isinstance(own, Shard) else Shard(own.dim + ndim_out - specs[0].ndim)
+            own_out = own if not isinstance(own, Shard) else own.with_dim(own.dim + ndim_out - specs[0].ndim)
             return [strategy(own_out)]
         found = partial_strategies(mesh_dim)
         for spec in specs:
             placement = spec.placements[mesh_dim]
             if isinstance(placement, Shard) and spec.shape[placement.dim] == out_shape[
                     placement.dim + ndim_out - spec.ndim]:
-                found.append(strategy(Shard(placement.dim + ndim_out - spec.ndim)))
+                found.append(strategy(placement.with_dim(placement.dim + ndim_out - spec.ndim)))
         found.append(strategy(Replicate()))
         return [s for s in found if s is not None]
 

@@ -50,7 +50,7 @@ def _map_placements(spec: DTensorSpec, mapping: DimMap) -> tuple[Placements, Pla
                 out.append(Replicate())
                 continue
             needed.append(placement)
-            out.append(Shard(dim))
+            out.append(placement.with_dim(dim))
         else:
             needed.append(placement)
             out.append(placement)
