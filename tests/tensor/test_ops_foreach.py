@@ -88,6 +88,28 @@ def test_foreach_ops_follow_each_position() -> None:
     on_meshes(body, [(2,), (4,)])
 
 
+def test_foreach_ops_over_several_meshes_run_per_mesh() -> None:
+    """Lists whose positions live on different meshes (plain parameters on dp beside (dp, tp) ones under FSDP
+    over tensor parallelism) run once per mesh; the outputs come back in list order."""
+    def body(mesh: DeviceMesh) -> None:
+        two_d = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("dp", "tp"))
+        dp = two_d["dp"]
+        layouts_ = [(dp, [Shard(0)]), (dp, [Replicate()]), (two_d, [Shard(1), Shard(0)])]
+        selves = [make_dtensor(t, m, p) for t, (m, p) in zip(INIT, layouts_)]
+        others = [make_dtensor(t, m, p) for t, (m, p) in zip(GRADS[0], layouts_)]
+        sums = torch._foreach_add(selves, others, alpha=2.0)
+        assert [(s.device_mesh, s.placements) for s in sums] == [(m, tuple(p)) for m, p in layouts_]
+        for out, a, b in zip(sums, INIT, GRADS[0]):
+            torch.testing.assert_close(out.full_tensor(), a + 2.0 * b)
+        torch._foreach_addcdiv_(selves, others, sums, [0.5, 0.25, 2.0])
+        for out, a, b, c, w in zip(selves, INIT, GRADS[0], sums, [0.5, 0.25, 2.0]):
+            torch.testing.assert_close(out.full_tensor(), a + w * b / c.full_tensor())
+        crossed = [make_dtensor(GRADS[0][0], two_d, [Shard(0), Replicate()]), *others[1:]]
+        with pytest.raises(ValueError, match="different meshes"):        # one position, two meshes: named
+            torch._foreach_add(selves, crossed)
+    on_meshes(body, [(4,)])
+
+
 def test_partial_self_stays_partial_through_linear_ops() -> None:
     """A momentum buffer cloned from a Partial gradient is updated without communication."""
     def body(mesh: DeviceMesh) -> None:

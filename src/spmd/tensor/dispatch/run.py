@@ -105,6 +105,10 @@ def _first_call(cls: type, op: OpOverload, types: tuple, args: tuple, kwargs: di
     if plain and op in _PLAIN_AS_REPLICATE:
         args = _replicate_plain(cls, args, dtensors[0]._spec.mesh)
         return dispatch(cls, op, types, args, kwargs)
+    if op._schema.name.startswith("aten::_foreach_") and len({dt._spec.mesh for dt in dtensors}) > 1:
+        split = _foreach_by_mesh(op, args, kwargs, cls)
+        if split is not _NOT_SPLIT:
+            return split
     for tensor in plain:
         if tensor.numel() != 1:
             raise MixedTensorError(
@@ -119,6 +123,46 @@ def _first_call(cls: type, op: OpOverload, types: tuple, args: tuple, kwargs: di
             cache.clear()
         cache[key] = compiled
     return _execute(cls, args, kwargs, dtensors, plain, compiled)
+
+
+# Note: foreach ops over several meshes
+# An optimizer's foreach ops take every parameter of a group in one list, and the parameters may live on different
+# meshes (under FSDP over tensor parallelism, plain parameters on the dp mesh beside (dp, tp) ones). The
+# operands at one list position share a mesh, so such a call runs as one call per mesh, on the positions whose
+# tensors live there (each decided and cached as usual), and the outputs go back in list order: torch's DTensor
+# allows the same. A call that doesn't split so cleanly (a position holding no DTensor or DTensors of two
+# meshes, a DTensor outside the lists) goes on to compile_call, which names the meshes.
+
+_NOT_SPLIT = object()
+
+
+def _foreach_by_mesh(op: OpOverload, args: tuple, kwargs: dict, cls: type) -> Any:
+    """Run foreach `op` once per mesh of its list positions (see Note: foreach ops over several meshes), or
+    return _NOT_SPLIT."""
+    lists = [k for k, value in enumerate(args) if isinstance(value, (list, tuple))]
+    tensor_lists = [k for k in lists if any(isinstance(item, Tensor) for item in args[k])]
+    if not tensor_lists or any(isinstance(v, cls) for k, v in enumerate(args) if k not in lists) \
+            or any(isinstance(v, (Tensor, list, tuple)) for v in kwargs.values()):
+        return _NOT_SPLIT
+    length = len(args[tensor_lists[0]])
+    if any(len(args[k]) != length for k in lists):
+        return _NOT_SPLIT
+    positions: dict[Any, list[int]] = {}
+    for i in range(length):
+        meshes = {args[k][i]._spec.mesh for k in tensor_lists if isinstance(args[k][i], cls)}
+        if len(meshes) != 1 or any(type(args[k][i]) is not cls for k in tensor_lists if args[k][i] is not None):
+            return _NOT_SPLIT
+        positions.setdefault(meshes.pop(), []).append(i)
+    results: list[Any] = [None] * length
+    returned = False
+    for where_ in positions.values():
+        sub = tuple([value[i] for i in where_] if k in lists else value for k, value in enumerate(args))
+        out = op(*sub, **kwargs)
+        if out is not None:
+            returned = True
+            for i, item in zip(where_, out, strict=True):
+                results[i] = item
+    return results if returned else None
 
 
 def _execute(cls: type, args: tuple, kwargs: dict, dtensors: list, plain: list[Tensor], compiled: Compiled) -> Any:
