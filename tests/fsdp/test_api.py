@@ -163,12 +163,13 @@ def test_ignored_params_stay_plain_and_local() -> None:
 
 # -- bad input -----------------------------------------------------------------------------------------------
 
-def test_already_dtensor_parameters_are_refused() -> None:
+def test_dtensor_parameters_on_the_fsdp_mesh_are_refused() -> None:
+    """A DTensor parameter must be tensor-parallel, on another slice of FSDP's mesh's root (tests/fsdp/test_tp.py)."""
     def body(rank: int, size: int) -> None:
         mesh = init_device_mesh("cpu", (size,))
         model = nn.Linear(4, 4)
         model.weight = nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Replicate()]))
-        with pytest.raises(ValueError, match="parameter weight is already a DTensor"):
+        with pytest.raises(ValueError, match=r"parameter weight is a DTensor.*must be another slice of the same mesh"):
             fully_shard(model, mesh=mesh)
     run_ranks(body, 2, timeout=TIMEOUT)
 

@@ -18,7 +18,7 @@ from spmd.fsdp.param_group import FSDPParamGroup, GroupState, PostForwardMesh
 from spmd.fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from spmd.fsdp.state import FSDPState, state_of
 from spmd.tensor import DTensor
-from spmd.tensor.placement import Shard
+from spmd.tensor.placement import Replicate, Shard
 
 ShardPlacementFn = Callable[[nn.Parameter], Shard | None]
 _NO_MIXED_PRECISION = MixedPrecisionPolicy()
@@ -40,9 +40,12 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
 
     Apply it bottom-up: to each block, then to the root. Every parameter not already owned by a fully_shard call
     below becomes a Shard(0) DTensor (or the Shard `shard_placement_fn` returns) on the mesh's last dim; a 2-d
-    mesh (replicate, shard) is HSDP. The call's parameters form one group: all-gathered in one collective before
-    its forward (and again before backward when resharded), reduce-scattered in one after backward. The module's
-    class becomes `FSDP<Class>`, a subclass of FSDPModule. Collective over the world (mesh groups are created).
+    mesh (replicate, shard) is HSDP. A parameter that is already a tensor-parallel DTensor (on `mesh["tp"]` when
+    `mesh` is `mesh["dp"]` of one (dp, tp) mesh) is sharded by its TP-local tensor and becomes a DTensor on the
+    parent (dp, tp) mesh (see Note: FSDP over tensor parallelism in param.py). The call's parameters form one
+    group: all-gathered in one collective before its forward (and again before backward when resharded),
+    reduce-scattered in one after backward. The module's class becomes `FSDP<Class>`, a subclass of FSDPModule.
+    Collective over the world (mesh groups are created).
     """
     modules = tuple(module) if isinstance(module, list) else (module,)
     mesh = mesh if mesh is not None else _default_mesh()
@@ -286,14 +289,32 @@ def _managed_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter],
                 if isinstance(param, DTensor):
                     if _owned_by_fsdp(param, module):
                         continue          # a tied parameter a fully_shard submodule already manages
-                    raise ValueError(f"fully_shard({type(module).__name__}): parameter {fqn} is already a DTensor "
-                                     f"({list(param.placements)} on {param.device_mesh}); fully_shard shards plain "
-                                     f"parameters over {mesh}")
+                    _check_tensor_parallel(param, fqn, mesh, type(module).__name__)
                 if id(param) in found:
                     found[id(param)][1].append(Slot(sub, name))
                 else:
                     found[id(param)] = (param, [Slot(sub, name)], fqn)
     return list(found.values())
+
+
+def _check_tensor_parallel(param: DTensor, fqn: str, mesh: DeviceMesh, name: str) -> None:
+    """A DTensor parameter must be tensor-parallel: Shard/Replicate on a 1-d mesh sliced, like `mesh`, from one
+    root mesh, on a dim after `mesh`'s (see Note: FSDP over tensor parallelism in param.py)."""
+    tp_mesh = param.device_mesh
+    where = f"fully_shard({name}): parameter {fqn} is a DTensor ({list(param.placements)} on {tp_mesh})"
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"{where}; fully_shard composes with tensor parallelism on a 1-d mesh only")
+    if tp_mesh.device_type != mesh.device_type:
+        raise ValueError(f"{where}, on device type {tp_mesh.device_type!r}, but the FSDP mesh is on "
+                         f"{mesh.device_type!r}")
+    if not all(type(p) in (Shard, Replicate) for p in param.placements):
+        raise ValueError(f"{where}; a tensor-parallel parameter must be Shard or Replicate on its mesh")
+    try:
+        DeviceMesh._concatenate([mesh, tp_mesh])
+    except ValueError as error:
+        raise ValueError(f"{where}; fully_shard shards it over {mesh} as well, which must be another slice of "
+                         f"the same mesh, on dims before the tensor-parallel one (e.g. mesh['dp'] and "
+                         f"mesh['tp'] of init_device_mesh(..., mesh_dim_names=('dp', 'tp'))): {error}") from None
 
 
 def _unowned_modules(module: nn.Module) -> Iterable[tuple[str, nn.Module]]:

@@ -16,6 +16,23 @@ A parameter of global shape S, sharded on tensor dim d over the group_size ranks
 The unsharded parameter object lives as long as the FSDPParam: freeing it frees its group's buffer storage
 (resize to 0 bytes) and the next all-gather re-allocates and refills the same storage. So the tensors autograd
 saved in forward, views of that storage, hold the right values again once backward's all-gather has run.
+
+Note: FSDP over tensor parallelism
+A parameter that is already a DTensor on a tensor-parallel mesh (`tp`, a 1-d slice of the same root mesh as the
+FSDP mesh `dp`, e.g. both sliced from a (dp, tp) mesh) is sharded like a plain one, but what FSDP shards is its
+TP-LOCAL tensor (this tp rank's piece): S above is the local shape, padding and pieces are as for a plain
+parameter. As in torch's FSDP2:
+- the unsharded parameter the module sees is a DTensor on the tp mesh with the original TP placements, whose
+  local tensor is the view of the group's buffer described above;
+- the sharded parameter is a DTensor on the parent mesh (dp dims, then tp): placements (FSDP's, then TP's).
+  When TP shards the FSDP shard dim d too (a colwise weight: TP Shard(0), FSDP Shard(0)), this rank holds the dp
+  chunk of its tp chunk, which (Shard(d), Shard(d)) would describe the other way round: FSDP's placement is
+  then _StridedShard(d, split_factor=number of tp pieces of d) (see Note: strided sharding in tensor/placement.py);
+- the unsharded gradient arrives as a DTensor on the tp mesh; one whose placements differ from the parameter's
+  (Partial for a Replicate weight that saw sequence-sharded activations) is redistributed to them first (a tp
+  collective), then its local tensor is reduce-scattered over dp as usual; the sharded gradient is laid out
+  like the sharded parameter.
+Plain parameters in the same call stay sharded over dp alone (a DTensor on the dp mesh), as in torch.
 """
 
 from __future__ import annotations
@@ -29,7 +46,7 @@ from torch import Tensor, nn
 
 from spmd.device_mesh import DeviceMesh
 from spmd.tensor import DTensor
-from spmd.tensor.placement import Placement, Replicate, Shard
+from spmd.tensor.placement import Placement, Replicate, Shard, _StridedShard
 from spmd.tensor.spec import DTensorSpec, contiguous_stride
 
 
@@ -76,8 +93,23 @@ class ShardMesh:
     def is_hybrid(self) -> bool:
         return self.mesh.ndim == 2
 
-    def placements(self, shard_dim: int) -> tuple[Placement, ...]:
-        return (Replicate(), Shard(shard_dim)) if self.is_hybrid else (Shard(shard_dim),)
+    def placements(self, shard_dim: int, split_factor: int = 1) -> tuple[Placement, ...]:
+        """The placements on this mesh of a parameter sharded on `shard_dim`: a _StridedShard when tensor
+        parallelism already split that dim into `split_factor` pieces (see Note: FSDP over tensor parallelism)."""
+        shard = Shard(shard_dim) if split_factor == 1 else _StridedShard(shard_dim, split_factor=split_factor)
+        return (Replicate(), shard) if self.is_hybrid else (shard,)
+
+
+def sharded_spec(shard_mesh: ShardMesh, shard_dim: int, param: Tensor) -> DTensorSpec:
+    """The layout of `param`'s sharded form: over the FSDP mesh, or for a tensor-parallel DTensor over the parent
+    mesh of the FSDP and tp meshes (see Note: FSDP over tensor parallelism)."""
+    if not isinstance(param, DTensor):
+        return DTensorSpec(shard_mesh.mesh, shard_mesh.placements(shard_dim), param.shape,
+                           contiguous_stride(param.shape), param.dtype)
+    tp = param._spec
+    mesh = DeviceMesh._concatenate([shard_mesh.mesh, tp.mesh])
+    placements = (*shard_mesh.placements(shard_dim, tp.num_shards(shard_dim)), *tp.placements)
+    return DTensorSpec(mesh, placements, tp.shape, contiguous_stride(tp.shape), tp.dtype)
 
 
 class FSDPParam:
@@ -92,21 +124,28 @@ class FSDPParam:
         self.slots = slots
         self.shard_mesh = shard_mesh
         self.shard_dim = shard_dim
-        self.shape = param.shape
+        self.shape = param.shape                 # global
         self.orig_dtype = param.dtype
         self.unsharded_dtype = param_dtype if param_dtype is not None else param.dtype
         self.requires_grad = param.requires_grad
         self.shard_device = shard_device
         self.pin_memory = pin_memory
+        # a tensor-parallel parameter: its layout on the tp mesh, as the module sees it unsharded
+        self.tp_spec: DTensorSpec | None = None
+        data: Tensor = param
+        if isinstance(param, DTensor):
+            self.tp_spec = DTensorSpec(param._spec.mesh, param._spec.placements, param.shape,
+                                       contiguous_stride(param.shape), self.unsharded_dtype)
+            data = param._local_tensor
+        self.unsharded_shape = data.shape        # what FSDP shards and all-gathers (the TP-local shape)
         group_size = shard_mesh.group_size
-        self.rows_full = param.shape[shard_dim]
-        self.moved_rest = tuple(s for i, s in enumerate(param.shape) if i != shard_dim)   # shape without dim d
+        self.rows_full = data.shape[shard_dim]
+        self.moved_rest = tuple(s for i, s in enumerate(data.shape) if i != shard_dim)   # shape without dim d
         self.rows_pad = -(-self.rows_full // group_size)
         self.padded_numel = self.rows_pad * math.prod(self.moved_rest)
         self.rows_local = max(0, min(self.rows_pad, self.rows_full - self.rows_pad * shard_mesh.group_rank))
-        self.spec = DTensorSpec(shard_mesh.mesh, shard_mesh.placements(shard_dim), param.shape,
-                                contiguous_stride(param.shape), param.dtype)
-        self.sharded_param = nn.Parameter(DTensor(self._local_shard_of(param), self.spec),
+        self.spec = sharded_spec(shard_mesh, shard_dim, param)
+        self.sharded_param = nn.Parameter(DTensor(self._local_shard_of(data), self.spec),
                                           requires_grad=param.requires_grad)
         self.unsharded_param = None
         self.state = ParamState.SHARDED
@@ -116,8 +155,9 @@ class FSDPParam:
     # -- the sharded form -----------------------------------------------------------------------------------
 
     def _local_shard_of(self, param: Tensor) -> Tensor:
-        """This rank's rows of `param` along the shard dim, as a new tensor on the shard device (meta stays meta)."""
-        local_shape = list(self.shape)
+        """This rank's rows of `param` (the TP-local tensor of a tensor-parallel parameter) along the shard dim, as
+        a new tensor on the shard device (meta stays meta)."""
+        local_shape = list(self.unsharded_shape)
         local_shape[self.shard_dim] = self.rows_local
         if param.device.type == "meta":
             return torch.empty(local_shape, dtype=param.dtype, device="meta")
@@ -143,11 +183,13 @@ class FSDPParam:
         if current is self.sharded_param:
             return
         if not isinstance(current, DTensor) or current._spec.placements != self.spec.placements \
-                or current.shape != self.shape:
+                or current.shape != self.shape or current.device_mesh != self.spec.mesh:
             found = (f"a {type(current).__name__} of shape {tuple(current.shape)}" if current is not None
                      else "nothing")
             raise RuntimeError(f"fully_shard: parameter {self.fqn} should be a {list(self.spec.placements)} DTensor "
-                               f"of shape {tuple(self.shape)}, but the module holds {found}; replace parameters "
+                               f"of shape {tuple(self.shape)} on {self.spec.mesh}, but the module holds {found}"
+                               f"{'' if not isinstance(current, DTensor) else f' {list(current.placements)}'}; "
+                               f"replace parameters "
                                f"before fully_shard, or load sharded DTensors with the same placements")
         if current.dtype != self.orig_dtype:
             raise RuntimeError(f"fully_shard: parameter {self.fqn} changed dtype from {self.orig_dtype} to "
@@ -165,7 +207,10 @@ class FSDPParam:
         """Make the unsharded parameter a view of `segment`, this parameter's group_size padded pieces in the
         group's unsharded buffer (see Note: FSDP tensors). Once per FSDPParam."""
         full = segment.view(self.rows_pad * self.shard_mesh.group_size, *self.moved_rest)[: self.rows_full]
-        self.unsharded_param = nn.Parameter(full.movedim(0, self.shard_dim), requires_grad=self.requires_grad)
+        full = full.movedim(0, self.shard_dim)
+        if self.tp_spec is not None:      # the TP-local tensor of the DTensor the module sees
+            full = DTensor(full, self.tp_spec)
+        self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
 
     def to_unsharded(self) -> None:
         self._expect(ParamState.SHARDED)
@@ -193,12 +238,31 @@ class FSDPParam:
     # -- gradients ------------------------------------------------------------------------------------------
 
     def unsharded_grad(self) -> Tensor | None:
+        """The gradient autograd accumulated on the unsharded parameter (a tp-mesh DTensor for a tensor-parallel
+        parameter), or None."""
         return None if self.unsharded_param is None else self.unsharded_param.grad
+
+    def local_unsharded_grad(self) -> Tensor | None:
+        """The unsharded gradient as the tensor to reduce-scatter: a tensor-parallel parameter's, redistributed
+        to the parameter's TP placements first (collective over the tp mesh when they differ), then its local
+        tensor (see Note: FSDP over tensor parallelism)."""
+        grad = self.unsharded_grad()
+        tp = self.tp_spec
+        if grad is None or tp is None:
+            return grad
+        if not isinstance(grad, DTensor) or grad.device_mesh != tp.mesh:
+            found = (f"a DTensor on {grad.device_mesh}" if isinstance(grad, DTensor) else
+                     f"a plain {type(grad).__name__}")
+            raise RuntimeError(f"fully_shard: the gradient of tensor-parallel parameter {self.fqn} should be a "
+                               f"DTensor on {tp.mesh}, like the parameter, but is {found}")
+        if grad.placements != tp.placements:
+            grad = grad.redistribute(placements=tp.placements)
+        return grad._local_tensor
 
     def copy_grad_into(self, rows: Tensor) -> None:
         """Write the unsharded gradient into `rows`, a (group_size, padded_numel) view of a reduce-scatter input:
         row r gets rank r's padded piece, padding zeroed. A parameter without a gradient contributes zeros."""
-        grad = self.unsharded_grad()
+        grad = self.local_unsharded_grad()
         pieces = rows.view(rows.shape[0], self.rows_pad, *self.moved_rest)
         if grad is None:
             pieces.zero_()
