@@ -23,9 +23,10 @@ pieces the later mesh dims cut the dim into before this one splits (the product 
 against the mesh. Torch's `_StridedShard` has the same name and meaning, and gives the same blocks whenever the
 dim's size divides by split_factor (with other sizes torch's blocks are not the nested chunks FSDP holds).
 Supported, and checked on use: one _StridedShard per tensor dim, no earlier mesh dim sharding that dim, and at
-least one later plain Shard of it. Every spec function, the redistribution planner, pointwise and foreach ops
-with every operand laid out alike, and whole-tensor norms handle it; dispatch refuses (never mislabels) any other
-op that would keep it (see Note: ops on strided shards in dispatch/decision.py).
+least one later plain Shard of it. Every spec function and the redistribution planner handle it; so do the
+ops whose operands and outputs are all laid out alike (pointwise, foreach, *_like, detach) and whole-tensor
+norms; rules that build plain Shards have it redistributed first (exact); dispatch refuses (never mislabels) any
+other op that would keep it (see Note: ops on strided shards in dispatch/decision.py).
 """
 
 from __future__ import annotations
