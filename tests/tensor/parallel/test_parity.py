@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spmd.device_mesh import init_device_mesh
+from spmd.fsdp import fully_shard
 from spmd.tensor import DTensor, Replicate, Shard, record_fallbacks
 from spmd.tensor.parallel import loss_parallel
 from spmd.testing import run_ranks
@@ -118,3 +119,33 @@ def test_parameters_are_laid_out_as_megatron() -> None:
     assert layouts["layers.0.attention_norm.weight"] == ((Replicate(),), (32,))
     assert layouts["tok_embeddings.weight"] == ((Shard(0),), (32, 32))
     assert layouts["output.weight"] == ((Shard(0),), (32, 32))
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("layout", [Layout.TP, Layout.TP_SP_LOSS], ids=lambda layout: layout.value)
+def test_fsdp_over_tensor_parallel_on_a_2x2_mesh_matches_one_process(kind: str, layout: Layout) -> None:
+    """TorchTitan's composition: parallelize_module on mesh["tp"], then fully_shard every block and the root on
+    mesh["dp"]; each dp rank trains on its half of the batch and the optimizer steps the (dp, tp) DTensors."""
+    def body(rank: int, size: int) -> tuple[list[float], dict[str, Tensor]]:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = parallelize(kind, fresh(kind), mesh["tp"], layout)
+        for block in model.blocks if kind == "gpt" else model.layers:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        assert all(p.device_mesh.ndim == 2 or p.device_mesh == mesh["dp"] for p in model.parameters())
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        dp_rank, losses = mesh.get_coordinate()[0], []
+        for step in range(STEPS):
+            opt.zero_grad()
+            tokens, targets = (t.chunk(2)[dp_rank] for t in batch(step))
+            loss = step_loss(model, tokens, targets, layout.loss_parallel)
+            losses.append(loss.item())
+            opt.step()
+        return losses, {name: full(p.detach()) for name, p in model.named_parameters()}
+    ref_losses, ref_params = reference(kind)
+    results = run_ranks(body, 4, timeout=TIMEOUT)
+    mean_losses = [(a + b) / 2 for a, b in zip(results[0][0], results[2][0])]    # dp ranks 0 and 1, tp rank 0
+    torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+    for _, params in results:
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=RTOL, atol=ATOL, msg=name)
