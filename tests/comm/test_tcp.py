@@ -220,6 +220,27 @@ def test_p2p_size_or_dtype_mismatch_is_an_error_not_an_overflow() -> None:
     run_ranks(body, 2, timeout=60, backend="tcp")
 
 
+def test_p2p_receives_into_tensors_of_any_shape() -> None:
+    def body(rank: int, size: int) -> None:
+        block = torch.arange(24.0).reshape(2, 3, 4)
+        if rank == 0:
+            spmd.send(block, dst=1, tag=1)
+            spmd.send(torch.ones(1), dst=1, tag=2)
+            spmd.recv(torch.empty(1), src=1, tag=3)      # rank 1 posted its receive before this send
+            spmd.send(block * 2, dst=1, tag=4)
+            return
+        early = torch.empty(2, 3, 4)
+        spmd.recv(torch.empty(1), src=0, tag=2)          # tag 1's message has arrived before its receive
+        spmd.recv(early, src=0, tag=1)
+        posted = torch.empty(2, 3, 4)
+        work = spmd.irecv(posted, src=0, tag=4)
+        spmd.send(torch.ones(1), dst=0, tag=3)
+        work.wait()
+        assert early.equal(block) and posted.equal(block * 2)
+
+    run_ranks(body, 2, timeout=60, backend="tcp")
+
+
 def test_large_isends_keep_their_order_with_small_ones() -> None:
     sizes = [10, 300_000, 5, 1_000_000, 7, 70_000]       # inline and sender-thread sends interleaved
 

@@ -56,12 +56,13 @@ class PeerClosed(ConnectionError):
 
 
 def byte_view(tensor: Tensor) -> memoryview:
-    """A writable byte memoryview of a flat contiguous tensor's memory, for any dtype (bool and bf16 too)."""
+    """A writable one-dimensional byte memoryview of a contiguous tensor's memory, whatever its shape and dtype
+    (bool and bf16 too)."""
     if tensor.numel() == 0:
         return memoryview(bytearray())
     if tensor.requires_grad:
         tensor = tensor.detach()
-    return memoryview(tensor.view(torch.uint8).numpy())
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def pack_header(kind: Kind, seq: int, payload_len: int, key: bytes = b"", site: bytes = b"") -> bytes:
