@@ -117,7 +117,7 @@ SCHEDULES = [(ScheduleGPipe, 1, "loop"), (Schedule1F1B, 1, "loop"), (ScheduleInt
 
 
 def train_pipelined(cls: type[_PipelineSchedule], ranks: int, per_rank: int, style: str, model: GPT,
-                    n_microbatches: int) -> list[tuple[list[float], dict[str, Tensor]]]:
+                    n_microbatches: int, backend: str = "threads") -> list[tuple[list[float], dict[str, Tensor]]]:
     def body(rank: int, world_size: int) -> tuple[list[float], dict[str, Tensor]]:
         stages, local = build_stages(model, rank, world_size, per_rank, style)
         arg = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
@@ -138,7 +138,7 @@ def train_pipelined(cls: type[_PipelineSchedule], ranks: int, per_rank: int, sty
                 step_losses.append(torch.stack(losses).mean().item())
         names = {id(p): k for k, p in local.named_parameters()}
         return step_losses, {names[id(p)]: p.detach().clone() for p in params}
-    return run_ranks(body, world_size=ranks, timeout=TIMEOUT)
+    return run_ranks(body, world_size=ranks, timeout=TIMEOUT, backend=backend)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -153,6 +153,16 @@ def test_training_matches_one_process(cls: type[_PipelineSchedule], per_rank: in
     got = {name: value for _, params in results for name, value in params.items()}
     assert sorted(got) == sorted(want_params)   # every parameter lives on exactly one rank, under its name
     for name, value in got.items():
+        torch.testing.assert_close(value, want_params[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_training_matches_one_process_over_real_transports(backend: str) -> None:
+    """Activations and gradients as bytes through shared memory and sockets (thread ranks on a real transport)."""
+    want_losses, want_params = reference(4)
+    results = train_pipelined(ScheduleInterleaved1F1B, 2, 2, "loop", gpt(4), 4, backend)
+    torch.testing.assert_close(torch.tensor(results[1][0]), torch.tensor(want_losses), rtol=RTOL, atol=ATOL)
+    for name, value in {**results[0][1], **results[1][1]}.items():
         torch.testing.assert_close(value, want_params[name], rtol=RTOL, atol=ATOL, msg=name)
 
 
