@@ -2,12 +2,13 @@
 
 Layer 4. Stages stream microbatches along a pipeline group. Each schedule is a pure function to a program per
 rank (programs.py, actions.py), proven by validate.py before the runtime (runtime.py, the only module here that
-communicates) executes it; schedules.py holds the classes users step.
+communicates) executes it; schedules.py holds the classes users step, render.py draws their timelines.
 """
 
 from spmd.pipelining.actions import Action, ActionKind, ScheduleError, read_csv, stage_to_rank, write_csv
 from spmd.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
 from spmd.pipelining.programs import add_communication
+from spmd.pipelining.render import render, render_png, render_svg, render_text
 from spmd.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
@@ -28,5 +29,6 @@ __all__ = [
     "PipeliningMetadataError", "Schedule1F1B", "ScheduleDualPipeV", "ScheduleError", "ScheduleGPipe",
     "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS", "ScheduleReport",
     "ScheduleZBVZeroBubble", "TensorChunkSpec", "add_communication", "get_schedule_class", "merge_chunks",
-    "read_csv", "split_args_kwargs_into_chunks", "stage_to_rank", "validate_program", "write_csv",
+    "read_csv", "render", "render_png", "render_svg", "render_text", "split_args_kwargs_into_chunks",
+    "stage_to_rank", "validate_program", "write_csv",
 ]

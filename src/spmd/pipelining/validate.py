@@ -65,6 +65,7 @@ class ScheduleReport:
     busy: dict[int, float]                      # rank -> time units spent computing
     peak_live_activations: dict[int, int]       # rank -> most (stage, microbatch) forwards awaiting their backward
     timeline: dict[int, list[TimedAction]]      # rank -> its actions with their simulated times, in program order
+    costs: dict[ActionKind, float]              # the time units each computation was given
 
     @property
     def bubble(self) -> dict[int, float]:
@@ -324,7 +325,8 @@ class _Simulation:
         busy = {rank: sum(self.costs.get(s.kind, 0.0) for a in actions for s in a.computations)
                 for rank, actions in self.programs.items()}
         return ScheduleReport(len(self.programs), self.num_stages, num_microbatches, dict(self.placement), makespan,
-                              busy, {rank: self.peak[rank] for rank in self.programs}, self.timeline)
+                              busy, {rank: self.peak[rank] for rank in self.programs}, self.timeline,
+                              dict(self.costs))
 
 
 def _listing(headline: str, problems: list[str], program: Program) -> str:
