@@ -92,16 +92,19 @@ class Runtime:
         self.num_stages = len(placement)
         self._meta_mode: dict[tuple[str, int], bool] = {}   # ("in"/"out", stage) -> has_backward when inferred
         self._meta_sent: dict[int, bool] = {}               # stage -> has_backward of the metadata it sent
+        # the step in flight:
+        self._step = StepInputs([], [], None, None, 1.0, False)
+        self._receives: dict[Action, _Receive] = {}          # posted (or metadata-waiting) receives
+        self._local: dict[tuple[ActionKind, int, int], tuple[Tensor | None, ...]] = {}   # (F/B, stage, mb) handed
+        self._input_grads: dict[tuple[int, int], tuple[Tensor | None, ...]] = {}         # (stage, mb) -> SEND_B's
+        self._sends: list[tuple[Work, Tensor]] = []          # sends in flight, with the tensor they read
 
     # -- one step -----------------------------------------------------------------------------------------------
 
     def run(self, step: StepInputs) -> None:
         """Run the whole program once. Collective over the pipeline group (see the module docstring)."""
         self._step = step
-        self._receives: dict[Action, _Receive] = {}
-        self._local: dict[tuple[ActionKind, int, int], tuple[Tensor | None, ...]] = {}
-        self._input_grads: dict[tuple[int, int], tuple[Tensor | None, ...]] = {}
-        self._sends: list[tuple[Work, Tensor]] = []
+        self._receives, self._local, self._input_grads, self._sends = {}, {}, {}, []
         for stage in self.stages.values():
             stage.clear_runtime_states()
         for position, action in enumerate(self.programs[step.has_backward]):

@@ -110,6 +110,9 @@ class _PipelineSchedule:
                 raise ScheduleError(f"{os.fspath(path)}: a compute_only program has no {', '.join(talking[:3])}; "
                                     f"load it with format='compute_comms'")
             self.pipeline_order = program
+        else:
+            self.pipeline_order = {rank: [a for a in actions if a is not None and a.is_compute]
+                                   for rank, actions in program.items()}
         self._use(program, placement, lower=format == "compute_only")
 
     _dump_csv = dump_csv     # torch's names for the same
@@ -140,7 +143,7 @@ class _PipelineSchedule:
         n = self._n_microbatches
         has_first = any(stage.is_first for stage in self._stages)
         has_last = any(stage.is_last for stage in self._stages)
-        if has_first and not args:
+        if has_first and not args and not kwargs:
             raise ValueError(f"{type(self).__name__}.step() on rank {self.rank}: this rank holds stage 0; pass "
                              f"the model's inputs")
         arg_mbs, kwarg_mbs = split_args_kwargs_into_chunks(args, kwargs, n, self._args_chunk_spec,

@@ -132,13 +132,9 @@ class PipelineStage:
         activations (leaves; see Note: the stage's autograd) on the others. Returns the submodule's output."""
         output = self.submod(*args, **(kwargs or {}))
         leaves = () if self.is_first else tuple(args)
-        if self.is_last:
+        if self.is_last:              # its backward starts from the loss, computed from the output
             self.output_chunks[mb] = _detached(output)
-            outputs = tuple(t for t in (output if isinstance(output, (tuple, list)) else (output,))
-                            if isinstance(t, Tensor))
-        else:
-            outputs = self.activations(output)
-        self.fwd_cache[mb] = (outputs, leaves)
+        self.fwd_cache[mb] = ((() if self.is_last else self.activations(output)), leaves)
         return output
 
     def activations(self, output: Any) -> tuple[Tensor, ...]:
