@@ -185,18 +185,26 @@ def test_a_kernel_is_built_once_per_distinct_call(monkeypatch: pytest.MonkeyPatc
 
 
 def test_numbers_by_type_share_one_decision() -> None:
-    """The foreach ops are keyed by the type of their Python numbers (an optimizer's step-dependent scalars);
-    other ops by value. Each call still computes with its own numbers."""
+    """The foreach ops and the pointwise ops are keyed by the type of their Python numbers (an optimizer's
+    step-dependent scalars); masked_fill (whose rule asks whether the value is 0) and other ops by value. Each
+    call still computes with its own numbers."""
     full = _randn(4, 2)
+    mask = torch.tensor([True, False])
 
     def body(mesh: DeviceMesh) -> None:
         xs = [make_dtensor(full, mesh, (Shard(0),))]
         for scalar in (0.5, 0.25, 2.0):
             torch.testing.assert_close(torch._foreach_mul(xs, scalar)[0].full_tensor(), full * scalar)
-        assert sum(1 for k in mesh.dispatch_cache if k[0] is aten._foreach_mul.Scalar._op) == 1
-        for scalar in (0.5, 0.25):
             torch.testing.assert_close((xs[0] * scalar).full_tensor(), full * scalar)
-        assert sum(1 for k in mesh.dispatch_cache if k[0] is aten.mul.Tensor._op) == 2
+            torch.testing.assert_close(xs[0].addcdiv(xs[0], xs[0], value=-scalar).full_tensor(), full - scalar)
+        assert sum(1 for k in mesh.dispatch_cache if k[0] is aten._foreach_mul.Scalar._op) == 1
+        assert sum(1 for k in mesh.dispatch_cache if k[0] is aten.mul.Tensor._op) == 1
+        assert sum(1 for k in mesh.dispatch_cache if k[0] is aten.addcdiv.default._op) == 1
+        replicated = make_dtensor(mask, mesh, (Replicate(),))
+        for value in (0.0, 1.5, 2.5):
+            torch.testing.assert_close(xs[0].masked_fill(replicated, value).full_tensor(),
+                                       full.masked_fill(mask, value))
+        assert sum(1 for k in mesh.dispatch_cache if k[0] is aten.masked_fill.Scalar._op) == 3
     _on_two(body)
 
 

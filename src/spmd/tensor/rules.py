@@ -53,7 +53,8 @@ Four ways to register, from simplest to most general. Import from `spmd.tensor.r
    `redistribute_cost`, `replicated(mesh)`, and on a spec: `local_shape()`, `shard_mesh_dims(dim)`.
 
 3. `register_family(predicate, rule)`: one rule for every op matching `predicate(op)` that has no rule of its
-   own (ops/pointwise.py uses it for every op tagged torch.Tag.pointwise).
+   own (ops/pointwise.py uses it for every op tagged torch.Tag.pointwise); `numbers_matter=` a predicate on
+   the op, for the option of that name below.
 
 4. `@register_handler(*ops)` with `fn(op, args, kwargs) -> result`: full control, no caching; `args` hold
    the DTensors themselves. For ops that aren't a placement decision (random ops, `.item()`), or that are
@@ -201,11 +202,11 @@ class OpOptions:
 
 RULES: dict[OpOverload, Rule] = {}
 OPTIONS: dict[OpOverload, OpOptions] = {}   # only ops registered with options; the rest run with OpOptions()
-NUMBERS_BY_TYPE: set[Any] = set()   # op._op of the ops registered with numbers_matter=False: read per call,
-                                    # and op._op hashes in C (an OpOverload's hash is a Python call)
+NUMBERS_BY_VALUE: dict[Any, bool] = {}   # op._op -> numbers_by_value(op), filled on first sight: read per call,
+                                         # and op._op hashes in C (an OpOverload's hash is a Python call)
 HANDLERS: dict[OpOverload, Handler] = {}
-_FAMILIES: list[tuple[Callable[[OpOverload], bool], Rule]] = []
-_FAMILY_RULES: dict[OpOverload, Rule | None] = {}
+_FAMILIES: list[tuple[Callable[[OpOverload], bool], Rule, Callable[[OpOverload], bool]]] = []
+_FAMILY_RULES: dict[OpOverload, tuple[Rule, bool] | None] = {}   # op -> (its family's rule, numbers matter)
 
 
 def _check_new(op: object) -> None:
@@ -222,8 +223,7 @@ def _register(ops: Sequence[OpOverload], rule: Rule, options: OpOptions) -> None
         RULES[op] = rule
         if options != _DEFAULT_OPTIONS:
             OPTIONS[op] = options
-        if not options.numbers_matter:
-            NUMBERS_BY_TYPE.add(op._op)
+    NUMBERS_BY_VALUE.clear()
 
 
 def register_rule(*ops: OpOverload, kernel: KernelFactory | None = None, numbers_matter: bool = True,
@@ -291,11 +291,14 @@ def overriding_handlers(handlers: dict[OpOverload, Handler]) -> Iterator[None]:
                     del HANDLERS[op]
 
 
-def register_family(predicate: Callable[[OpOverload], bool], rule: Rule) -> None:
+def register_family(predicate: Callable[[OpOverload], bool], rule: Rule, *,
+                    numbers_matter: Callable[[OpOverload], bool] = lambda op: True) -> None:
     """Use `rule` for every op without its own rule or handler for which `predicate(op)` is true (e.g. every op
-    tagged torch.Tag.pointwise). Families are tried in registration order; explicit registrations win."""
-    _FAMILIES.append((predicate, rule))
+    tagged torch.Tag.pointwise). Families are tried in registration order; explicit registrations win.
+    `numbers_matter(op)`: register_rule's numbers_matter for each op of the family."""
+    _FAMILIES.append((predicate, rule, numbers_matter))
     _FAMILY_RULES.clear()
+    NUMBERS_BY_VALUE.clear()
 
 
 def op_options(op: OpOverload) -> OpOptions:
@@ -311,9 +314,29 @@ def lookup_rule(op: OpOverload) -> Rule | None:
     rule = RULES.get(op)
     if rule is not None:
         return rule
+    family = _family(op)
+    return None if family is None else family[0]
+
+
+def _family(op: OpOverload) -> tuple[Rule, bool] | None:
     if op not in _FAMILY_RULES:
-        _FAMILY_RULES[op] = next((rule for predicate, rule in _FAMILIES if predicate(op)), None)
+        _FAMILY_RULES[op] = next(((rule, numbers_matter(op)) for predicate, rule, numbers_matter in _FAMILIES
+                                  if predicate(op)), None)
     return _FAMILY_RULES[op]
+
+
+def numbers_by_value(op: OpOverload) -> bool:
+    """Whether the dispatch cache keys `op`'s Python-number arguments by value (its rule's numbers_matter), not
+    by type alone. An op without a rule (the fallback) is keyed by value."""
+    found = NUMBERS_BY_VALUE.get(op._op)
+    if found is None:
+        if op in RULES:
+            found = op_options(op).numbers_matter
+        else:
+            family = _family(op)
+            found = family is None or family[1]
+        NUMBERS_BY_VALUE[op._op] = found
+    return found
 
 
 # -- cost model ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from torch import Tensor
 from torch._ops import OpOverload
 
 from spmd.tensor.dispatch.signature import INT_LIST_ARGS, int_list_args
-from spmd.tensor.rules import NUMBERS_BY_TYPE
+from spmd.tensor.rules import numbers_by_value
 from spmd.tensor.spec import DTensorSpec
 
 _NUMBERS = (bool, int, float)
@@ -35,7 +35,7 @@ def call_key(op: OpOverload, args: tuple, kwargs: dict, dtensor_type: type) -> t
             key.append(value._spec)
         elif kind in _NUMBERS:
             if by_value is None:
-                by_value = op._op not in NUMBERS_BY_TYPE
+                by_value = numbers_by_value(op)
             key.append((kind, value) if by_value else kind)
         elif kind is list or kind is tuple:
             if int_lists is None:
@@ -46,15 +46,15 @@ def call_key(op: OpOverload, args: tuple, kwargs: dict, dtensor_type: type) -> t
                 key.append((list, *value))
             else:
                 if by_value is None:
-                    by_value = op._op not in NUMBERS_BY_TYPE
+                    by_value = numbers_by_value(op)
                 key.append(_list_key(value, dtensor_type, dtensors, plain, by_value))
         elif value is None or kind is _DTYPE:
             key.append(value)
         else:
-            key.append(key_of(value, dtensor_type, dtensors, plain, op._op not in NUMBERS_BY_TYPE))
+            key.append(key_of(value, dtensor_type, dtensors, plain, numbers_by_value(op)))
     if kwargs:
         if by_value is None:
-            by_value = op._op not in NUMBERS_BY_TYPE
+            by_value = numbers_by_value(op)
         for name, value in kwargs.items():
             key.append(name)
             kind = type(value)

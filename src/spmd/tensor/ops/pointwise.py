@@ -161,5 +161,7 @@ def _is_pointwise(op: OpOverload) -> bool:
     return isinstance(functional, OpOverload) and torch.Tag.pointwise in functional.tags
 
 
-register_family(_is_pointwise, pointwise_rule)
+# The rule reads a Python number's value only for masked_fill (is it 0?); elsewhere only its type (promotion),
+# so the optimizers' step-dependent scalars (Adam's step size, bias corrections) share one decision.
+register_family(_is_pointwise, pointwise_rule, numbers_matter=lambda op: op in _MASKED_FILL)
 register_rule(aten.copy_.default, aten._to_copy.default)(pointwise_rule)
