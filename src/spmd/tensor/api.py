@@ -107,25 +107,17 @@ class DTensor(torch.Tensor):
         also broadcasts Replicate dims from the first rank of each mesh dim (collective).
         Differentiable (see Note: DTensor autograd).
         """
-        placements = placements if placements is not None else [Replicate()] * device_mesh.ndim
-        placements = normalize_placements(placements, local_tensor.ndim, device_mesh.ndim, "DTensor.from_local")
-        if shape is None:
-            global_shape = list(local_tensor.shape)
-            for mesh_dim, placement in enumerate(placements):
-                if isinstance(placement, Shard):
-                    global_shape[placement.dim] *= device_mesh.size(mesh_dim)
-            shape = global_shape
-        spec = DTensorSpec(device_mesh, placements, torch.Size(shape),
-                           tuple(stride) if stride is not None else contiguous_stride(shape), local_tensor.dtype)
-        if spec.ndim != local_tensor.ndim or (
-                device_mesh.get_coordinate() is not None and spec.local_shape() != local_tensor.shape):
-            raise ValueError(f"DTensor.from_local on rank {device_mesh.get_rank()}: the local tensor has shape "
-                             f"{tuple(local_tensor.shape)}, but global shape {tuple(spec.shape)} with placements "
-                             f"{list(placements)} gives this rank {tuple(spec.local_shape())}")
+        if placements is None:
+            placements = (Replicate(),) * device_mesh.ndim
+        elif isinstance(placements, list):
+            placements = tuple(placements)
+        spec = _from_local_spec(local_tensor, device_mesh, placements, shape, stride)
         if run_check:
             local_tensor = _broadcast_replicated(local_tensor, spec)
         grad = None if grad_placements is None else normalize_placements(
             grad_placements, local_tensor.ndim, device_mesh.ndim, "DTensor.from_local grad_placements")
+        if not (local_tensor.requires_grad and torch.is_grad_enabled()):     # what _FromLocal would return
+            return DTensor(local_tensor.detach(), spec)
         return _FromLocal.apply(local_tensor, spec, grad)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> Tensor:
@@ -143,15 +135,17 @@ class DTensor(torch.Tensor):
         Collective over the mesh. `async_op` is accepted for torch compatibility; the result is always ready.
         Differentiable (see Note: DTensor autograd).
         """
-        mesh = device_mesh if device_mesh is not None else self._spec.mesh
-        if mesh != self._spec.mesh:
-            raise ValueError(f"DTensor.redistribute on rank {mesh.get_rank()}: moving from {self._spec.mesh} to "
-                             f"another mesh {mesh} is not supported; redistribute within one mesh")
+        source = self._spec
+        if device_mesh is not None and device_mesh != source.mesh:
+            raise ValueError(f"DTensor.redistribute on rank {device_mesh.get_rank()}: moving from {source.mesh} to "
+                             f"another mesh {device_mesh} is not supported; redistribute within one mesh")
         if placements is None:
             raise ValueError("DTensor.redistribute: pass the target placements (one per mesh dim)")
-        target = normalize_placements(placements, self.ndim, mesh.ndim, "DTensor.redistribute")
-        if target == self._spec.placements:
+        target = normalize_placements(placements, self.ndim, source.mesh.ndim, "DTensor.redistribute")
+        if target == source.placements:
             return self
+        if not (self.requires_grad and torch.is_grad_enabled()):             # what _Redistribute would return
+            return DTensor(_redistributed(self, target), source.with_placements(target))
         return _Redistribute.apply(self, target)
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> Tensor:
@@ -165,6 +159,44 @@ class DTensor(torch.Tensor):
 # for the whole parameter list instead of one per parameter.
 if DTensor not in torch.utils._foreach_utils._foreach_supported_types:
     torch.utils._foreach_utils._foreach_supported_types.append(DTensor)
+
+
+def _from_local_spec(local: Tensor, mesh: DeviceMesh, placements: Placements, shape: Sequence[int] | None,
+                     stride: Sequence[int] | None) -> DTensorSpec:
+    """from_local's spec, checked against the local tensor. Without `shape` and `stride` (the global shape from
+    even shards, contiguous strides) it depends only on the placements and the local shape and dtype, and is
+    kept in the mesh's dispatch cache: a step's from_local of the same layout yields the same spec object."""
+    key = None
+    if shape is None and stride is None:
+        key = (_FromLocal, placements, local.shape, local.dtype)
+        try:
+            spec = mesh.dispatch_cache.get(key)
+        except TypeError:          # an unhashable placement: normalize_placements names it
+            key = spec = None
+        if spec is not None:
+            return spec
+    placements = normalize_placements(placements, local.ndim, mesh.ndim, "DTensor.from_local")
+    if shape is None:
+        global_shape = list(local.shape)
+        for mesh_dim, placement in enumerate(placements):
+            if isinstance(placement, Shard):
+                global_shape[placement.dim] *= mesh.size(mesh_dim)
+        shape = global_shape
+    spec = DTensorSpec(mesh, placements, torch.Size(shape), tuple(stride) if stride is not None else
+                       contiguous_stride(shape), local.dtype)
+    if spec.ndim != local.ndim or (mesh.get_coordinate() is not None and spec.local_shape() != local.shape):
+        raise ValueError(f"DTensor.from_local on rank {mesh.get_rank()}: the local tensor has shape "
+                         f"{tuple(local.shape)}, but global shape {tuple(spec.shape)} with placements "
+                         f"{list(placements)} gives this rank {tuple(spec.local_shape())}")
+    if key is not None:
+        mesh.dispatch_cache[key] = spec
+    return spec
+
+
+def _redistributed(dtensor: DTensor, target: Placements) -> Tensor:
+    """The local tensor of `dtensor` laid out as `target`, never `dtensor`'s own local tensor object."""
+    local = run_plan(dtensor._local_tensor, dtensor._spec, target)
+    return local.view_as(local) if local is dtensor._local_tensor else local
 
 
 def _with_partial_as_replicate(placements: Placements) -> Placements:
@@ -210,7 +242,8 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[DTensor, None]:
         spec: DTensorSpec = ctx.spec
         placements = ctx.grad_placements or _with_partial_as_replicate(spec.placements)
-        grad_spec = DTensorSpec(spec.mesh, placements, spec.shape, spec.stride, grad.dtype)
+        grad_spec = spec.with_placements(placements) if grad.dtype == spec.dtype else DTensorSpec(
+            spec.mesh, placements, spec.shape, spec.stride, grad.dtype)
         return DTensor(grad, grad_spec), None
 
 
@@ -222,10 +255,7 @@ class _Redistribute(torch.autograd.Function):
     def forward(ctx, dtensor: DTensor, target: Placements) -> DTensor:
         source = dtensor._spec
         ctx.source_placements = source.placements
-        local = run_plan(dtensor._local_tensor, source, target)
-        if local is dtensor._local_tensor:
-            local = local.view_as(local)
-        return DTensor(local, source.with_placements(target))
+        return DTensor(_redistributed(dtensor, target), source.with_placements(target))
 
     @staticmethod
     def backward(ctx, grad: DTensor) -> tuple[DTensor, None]:

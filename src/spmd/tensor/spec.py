@@ -33,7 +33,7 @@ class DTensorSpec:
     caches. Placements must already be normalized (non-negative shard dims); see placement.normalize_placements.
     """
 
-    __slots__ = ("_hash", "_local_shape", "dtype", "mesh", "placements", "shape", "stride")
+    __slots__ = ("_hash", "_local_shape", "_relaid", "dtype", "mesh", "placements", "shape", "stride")
 
     def __init__(self, mesh: DeviceMesh, placements: Placements, shape: torch.Size | tuple[int, ...],
                  stride: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -44,6 +44,7 @@ class DTensorSpec:
         self.dtype = dtype
         self._hash = hash((mesh, self.placements, self.shape, self.stride, dtype))
         self._local_shape: torch.Size | None = None
+        self._relaid: dict[Placements, DTensorSpec] | None = None     # with_placements' results
 
     def __hash__(self) -> int:
         return self._hash
@@ -66,8 +67,16 @@ class DTensorSpec:
         return len(self.shape)
 
     def with_placements(self, placements: Placements) -> DTensorSpec:
-        """The same tensor laid out with other placements."""
-        return DTensorSpec(self.mesh, placements, self.shape, self.stride, self.dtype)
+        """The same tensor laid out with other placements. Memoized (specs are immutable): a conversion repeated
+        every step (redistribute, a gradient's layout) yields the same spec object, whose dispatch-cache key
+        then compares by identity."""
+        relaid = self._relaid
+        if relaid is None:
+            relaid = self._relaid = {}
+        spec = relaid.get(placements)
+        if spec is None:
+            spec = relaid[placements] = DTensorSpec(self.mesh, placements, self.shape, self.stride, self.dtype)
+        return spec
 
     def is_replicated(self) -> bool:
         return all(isinstance(p, Replicate) for p in self.placements)
