@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from spmd.device_mesh import init_device_mesh
 from spmd.fsdp import fully_shard
 from spmd.tensor import DTensor, Replicate, Shard, record_fallbacks
-from spmd.tensor.parallel import loss_parallel
+from spmd.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
 from spmd.testing import run_ranks
 from tests.tensor.parallel.plans import CONTEXT, VOCAB, Layout, build, parallelize
 
@@ -149,3 +149,59 @@ def test_fsdp_over_tensor_parallel_on_a_2x2_mesh_matches_one_process(kind: str, 
     for _, params in results:
         for name, value in params.items():
             torch.testing.assert_close(value, ref_params[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_modules_reading_one_tensor_reduce_its_gradient_once() -> None:
+    """q, k and v (and Llama's w1 and w3) read the same plain tensor: its three Partial gradients are added before
+    one all-reduce (see Note: one DTensor per shared input). The GPT's TP step: per block one all-reduce after
+    attention and one after the MLP in forward, one for the attention input's and one for the MLP input's gradient
+    in backward (not three and one); the loss as one process."""
+    ref_losses, _ = reference("gpt")
+
+    def body(rank: int, size: int) -> tuple[list[str], float]:
+        mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))
+        model = parallelize("gpt", fresh("gpt"), mesh["tp"], Layout.TP)
+        group = mesh["tp"].get_group(0)
+        ops: list[str] = []
+        run = group.run
+
+        def counting_run(fingerprint, *rest, **options):
+            ops.append(fingerprint.op)
+            return run(fingerprint, *rest, **options)
+
+        group.run = counting_run
+        loss = step_loss(model, *batch(0), use_loss_parallel=False)
+        del group.run
+        return ops, loss.item()
+
+    layers = len(fresh("gpt").blocks)
+    for ops, loss in run_ranks(body, 2, timeout=TIMEOUT):
+        forward = ["all_reduce"] * (1 + 2 * layers) + ["all_gather"]   # the embedding, the blocks, the head
+        backward = ["all_reduce"] * (1 + 2 * layers)                       # the head's input, the blocks
+        assert ops == forward + backward
+        assert loss == pytest.approx(ref_losses[0], rel=RTOL)
+
+
+def test_a_shared_input_is_converted_again_when_it_changed() -> None:
+    """The shared conversion is only reused for the same tensor in the same state: after an in-place write, or
+    with requires_grad switched on, the next module converts it again (its gradient still arrives)."""
+    def body(rank: int, size: int) -> None:
+        mesh = init_device_mesh("cpu", (size,))
+        with _BUILD_LOCK, torch.random.fork_rng():
+            torch.manual_seed(0)
+            a, b = nn.Linear(4, 6), nn.Linear(4, 6)
+            x = torch.randn(3, 4)
+        ref_b = copy.deepcopy(b)
+        for module in (a, b):
+            parallelize_module(module, mesh, ColwiseParallel(output_layouts=Replicate()))
+        a(x)
+        x.requires_grad_()
+        b(x).sum().backward()
+        ref_x = x.detach().clone().requires_grad_()
+        ref_b(ref_x).sum().backward()
+        torch.testing.assert_close(x.grad, ref_x.grad, rtol=RTOL, atol=ATOL)
+        with torch.no_grad():
+            x.mul_(2)
+        torch.testing.assert_close(b(x), ref_b(ref_x * 2), rtol=RTOL, atol=ATOL)
+
+    run_ranks(body, 2, timeout=TIMEOUT)

@@ -24,8 +24,8 @@ three DTensors, x would get three Partial gradients, each all-reduced in backwar
 does that: three all-reduces where Megatron has one). So a plain input becomes ONE DTensor, reused by every
 module it enters while that DTensor is alive (autograd keeps it for backward): the three gradients add up as
 Partials on it and its single from_local backward all-reduces their sum. The reuse is keyed on the tensor's
-identity and version (an in-place change makes a new one), the grad mode, the mesh and the layout, per rank
-thread; entries hold only weak references.
+identity, version (an in-place change makes a new one) and requires_grad, the grad mode, the mesh and the
+layout, per rank thread; entries hold only weak references.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class _SharedInputs(threading.local):
     one DTensor per shared input)."""
 
     def __init__(self) -> None:
-        self.entries: dict[int, tuple[weakref.ref, int, bool, DeviceMesh, Placement, weakref.ref]] = {}
+        self.entries: dict[int, tuple[weakref.ref, tuple, DeviceMesh, Placement, weakref.ref]] = {}
 
 
 _shared_inputs = _SharedInputs()
@@ -82,19 +82,19 @@ def _as_dtensor(value: Any, mesh: DeviceMesh, layout: Placement, what: str) -> D
     if not isinstance(value, Tensor):
         raise TypeError(f"{what}: expected a tensor, got {type(value).__name__}")
     entries = _shared_inputs.entries
-    grad_enabled = torch.is_grad_enabled()
+    state = (value._version, value.requires_grad, torch.is_grad_enabled())
     entry = entries.get(id(value))
     if entry is not None:
-        source, version, grad, entry_mesh, entry_layout, made = entry
+        source, entry_state, entry_mesh, entry_layout, made = entry
         dt = made()
-        if (source() is value and version == value._version and grad == grad_enabled and entry_mesh == mesh
-                and entry_layout == layout and dt is not None):
+        if (source() is value and entry_state == state and entry_mesh == mesh and entry_layout == layout
+                and dt is not None):
             return dt
     dt = DTensor.from_local(value, mesh, (layout,), run_check=False)
     if len(entries) > 64:
-        for key in [key for key, item in entries.items() if item[0]() is None or item[5]() is None]:
+        for key in [key for key, item in entries.items() if item[0]() is None or item[4]() is None]:
             del entries[key]
-    entries[id(value)] = (weakref.ref(value), value._version, grad_enabled, mesh, layout, weakref.ref(dt))
+    entries[id(value)] = (weakref.ref(value), state, mesh, layout, weakref.ref(dt))
     return dt
 
 
