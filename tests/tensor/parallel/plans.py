@@ -1,12 +1,15 @@
 """Tensor-parallel plans and models for the tests: the example GPT (examples/gpt.py) and the Llama-style model
 (examples/llama.py), each with plain TP, TP + sequence parallel, and the loss-parallel variant of each.
 
-The Llama plans are torch's tensor-parallel tutorial's, verbatim but for the import prefix.
+The Llama plans are torch's tensor-parallel tutorial's, verbatim but for the import prefix. Each plan is written
+against `api`, the classes of the same names from spmd (SPMD, the default) or from torch (the oracle test builds
+the identical plan with torch's classes).
 """
 
 from __future__ import annotations
 
 import enum
+import types
 
 from examples.gpt import GPT, GPTConfig
 from examples.llama import ModelArgs, Transformer
@@ -24,6 +27,10 @@ from spmd.tensor.parallel import (
 )
 
 VOCAB, CONTEXT = 64, 16
+SPMD = types.SimpleNamespace(ColwiseParallel=ColwiseParallel, RowwiseParallel=RowwiseParallel,
+                             SequenceParallel=SequenceParallel, PrepareModuleInput=PrepareModuleInput,
+                             PrepareModuleOutput=PrepareModuleOutput, parallelize_module=parallelize_module,
+                             Replicate=Replicate, Shard=Shard)
 
 
 class Layout(enum.Enum):
@@ -50,66 +57,71 @@ def build(kind: str) -> nn.Module:
     raise ValueError(kind)
 
 
-def head_style(layout: Layout) -> ColwiseParallel:
+def head_style(layout: Layout, api: types.SimpleNamespace = SPMD) -> ColwiseParallel:
     """The output head: vocab-sharded logits left as a DTensor for loss_parallel, else gathered."""
-    source = Shard(1) if layout.sequence_parallel else Replicate()
+    source = api.Shard(1) if layout.sequence_parallel else api.Replicate()
     if layout.loss_parallel:
-        return ColwiseParallel(input_layouts=source, use_local_output=False)
-    return ColwiseParallel(input_layouts=source, output_layouts=Replicate())
+        return api.ColwiseParallel(input_layouts=source, use_local_output=False)
+    return api.ColwiseParallel(input_layouts=source, output_layouts=api.Replicate())
 
 
-def parallelize_gpt(model: GPT, mesh: DeviceMesh, layout: Layout) -> GPT:
+def parallelize_gpt(model: GPT, mesh: DeviceMesh, layout: Layout, api: types.SimpleNamespace = SPMD) -> GPT:
     sp = layout.sequence_parallel
-    residual = Shard(1) if sp else Replicate()
+    residual = api.Shard(1) if sp else api.Replicate()
     block_plan = {
-        "attn": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()) if sp else None,
-        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-        "attn.proj": RowwiseParallel(output_layouts=residual),
-        "up": ColwiseParallel(input_layouts=residual),
-        "down": RowwiseParallel(output_layouts=residual),
-        "ln1": SequenceParallel() if sp else None, "ln2": SequenceParallel() if sp else None,
+        "attn": api.PrepareModuleInput(input_layouts=api.Shard(1), desired_input_layouts=api.Replicate())
+        if sp else None,
+        "attn.q": api.ColwiseParallel(), "attn.k": api.ColwiseParallel(), "attn.v": api.ColwiseParallel(),
+        "attn.proj": api.RowwiseParallel(output_layouts=residual),
+        "up": api.ColwiseParallel(input_layouts=residual),
+        "down": api.RowwiseParallel(output_layouts=residual),
+        "ln1": api.SequenceParallel() if sp else None, "ln2": api.SequenceParallel() if sp else None,
     }
     for block in model.blocks:
-        parallelize_module(block, mesh, {path: style for path, style in block_plan.items() if style is not None})
-    top = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual), "head": head_style(layout)}
+        api.parallelize_module(block, mesh, {path: style for path, style in block_plan.items() if style is not None})
+    top = {"embed": api.RowwiseParallel(input_layouts=api.Replicate(), output_layouts=residual),
+           "head": head_style(layout, api)}
     if sp:   # positions (S, H) -> this rank's sequence slice, added to the sequence-sharded token embeddings
-        top["position"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
-        top["ln"] = SequenceParallel()
-    return parallelize_module(model, mesh, top)
+        top["position"] = api.PrepareModuleOutput(output_layouts=api.Replicate(), desired_output_layouts=api.Shard(0))
+        top["ln"] = api.SequenceParallel()
+    return api.parallelize_module(model, mesh, top)
 
 
-def parallelize_llama(model: Transformer, mesh: DeviceMesh, layout: Layout) -> Transformer:
+def parallelize_llama(model: Transformer, mesh: DeviceMesh, layout: Layout,
+                      api: types.SimpleNamespace = SPMD) -> Transformer:
     """torch's tutorial plan (with SequenceParallel on the norms for the sequence-parallel layouts)."""
     sp = layout.sequence_parallel
-    residual = Shard(1) if sp else Replicate()
+    residual = api.Shard(1) if sp else api.Replicate()
     for block in model.layers:
         layer_plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=residual),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
-            "feed_forward.w3": ColwiseParallel(),
+            "attention.wq": api.ColwiseParallel(),
+            "attention.wk": api.ColwiseParallel(),
+            "attention.wv": api.ColwiseParallel(),
+            "attention.wo": api.RowwiseParallel(output_layouts=residual),
+            "feed_forward.w1": api.ColwiseParallel(),
+            "feed_forward.w2": api.RowwiseParallel(output_layouts=residual),
+            "feed_forward.w3": api.ColwiseParallel(),
         }
         if sp:
             layer_plan.update({
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                                desired_input_layouts=(Replicate(), None)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "attention_norm": api.SequenceParallel(),
+                "attention": api.PrepareModuleInput(input_layouts=(api.Shard(1), None),
+                                                    desired_input_layouts=(api.Replicate(), None)),
+                "ffn_norm": api.SequenceParallel(),
+                "feed_forward": api.PrepareModuleInput(input_layouts=(api.Shard(1),),
+                                                       desired_input_layouts=(api.Replicate(),)),
             })
         attention = block.attention
         attention.n_heads //= mesh.size()
         attention.n_kv_heads //= mesh.size()
-        parallelize_module(block, mesh, layer_plan)
-    top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
-           "output": head_style(layout)}
+        api.parallelize_module(block, mesh, layer_plan)
+    top = {"tok_embeddings": api.RowwiseParallel(input_layouts=api.Replicate(), output_layouts=residual),
+           "output": head_style(layout, api)}
     if sp:
-        top["norm"] = SequenceParallel()
-    return parallelize_module(model, mesh, top)
+        top["norm"] = api.SequenceParallel()
+    return api.parallelize_module(model, mesh, top)
 
 
-def parallelize(kind: str, model: nn.Module, mesh: DeviceMesh, layout: Layout) -> nn.Module:
-    return (parallelize_gpt if kind == "gpt" else parallelize_llama)(model, mesh, layout)
+def parallelize(kind: str, model: nn.Module, mesh: DeviceMesh, layout: Layout,
+                api: types.SimpleNamespace = SPMD) -> nn.Module:
+    return (parallelize_gpt if kind == "gpt" else parallelize_llama)(model, mesh, layout, api)
