@@ -1,6 +1,7 @@
 """Tensor-parallel throughput: spmd.tensor.parallel vs torch's own tensor parallel on gloo, same model, same run.
 
     python benchmarks/tp.py [--steps 10] [--repeats 2] [--layers 4 --width 256 --heads 4] [--profile]
+    python benchmarks/tp.py --overhead [--steps 30]
     python benchmarks/tp.py --layers 2 --width 128 --steps 2 --repeats 1   # smoke check
 
 The GPT of examples/gpt.py (default: 4 layers, width 256, 4 heads, context 128, vocabulary 4096: 5.3 M
@@ -24,6 +25,10 @@ batch. spmd on its default transport ("auto": shared memory on one host), torch 
     (Python dispatch, hooks, autograd functions, and the ranks' waits for each other).
   - with --profile: cProfile of spmd's steps on rank 0 (after the timed steps): own time per module, then the
     top functions.
+  - with --overhead, instead: DTensor's own cost, free of communication and of the other rank: one process, the
+    plan on a 1-rank mesh, shapes so small that compute is next to nothing (width 32, vocabulary 64, context 16,
+    batch 2), spmd, torch and the plain model interleaved; thread CPU time of forward, backward and optimizer
+    step, and each DTensor step minus the plain one.
 `--impls` picks the implementations.
 """
 
@@ -52,6 +57,7 @@ from _common import free_port, machine_line
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 VOCAB, CONTEXT, BATCH = 4096, 128, 8
+TINY = {"vocab": 64, "context": 16, "batch": 2, "width": 32}     # --overhead: compute next to nothing
 LABELS = {"spmd": "spmd TP (shm)", "torch": "torch TP (gloo)", "local": "local compute only",
           "single": "one process, 1 thread"}
 
@@ -61,7 +67,8 @@ def _gpt(args: argparse.Namespace) -> nn.Module:
     from gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab=VOCAB, context=CONTEXT, layers=args.layers, width=args.width, heads=args.heads))
+    return GPT(GPTConfig(vocab=args.vocab, context=args.context, layers=args.layers, width=args.width,
+                         heads=args.heads))
 
 
 def _plan(colwise: type, rowwise: type) -> dict[str, Any]:
@@ -83,7 +90,7 @@ def _cut_to_one_shard(model: nn.Module, world_size: int) -> None:
 
 def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
 class _Impl:
@@ -122,15 +129,21 @@ class _Impl:
         self.barrier: Callable[[], None] = self.comm.barrier if self.group is not None else lambda: None
         self.opt = torch.optim.AdamW(_param_groups(self.model), lr=1e-4)
         generator = torch.Generator().manual_seed(0)      # the same global batch on every rank
-        self.tokens = torch.randint(0, VOCAB, (BATCH, CONTEXT + 1), generator=generator)
+        self.tokens = torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=generator)
+        self.phases: list[tuple[float, float, float]] = []     # per step: forward, backward, optimizer CPU seconds
 
     def step(self) -> tuple[float, float]:
         """One training step started in step with the other rank: (wall seconds, CPU seconds of this process)."""
         self.barrier()
-        start, cpu = time.perf_counter(), time.process_time()
-        _loss(self.model, self.tokens).backward()
+        start, cpu, phase = time.perf_counter(), time.process_time(), time.thread_time()
+        loss = _loss(self.model, self.tokens)
+        forward = time.thread_time()
+        loss.backward()
+        backward = time.thread_time()
         self.opt.step()
         self.opt.zero_grad()
+        end = time.thread_time()
+        self.phases.append((forward - phase, backward - forward, end - backward))
         return time.perf_counter() - start, time.process_time() - cpu
 
     def collectives(self) -> dict[str, int]:
@@ -159,7 +172,7 @@ class _Impl:
     def communication_seconds(self, all_reduces: int, reps: int = 5) -> float:
         """`all_reduces` all-reduces of one activation (batch x context x width) back to back on this group:
         what the step's collectives move (TP's all-reduces are all of that size)."""
-        buffer = torch.zeros(BATCH, CONTEXT, self.model.config.width)
+        buffer = torch.zeros(self.tokens.shape[0], self.tokens.shape[1] - 1, self.model.config.width)
         best = float("inf")
         for _ in range(reps):
             self.barrier()
@@ -232,6 +245,7 @@ def _worker(names: list[str], rank: int, world_size: int, args: argparse.Namespa
         for impl in impls:
             impl.step()                        # warm up: the decision caches, the optimizer state
             impl.step()
+            impl.phases.clear()
         for i in range(args.steps):
             for impl in impls if i % 2 == 0 else impls[::-1]:
                 wall, seconds = impl.step()
@@ -249,8 +263,9 @@ def _worker(names: list[str], rank: int, world_size: int, args: argparse.Namespa
                     for _ in range(args.steps):
                         impl.step()
         params = sum(p.numel() for p in _gpt(args).parameters())
-        torch.save({"steps": steps, "cpu": cpu, "counts": counts, "comm": comm, "params": params, "profile": profile},
-                   f"{out_file}.{rank}")
+        phases = {impl.name: impl.phases[:args.steps] for impl in impls}
+        torch.save({"steps": steps, "cpu": cpu, "phases": phases, "counts": counts, "comm": comm, "params": params,
+                    "profile": profile}, f"{out_file}.{rank}")
     finally:
         for impl in impls:
             impl.close()
@@ -284,10 +299,10 @@ def _slowest(per_rank: list[dict[str, Any]], name: str) -> list[float]:
 def _report(args: argparse.Namespace, distributed: list[str], launches: list[list[dict[str, Any]]],
             single: dict[str, Any] | None) -> None:
     params = (launches[0][0] if launches else single)["params"]
-    tokens = BATCH * CONTEXT
-    print(f"GPT {args.layers}x{args.width}, {args.heads} heads, context {CONTEXT}, vocab {VOCAB}: {params / 1e6:.1f} M "
-          f"parameters; AdamW; the same batch {BATCH} x {CONTEXT} on both ranks; 2 ranks x 1 thread; {args.steps} "
-          f"timed steps x {args.repeats} launches; medians; {machine_line()}")
+    tokens = args.batch * args.context
+    print(f"GPT {args.layers}x{args.width}, {args.heads} heads, context {args.context}, vocab {args.vocab}: "
+          f"{params / 1e6:.1f} M parameters; AdamW; the same batch {args.batch} x {args.context} on both ranks; "
+          f"2 ranks x 1 thread; {args.steps} timed steps x {args.repeats} launches; medians; {machine_line()}")
     step_s = {name: statistics.median(t for run in launches for t in _slowest(run, name)) for name in distributed}
     cpu_s = {name: statistics.median(t for run in launches for r in run for t in r["cpu"][name])
              for name in distributed}
@@ -319,6 +334,25 @@ def _report(args: argparse.Namespace, distributed: list[str], launches: list[lis
         print(line)
 
 
+def _overhead(args: argparse.Namespace) -> None:
+    """--overhead: one rank process, a 1-rank mesh (no communication), tiny shapes: each implementation's CPU time
+    per phase beside the plain model's; the difference is DTensor's own cost (dispatch, hooks, conversions)."""
+    for name, value in TINY.items():
+        setattr(args, name, value)
+    result = _launch(["spmd", "torch", "single"], 1, args)[0]
+    print(f"DTensor overhead of a TP step: GPT {args.layers}x{args.width}, {args.heads} heads, context {args.context}, "
+          f"vocab {args.vocab}, batch {args.batch} (compute next to nothing), the plan on a 1-rank mesh, one process, "
+          f"1 thread; thread CPU ms per step, medians of {args.steps}; {machine_line()}")
+    phases = {name: [statistics.median(step[k] for step in steps) for k in range(3)]
+              for name, steps in result["phases"].items()}
+    plain = phases["single"]
+    print(f"\n{'':18}{'forward':>10}{'backward':>10}{'optimizer':>11}{'step':>9}{'overhead':>10}")
+    for name, label in (("single", "plain model"), ("spmd", "spmd DTensor"), ("torch", "torch DTensor")):
+        row = phases[name]
+        print(f"{label:18}{row[0] * 1e3:>10.2f}{row[1] * 1e3:>10.2f}{row[2] * 1e3:>11.2f}{sum(row) * 1e3:>9.2f}"
+              f"{(sum(row) - sum(plain)) * 1e3:>10.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per implementation per launch")
@@ -328,10 +362,18 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--impls", nargs="+", choices=("spmd", "torch", "local", "single"),
                         default=["spmd", "torch", "local", "single"])
+    parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--context", type=int, default=CONTEXT)
+    parser.add_argument("--batch", type=int, default=BATCH, help="sequences per step (the same on both ranks)")
+    parser.add_argument("--overhead", action="store_true",
+                        help="DTensor's own cost per phase on a 1-rank mesh at tiny shapes, instead")
     parser.add_argument("--profile", action="store_true", help="cProfile spmd's steps on rank 0")
     parser.add_argument("--profile-top", type=int, default=30, help="functions shown per profile table")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per launch")
     args = parser.parse_args()
+    if args.overhead:
+        _overhead(args)
+        return
     distributed = [name for name in ("spmd", "torch", "local") if name in args.impls]
     launches = [_launch(distributed, 2, args) for _ in range(args.repeats)] if distributed else []
     single = _launch(["single"], 1, args)[0] if "single" in args.impls else None
