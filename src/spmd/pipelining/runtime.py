@@ -184,6 +184,7 @@ class Runtime:
         loss = output_grads = None
         if stage.is_last:
             loss = self._step.losses[mb] * self._step.loss_scale
+            self._step.losses[mb] = self._step.losses[mb].detach()   # the graph goes once backward no longer needs it
         else:
             output_grads = self._local.pop((B, s, mb), None)
             if output_grads is None:

@@ -8,14 +8,16 @@ A stage's forward starts its own autograd graph: tensors received from the previ
 backward stops at them and their `.grad` is what goes back to the previous stage. The stage backward (B) runs
 autograd from the stage's outputs (seeded with the gradient received from the next stage, or from the scaled
 loss on the last stage) into the parameters and those leaves. Split in two (zero-bubble schedules), I computes
-only the leaves' gradients, keeping the graph, and W later runs autograd again into the parameters alone; the
-first stage has no leaves, so its I does nothing and its W is the whole backward. (W repeats the part of the
-backward that I shares with it; torch's pipelining avoids that by saving intermediate gradients in I.)
+only the leaves' gradients and keeps what W needs to compute the weights' later, so that together they do the
+work of one B (backward.py, Note: the split backward); the first stage has no leaves, so its I does nothing and
+its W is the whole backward.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ from torch import Tensor, nn
 
 from spmd.comm.group import ProcessGroup
 from spmd.comm.world import AnyGroup, resolve_group
+from spmd.pipelining.backward import backward_input
 
 
 class PipeliningMetadataError(RuntimeError):
@@ -106,7 +109,7 @@ class PipelineStage:
         self.outputs_meta: tuple[TensorMeta, ...] | None = None
         self.fwd_cache: dict[int, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {}   # mb -> (outputs, leaves)
         self.output_chunks: dict[int, Any] = {}          # mb -> the last stage's output, detached
-        self._weight_roots: dict[int, tuple[list[Tensor], list[Tensor | None]]] = {}   # mb -> what W backprops
+        self._weight_halves: dict[int, Callable[[], None]] = {}     # mb -> its W, kept by its I
 
     @property
     def is_first(self) -> bool:
@@ -123,7 +126,7 @@ class PipelineStage:
         """Forget the previous step's microbatches."""
         self.fwd_cache.clear()
         self.output_chunks.clear()
-        self._weight_roots.clear()
+        self._weight_halves.clear()
 
     # -- forward ------------------------------------------------------------------------------------------------
 
@@ -175,23 +178,24 @@ class PipelineStage:
             if roots:
                 torch.autograd.backward(roots, grads)
             return tuple(leaf.grad for leaf in leaves)
-        self._weight_roots[mb] = (roots, grads)
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
-        if not roots or not wanted:
+        if not roots:
+            self._weight_halves[mb] = _nothing
             return tuple(None for _ in leaves)
-        found = iter(torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True))
-        return tuple(next(found) if leaf.requires_grad else None for leaf in leaves)
+        if not wanted:         # the first stage: no received leaves; W is the whole backward (also into the inputs)
+            self._weight_halves[mb] = functools.partial(torch.autograd.backward, roots, grads)
+            return tuple(None for _ in leaves)
+        found, weight_half = backward_input(roots, grads, wanted)
+        self._weight_halves[mb] = weight_half.run
+        by_leaf = iter(found)
+        return tuple(next(by_leaf) if leaf.requires_grad else None for leaf in leaves)
 
     def backward_weight_one_chunk(self, mb: int) -> None:
         """Microbatch `mb`'s weight half (W), after its backward_one_chunk(full_backward=False)."""
-        if mb not in self._weight_roots:
+        if mb not in self._weight_halves:
             raise RuntimeError(f"stage {self.stage_index}: W for microbatch {mb} before its I")
-        roots, grads = self._weight_roots.pop(mb)
-        if not roots:
-            return
-        if self.is_first:      # no received leaves: the whole backward (also into the step's inputs)
-            torch.autograd.backward(roots, grads)
-            return
-        params = [p for p in self.submod.parameters() if p.requires_grad]
-        if params:
-            torch.autograd.backward(roots, grads, inputs=params)
+        self._weight_halves.pop(mb)()
+
+
+def _nothing() -> None:
+    """The W of a microbatch whose stage outputs take no gradient."""
