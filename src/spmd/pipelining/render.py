@@ -1,9 +1,11 @@
-"""Drawing a schedule: each rank's timeline as validate_program simulated it, with its bubbles visible.
+"""Drawing a schedule: each rank's timeline as validate_program simulated it (or as a recorded step ran it:
+timeline.py), with its bubbles visible.
 
 Layer: pipelining. Pure: text for terminals, SVG (written by hand) and PNG (a small encoder over zlib), no
 plotting library. Forward, full backward, input-gradient and weight-gradient computations each have a colour
 (a letter in text); idle time is the grey (or `.`) left between them. Communication takes no simulated time and
-is not drawn.
+is not drawn. One cell (a text column, 28 pixels) is the cheapest computation's cost: a simulated time unit, or
+for a recorded step the mean duration of its fastest kind of computation.
 
     >>> from spmd.pipelining import programs
     >>> print(render_text(programs.add_communication(programs.one_f_one_b(2, 2), {0: 0, 1: 1})))
@@ -76,25 +78,37 @@ def _cost(report: ScheduleReport, single: Action) -> float:
     return report.costs.get(single.kind, 0.0)
 
 
+def _unit(report: ScheduleReport) -> float:
+    """The time one cell stands for: the cheapest computation's cost."""
+    return min((c for c in report.costs.values() if c > 0), default=1.0)
+
+
 def _summary(report: ScheduleReport, rank: int) -> str:
     idle, makespan = report.bubble[rank], report.makespan
-    return (f"idle {idle:g}/{makespan:g} ({100 * idle / makespan if makespan else 0:.0f}%), "
+    times = (f"{1e3 * idle:.3g}/{1e3 * makespan:.3g} ms" if report.measured else f"{idle:g}/{makespan:g}")
+    return (f"idle {times} ({100 * idle / makespan if makespan else 0:.0f}%), "
             f"peak {report.peak_live_activations[rank]} live")
 
 
 def render_text(source: Any, num_microbatches: int | None = None,
                 costs: Mapping[ActionKind, float] | None = None) -> str:
-    """A rank x time grid: each computation's label in its first time unit, `-` over the rest, `.` idle."""
+    """A rank x time grid: each computation's label in its first time unit, `-` over the rest, `.` idle. (A
+    computation shorter than a cell, as measured ones can be, still gets a cell of its own, after the previous.)"""
     report = report_of(source, num_microbatches, costs)
-    unit = min((c for c in report.costs.values() if c > 0), default=1.0)
+    unit = _unit(report)
     cells = math.ceil(report.makespan / unit - 1e-9)
     grid = {rank: ["."] * cells for rank in report.timeline}
     for rank in report.timeline:
+        row, free = grid[rank], 0
         for start, end, single in _computations(report, rank):
-            first, last = round(start / unit), max(round(end / unit), round(start / unit) + 1)
-            grid[rank][first] = str(single)
-            for cell in range(first + 1, min(last, cells)):
-                grid[rank][cell] = "-"
+            first = max(round(start / unit), free)
+            last = max(round(end / unit), first + 1)
+            row.extend("." * (last - len(row)))
+            row[first:last] = [str(single)] + ["-"] * (last - first - 1)
+            free = last
+    cells = max(map(len, grid.values()), default=cells)
+    for row in grid.values():
+        row.extend("." * (cells - len(row)))
     width = max([len(cell) for row in grid.values() for cell in row] + [len(str(cells - 1))])
     lines = ["time    " + " ".join(f"{t:<{width}}" for t in range(cells))]
     for rank, row in grid.items():
@@ -108,26 +122,29 @@ def render_svg(source: Any, num_microbatches: int | None = None,
     """An SVG document of the timeline: one row per rank, one rectangle per computation (class "action" and
     data-action naming it), idle time grey, a legend and each rank's idle share."""
     report = report_of(source, num_microbatches, costs)
-    width = _LEFT + report.makespan * _CELL + 220
+    cell = _CELL / _unit(report)                       # pixels per time unit
+    span = report.makespan * cell
+    width = _LEFT + span + 220
     height = _TOP + report.num_ranks * _ROW + 30
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:g}" height="{height}" '
              f'font-family="monospace" font-size="11">',
              f'<text x="4" y="16">{report.num_ranks} ranks, {report.num_stages} stages, '
-             f'{report.num_microbatches} microbatches: bubble {100 * report.bubble_fraction:.1f}%</text>']
+             f'{report.num_microbatches} microbatches{", measured" if report.measured else ""}: '
+             f'bubble {100 * report.bubble_fraction:.1f}%</text>']
     for rank in report.timeline:
         y = _TOP + rank * _ROW
         parts.append(f'<text x="4" y="{y + 16}">rank {rank}</text>')
-        parts.append(f'<rect class="idle" x="{_LEFT}" y="{y}" width="{report.makespan * _CELL:g}" '
+        parts.append(f'<rect class="idle" x="{_LEFT}" y="{y}" width="{span:g}" '
                      f'height="{_ROW - 4}" fill="{IDLE}"/>')
         for start, end, single in _computations(report, rank):
-            x, w = _LEFT + start * _CELL, (end - start) * _CELL
+            x, w = _LEFT + start * cell, (end - start) * cell
             label = str(single) if report.num_stages > report.num_ranks else f"{single.kind.value}{single.microbatch}"
             parts.append(f'<rect class="action {single.kind.name.lower()}" data-action="{single}" x="{x + 1:g}" '
                          f'y="{y}" width="{max(w - 2, 1):g}" height="{_ROW - 4}" fill="{COLOURS[single.kind]}">'
-                         f'<title>{single}: {start:g}-{end:g}</title></rect>')
+                         f'<title>{single}: {_times(report, start, end)}</title></rect>')
             if w >= 7 * len(label):
                 parts.append(f'<text x="{x + w / 2:g}" y="{y + 14}" fill="white" text-anchor="middle">{label}</text>')
-        parts.append(f'<text x="{_LEFT + report.makespan * _CELL + 8:g}" y="{y + 14}">{_summary(report, rank)}</text>')
+        parts.append(f'<text x="{_LEFT + span + 8:g}" y="{y + 14}">{_summary(report, rank)}</text>')
     legend_y = _TOP + report.num_ranks * _ROW + 14
     for k, (kind, colour) in enumerate(COLOURS.items()):
         x = _LEFT + k * 150
@@ -135,6 +152,10 @@ def render_svg(source: Any, num_microbatches: int | None = None,
                      f'<text x="{x + 16}" y="{legend_y}">{kind.name.lower().replace("_", " ")}</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
+
+
+def _times(report: ScheduleReport, start: float, end: float) -> str:
+    return f"{1e3 * start:.3f}-{1e3 * end:.3f} ms" if report.measured else f"{start:g}-{end:g}"
 
 
 def _hex(colour: str) -> tuple[int, int, int]:
@@ -146,7 +167,8 @@ def render_png(source: Any, num_microbatches: int | None = None,
     """A PNG image of the timeline, the SVG's rows and colours without text: a white gap separates neighbouring
     computations, idle time is grey."""
     report = report_of(source, num_microbatches, costs)
-    width = _LEFT + math.ceil(report.makespan * _CELL) + 8
+    cell = _CELL / _unit(report)
+    width = _LEFT + math.ceil(report.makespan * cell) + 8
     height = _TOP + report.num_ranks * _ROW + 8
     pixels = bytearray(b"\xff" * (width * height * 3))
 
@@ -158,9 +180,9 @@ def render_png(source: Any, num_microbatches: int | None = None,
 
     for rank in report.timeline:
         y = _TOP + rank * _ROW
-        fill(_LEFT, _LEFT + report.makespan * _CELL, y, y + _ROW - 4, IDLE)
+        fill(_LEFT, _LEFT + report.makespan * cell, y, y + _ROW - 4, IDLE)
         for start, end, single in _computations(report, rank):
-            fill(_LEFT + start * _CELL + 1, _LEFT + end * _CELL - 1, y, y + _ROW - 4, COLOURS[single.kind])
+            fill(_LEFT + start * cell + 1, _LEFT + end * cell - 1, y, y + _ROW - 4, COLOURS[single.kind])
     raw = b"".join(b"\x00" + bytes(pixels[y * width * 3:(y + 1) * width * 3]) for y in range(height))
 
     def chunk(kind: bytes, data: bytes) -> bytes:

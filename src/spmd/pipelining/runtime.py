@@ -19,22 +19,32 @@ Note: message tags
 Every message between stages has its own tag, (microbatch * num_stages + sending stage) * 4 + channel (0
 activations, 1 gradients, 2 and 3 metadata length and body), so matching doesn't depend on the order receives
 are posted in, only on the (stage, direction, microbatch) the validator matched.
+
+Note: recording a step's timeline
+With `record` set, each action of the step is timed on the monotonic clock: when the rank reached it, when it
+ended, and how long it waited for receives in between (a computation waiting for its input; the first step's
+metadata included). That costs two clock reads per action and one per wait; without `record`, one test per
+action. `gather_records` collects every rank's records of the last recorded step (collective); timeline.py
+turns them into a report (its Note: the measured report).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from spmd.comm.collectives import all_gather
 from spmd.comm.group import ProcessGroup
 from spmd.comm.p2p import irecv, isend
 from spmd.comm.work import Work
 from spmd.pipelining.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, ActionKind, B, F, I, W
 from spmd.pipelining.stage import PipelineStage, PipeliningMetadataError, TensorMeta
+from spmd.pipelining.timeline import Record
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
            torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
@@ -98,6 +108,11 @@ class Runtime:
         self._local: dict[tuple[ActionKind, int, int], tuple[Tensor | None, ...]] = {}   # (F/B, stage, mb) handed
         self._input_grads: dict[tuple[int, int], tuple[Tensor | None, ...]] = {}         # (stage, mb) -> SEND_B's
         self._sends: list[tuple[Work, Tensor]] = []          # sends in flight, with the tensor they read
+        # recording (see Note: recording a step's timeline):
+        self.record = False
+        self.records: list[Record] = []                      # the last recorded step's, in program order
+        self.recorded_mode: bool | None = None               # has_backward of that step
+        self._waited = 0.0                                   # seconds the current action has waited
 
     # -- one step -----------------------------------------------------------------------------------------------
 
@@ -107,10 +122,15 @@ class Runtime:
         self._receives, self._local, self._input_grads, self._sends = {}, {}, {}, []
         for stage in self.stages.values():
             stage.clear_runtime_states()
+        records: list[Record] = []
         for position, action in enumerate(self.programs[step.has_backward]):
             try:
+                if self.record:
+                    self._waited, reached = 0.0, time.monotonic()
                 for single in action.computations:
                     self._perform(single)
+                if self.record:
+                    records.append((position, reached, time.monotonic(), self._waited))
             except Exception as error:
                 error.add_note(f"(pipelining: rank {self.group.group_rank} at action {position} ({action}) of "
                                f"its program)")
@@ -119,6 +139,23 @@ class Runtime:
             work.wait(timeout=self.group.timeout)
         if self._receives:
             raise RuntimeError(f"pipelining: receives {sorted(map(str, self._receives))} were posted but never used")
+        if self.record:
+            self.records, self.recorded_mode = records, step.has_backward
+
+    def gather_records(self) -> dict[int, list[Record]]:
+        """Every rank's records of its last recorded step, by group rank. Collective over the pipeline group."""
+        device = next(iter(self.stages.values())).device
+        mine = torch.tensor(self.records, dtype=torch.float64, device=device).reshape(-1, 4)
+        length = torch.tensor([len(self.records)], dtype=torch.int64, device=device)
+        lengths = [torch.empty_like(length) for _ in range(self.group.size())]
+        all_gather(lengths, length, group=self.group)
+        longest = max(int(n.item()) for n in lengths)
+        padded = torch.zeros(longest, 4, dtype=torch.float64, device=device)
+        padded[:len(self.records)] = mine
+        rows = [torch.empty_like(padded) for _ in range(self.group.size())]
+        all_gather(rows, padded, group=self.group)
+        return {rank: [(int(p), reached, end, wait) for p, reached, end, wait in table[:int(n.item())].tolist()]
+                for rank, (table, n) in enumerate(zip(rows, lengths, strict=True))}
 
     def _perform(self, action: Action) -> None:
         kind, stage_index, mb = action.kind, action.stage, action.microbatch
@@ -261,6 +298,7 @@ class Runtime:
 
     def _wait(self, action: Action) -> list[Tensor]:
         """The tensors of the receive `action`, once they are here."""
+        waiting = time.monotonic() if self.record else 0.0
         receive = self._receives.pop(action)
         if receive.buffers is None:
             if action.kind is RECV_F:
@@ -268,6 +306,8 @@ class Runtime:
             receive = self._post(action)
         for work in receive.works:
             work.wait(timeout=self.group.timeout)
+        if self.record:
+            self._waited += time.monotonic() - waiting
         assert receive.buffers is not None
         return receive.buffers
 

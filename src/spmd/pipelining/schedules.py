@@ -41,6 +41,7 @@ from spmd.pipelining.actions import (
 from spmd.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
 from spmd.pipelining.runtime import Runtime, StepInputs
 from spmd.pipelining.stage import PipelineStage
+from spmd.pipelining.timeline import measured_report
 from spmd.pipelining.validate import ScheduleReport, validate_program
 
 CsvFormat = Literal["compute_only", "compute_comms"]
@@ -65,6 +66,7 @@ class _PipelineSchedule:
         self._kwargs_chunk_spec = kwargs_chunk_spec
         self._output_merge_spec = output_merge_spec
         self.scale_grads = scale_grads
+        self.record_timeline = False     # time every action of the next steps (measured_report draws them)
         self._num_stages = stages[0].num_stages
         self.pp_group_size = stages[0].group_size
         self.rank = stages[0].group_rank
@@ -89,6 +91,7 @@ class _PipelineSchedule:
         validate_program(forward_only, self._n_microbatches, self._num_stages, placement, has_backward=False)
         self.placement = placement
         self.pipeline_order_with_comms: Program = full
+        self._programs = {True: full, False: forward_only}
         _check_placement(type(self).__name__, self._stages, placement)
         by_index = {stage.stage_index: stage for stage in self._stages}
         self._runtime = Runtime(by_index, {mode: [a for a in program[self.rank] if a is not None]
@@ -117,6 +120,17 @@ class _PipelineSchedule:
 
     _dump_csv = dump_csv     # torch's names for the same
     _load_csv = load_csv
+
+    def measured_report(self) -> ScheduleReport:
+        """The last step run with `record_timeline` set, as every rank timed it: a report render() draws like a
+        schedule, its bubble computed as validate_program predicts one (timeline.py, Note: the measured report).
+        Collective over the pipeline group; every rank gets the whole report."""
+        mode = self._runtime.recorded_mode
+        if mode is None:
+            raise RuntimeError(f"{type(self).__name__}.measured_report(): no step was recorded since the program "
+                               f"was set; set record_timeline = True before step()")
+        return measured_report(self._programs[mode], self._runtime.gather_records(), self._n_microbatches,
+                               self.placement)
 
     # -- running ------------------------------------------------------------------------------------------------
 
@@ -158,6 +172,7 @@ class _PipelineSchedule:
         loss_fn = self._loss_fn if target is not None else None
         inputs = StepInputs(arg_mbs, kwarg_mbs, target_mbs, loss_fn, 1.0 / n if self.scale_grads else 1.0,
                             has_backward)
+        self._runtime.record = self.record_timeline
         self._runtime.run(inputs)
         if has_last and losses is not None and inputs.losses:
             losses.clear()

@@ -45,12 +45,15 @@ DEFAULT_COSTS: Mapping[ActionKind, float] = {F: 1.0, I: 1.0, W: 1.0, B: 2.0}
 
 @dataclasses.dataclass(frozen=True)
 class TimedAction:
-    """One action of the simulated timeline: `action` ran on `rank` from `start` to `end` (equal for comms)."""
+    """One action of a timeline (simulated, or recorded by the runtime): `action` ran on `rank` from `start` to
+    `end` (equal for comms), after `wait` time units of waiting for its inputs (the rank reached it at
+    start - wait)."""
 
     rank: int
     start: float
     end: float
     action: Action
+    wait: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +67,9 @@ class ScheduleReport:
     makespan: float                             # time units from the first action to the last
     busy: dict[int, float]                      # rank -> time units spent computing
     peak_live_activations: dict[int, int]       # rank -> most (stage, microbatch) forwards awaiting their backward
-    timeline: dict[int, list[TimedAction]]      # rank -> its actions with their simulated times, in program order
-    costs: dict[ActionKind, float]              # the time units each computation was given
+    timeline: dict[int, list[TimedAction]]      # rank -> its actions with their times, in program order
+    costs: dict[ActionKind, float]              # the time units each computation was given (measured: mean seconds)
+    measured: bool = False                      # times are seconds a real step took (timeline.py), not simulated
 
     @property
     def bubble(self) -> dict[int, float]:
@@ -110,6 +114,12 @@ def validate_program(program: Program, num_microbatches: int, num_stages: int | 
     if problems:
         raise ScheduleError(_listing("the program completes but leaves the step wrong", problems, program))
     return simulation.report(num_microbatches)
+
+
+def live_change(single: Action) -> int:
+    """How a computation changes its rank's count of live activations: a forward keeps one, the microbatch's
+    last backward (B, or W after I) frees it."""
+    return 1 if single.kind is F else -1 if single.kind in (B, W) else 0
 
 
 def _structure_problems(program: Program, num_microbatches: int, num_stages: int, placement: Mapping[int, int],
@@ -224,8 +234,11 @@ class _Simulation:
         singles = action.computations
         if not all(self._ready(single) for single in singles):
             return False
+        reached = self.clock[rank]
         times = [self._execute(rank, single) for single in singles]
-        self.timeline[rank].append(TimedAction(rank, times[0][0], times[-1][1], action))
+        busy = sum(end - start for start, end in times)
+        self.timeline[rank].append(TimedAction(rank, times[-1][1] - busy, times[-1][1], action,
+                                               times[-1][1] - busy - reached))
         return True
 
     def _execute(self, rank: int, single: Action) -> tuple[float, float]:
@@ -246,11 +259,8 @@ class _Simulation:
         return start, self.clock[rank]
 
     def _track_activations(self, rank: int, single: Action) -> None:
-        if single.kind is F:
-            self.live[rank] += 1
-            self.peak[rank] = max(self.peak[rank], self.live[rank])
-        elif single.kind in (B, W):       # the microbatch's last backward frees what its forward kept
-            self.live[rank] -= 1
+        self.live[rank] += live_change(single)
+        self.peak[rank] = max(self.peak[rank], self.live[rank])
 
     # -- verdicts -----------------------------------------------------------------------------------------------
 
