@@ -16,6 +16,7 @@ from spmd.pipelining.actions import Action, ActionKind, ScheduleError, read_csv,
 from spmd.pipelining.validate import validate_program
 
 F, B = ActionKind.FORWARD, ActionKind.FULL_BACKWARD
+DATA_PARALLEL = (ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD)
 
 
 def _torch_schedule(name: str, num_ranks: int, n_microbatches: int, stages_per_rank: int) -> object:
@@ -146,3 +147,35 @@ def test_lowering_sends_after_and_posts_receives_before() -> None:
                                           "1SEND_B1"]
     local = programs.add_communication(programs.interleaved_1f1b(1, 2, 2), {0: 0, 1: 0})
     assert all(a is not None and a.is_compute for a in local[0])   # stages on one rank hand over locally
+
+
+@pytest.mark.parametrize("name, ranks, n, v", [("GPipe", 2, 4, 1), ("1F1B", 4, 8, 1), ("Interleaved1F1B", 2, 4, 4),
+                                               ("InterleavedZeroBubble", 2, 4, 2), ("ZBVZeroBubble", 2, 4, 2),
+                                               ("DualPipeV", 2, 4, 2), ("LoopedBFS", 3, 6, 4)])
+def test_data_parallel_actions_sit_where_torchs_lowering_puts_them(name: str, ranks: int, n: int, v: int) -> None:
+    compute = programs.build(name, ranks, n, v)
+    placement = stage_to_rank(ranks, ranks * (2 if name in ("ZBVZeroBubble", "DualPipeV") else v),
+                              programs.placement_of(name))
+    ours = programs.add_data_parallel(programs.add_communication(compute, placement), n)
+    validate_program(ours, n, placement=placement)
+
+    def shape(actions: list) -> list[str]:
+        """Computations and the data-parallel actions between them, as text (each run of RESHARDs, or of
+        UNSHARDs, sorted: torch evicts from a set)."""
+        out: list[list[str]] = []
+        for action in (Action.parse(str(a)) for a in actions if a is not None):
+            if action is None or not (action.is_compute or action.kind in DATA_PARALLEL):
+                continue
+            if action.kind in (ActionKind.UNSHARD, ActionKind.RESHARD) and out and out[-1][0].endswith(
+                    action.kind.value):
+                out[-1].append(str(action))
+            else:
+                out.append([str(action)])
+        return [" ".join(sorted(run)) for run in out]
+
+    for rank, actions in compute.items():
+        theirs = torch_schedules._add_reduce_grad(torch_schedules._add_unshard_reshard(
+            [torch_schedules._Action.from_str(str(a)) for a in actions if a is not None]), n)
+        assert shape(ours[rank]) == shape(theirs)
+        assert sum(a is not None and a.kind is ActionKind.REDUCE_GRAD for a in ours[rank]) == \
+            sum(1 for r in placement.values() if r == rank)

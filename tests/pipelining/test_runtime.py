@@ -312,7 +312,7 @@ def test_a_program_loaded_from_csv_runs_and_a_broken_one_is_refused(tmp_path: pa
         drawn = render_text(schedule).splitlines()[1].split("  idle")[0].split()[2:]
         assert [cell for cell in drawn if cell[0].isdigit()] == ["0F0", "0F1", "0B1", "0B0"]   # what it runs
         assert " ".join(map(str, schedule.pipeline_order_with_comms[1])) == \
-            "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1"
+            "1RECV_F0 1UNSHARD 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1 1REDUCE_GRAD 1RESHARD"
         schedule.step(*((x,) if rank == 0 else ()), target=torch.ones(4, 3) if rank == 1 else None)
         return schedule._stages[0].submod.weight.grad
 

@@ -88,17 +88,17 @@ def test_eval_records_the_forward_only_program() -> None:
     model = gpt(layers=2)
     tokens, _ = batch(0)
 
-    def body(rank: int, world_size: int) -> tuple[int, int]:
+    def body(rank: int, world_size: int) -> dict[int, list[str]]:
         with _build_lock:
             stages, _ = build_stages(model, rank, world_size, 1, "loop")
         schedule = ScheduleGPipe(stages[0], 2, loss_fn=loss_fn)
         schedule.record_timeline = True
         schedule.eval(*((tokens,) if rank == 0 else ()))
-        report = schedule.measured_report()
-        return len(report.timeline[rank]), sum(t.action.kind is B for rows in report.timeline.values() for t in rows)
+        return {rank: [str(t.action) for t in rows] for rank, rows in schedule.measured_report().timeline.items()}
 
-    for entries, backwards in run_ranks(body, world_size=2, timeout=60.0):
-        assert entries == 4 and backwards == 0       # F, SEND_F twice on rank 0; RECV_F twice, F twice on rank 1
+    for timeline in run_ranks(body, world_size=2, timeout=60.0):
+        assert timeline == {0: ["0UNSHARD", "0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RESHARD"],
+                            1: ["1RECV_F0", "1RECV_F1", "1UNSHARD", "1F0", "1F1", "1RESHARD"]}
 
 
 def test_measured_report_from_hand_made_records() -> None:

@@ -344,6 +344,52 @@ def add_communication(program: Program, placement: dict[int, int]) -> Program:
     return lowered
 
 
+def add_data_parallel(program: Program, n_microbatches: int, max_active_stages: int = 3) -> Program:
+    """Add the actions of data-parallel stages to a lowered program, as torch's runtime lowers its programs:
+    UNSHARD a stage before its computations, keeping at most `max_active_stages` stages unsharded (the next ones
+    the rank computes: fetched ahead, the others RESHARDed), and REDUCE_GRAD a stage after its last backward
+    (the n_microbatches-th B or W) and the sends that follow it. For stages that aren't data parallel the runtime
+    does nothing on these actions (runtime.py, Note: data-parallel stages)."""
+    lowered: Program = {}
+    for rank, actions in program.items():
+        steps = [a for a in actions if a is not None]
+        out: list[Action | None] = []
+        active: list[int] = []
+        backwards: collections.Counter[int] = collections.Counter()
+        due: list[int] = []                  # stages whose REDUCE_GRAD follows the current run of sends
+        for k, action in enumerate(steps):
+            if due and action.kind not in (SEND_F, SEND_B):
+                out += [Action(stage, ActionKind.REDUCE_GRAD) for stage in due]
+                due = []
+            if action.is_compute:
+                ahead = _next_stages(steps[k:], max_active_stages)
+                out += [Action(stage, ActionKind.RESHARD) for stage in active if stage not in ahead]
+                out += [Action(stage, ActionKind.UNSHARD) for stage in ahead if stage not in active]
+                active = [stage for stage in active if stage in ahead] + [s for s in ahead if s not in active]
+                for single in action.computations:
+                    if single.kind in (B, W):
+                        backwards[single.stage] += 1
+                        if backwards[single.stage] == n_microbatches:
+                            due.append(single.stage)
+            out.append(action)
+        out += [Action(stage, ActionKind.REDUCE_GRAD) for stage in due]
+        out += [Action(stage, ActionKind.RESHARD) for stage in active]
+        lowered[rank] = out
+    return lowered
+
+
+def _next_stages(actions: list[Action], count: int) -> list[int]:
+    """The first `count` distinct stages the computations in `actions` compute, in order."""
+    found: list[int] = []
+    for action in actions:
+        for single in (action.computations if action.is_compute else ()):
+            if single.stage not in found:
+                found.append(single.stage)
+                if len(found) == count:
+                    return found
+    return found
+
+
 def placement_for(program: Program, style: Placement) -> dict[int, int]:
     """The placement `style` gives the stages a program computes over its ranks."""
     num_stages = 1 + max((c.stage for actions in program.values() for a in actions if a is not None

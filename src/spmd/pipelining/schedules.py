@@ -84,7 +84,8 @@ class _PipelineSchedule:
     def _use(self, program: Program, placement: dict[int, int], lower: bool) -> None:
         """Adopt `program` (compute-only when `lower`, else with its communication) after validating it, and
         its forward-only form for eval()."""
-        full = programs.add_communication(program, placement) if lower else program
+        full = (programs.add_data_parallel(programs.add_communication(program, placement), self._n_microbatches)
+                if lower else program)
         self.report: ScheduleReport = validate_program(full, self._n_microbatches, self._num_stages, placement,
                                                        has_backward=True)
         forward_only = _forward_only(full)
@@ -294,13 +295,16 @@ def _check_placement(name: str, stages: list[PipelineStage], placement: dict[int
                          f"the stages the schedule places here (actions.stage_to_rank shows the placement)")
 
 
+_BACKWARD_ONLY = BACKWARD_KINDS | {RECV_B, SEND_B, ActionKind.REDUCE_GRAD}
+
+
 def _forward_only(program: Program) -> Program:
     """`program` without its backward: the forwards and their activations' messages, for eval()."""
     out: Program = {}
     for rank, actions in program.items():
         kept: list[Action | None] = []
         for action in actions:
-            if action is None or action.kind in (RECV_B, SEND_B) or action.kind in BACKWARD_KINDS:
+            if action is None or action.kind in _BACKWARD_ONLY:
                 continue
             if action.kind is ActionKind.OVERLAP_F_B:
                 kept += [sub for sub in action.computations if sub.kind is ActionKind.FORWARD]
