@@ -1,9 +1,12 @@
-"""The interpreter: run one rank's validated program on its stages. The only pipelining module that communicates.
+"""The interpreter: run one rank's validated program on its stages. The only pipelining module that communicates
+(itself, or through the data-parallel wrappers it drives: data_parallel.py).
 
 Layer: pipelining. Each action of the program (actions.py) becomes a stage computation or a point-to-point
 operation on the pipeline group (spmd.isend / spmd.irecv). Receives are posted when the program says and
 waited on by the computation that consumes them; sends are waited on at the end of the step. That is the
 semantics validate.validate_program proved the program against (see its Note: the simulated semantics).
+UNSHARD, RESHARD and REDUCE_GRAD drive a data-parallel stage's wrapper (data_parallel.py, Note: data-parallel
+stages) and do nothing for plain stages.
 
 Collective: every rank of the pipeline group runs its own program of the same step together.
 
@@ -43,6 +46,7 @@ from spmd.comm.group import ProcessGroup
 from spmd.comm.p2p import irecv, isend
 from spmd.comm.work import Work
 from spmd.pipelining.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, ActionKind, B, F, I, W
+from spmd.pipelining.data_parallel import DataParallel
 from spmd.pipelining.stage import PipelineStage, PipeliningMetadataError, TensorMeta
 from spmd.pipelining.timeline import Record
 
@@ -82,6 +86,10 @@ class StepInputs:
     has_backward: bool
     losses: dict[int, Tensor] = dataclasses.field(default_factory=dict)   # mb -> its loss, unscaled
 
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.kwarg_mbs)
+
 
 @dataclasses.dataclass
 class _Receive:
@@ -100,6 +108,7 @@ class Runtime:
                  placement: dict[int, int], group: ProcessGroup) -> None:
         self.stages, self.programs, self.placement, self.group = stages, programs, placement, group
         self.num_stages = len(placement)
+        self._data_parallel = {index: DataParallel.of(stage.submod) for index, stage in stages.items()}
         self._meta_mode: dict[tuple[str, int], bool] = {}   # ("in"/"out", stage) -> has_backward when inferred
         self._meta_sent: dict[int, bool] = {}               # stage -> has_backward of the metadata it sent
         # the step in flight:
@@ -108,6 +117,7 @@ class Runtime:
         self._local: dict[tuple[ActionKind, int, int], tuple[Tensor | None, ...]] = {}   # (F/B, stage, mb) handed
         self._input_grads: dict[tuple[int, int], tuple[Tensor | None, ...]] = {}         # (stage, mb) -> SEND_B's
         self._sends: list[tuple[Work, Tensor]] = []          # sends in flight, with the tensor they read
+        self._backwards: dict[int, int] = {}                 # stage -> weight-gradient backwards run so far
         # recording (see Note: recording a step's timeline):
         self.record = False
         self.records: list[Record] = []                      # the last recorded step's, in program order
@@ -120,6 +130,7 @@ class Runtime:
         """Run the whole program once. Collective over the pipeline group (see the module docstring)."""
         self._step = step
         self._receives, self._local, self._input_grads, self._sends = {}, {}, {}, []
+        self._backwards = dict.fromkeys(self.stages, 0)
         for stage in self.stages.values():
             stage.clear_runtime_states()
         records: list[Record] = []
@@ -137,6 +148,8 @@ class Runtime:
                 raise
         for work, _ in self._sends:                # the tensor stays referenced until its send is done
             work.wait(timeout=self.group.timeout)
+        for data_parallel in self._data_parallel.values():
+            data_parallel.reduce_grad()            # a program without REDUCE_GRAD leaves the wrappers as they were
         if self._receives:
             raise RuntimeError(f"pipelining: receives {sorted(map(str, self._receives))} were posted but never used")
         if self.record:
@@ -159,16 +172,23 @@ class Runtime:
 
     def _perform(self, action: Action) -> None:
         kind, stage_index, mb = action.kind, action.stage, action.microbatch
-        if kind in (ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD):
-            return                                 # nothing to do for stages that aren't data parallel
-        assert mb is not None                      # the validator checked every other kind has a microbatch
+        data_parallel = self._data_parallel[stage_index]
+        if kind is ActionKind.UNSHARD:
+            data_parallel.unshard()
+        elif kind is ActionKind.RESHARD:
+            data_parallel.reshard()
+        elif kind is ActionKind.REDUCE_GRAD:
+            data_parallel.reduce_grad()
+        if mb is None:                             # the validator checked which kinds have a microbatch
+            return
         stage = self.stages[stage_index]
+        if kind in (F, B, I, W):
+            data_parallel.wait_unsharded()
         if kind is F:
-            self._forward(stage, mb)
-        elif kind in (B, I):
-            self._backward(stage, mb, full=kind is B)
-        elif kind is W:
-            stage.backward_weight_one_chunk(mb)
+            with data_parallel.forward():
+                self._forward(stage, mb)
+        elif kind in (B, I, W):
+            self._backward_action(stage, kind, mb, data_parallel)
         elif kind is SEND_F:
             self._send_activations(stage, mb)
         elif kind is SEND_B:
@@ -177,6 +197,22 @@ class Runtime:
             self._receives[action] = self._post(action)
 
     # -- computations -------------------------------------------------------------------------------------------
+
+    def _backward_action(self, stage: PipelineStage, kind: ActionKind, mb: int, data_parallel: DataParallel) -> None:
+        """B, I or W; before the ones that compute weight gradients, tell the stage's wrapper whether it is the
+        stage's last in the step (data_parallel.py, Note: data-parallel stages, also for an FSDP stage's I)."""
+        split = data_parallel.splits_backward
+        if kind is I and split:
+            self._backward(stage, mb, full=False)
+            return
+        if kind is W and not split:
+            return                                 # its I ran the whole backward
+        self._backwards[stage.stage_index] += 1
+        data_parallel.before_backward(self._backwards[stage.stage_index] == self._step.num_microbatches)
+        if kind is W:
+            stage.backward_weight_one_chunk(mb)
+        else:
+            self._backward(stage, mb, full=True)
 
     def _forward(self, stage: PipelineStage, mb: int) -> None:
         step = self._step

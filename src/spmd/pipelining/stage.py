@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from spmd.comm.group import ProcessGroup
 from spmd.comm.world import AnyGroup, resolve_group
 from spmd.pipelining.backward import backward_input
+from spmd.tensor import DTensor
 
 
 class PipeliningMetadataError(RuntimeError):
@@ -147,6 +148,11 @@ class PipelineStage:
             raise PipeliningMetadataError(
                 f"stage {self.stage_index} returned {type(output).__name__}; a stage that feeds another must "
                 f"return a tensor or a tuple of tensors (they become the next stage's positional arguments)")
+        if any(isinstance(v, DTensor) for v in values):
+            raise PipeliningMetadataError(
+                f"stage {self.stage_index} returned a DTensor; activations travel between stages as plain tensors "
+                f"(as in torch's pipelining): end the stage with a plain tensor (use_local_output=True in the "
+                f"tensor-parallel plan, or to_local()), and rebuild the DTensor at the start of the next stage")
         return tuple(values)
 
     # -- backward -----------------------------------------------------------------------------------------------
