@@ -69,6 +69,7 @@ def test_finished_ops_do_not_keep_their_tensors_alive(backend: str) -> None:
     def body(rank: int, size: int) -> list[bool]:
         inp, out = torch.ones(1000), torch.empty(1000 * size)
         spmd.all_gather_into_tensor(out, inp, async_op=True).wait()
+        spmd.barrier()      # the group's next op: it runs once the executor has let go of the last one
         refs = [weakref.ref(inp.untyped_storage()), weakref.ref(out.untyped_storage())]
         del inp, out
         gc.collect()

@@ -209,11 +209,12 @@ class ProcessGroup:
                 else:
                     self._execute(record, body, work, stream)
             finally:
-                with self._lock:
-                    self._running = None
                 # The op's tensors (its body's closure, the Work's outputs) must not stay alive while this thread
                 # waits for the next op: FSDP frees its all-gather buffers as soon as the caller drops them.
+                # Dropped before the group counts as idle, so the group's next op starts after they are gone.
                 del record, body, work, stream
+                with self._lock:
+                    self._running = None
 
     # Note: streams. An op enqueued from stream S completes with respect to S, as with torch's NCCL
     # ProcessGroup, whatever thread runs it:
