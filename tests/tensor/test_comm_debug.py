@@ -346,3 +346,24 @@ def test_without_a_process_group_modules_are_tracked_and_nothing_counts() -> Non
     assert list(mode.advanced_module_tracker.module_helper_dict) == ["Global", "MLP", "MLP.fc1", "MLP.fc2"]
     assert mode.get_sharding_info() == {}
     assert sorted(mode.get_parameter_info()["MLP.fc1"]) == ["bias", "weight"]
+
+
+def test_autograd_grad_to_a_leaf_input_is_tracked() -> None:
+    """A pipeline stage's I action: autograd.grad from the outputs to the stage's received input, a leaf. Autograd
+    can't say inside autograd.grad whether it will reach a leaf, so the tracker must not ask (it used to raise)."""
+    def body(rank: int, size: int) -> dict:
+        mesh = init_device_mesh("cpu", (size,))
+        def colwise(name: str, module: nn.Module, m) -> None:
+            for param_name, param in list(module.named_parameters()):
+                module.register_parameter(param_name, nn.Parameter(distribute_tensor(param.data, m, [Shard(0)])))
+        layer = distribute_module(nn.Linear(4, 4), mesh, colwise,
+                                  input_fn=lambda mod, inputs, m: (DTensor.from_local(inputs[0], m, [Replicate()]),),
+                                  output_fn=lambda mod, out, m: out.redistribute(placements=[Replicate()]).to_local())
+        x = torch.randn(3, 4, requires_grad=True)
+        with CommDebugMode() as mode:
+            out = layer(x)                     # the module's input is the leaf itself
+            (grad,) = torch.autograd.grad(out.sum(), [x], retain_graph=True)
+        assert grad.shape == x.shape
+        return {name: dict(info["forward"]) for name, info in mode.get_per_module_info().items()}
+    for per_module in run_ranks(body, 2, timeout=60):
+        assert per_module["Linear"] == {"all_gather_into_tensor": 1}

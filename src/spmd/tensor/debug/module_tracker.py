@@ -174,7 +174,10 @@ class ModuleTracker:
             return
         with self._busy():
             self._learn(module, name, parent)
-            inputs = _grad_tensors(args)
+            # Leaves are left out: autograd can't tell inside autograd.grad whether it will reach a leaf's grad
+            # accumulator (a pipeline stage's received input is a leaf, and its I action runs autograd.grad);
+            # a module whose inputs are all leaves ends its backward with the backward pass.
+            inputs = [t for t in _grad_tensors(args) if t.grad_fn is not None]
             if inputs and torch.is_grad_enabled():
                 register_multi_grad_hook(inputs, functools.partial(self._backward_done, name), mode="all")
 
