@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -56,6 +57,29 @@ def run_processes(worker: Callable[..., Any], world_size: int, args: tuple, time
                 proc.kill()
                 proc.join()
     return [results[rank] for rank in range(world_size)]
+
+
+def run_saving_processes(target: Callable[..., Any], world_size: int, args_of: Callable[[int, str], tuple],
+                         timeout: float, what: str) -> list[Any]:
+    """Run target(*args_of(rank, out_file)) in `world_size` spawned processes, each torch.save-ing its result to
+    f"{out_file}.{rank}" (a temporary directory's file); returns the results in rank order. Processes still
+    alive after `timeout` seconds are killed; any non-zero exit raises, naming `what`."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = os.path.join(tmp, "result.pt")
+        procs = [ctx.Process(target=target, args=args_of(rank, out_file)) for rank in range(world_size)]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if any(proc.exitcode != 0 for proc in procs):
+            raise RuntimeError(f"{what} on {world_size} rank(s) failed: exit codes {[p.exitcode for p in procs]}")
+        return [torch.load(f"{out_file}.{rank}") for rank in range(world_size)]
 
 
 def interleaved_medians(candidates: dict[str, tuple[Callable[[], None], Callable[[], None]]], iters: int,

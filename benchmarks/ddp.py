@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import multiprocessing
 import os
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _common import run_saving_processes
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 VOCAB, CONTEXT = 4096, 128
@@ -145,24 +146,10 @@ def _worker(names: list[str], rank: int, world_size: int, micro_batch: int, step
 
 def _run(names: list[str], world_size: int, micro_batch: int, args: argparse.Namespace) -> dict[str, Any]:
     """One launch of `world_size` rank processes; per implementation, each timing as the slowest rank's."""
-    ctx = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        out_file = os.path.join(tmp, "result.pt")
-        procs = [ctx.Process(target=_worker, args=(names, rank, world_size, micro_batch, args.steps,
-                                                   args.bucket_cap_mb, os.path.join(tmp, "init"), out_file))
-                 for rank in range(world_size)]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + args.timeout
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        if any(proc.exitcode != 0 for proc in procs):
-            raise RuntimeError(f"{names} with {world_size} rank(s) failed: exit codes {[p.exitcode for p in procs]}")
-        per_rank = [torch.load(f"{out_file}.{rank}") for rank in range(world_size)]
+    def args_of(rank: int, out_file: str) -> tuple:
+        init = os.path.join(os.path.dirname(out_file), "init")
+        return (names, rank, world_size, micro_batch, args.steps, args.bucket_cap_mb, init, out_file)
+    per_rank = run_saving_processes(_worker, world_size, args_of, args.timeout, str(names))
     slowest = {name: {key: [max(values) for values in zip(*(r["record"][name][key] for r in per_rank))]
                       for key in per_rank[0]["record"][name]} for name in names}
     return {"record": slowest, "backends": per_rank[0]["backends"], "params": per_rank[0]["params"]}

@@ -27,13 +27,11 @@ model's fp32 size and its tensor peak with the breakdown (torch is not run).
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import pathlib
 import resource
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from typing import Any
@@ -41,7 +39,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import free_port, human_bytes, machine_line
+from _common import free_port, human_bytes, machine_line, run_saving_processes
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 VOCAB, CONTEXT, GLOBAL_BATCH = 4096, 128, 8
@@ -218,24 +216,10 @@ def _throughput_worker(names: list[str], rss_only: bool, rank: int, world_size: 
 
 
 def _launch(target: Any, world_size: int, args: argparse.Namespace, extra: tuple) -> list[dict[str, Any]]:
-    ctx = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        out_file = os.path.join(tmp, "result.pt")
-        ports = (free_port(), free_port())
-        procs = [ctx.Process(target=target, args=(*extra, rank, world_size, args, ports, out_file))
-                 for rank in range(world_size)]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + args.timeout
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        if any(proc.exitcode != 0 for proc in procs):
-            raise RuntimeError(f"{target.__name__}{extra} failed: exit codes {[p.exitcode for p in procs]}")
-        return [torch.load(f"{out_file}.{rank}") for rank in range(world_size)]
+    ports = (free_port(), free_port())
+    return run_saving_processes(target, world_size, lambda rank, out_file: (*extra, rank, world_size, args, ports,
+                                                                           out_file), args.timeout,
+                                f"{target.__name__}{extra}")
 
 
 def _slowest(per_rank: list[dict[str, Any]], name: str) -> list[float]:

@@ -37,13 +37,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import multiprocessing
 import os
 import pathlib
 import pstats
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -53,7 +51,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import free_port, machine_line
+from _common import free_port, machine_line, run_saving_processes
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 VOCAB, CONTEXT, BATCH = 4096, 128, 8
@@ -272,24 +270,9 @@ def _worker(names: list[str], rank: int, world_size: int, args: argparse.Namespa
 
 
 def _launch(names: list[str], world_size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    ctx = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        out_file = os.path.join(tmp, "result.pt")
-        ports = (free_port(), free_port())
-        procs = [ctx.Process(target=_worker, args=(names, rank, world_size, args, ports, out_file))
-                 for rank in range(world_size)]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + args.timeout
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        if any(proc.exitcode != 0 for proc in procs):
-            raise RuntimeError(f"{names} on {world_size} ranks failed: exit codes {[p.exitcode for p in procs]}")
-        return [torch.load(f"{out_file}.{rank}") for rank in range(world_size)]
+    ports = (free_port(), free_port())
+    return run_saving_processes(_worker, world_size, lambda rank, out_file: (names, rank, world_size, args, ports,
+                                                                            out_file), args.timeout, str(names))
 
 
 def _slowest(per_rank: list[dict[str, Any]], name: str) -> list[float]:
