@@ -29,7 +29,7 @@ node's two products no longer run back to back on the same gradient. On the anch
 blocks and the head, a microbatch of 2 x 128 tokens, one thread) I + W took 1.4x one backward where running W
 as a second backward into the weights took 1.6x (the best of 40 runs, on a loaded machine).
 
-torch.distributed.pipelining's _backward.py takes the same approach (intermediate gradients saved by I); this
+torch's pipelining (its _backward.py) takes the same approach (intermediate gradients saved by I); this
 is written from the description above.
 """
 
