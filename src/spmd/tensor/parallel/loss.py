@@ -185,26 +185,37 @@ def _total_weight(target: Tensor, weight: Tensor | None, ignore_index: int, dtyp
     return torch.where(valid, weight[target.clamp(min=0, max=weight.numel() - 1)], 0).sum().to(dtype)
 
 
+class _NllCall:
+    """What nll_loss's forward and backward both derive from their arguments: the logits' local tensor in the
+    class layout, the target laid out like the rows, the whole class weights, and this rank's share of both."""
+
+    def __init__(self, x: DTensor, target: Any, weight: Any, ignore_index: int, class_dim: int,
+                 op: OpOverload) -> None:
+        self.local, self.spec, self.mesh_dim = _class_layout(x, class_dim, op)
+        self.rows = _row_layout(self.spec, class_dim)
+        self.target = _laid_out(target, self.spec.mesh, self.rows, "target")
+        self.weight = _full(weight)
+        self.local_target, self.local_weight = _local_targets(self.target, self.weight, ignore_index, self.spec,
+                                                              class_dim)
+
+
 def _nll_loss_forward(op: OpOverload, args: tuple, kwargs: dict) -> Any:
     if not _active():
         return dispatch(DTensor, op, (), args, kwargs, by_rule=True)
     x, target, weight, reduction, ignore_index = args
     class_dim = 0 if x.ndim == 1 else 1
-    local, spec, mesh_dim = _class_layout(x, class_dim, op)
-    mesh, rows = spec.mesh, _row_layout(spec, class_dim)
-    target = _laid_out(target, mesh, rows, "target")
-    weight = _full(weight)
-    local_target, local_weight = _local_targets(target, weight, ignore_index, spec, class_dim)
-    terms, _ = op(local, local_target, local_weight, _NONE, _LOCAL_IGNORE)
-    total_weight = _total_weight(target, weight, ignore_index, local.dtype)
-    class_group = mesh.get_group(mesh_dim)
+    call = _NllCall(x, target, weight, ignore_index, class_dim, op)
+    spec, mesh, rows = call.spec, call.spec.mesh, call.rows
+    terms, _ = op(call.local, call.local_target, call.local_weight, _NONE, _LOCAL_IGNORE)
+    total_weight = _total_weight(call.target, call.weight, ignore_index, call.local.dtype)
+    class_group = mesh.get_group(call.mesh_dim)
     row_dims = _row_mesh_dims(spec, class_dim)
+    partial_over_rows = tuple(Partial() if i in row_dims else Replicate() for i in range(mesh.ndim))
     if reduction == _NONE:
-        loss, placements = all_reduced(terms, ReduceOp.SUM, class_group), rows
-        weight_placements = tuple(Partial() if i in row_dims else Replicate() for i in range(mesh.ndim))
+        loss, placements, weight_placements = all_reduced(terms, ReduceOp.SUM, class_group), rows, partial_over_rows
     elif reduction == _SUM:
         loss = all_reduced(terms.sum(), ReduceOp.SUM, class_group)
-        placements = weight_placements = tuple(Partial() if i in row_dims else Replicate() for i in range(mesh.ndim))
+        placements = weight_placements = partial_over_rows
     else:       # mean: the global sum over the global W (one all-reduce of the pair over the row mesh dims)
         total = all_reduced(terms.sum(), ReduceOp.SUM, class_group)
         pair = all_reduce_mesh_dims(torch.stack([total, total_weight]), spec, row_dims, ReduceOp.SUM)
@@ -225,20 +236,15 @@ def _nll_loss_backward(op: OpOverload, args: tuple, kwargs: dict) -> Any:
     if not _active():
         return dispatch(DTensor, op, (), args, kwargs, by_rule=True)
     grad, x, target, weight, reduction, ignore_index, total_weight = args
-    class_dim = 0 if x.ndim == 1 else 1
-    local, spec, _ = _class_layout(x, class_dim, op)
-    mesh, rows = spec.mesh, _row_layout(spec, class_dim)
-    target = _laid_out(target, mesh, rows, "target")
-    weight = _full(weight)
-    local_target, local_weight = _local_targets(target, weight, ignore_index, spec, class_dim)
+    call = _NllCall(x, target, weight, ignore_index, 0 if x.ndim == 1 else 1, op)
     if reduction == _NONE:
-        grad = _laid_out(grad, mesh, rows, "gradient")
+        grad = _laid_out(grad, call.spec.mesh, call.rows, "gradient")
     else:
         grad = _full(grad)
     total_weight = _full(total_weight) if reduction == _MEAN else (
         total_weight._local_tensor if isinstance(total_weight, DTensor) else total_weight)
-    grad_input = op(grad, local, local_target, local_weight, reduction, _LOCAL_IGNORE, total_weight)
-    return _wrap(grad_input, mesh, spec.placements, x.shape, grad_input.dtype)
+    grad_input = op(grad, call.local, call.local_target, call.local_weight, reduction, _LOCAL_IGNORE, total_weight)
+    return _wrap(grad_input, call.spec.mesh, call.spec.placements, x.shape, grad_input.dtype)
 
 
 _HANDLERS = {aten._log_softmax.default: _log_softmax,
