@@ -15,7 +15,7 @@ from torch.autograd.graph import increment_version
 
 from spmd._core.deadline import as_seconds
 from spmd._core.errors import CommTimeoutError, StoreTimeoutError
-from spmd.comm.debug import user_call_site
+from spmd.comm.debug import dtype_name, user_call_site
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp, check_reduce_op
 from spmd.comm.transports.base import OpContext
@@ -94,7 +94,7 @@ def _flat(tensor: Tensor) -> Tensor:
 def _run(group: ProcessGroup, op: str, like: Tensor | None, shape: tuple[int, ...] | None, body,
          outputs: list[Tensor], async_op: bool, reduce_op: ReduceOp | None = None,
          root: int | None = None) -> Work | None:
-    dtype = "" if like is None else str(like.dtype).removeprefix("torch.")
+    dtype = "" if like is None else dtype_name(like.dtype)
     fingerprint = group.next_fingerprint(op, shape, dtype,
                                          None if reduce_op is None else reduce_op.name, root, user_call_site())
     return group.run(fingerprint, body, outputs, async_op, device=None if like is None else like.device)

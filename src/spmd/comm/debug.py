@@ -34,6 +34,10 @@ _SKIP_DIRS = (
 )
 
 
+_BASENAMES: dict[str, str] = {}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def user_call_site() -> str:
     """file:line of the innermost frame outside spmd and torch: the user's line that issued the operation."""
     frame = sys._getframe(1)
@@ -41,7 +45,19 @@ def user_call_site() -> str:
         frame = frame.f_back
     if frame is None:
         return "<unknown>"
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    path = frame.f_code.co_filename
+    name = _BASENAMES.get(path)
+    if name is None:
+        name = _BASENAMES[path] = os.path.basename(path)
+    return f"{name}:{frame.f_lineno}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The dtype as fingerprints spell it: "float32" for torch.float32."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -98,6 +98,7 @@ class ProcessGroup:
         self.observers = observers if observers is not None else CollectiveObservers()
         self._seq = 0
         self._p2p_seq = 0
+        self._p2p_names: dict[tuple[str, int, int], tuple[str, str]] = {}
         self._lock = threading.Lock()
         self._has_work = threading.Condition(self._lock)
         self._queue: collections.deque[tuple[OpRecord, Body, Work, torch.Stream | None]] = collections.deque()
@@ -170,6 +171,19 @@ class ProcessGroup:
             self._seq += 1
             seq = self._seq
         return Fingerprint(op, seq, shape, dtype, reduce_op, root, call_site)
+
+    def p2p_names(self, op: str, peer: int, tag: int) -> tuple[str, str]:
+        """(flight-recorder op, Work description) of `op` ("isend" or "irecv") with group rank `peer`; made
+        once per (op, peer, tag), as a send's own cost is a few microseconds."""
+        key = (op, peer, tag)
+        names = self._p2p_names.get(key)
+        if names is None:
+            me, other = self.global_rank, self.ranks[peer]
+            arrow = f"{me}->{other}" if op == "isend" else f"{other}->{me}"
+            names = (f"{op} {arrow} tag {tag}", f"{op} {arrow} (tag {tag}) on {self.description}")
+            if len(self._p2p_names) < 4096:     # tags are the user's: don't grow without bound
+                self._p2p_names[key] = names
+        return names
 
     def next_p2p_record(self, op: str, shape: tuple[int, ...], dtype: str, call_site: str) -> OpRecord:
         with self._lock:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from spmd._core.errors import CommTimeoutError
 from spmd.comm.collectives import check_tensor
-from spmd.comm.debug import user_call_site
+from spmd.comm.debug import dtype_name, user_call_site
 from spmd.comm.group import ProcessGroup
 from spmd.comm.work import Work
 from spmd.comm.world import AnyGroup, resolve_group
@@ -30,34 +30,31 @@ def _peer(group: ProcessGroup, peer: int | None, group_peer: int | None, op: str
     return group_peer
 
 
-def _start(op: str, tensor: Tensor, peer: int | None, group: AnyGroup | None, tag: int,
-           group_peer: int | None) -> tuple[ProcessGroup, Work]:
-    pg = resolve_group(group, op)
+def _start(op: str, tensor: Tensor, pg: ProcessGroup, target: int, tag: int) -> Work:
     check_tensor(tensor, "tensor", op, pg)
-    role = "dst" if op == "isend" else "src"
-    target = _peer(pg, peer, group_peer, op, role)
-    arrow = f"{pg.global_rank}->{pg.ranks[target]}" if op == "isend" else f"{pg.ranks[target]}->{pg.global_rank}"
-    record = pg.next_p2p_record(f"{op} {arrow} tag {tag}", tuple(tensor.shape),
-                                str(tensor.dtype).removeprefix("torch."), user_call_site())
-    work = Work(f"{op} {arrow} (tag {tag}) on {pg.description}", [tensor], record)
+    name, description = pg.p2p_names(op, target, tag)
+    record = pg.next_p2p_record(name, tuple(tensor.shape), dtype_name(tensor.dtype), user_call_site())
+    work = Work(description, [tensor], record)
     start: Callable[[Tensor, int, int, Work], None] = pg.transport.isend if op == "isend" else pg.transport.irecv
     try:
         start(tensor, target, tag, work)
     except BaseException as error:   # abort the group, then report
         raise pg.p2p_failed(record, error) from error
-    return pg, work
+    return work
 
 
 def isend(tensor: Tensor, dst: int | None = None, group: AnyGroup | None = None, tag: int = 0,
           group_dst: int | None = None) -> Work:
     """Start sending `tensor` to rank `dst`; don't modify `tensor` until the returned Work completes."""
-    return _start("isend", tensor, dst, group, tag, group_dst)[1]
+    pg = resolve_group(group, "isend")
+    return _start("isend", tensor, pg, _peer(pg, dst, group_dst, "isend", "dst"), tag)
 
 
 def irecv(tensor: Tensor, src: int | None = None, group: AnyGroup | None = None, tag: int = 0,
           group_src: int | None = None) -> Work:
     """Start receiving the next message from rank `src` with `tag` into `tensor`."""
-    return _start("irecv", tensor, src, group, tag, group_src)[1]
+    pg = resolve_group(group, "irecv")
+    return _start("irecv", tensor, pg, _peer(pg, src, group_src, "irecv", "src"), tag)
 
 
 def _wait(pg: ProcessGroup, work: Work) -> None:
@@ -76,8 +73,7 @@ def send(tensor: Tensor, dst: int | None = None, group: AnyGroup | None = None, 
     target = _peer(pg, dst, group_dst, "send", "dst")
     if target == pg.group_rank:
         raise ValueError(f"send on rank {pg.global_rank}: a rank can't send to itself; use isend/irecv pairs")
-    _, work = _start("isend", tensor, None, pg, tag, target)
-    _wait(pg, work)
+    _wait(pg, _start("isend", tensor, pg, target, tag))
 
 
 def recv(tensor: Tensor, src: int | None = None, group: AnyGroup | None = None, tag: int = 0,
@@ -89,8 +85,7 @@ def recv(tensor: Tensor, src: int | None = None, group: AnyGroup | None = None, 
     target = _peer(pg, src, group_src, "recv", "src")
     if target == pg.group_rank:
         raise ValueError(f"recv on rank {pg.global_rank}: a rank can't receive from itself")
-    _, work = _start("irecv", tensor, None, pg, tag, target)
-    _wait(pg, work)
+    _wait(pg, _start("irecv", tensor, pg, target, tag))
     return pg.ranks[target]
 
 
@@ -119,5 +114,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         if not isinstance(item, P2POp):
             raise TypeError(f"batch_isend_irecv: expected P2POp items, got {type(item).__name__}")
         op = "isend" if item.op is isend else "irecv"
-        works.append(_start(op, item.tensor, item.peer, item.group, item.tag, item.group_peer)[1])
+        pg = resolve_group(item.group, op)
+        target = _peer(pg, item.peer, item.group_peer, op, "dst" if op == "isend" else "src")
+        works.append(_start(op, item.tensor, pg, target, item.tag))
     return works

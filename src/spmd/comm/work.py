@@ -44,7 +44,7 @@ class WorkState(enum.Enum):
 class Work:
     """An operation in flight. `wait()` blocks until it finishes and re-raises its error, if any."""
 
-    __slots__ = ("_done", "_error", "_future", "_lock", "_ready", "description", "outputs", "poll", "record",
+    __slots__ = ("_error", "_finished", "_future", "_lock", "_ready", "description", "outputs", "poll", "record",
                  "state")
 
     def __init__(self, description: str, outputs: list[Tensor] | None = None,
@@ -54,7 +54,7 @@ class Work:
         self.outputs = outputs if outputs is not None else []
         self.state = WorkState.PENDING
         self._error: BaseException | None = None
-        self._done = threading.Event()
+        self._finished: threading.Event | None = None   # made by the first waiter that finds the op pending
         self._future: torch.futures.Future | None = None
         self._lock = threading.Lock()
         self.poll: Callable[[], None] | None = None   # set by a transport that can advance the op from `wait`
@@ -65,12 +65,13 @@ class Work:
         with self._lock:
             if self.state is not WorkState.PENDING:
                 return
-            self.state = WorkState.COMPLETED
+            if self.record is not None:     # before the state: a waiter may read the record at once
+                self.record.finish(OpState.COMPLETED)
             self._ready = ready
-            future = self._future
-        if self.record is not None:
-            self.record.finish(OpState.COMPLETED)
-        self._done.set()
+            self.state = WorkState.COMPLETED
+            future, finished = self._future, self._finished
+        if finished is not None:
+            finished.set()
         if future is not None:
             future.set_result(self.outputs)
 
@@ -78,12 +79,13 @@ class Work:
         with self._lock:
             if self.state is not WorkState.PENDING:
                 return
+            if self.record is not None:
+                self.record.finish(OpState.FAILED)
             self._error = error
             self.state = WorkState.FAILED
-            future = self._future
-        if self.record is not None:
-            self.record.finish(OpState.FAILED)
-        self._done.set()
+            future, finished = self._future, self._finished
+        if finished is not None:
+            finished.set()
         if future is not None:
             future.set_exception(error)
 
@@ -95,10 +97,15 @@ class Work:
         the waiter's current stream then waits for the op's device work (a stream wait, not a host sync).
         """
         poll = self.poll
-        if poll is not None and not self._done.is_set():
+        if poll is not None and self.state is WorkState.PENDING:
             poll()
-        if not self._done.wait(timeout):
-            raise CommTimeoutError(f"{self.description}: Work.wait timed out after {timeout}s (still running)")
+        if self.state is WorkState.PENDING:
+            with self._lock:
+                if self.state is WorkState.PENDING and self._finished is None:
+                    self._finished = threading.Event()
+                finished = self._finished if self.state is WorkState.PENDING else None
+            if finished is not None and not finished.wait(timeout):
+                raise CommTimeoutError(f"{self.description}: Work.wait timed out after {timeout}s (still running)")
         if self._error is not None:
             raise self._error
         if self._ready is not None:
@@ -106,7 +113,7 @@ class Work:
         return True
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self.state is not WorkState.PENDING
 
     def is_success(self) -> bool:
         return self.state is WorkState.COMPLETED
