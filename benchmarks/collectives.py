@@ -42,7 +42,7 @@ BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_to_all_single": lambda n: (n - 1) / n,
     "send_recv": lambda n: 1.0,
 }
-SEND_RECV_MAX = 4 << 20
+SEND_RECV_MAX = 16 << 20
 
 
 def parse_size(text: str) -> int:

@@ -30,6 +30,8 @@ from spmd.comm.debug import Fingerprint
 from spmd.comm.transports.base import OpContext, Transport, TransportSpec, create_transport
 from spmd.comm.transports.shm import local as shm_local
 from spmd.comm.transports.shm import names as shm_names
+from spmd.comm.transports.shm import p2p as shm_p2p
+from spmd.comm.transports.shm import peer_memory
 from spmd.comm.transports.shm import segment as shm_segment
 from spmd.comm.transports.shm.hierarchical import HierarchicalTransport
 from spmd.comm.transports.shm.local import LocalShmTransport
@@ -198,9 +200,10 @@ def test_subgroups_async_ops_and_in_place_all_gather(small_slots: None) -> None:
 
 # -- point to point -----------------------------------------------------------------------------------------
 
-def _p2p_exchange(rank: int, big_numel: int) -> None:
+def _p2p_exchange(rank: int, big_numel: int) -> int:
     """Both ranks of a pair send first (a message larger than the ring among them), tags out of order,
-    blocking sends on both sides, a send to self and odd dtypes; asserts what each rank receives."""
+    blocking sends on both sides (small ones, then ones large enough to go by rendezvous), a send to self and
+    odd dtypes; asserts what each rank receives. Returns how many messages to the peer went by rendezvous."""
     peer = 1 - rank
     big = torch.arange(big_numel, dtype=torch.float64) + rank
     sends = [spmd.isend(big, peer), spmd.isend(torch.tensor([rank, 1]), peer, tag=5),
@@ -219,6 +222,9 @@ def _p2p_exchange(rank: int, big_numel: int) -> None:
     back = torch.empty(20_000)
     spmd.recv(back, peer)
     assert torch.equal(back, torch.full((20_000,), float(peer)))
+    spmd.send(big * 2, peer)        # the first large message taught the pair whether a receiver may read it
+    spmd.recv(received, peer)
+    assert torch.equal(received, (torch.arange(big_numel, dtype=torch.float64) + peer) * 2)
     mine = torch.tensor([3.5, rank])
     to_self = spmd.isend(mine, rank, tag=2)
     echo = torch.empty(2)
@@ -232,19 +238,52 @@ def _p2p_exchange(rank: int, big_numel: int) -> None:
             z = torch.zeros(3, dtype=dtype)
             spmd.recv(z, 0)
             assert torch.equal(z, torch.ones(3, dtype=dtype))
+    return _p2p_engine()._tickets[peer]
+
+
+def _p2p_engine() -> shm_p2p.P2PEngine:
+    transport = current_world().default_group.transport
+    assert isinstance(transport, LocalShmTransport)
+    return transport._p2p
 
 
 def test_p2p_both_sides_send_first_large_messages_and_tags_in_order(small_slots: None) -> None:
-    run_ranks(lambda rank, size: _p2p_exchange(rank, 50_000), world_size=2, timeout=60,   # 400 KB, 4 KiB ring
-              backend=SHM)
+    by_rendezvous = run_ranks(lambda rank, size: _p2p_exchange(rank, 50_000), world_size=2, timeout=60,
+                              backend=SHM)   # 400 KB, 4 KiB ring
+    assert by_rendezvous == [1, 1]           # thread ranks read each other's memory: the second large one
 
 
-def _p2p_worker(rank: int, world_size: int, results: Any, store_path: str) -> None:
+def test_p2p_rendezvous_to_a_receiver_not_posted_yet_and_of_the_wrong_size() -> None:
+    def body(rank: int, size: int) -> list[float]:
+        peer, numel = 1 - rank, shm_p2p.RENDEZVOUS_BYTES // 4
+        spmd.send(torch.zeros(numel), peer) if rank == 0 else spmd.recv(torch.zeros(numel), peer)   # probe
+        if rank == 0:
+            sends = [spmd.isend(torch.full((numel,), float(k)), peer) for k in range(3)]
+            spmd.barrier()                   # the receives are posted only now: copied into private buffers
+            for work in sends:
+                work.wait()
+            spmd.send(torch.ones(numel), peer)
+            assert _p2p_engine()._tickets[peer] == 4
+            return []
+        spmd.barrier()
+        got = [torch.empty(numel) for _ in range(3)]
+        for tensor in got:
+            spmd.recv(tensor, peer)
+        with pytest.raises(CommError, match=rf"holds {numel} torch\.float32 elements but the receive buffer holds"):
+            spmd.recv(torch.empty(numel + 1), peer)       # the sender's Work completes all the same
+        return [tensor.unique().item() for tensor in got]
+
+    assert run_ranks(body, world_size=2, timeout=30, backend=SHM)[1] == [0.0, 1.0, 2.0]
+
+
+def _p2p_worker(rank: int, world_size: int, results: Any, store_path: str, one_copy: bool = True) -> None:
     """_p2p_exchange between processes, where waiting threads move ring data themselves, then a ping-pong."""
     torch.set_num_threads(1)
+    if not one_copy:
+        os.environ[peer_memory.ENABLED_ENV] = "0"
     spmd.init_process_group("shm", init_method=f"file://{store_path}", rank=rank, world_size=world_size, timeout=60)
     try:
-        _p2p_exchange(rank, 400_000)                   # 3.2 MB through a 1 MiB ring
+        by_rendezvous = _p2p_exchange(rank, 400_000)   # 3.2 MB through a 1 MiB ring
         t = torch.zeros(1, dtype=torch.int64)
         polled = []
         for step in range(200):                        # each message one more than the one it answers
@@ -255,17 +294,19 @@ def _p2p_worker(rank: int, world_size: int, results: Any, store_path: str) -> No
                 work = spmd.irecv(t, 1 - rank)     # complete at once if the progress thread got it first
                 polled.append("done" if work.is_completed() else "polls" if work.poll is not None else "neither")
                 work.wait()
-        results.send((rank, t.item(), "neither" not in polled and "polls" in polled))
+        results.send((rank, t.item(), "neither" not in polled and "polls" in polled, by_rendezvous))
     except BaseException as error:
-        results.send((rank, repr(error), False))
+        results.send((rank, repr(error), False, 0))
     finally:
         spmd.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
-def test_p2p_between_processes_with_waiters_moving_the_data(tmp_path) -> None:
-    reports = _sorted_reports(_p2p_worker, 2, str(tmp_path / "store"))
-    assert reports == [(0, 200, True), (1, 200, True)], reports
+@pytest.mark.parametrize("one_copy", [True, False], ids=["rendezvous", "rings-only"])
+def test_p2p_between_processes_with_waiters_moving_the_data(tmp_path, one_copy: bool) -> None:
+    reports = _sorted_reports(_p2p_worker, 2, str(tmp_path / "store"), one_copy)
+    used = 1 if one_copy else 0        # the second large message, once the receiver found it may read the sender
+    assert reports == [(0, 200, True, used), (1, 200, True, used)], reports
 
 
 def test_p2p_size_mismatch_fails_the_receive() -> None:

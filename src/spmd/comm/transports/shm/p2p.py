@@ -9,10 +9,12 @@ with this rank, and a local isend/irecv, ring it. The wait times out after WAKE_
 missed wake and paces the checks for a dead peer or an aborted group.
 
 Note: ring framing
-A ring is RING bytes of data plus two 8-byte positions, the total bytes ever written (by the sender) and
-ever consumed (by the receiver), each on its own cache line. A message is a 64-byte header (tag, payload
-bytes, element count, dtype code) followed by the payload padded to 64 bytes, so positions stay multiples
-of 64 and a header never wraps. The sender publishes a piece by advancing its write position after the
+A ring is RING bytes of data plus two cache lines of words: the sender's (the total bytes ever written, the
+ring-full flag, the address of this very word in the sender's memory) and the receiver's (the total bytes
+ever consumed, the count of rendezvous messages copied, whether it may read the sender's memory). A message
+is a 64-byte header (tag, payload bytes, element count, dtype code, kind, the payload's address in the
+sender) followed, for an eager message, by the payload padded to 64 bytes, so positions stay multiples of
+64 and a header never wraps. The sender publishes a piece by advancing its write position after the
 copy; the receiver frees space by advancing the read position after its copy. The word after the write
 position says the sender found the ring too full to go on; only then does the receiver, freeing space,
 ring the sender's progress thread (otherwise a sender whose messages fit would be woken for nothing).
@@ -33,13 +35,29 @@ Messages from one peer arrive in the order sent. At a message's header the engin
 posted for that (peer, tag) and copies the payload straight into it; with none posted it receives into a
 private buffer, queued as unexpected. irecv takes the oldest unexpected message of its (peer, tag) first,
 so messages of one (peer, tag) are always received in order whatever the interleaving with other tags.
+
+Note: rendezvous
+A message of RENDEZVOUS_BYTES or more, to a peer that may read this process's memory, is only a header in
+the ring: the receiver copies the payload straight out of the sender's tensor into its own (process_vm_readv,
+see peer_memory), one copy at memcpy speed where the ring costs two in ring-sized pieces. The sender's Work
+completes when the receiver has copied it: the receiver then advances the ring's rendezvous count (and rings
+the sender, as for space freed), and rendezvous messages of one ring are copied in ring order, so a count
+is enough. A message nobody has posted a receive for yet is copied into a private buffer at once, as an eager
+one would be, so both ranks may still send before they receive. Whether the receiver may read the sender is
+learnt once per ordered pair: at the first large eager message from a peer the receiver reads the word the
+peer wrote its own address into, and publishes the answer where the sender reads it; until then, and where
+the kernel refuses (ptrace rules, seccomp, SPMD_SHM_ONE_COPY=0), messages go through the ring. A group being
+aborted may free a sender's tensor while it is read: the receiver checks the abort word after each copy and
+fails the receive instead of completing it with what it read.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import dataclasses
+import enum
 import functools
 import os
 import socket
@@ -52,15 +70,32 @@ from torch import Tensor
 
 from spmd._core.errors import CommError, GroupAbortedError, PeerLostError
 from spmd.comm.transports.base import TransportSpec
+from spmd.comm.transports.shm import peer_memory
 from spmd.comm.transports.shm.segment import CACHELINE, Segment, wake_socket
 from spmd.comm.work import Work
 
 HEADER = 64
 LIVENESS_S = 0.05      # with operations pending, peers' liveness is checked this often
-INLINE_BYTES = 256 << 10   # an isend this small, with nothing queued before it, is written by the caller
+INLINE_BYTES = 256 << 10       # an isend this small, with nothing queued before it, is written by the caller
+RENDEZVOUS_BYTES = 128 << 10   # a message this large is copied out of the sender's memory where allowed
 POLL_S = (1e-3, 50e-6)     # how long a waiting thread moves data itself: ranks with a core each, or fewer
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
            torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+
+# Words of a ring's two cache lines, from the first word of each (see Note: ring framing).
+_W_POSITION, _W_FULL, _W_ADDRESS = 0, 1, 2          # the sender's line
+_R_POSITION, _R_COPIED, _R_PEER_READ = 0, 1, 2      # the receiver's line
+
+
+class _Kind(enum.IntEnum):
+    EAGER = 0          # the payload follows the header in the ring
+    RENDEZVOUS = 1     # the receiver copies the payload out of the sender's memory
+
+
+class _PeerRead(enum.IntEnum):
+    UNKNOWN = 0        # not asked yet: large messages go through the ring
+    ALLOWED = 1
+    REFUSED = 2
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -75,23 +110,26 @@ def _pad(nbytes: int) -> int:
     return (nbytes + CACHELINE - 1) // CACHELINE * CACHELINE
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class _Send:
-    data: Tensor          # the tensor's bytes
+    tensor: Tensor        # kept alive until the payload is written, or copied by the receiver
+    address: int          # of its first byte
+    nbytes: int
     tag: int
     numel: int
     dtype_code: int
     work: Work
     sent: int = -1        # payload bytes written so far; -1 until the header is written
+    ticket: int = 0       # rendezvous: the ring's copied count once the receiver has copied this one
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class _Recv:
     tensor: Tensor
     work: Work
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class _Message:
     """A message being received or received: its header and where its payload goes."""
 
@@ -103,6 +141,7 @@ class _Message:
     target: Tensor | None       # the receiving tensor's bytes, a private buffer, or None to discard
     recv: _Recv | None = None   # the irecv it completes; None while unexpected
     received: int = 0
+    address: int = 0            # of target's first byte
 
 
 class P2PEngine:
@@ -114,11 +153,13 @@ class P2PEngine:
         self._size = size
         self._spec = spec
         self._lock = threading.Lock()
-        self._sends: dict[int, collections.deque[_Send]] = collections.defaultdict(collections.deque)
+        self._sends: list[collections.deque[_Send]] = [collections.deque() for _ in range(size)]
+        self._unacked: list[collections.deque[_Send]] = [collections.deque() for _ in range(size)]
+        self._tickets = [0] * size            # rendezvous messages written into the ring to each peer
         self._posted: dict[tuple[int, int], collections.deque[_Recv]] = collections.defaultdict(collections.deque)
         self._unexpected: dict[tuple[int, int], collections.deque[_Message]] = collections.defaultdict(
             collections.deque)
-        self._incoming: dict[int, _Message] = {}
+        self._incoming: list[_Message | None] = [None] * size
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._closed = False
@@ -130,39 +171,58 @@ class P2PEngine:
         if segment is not None:
             self._sock = wake_socket(segment.p2p_wake_address(rank))
             self._addresses = [segment.p2p_wake_address(peer) for peer in range(size)]
+            self._words, self._capacity = segment.words, segment.layout.ring_bytes
+            self._base = segment.bytes.data_ptr()
+            self._out = [self._ring(rank, peer) for peer in range(size)]
+            self._in = [self._ring(peer, rank) for peer in range(size)]
+            for peer in range(size):      # what a receiver reads to learn whether it may read this process
+                index = self._out[peer][0] + _W_ADDRESS
+                self._words[index] = self._base + index * 8
 
     # -- posting (caller threads) ---------------------------------------------------------------------------
 
     def isend(self, tensor: Tensor, dst: int, tag: int, work: Work) -> None:
-        code = _dtype_code(tensor.dtype)
-        with self._lock:
-            self._raise_if_failed(f"send to group rank {dst}")
-            if dst != self._rank:
-                send = _Send(_as_bytes(tensor), tag, tensor.numel(), code, work)
-                queue = self._sends[dst]
-                queue.append(send)
-                self._start_locked()
-                inline = len(queue) == 1 and send.data.numel() <= INLINE_BYTES
-        if dst != self._rank:
-            if inline:      # nothing queued before it: the caller writes it now, saving a thread hand-off
-                with self._send_locks[dst]:
-                    if queue and queue[0] is send:
-                        self._push(dst)
-            if not work.is_completed():
-                if self._polls:
-                    work.poll = functools.partial(self._poll, self._send_locks[dst], self._push_all, dst, work)
-                self._ring_bell(self._rank)
+        self._raise_if_failed(f"send to group rank {dst}")
+        send = _Send(tensor, tensor.data_ptr(), tensor.nbytes, tag, tensor.numel(), _dtype_code(tensor.dtype), work)
+        if dst == self._rank:
+            self._send_to_self(send)
             return
+        queue, lock = self._sends[dst], self._send_locks[dst]
+        if not queue and (send.nbytes <= INLINE_BYTES or self._by_rendezvous(dst, send.nbytes)) \
+                and lock.acquire(blocking=False):
+            try:            # nothing queued before it: the caller writes it now, saving a thread hand-off
+                if not queue:
+                    self._write(dst, send)
+                if not self._written(send):
+                    with self._lock:
+                        queue.append(send)
+            finally:
+                lock.release()
+            if self._written(send) and not send.ticket:
+                work.to_completed()
+                return
+        else:
+            with self._lock:
+                queue.append(send)
         with self._lock:
-            message = _Message(dst, tag, tensor.numel() * tensor.element_size(), tensor.numel(), code, None)
-            waiting = self._posted.get((dst, tag))
+            self._start_locked()
+        if not work.is_completed():
+            if self._polls:
+                work.poll = functools.partial(self._poll, lock, self._advance, dst, work)
+            self._ring_bell(self._rank)
+
+    def _send_to_self(self, send: _Send) -> None:
+        tensor = send.tensor
+        with self._lock:
+            message = _Message(self._rank, send.tag, send.nbytes, send.numel, send.dtype_code, None)
+            waiting = self._posted.get((self._rank, send.tag))
             message.recv = waiting.popleft() if waiting else None
             if message.recv is None:
                 message.target = _as_bytes(tensor).clone()
-                self._unexpected[(dst, tag)].append(message)
+                self._unexpected[(self._rank, send.tag)].append(message)
         if message.recv is not None:
             self._deliver(message, _as_bytes(tensor))
-        work.to_completed()
+        send.work.to_completed()
 
     def irecv(self, tensor: Tensor, src: int, tag: int, work: Work) -> None:
         with self._lock:
@@ -201,7 +261,7 @@ class P2PEngine:
         if not self._fits(message, recv):
             recv.work.to_failed(self._size_error(message, recv))
             return
-        if payload is not None and payload.data_ptr() != _as_bytes(recv.tensor).data_ptr():
+        if payload is not None and payload.data_ptr() != recv.tensor.data_ptr():
             _as_bytes(recv.tensor).copy_(payload)
         recv.work.to_completed()
 
@@ -219,13 +279,14 @@ class P2PEngine:
 
     def _progress(self) -> None:
         assert self._segment is not None and self._sock is not None
-        words, sleeping = self._segment.words, self._segment.p2p_sleeping_index(self._rank)
+        words, sleeping = self._words, self._segment.p2p_sleeping_index(self._rank)
         next_liveness = time.monotonic() + LIVENESS_S
         while True:
             with self._lock:
                 if self._closed or self._error is not None:
                     return
-                busy = bool(self._incoming) or any(self._sends.values()) or any(self._posted.values())
+                busy = (any(message is not None for message in self._incoming) or any(self._sends)
+                        or any(self._unacked) or any(self._posted.values()))
             try:
                 if self._step():
                     continue
@@ -245,21 +306,25 @@ class P2PEngine:
             words[sleeping] = 0
 
     def _step(self) -> bool:
-        """One pass over every queued send and every incoming ring; True if anything moved."""
+        """One pass over every queued or unacknowledged send and every incoming ring; True if anything moved."""
         progressed = False
         for dst in range(self._size):
-            if self._sends.get(dst):
+            if self._sends[dst] or self._unacked[dst]:
                 with self._send_locks[dst]:
-                    progressed |= self._push_all(dst)
+                    progressed |= self._advance(dst)
         for src in range(self._size):
             if src != self._rank:
                 with self._pull_locks[src]:
                     progressed |= self._pull(src)
         return progressed
 
-    def _push_all(self, dst: int) -> bool:
-        """`_push` if anything is queued for `dst` (call with its send lock held)."""
-        return bool(self._sends[dst]) and self._push(dst)
+    def _advance(self, dst: int) -> bool:
+        """Complete the sends to `dst` the receiver has copied, then write what is queued for it (call with its
+        send lock held); True if anything moved."""
+        progressed = self._collect(dst)
+        if self._sends[dst]:
+            progressed |= self._push(dst)
+        return progressed
 
     def _poll(self, lock: threading.Lock, move: Callable[[int], bool], peer: int, work: Work) -> None:
         """Work.poll of a pending send or receive: move data through the ring to or from `peer` on the
@@ -305,8 +370,9 @@ class P2PEngine:
             error = segment.abort_error(f"point-to-point on rank {self._spec.global_rank}")
         else:
             with self._lock:     # only peers with operations pending: others may have finished and exited
-                involved = {dst for dst, queue in self._sends.items() if queue}
-                involved |= {src for (src, _), queue in self._posted.items() if queue} | set(self._incoming)
+                involved = {dst for dst in range(self._size) if self._sends[dst] or self._unacked[dst]}
+                involved |= {src for (src, _), queue in self._posted.items() if queue}
+                involved |= {src for src, message in enumerate(self._incoming) if message is not None}
             dead = segment.dead_peer(sorted(involved))
             if dead is not None:
                 error = PeerLostError(f"point-to-point on rank {self._spec.global_rank}: "
@@ -315,95 +381,164 @@ class P2PEngine:
             self.fail(error)
 
     def _ring(self, src: int, dst: int) -> tuple[int, int, int]:
-        """Indices of the write and read position words, and the byte offset of the data, of ring src->dst."""
+        """Indices of the first words of the sender's and the receiver's line, and the byte offset of the
+        data, of ring src->dst."""
         assert self._segment is not None
         base = self._segment.layout.ring(src, dst)
         return base >> 3, (base + CACHELINE) >> 3, base + 2 * CACHELINE
 
-    def _push(self, dst: int) -> bool:
-        """Write as much of the oldest send to `dst` as the ring has room for."""
-        segment = self._segment
-        assert segment is not None
-        send = self._sends[dst][0]
-        words, capacity = segment.words, segment.layout.ring_bytes
-        w_index, r_index, data = self._ring(self._rank, dst)
-        written, free = words[w_index], capacity - (words[w_index] - words[r_index])
-        progressed = False
+    # -- sending --------------------------------------------------------------------------------------------
+
+    def _by_rendezvous(self, dst: int, nbytes: int) -> bool:
+        """Whether a message of `nbytes` to `dst` goes by rendezvous (see Note: rendezvous)."""
+        return nbytes >= RENDEZVOUS_BYTES and self._words[self._out[dst][1] + _R_PEER_READ] == _PeerRead.ALLOWED
+
+    @staticmethod
+    def _written(send: _Send) -> bool:
+        """Whether nothing of `send` remains to be written into the ring."""
+        return send.ticket > 0 or send.sent == send.nbytes
+
+    def _write(self, dst: int, send: _Send) -> bool:
+        """Write the header and as much of the payload of `send` as the ring to `dst` has room for (call with
+        its send lock held); True if anything moved."""
+        words, capacity = self._words, self._capacity
+        w, r, data = self._out[dst]
+        written = words[w + _W_POSITION]
+        free = capacity - (written - words[r + _R_POSITION])
+        start = written
         if send.sent < 0:
             if free < HEADER:
-                words[w_index + 1] = 1           # full: the receiver rings when it frees space
+                words[w + _W_FULL] = 1       # full: the receiver rings when it frees space
                 return False
-            at = data + written % capacity
-            segment.write_word(at, send.tag)
-            segment.write_word(at + 8, send.data.numel())
-            segment.write_word(at + 16, send.numel)
-            segment.write_word(at + 24, send.dtype_code)
-            send.sent = 0
+            kind = _Kind.RENDEZVOUS if self._by_rendezvous(dst, send.nbytes) else _Kind.EAGER
+            at = (data + written % capacity) >> 3
+            words[at], words[at + 1], words[at + 2] = send.tag, send.nbytes, send.numel
+            words[at + 3], words[at + 4], words[at + 5] = send.dtype_code, kind, send.address
             written += HEADER
             free -= HEADER
-            words[w_index] = written
-            progressed = True
-        remaining = send.data.numel() - send.sent
-        index = written % capacity
-        piece = min(remaining, free, capacity - index)
-        if piece < remaining:
-            piece = piece // CACHELINE * CACHELINE
-        if piece > 0:
-            segment.bytes[data + index:data + index + piece].copy_(send.data[send.sent:send.sent + piece])
-            send.sent += piece
-            words[w_index] = written + _pad(piece)
-            progressed = True
-        if progressed:
-            self._ring_bell(dst)
-        if send.sent < send.data.numel():
-            if not progressed:
-                words[w_index + 1] = 1
-            return progressed
-        with self._lock:
-            self._sends[dst].popleft()
-        send.work.to_completed()
+            if kind is _Kind.RENDEZVOUS:     # counted and kept before the receiver can see it
+                self._tickets[dst] += 1
+                send.ticket, send.sent = self._tickets[dst], send.nbytes
+                self._unacked[dst].append(send)
+            else:
+                send.sent = 0
+        remaining = send.nbytes - send.sent
+        if remaining > 0:
+            index = written % capacity
+            piece = min(remaining, free, capacity - index)
+            if piece < remaining:
+                piece = piece // CACHELINE * CACHELINE
+            if piece > 0:
+                ctypes.memmove(self._base + data + index, send.address + send.sent, piece)
+                send.sent += piece
+                written += _pad(piece)
+            elif written == start:
+                words[w + _W_FULL] = 1
+        if written == start:
+            return False
+        words[w + _W_POSITION] = written     # publish header and payload at once
+        self._ring_bell(dst)
         return True
 
+    def _push(self, dst: int) -> bool:
+        """Write as much of the oldest send queued for `dst` as the ring has room for (send lock held)."""
+        queue = self._sends[dst]
+        send = queue[0]
+        progressed = self._write(dst, send)
+        if self._written(send):
+            with self._lock:
+                queue.popleft()
+            if not send.ticket:
+                send.work.to_completed()
+        return progressed
+
+    def _collect(self, dst: int) -> bool:
+        """Complete the rendezvous sends to `dst` that the receiver has copied (send lock held)."""
+        unacked = self._unacked[dst]
+        if not unacked:
+            return False
+        copied = self._words[self._out[dst][1] + _R_COPIED]
+        progressed = False
+        while unacked and unacked[0].ticket <= copied:
+            unacked.popleft().work.to_completed()
+            progressed = True
+        return progressed
+
+    # -- receiving ------------------------------------------------------------------------------------------
+
     def _pull(self, src: int) -> bool:
-        """Receive the next header or payload piece from `src`, if the ring holds one."""
-        segment = self._segment
-        assert segment is not None
-        words, capacity = segment.words, segment.layout.ring_bytes
-        w_index, r_index, data = self._ring(src, self._rank)
-        consumed, available = words[r_index], words[w_index] - words[r_index]
+        """Receive the next header or payload piece from `src`, if the ring holds one (pull lock held)."""
+        words, capacity = self._words, self._capacity
+        w, r, data = self._in[src]
+        consumed = words[r + _R_POSITION]
+        available = words[w + _W_POSITION] - consumed
         if available <= 0:
             return False
-        message = self._incoming.get(src)
+        message = self._incoming[src]
         if message is None:
-            at = data + consumed % capacity
-            tag, nbytes, numel, code = (segment.word(at + offset) for offset in (0, 8, 16, 24))
-            words[r_index] = consumed + HEADER
-            self._space_freed(src, w_index)
-            message = self._incoming[src] = self._match(src, tag, nbytes, numel, code)
-            if nbytes > 0:
+            at = (data + consumed % capacity) >> 3
+            tag, nbytes, numel, code, kind, address = words[at:at + 6].tolist()
+            consumed += HEADER
+            available -= HEADER
+            message = self._match(src, tag, nbytes, numel, code)
+            if kind == _Kind.RENDEZVOUS:
+                words[r + _R_POSITION] = consumed
+                self._space_freed(src, w)
+                self._copy_from_sender(src, message, address)
+                self._complete(message)
                 return True
-        else:
+            if nbytes >= RENDEZVOUS_BYTES and words[r + _R_PEER_READ] == _PeerRead.UNKNOWN:
+                self._probe(src)
+        if available > 0 and message.received < message.nbytes:
             index = consumed % capacity
             piece = min(_pad(message.nbytes - message.received), available, capacity - index)
             useful = min(piece, message.nbytes - message.received)
-            if message.target is not None:
-                message.target[message.received:message.received + useful].copy_(
-                    segment.bytes[data + index:data + index + useful])
+            if message.address:
+                ctypes.memmove(message.address + message.received, self._base + data + index, useful)
             message.received += useful
-            words[r_index] = consumed + piece
-            self._space_freed(src, w_index)
-            if message.received < message.nbytes:
-                return True
-        del self._incoming[src]
+            consumed += piece
+        words[r + _R_POSITION] = consumed
+        self._space_freed(src, w)
+        if message.received < message.nbytes:
+            self._incoming[src] = message
+            return True
+        self._incoming[src] = None
         self._complete(message)
         return True
 
-    def _space_freed(self, src: int, w_index: int) -> None:
+    def _copy_from_sender(self, src: int, message: _Message, address: int) -> None:
+        """Copy a rendezvous payload out of `src`'s memory, then tell `src` (see Note: rendezvous)."""
+        segment = self._segment
+        assert segment is not None
+        if message.address:
+            try:
+                peer_memory.read(segment.pids[src], address, message.address, message.nbytes)
+            except OSError as error:
+                if segment.dead_peer([src]) is not None:
+                    raise PeerLostError(f"point-to-point on rank {self._spec.global_rank}: "
+                                        f"{segment.peer_lost_message(src)}") from error
+                raise CommError(f"recv from rank {self._spec.global_ranks[src]} on rank {self._spec.global_rank}: "
+                                f"copying {message.nbytes} bytes out of its memory failed: {error}") from error
+            if segment.aborted():
+                raise segment.abort_error(f"point-to-point on rank {self._spec.global_rank}")
+        message.received = message.nbytes
+        index = self._in[src][1] + _R_COPIED
+        self._words[index] += 1
+        self._ring_bell(src)
+
+    def _probe(self, src: int) -> None:
+        """Learn whether this rank may read `src`'s memory and publish it for `src` (see Note: rendezvous)."""
+        segment = self._segment
+        assert segment is not None
+        w, r, _ = self._in[src]
+        allowed = peer_memory.can_read(segment.pids[src], self._words[w + _W_ADDRESS])
+        self._words[r + _R_PEER_READ] = _PeerRead.ALLOWED if allowed else _PeerRead.REFUSED
+
+    def _space_freed(self, src: int, w: int) -> None:
         """Ring `src` if it found the ring src -> this rank full (see Note: ring framing)."""
-        assert self._segment is not None
-        words = self._segment.words
-        if words[w_index + 1]:
-            words[w_index + 1] = 0
+        words = self._words
+        if words[w + _W_FULL]:
+            words[w + _W_FULL] = 0
             self._ring_bell(src)
 
     def _match(self, src: int, tag: int, nbytes: int, numel: int, code: int) -> _Message:
@@ -415,7 +550,9 @@ class P2PEngine:
         if recv is None:
             message.target = torch.empty(nbytes, dtype=torch.uint8)
         elif self._fits(message, recv):
-            message.target = _as_bytes(recv.tensor)
+            message.target = recv.tensor
+        if message.target is not None:
+            message.address = message.target.data_ptr()
         return message
 
     def _complete(self, message: _Message) -> None:
@@ -437,10 +574,12 @@ class P2PEngine:
         with self._lock:
             if self._error is None:
                 self._error = error
-            works = [send.work for queue in self._sends.values() for send in queue]
+            works = [send.work for queue in self._sends + self._unacked for send in queue]
             works += [recv.work for queue in self._posted.values() for recv in queue]
-            works += [message.recv.work for message in self._incoming.values() if message.recv is not None]
-            self._sends.clear()
+            works += [message.recv.work for message in self._incoming
+                      if message is not None and message.recv is not None]
+            for queue in self._sends + self._unacked:
+                queue.clear()
             self._posted.clear()
         self._ring_bell(self._rank, force=True)
         for work in works:
