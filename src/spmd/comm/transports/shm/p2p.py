@@ -209,7 +209,8 @@ class P2PEngine:
         if not work.is_completed():
             if self._polls:
                 work.poll = functools.partial(self._poll, lock, self._advance, dst, work)
-            self._ring_bell(self._rank)
+            if not send.ticket:     # queued: the progress thread writes it; a rendezvous waits for the receiver,
+                self._ring_bell(self._rank)   # whose copy rings this progress thread if nobody polls meanwhile
 
     def _send_to_self(self, send: _Send) -> None:
         tensor = send.tensor
