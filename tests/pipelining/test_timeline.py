@@ -19,8 +19,9 @@ from spmd.pipelining import (
     render_svg,
     render_text,
     stage_to_rank,
+    validate_program,
 )
-from spmd.pipelining.actions import ActionKind
+from spmd.pipelining.actions import RECV_B, RECV_F, SEND_B, SEND_F, ActionKind
 from spmd.pipelining.schedules import PipelineScheduleSingle
 from spmd.pipelining.timeline import measured_report
 from spmd.pipelining.validate import ScheduleReport
@@ -105,18 +106,26 @@ def test_measured_report_from_hand_made_records() -> None:
     program = programs.add_communication(programs.gpipe(2, 1), stage_to_rank(2, 2))
     assert [list(map(str, program[r])) for r in (0, 1)] == [["0RECV_B0", "0F0", "0SEND_F0", "0B0"],
                                                            ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]]
-    # (position, reached, ended, waited) in seconds from 100; rank 0's backward waits 3 s for rank 1's
-    records = {0: [(0, 100.0, 100.0, 0.0), (1, 100.0, 101.0, 0.0), (2, 101.0, 101.0, 0.0), (3, 101.0, 106.0, 3.0)],
+    # (position, reached, ended, waited) in seconds from 100; issuing rank 0's send takes 0.25 s, then its backward
+    # waits 2.75 s for rank 1's
+    records = {0: [(0, 100.0, 100.0, 0.0), (1, 100.0, 101.0, 0.0), (2, 101.0, 101.25, 0.0), (3, 101.25, 106.0, 2.75)],
                1: [(0, 100.5, 100.5, 0.0), (1, 100.5, 102.0, 0.5), (2, 102.0, 104.0, 0.0), (3, 104.0, 104.0, 0.0)]}
     report = measured_report(program, records, 1, stage_to_rank(2, 2))
     assert report.makespan == 6.0
     assert report.busy == {0: 3.0, 1: 3.0} and report.bubble == {0: 3.0, 1: 3.0}
     assert report.bubble_fraction == 0.5
     first_backward = report.timeline[0][3]
-    assert (first_backward.start, first_backward.end, first_backward.wait) == (4.0, 6.0, 3.0)
+    assert (first_backward.start, first_backward.end, first_backward.wait) == (4.0, 6.0, 2.75)
     assert report.costs[F] == 1.0 and report.costs[B] == 2.0     # the mean of each kind
     assert report.costs[ActionKind.BACKWARD_INPUT] == 1.0         # never ran: the default share of a forward
+    assert report.costs[SEND_F] == 0.25 and report.costs[RECV_F] == 0.0
+    assert report.stage_costs == {(0, RECV_B): 0.0, (0, F): 1.0, (0, SEND_F): 0.25, (0, B): 2.0, (1, RECV_F): 0.0,
+                                  (1, F): 1.0, (1, B): 2.0, (1, SEND_B): 0.0}
+    replayed = validate_program(program, 1, 2, stage_to_rank(2, 2), costs=report.costs, stage_costs=report.stage_costs)
+    assert replayed.makespan == 6.25     # the send issued, then rank 1's forward and backward, then rank 0's
+    assert replayed.busy == {0: 3.0, 1: 3.0}     # issuing the send is idle time, as in the measured report
     assert report.peak_live_activations == {0: 1, 1: 1}
     assert "idle 3e+03/6e+03 ms (50%)" in render_text(report)
+    assert render_text(report).splitlines()[0].split() == ["time", "0", "1", "2", "3", "4", "5"]   # 1 s cells
     with pytest.raises(ValueError, match="rank 1 recorded action 4, but its program has 4 actions"):
         measured_report(program, {0: records[0], 1: [(4, 0.0, 0.0, 0.0)]}, 1, stage_to_rank(2, 2))

@@ -56,6 +56,19 @@ def test_the_zero_bubble_schedules_idle_less_than_1f1b() -> None:
         assert validate_program(program, 8, placement=placement).bubble_fraction < interleaved < one_f_one_b
 
 
+def test_costs_per_stage_set_the_simulated_times() -> None:
+    program, placement = _lowered("GPipe", 2, 1)
+    even = validate_program(program, 1, placement=placement)
+    uneven = validate_program(program, 1, placement=placement, costs={ActionKind.FORWARD: 0.5},
+                              stage_costs={(1, ActionKind.FORWARD): 3.0, (1, ActionKind.FULL_BACKWARD): 4.0})
+    assert even.makespan == 1 + 1 + 2 + 2
+    assert uneven.makespan == 0.5 + 3 + 4 + 2 and uneven.busy == {0: 2.5, 1: 7.0}
+    assert uneven.stage_costs == {(1, ActionKind.FORWARD): 3.0, (1, ActionKind.FULL_BACKWARD): 4.0}
+    issuing = validate_program(program, 1, placement=placement, costs={ActionKind.SEND_F: 0.5, ActionKind.RECV_B: 0.25})
+    assert issuing.makespan == 0.25 + 1 + 0.5 + 1 + 2 + 2    # rank 0 posts, computes, sends; rank 1 then goes on
+    assert issuing.busy == {0: 3.0, 1: 3.0}                   # issuing and posting are idle time, not work
+
+
 def test_the_timeline_holds_every_action_in_program_order() -> None:
     program, placement = _lowered("DualPipeV", 2, 4, 2)
     report = validate_program(program, 4, placement=placement)

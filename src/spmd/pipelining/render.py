@@ -23,7 +23,7 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from spmd.pipelining.actions import Action, ActionKind, Program, ScheduleError, stages_of
+from spmd.pipelining.actions import COMPUTE_KINDS, Action, ActionKind, Program, ScheduleError, stages_of
 from spmd.pipelining.programs import add_communication
 from spmd.pipelining.validate import ScheduleReport, validate_program
 
@@ -79,8 +79,8 @@ def _cost(report: ScheduleReport, single: Action) -> float:
 
 
 def _unit(report: ScheduleReport) -> float:
-    """The time one cell stands for: the cheapest computation's cost."""
-    return min((c for c in report.costs.values() if c > 0), default=1.0)
+    """The time one cell stands for: the cheapest computation's cost (issuing messages is drawn as idle)."""
+    return min((c for kind, c in report.costs.items() if kind in COMPUTE_KINDS and c > 0), default=1.0)
 
 
 def _summary(report: ScheduleReport, rank: int) -> str:

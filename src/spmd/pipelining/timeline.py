@@ -13,7 +13,8 @@ on different hosts read different clocks: their rows are aligned only as well as
 validate_program, a rank's busy time is the sum of its computations' durations, the makespan runs from the
 first action to the last, and the bubble is the makespan minus the busy time; what the runtime spends between
 actions (Python, posting receives, issuing sends) is idle. `costs` are the mean measured seconds per kind of
-computation, which validate_program can take to predict the bubble of the same program on the same machine.
+action and `stage_costs` per stage and kind, communication included, which validate_program can take to predict
+the bubble of the same program on the same machine.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def measured_report(program: Program, records: Mapping[int, Sequence[Record]], n
     busy = {rank: sum(t.end - t.start for t in rows if t.action.is_compute) for rank, rows in timeline.items()}
     return ScheduleReport(len(program), len(placement), num_microbatches, dict(placement), makespan, busy,
                           {rank: _peak_live(rows) for rank, rows in timeline.items()}, timeline, _costs(timeline),
-                          measured=True)
+                          measured=True, stage_costs=_stage_costs(timeline))
 
 
 def _action(actions: list[Action], position: int, rank: int) -> Action:
@@ -65,14 +66,25 @@ def _peak_live(rows: list[TimedAction]) -> int:
     return peak
 
 
+def _stage_costs(timeline: dict[int, list[TimedAction]]) -> dict[tuple[int, ActionKind], float]:
+    """The mean measured seconds of each (stage, kind) of single action (OVERLAP_F_B groups left out)."""
+    durations: dict[tuple[int, ActionKind], list[float]] = collections.defaultdict(list)
+    for rows in timeline.values():
+        for timed in rows:
+            if timed.action.sub_actions is None:
+                durations[(timed.action.stage, timed.action.kind)].append(timed.end - timed.start)
+    return {key: statistics.fmean(values) for key, values in durations.items()}
+
+
 def _costs(timeline: dict[int, list[TimedAction]]) -> dict[ActionKind, float]:
-    """The mean measured seconds of each kind of single computation; kinds that only ran inside OVERLAP_F_B
+    """The mean measured seconds of each kind of single action; computations that only ran inside OVERLAP_F_B
     groups get the default costs' proportion to the forward's mean."""
     durations: dict[ActionKind, list[float]] = collections.defaultdict(list)
     for rows in timeline.values():
         for timed in rows:
-            if timed.action.is_compute and timed.action.sub_actions is None:
+            if timed.action.sub_actions is None:
                 durations[timed.action.kind].append(timed.end - timed.start)
     costs = {kind: statistics.fmean(values) for kind, values in durations.items()}
-    unit = costs.get(ActionKind.FORWARD, min(costs.values(), default=1.0))
-    return {kind: costs.get(kind, unit * default) for kind, default in DEFAULT_COSTS.items()}
+    computed = [cost for kind, cost in costs.items() if kind in DEFAULT_COSTS]
+    unit = costs.get(ActionKind.FORWARD, min(computed, default=1.0))
+    return {**costs, **{kind: costs.get(kind, unit * default) for kind, default in DEFAULT_COSTS.items()}}

@@ -12,9 +12,11 @@ The simulation runs the rules the runtime follows:
   W waits for its I; a send waits for the computation that produced what it sends;
 - messages are matched by (stage, direction, microbatch), so their order on the wire doesn't matter.
 A program is accepted when every rank reaches its end, every send is received, each (stage, microbatch) gets one
-forward and one backward (B, or I then W), and nothing is left over. Each computation takes `costs[kind]` time
-units as soon as its inputs are there (communication takes none), which gives the makespan, every rank's idle
-time (its bubble) and the timeline render.py draws.
+forward and one backward (B, or I then W), and nothing is left over. Each computation takes
+`stage_costs[(stage, kind)]`, else `costs[kind]`, time units as soon as its inputs are there; messages take no
+time in flight, and issuing a send or posting a receive (or a data-parallel action) takes its cost, none unless
+given (a recorded step measures them: Python's own time per action), which gives the makespan, every rank's idle
+time (its bubble: the makespan less its computations) and the timeline render.py draws.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from spmd.pipelining.actions import (
 )
 
 DEFAULT_COSTS: Mapping[ActionKind, float] = {F: 1.0, I: 1.0, W: 1.0, B: 2.0}
-"""Time units per computation: a backward costs about two forwards, half for inputs (I) and half for weights (W)."""
+"""Time units per computation: a backward costs about two forwards, half for inputs (I) and half for weights (W);
+other kinds of action cost nothing unless given."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +73,8 @@ class ScheduleReport:
     timeline: dict[int, list[TimedAction]]      # rank -> its actions with their times, in program order
     costs: dict[ActionKind, float]              # the time units each computation was given (measured: mean seconds)
     measured: bool = False                      # times are seconds a real step took (timeline.py), not simulated
+    stage_costs: dict[tuple[int, ActionKind], float] = dataclasses.field(default_factory=dict)
+    """(stage, kind) -> time units, where a stage's computations differ from `costs` (measured: mean seconds)."""
 
     @property
     def bubble(self) -> dict[int, float]:
@@ -89,13 +94,17 @@ class ScheduleReport:
 
 def validate_program(program: Program, num_microbatches: int, num_stages: int | None = None,
                      placement: Mapping[int, int] | None = None, has_backward: bool = True,
-                     costs: Mapping[ActionKind, float] | None = None) -> ScheduleReport:
+                     costs: Mapping[ActionKind, float] | None = None,
+                     stage_costs: Mapping[tuple[int, ActionKind], float] | None = None) -> ScheduleReport:
     """Prove that `program` (with its communication; see programs.add_communication) completes and does all the
     work of one step over `num_microbatches` microbatches; report its bubbles and activation peaks.
 
     `num_stages` and `placement` default to what the program computes; given, the program must agree with them.
-    `has_backward=False` checks a forward-only (evaluation) program. Raises ScheduleError naming every problem,
-    and for a program that would hang, the first blocked action of each rank and what it waits for.
+    `has_backward=False` checks a forward-only (evaluation) program. `costs` (per kind of computation) and
+    `stage_costs` (per stage and kind, which win) set how long computations take, e.g. what a recorded step
+    measured (ScheduleReport.costs and .stage_costs), so that the bubble predicted is that machine's. Raises
+    ScheduleError naming every problem, and for a program that would hang, the first blocked action of each rank
+    and what it waits for.
     """
     if sorted(program) != list(range(len(program))) or not program:
         raise ScheduleError(f"a program needs one action list per rank 0..R-1, got ranks {sorted(program)}")
@@ -105,7 +114,8 @@ def validate_program(program: Program, num_microbatches: int, num_stages: int | 
     problems = _structure_problems(program, num_microbatches, num_stages, placement, found)
     if problems:
         raise ScheduleError(_listing("the program is malformed", problems, program))
-    simulation = _Simulation(program, num_stages, placement, {**DEFAULT_COSTS, **(costs or {})}, has_backward)
+    simulation = _Simulation(program, num_stages, placement, {**DEFAULT_COSTS, **(costs or {})},
+                             dict(stage_costs or {}), has_backward)
     simulation.run()
     if simulation.blocked():
         raise ScheduleError(_listing("the program would hang: no rank can run its next action",
@@ -169,9 +179,10 @@ class _Simulation:
     """Every rank's program advanced together; see Note: the simulated semantics."""
 
     def __init__(self, program: Program, num_stages: int, placement: Mapping[int, int],
-                 costs: Mapping[ActionKind, float], has_backward: bool) -> None:
+                 costs: Mapping[ActionKind, float], stage_costs: dict[tuple[int, ActionKind], float],
+                 has_backward: bool) -> None:
         self.programs = {rank: [a for a in actions if a is not None] for rank, actions in program.items()}
-        self.num_stages, self.placement, self.costs = num_stages, placement, costs
+        self.num_stages, self.placement, self.costs, self.stage_costs = num_stages, placement, costs, stage_costs
         self.has_backward = has_backward
         self.pc = dict.fromkeys(self.programs, 0)
         self.clock = dict.fromkeys(self.programs, 0.0)
@@ -245,16 +256,19 @@ class _Simulation:
         """Advance `rank`'s clock over `single`; returns when it started and ended."""
         if single.kind in (RECV_F, RECV_B):
             self.posted.add(single)
-            return self.clock[rank], self.clock[rank]
+            start = self.clock[rank]
+            self.clock[rank] = start + self._cost(single)      # posting one: no cost unless measured
+            return start, self.clock[rank]
         inputs = self._needs(single)
         start = max([self.clock[rank]] + [self.done[producer] for producer, _ in inputs])
         self.consumed.update(recv for _, recv in inputs if recv is not None)
         if single.is_compute:
-            self.clock[rank] = start + self.costs.get(single.kind, 0.0)
+            self.clock[rank] = start + self._cost(single)
             if self.has_backward:         # a forward-only step keeps no activations
                 self._track_activations(rank, single)
-        else:                             # a send leaves as soon as the rank reaches it
+        else:                             # a send leaves as soon as the rank has issued it
             start = self.clock[rank]
+            self.clock[rank] = start + self._cost(single)
         self.done[single] = self.clock[rank]
         return start, self.clock[rank]
 
@@ -330,13 +344,17 @@ class _Simulation:
                      for recv in sorted(self.posted - self.consumed, key=str)]
         return problems
 
+    def _cost(self, single: Action) -> float:
+        cost = self.stage_costs.get((single.stage, single.kind))
+        return cost if cost is not None else self.costs.get(single.kind, 0.0)
+
     def report(self, num_microbatches: int) -> ScheduleReport:
         makespan = max(self.clock.values(), default=0.0)
-        busy = {rank: sum(self.costs.get(s.kind, 0.0) for a in actions for s in a.computations)
+        busy = {rank: sum(self._cost(s) for a in actions for s in a.computations if s.is_compute)
                 for rank, actions in self.programs.items()}
         return ScheduleReport(len(self.programs), self.num_stages, num_microbatches, dict(self.placement), makespan,
                               busy, {rank: self.peak[rank] for rank in self.programs}, self.timeline,
-                              dict(self.costs))
+                              dict(self.costs), stage_costs=dict(self.stage_costs))
 
 
 def _listing(headline: str, problems: list[str], program: Program) -> str:
