@@ -45,19 +45,26 @@ def all_gather_object(object_list: list[Any], obj: Any, group: AnyGroup | None =
     if len(object_list) != pg.size():
         raise ValueError(f"all_gather_object on rank {pg.global_rank}: object_list must have {pg.size()} "
                          f"entries, got {len(object_list)}")
+    object_list[:] = [pickle.loads(data) for data in all_gather_bytes(pickle.dumps(obj), group=pg)]
+
+
+def all_gather_bytes(data: bytes, group: AnyGroup | None = None) -> list[bytes]:
+    """Every rank's `data`, in group rank order, on every rank: for callers that encode their objects
+    themselves (as JSON, say) and must not unpickle what peers send. Collective."""
+    pg = resolve_group(group, "all_gather_bytes")
     device = _staging_device(pg)
-    data = _to_tensor(obj, device)
+    tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else \
+        torch.empty(0, dtype=torch.uint8, device=device)
     lengths = torch.empty(pg.size(), dtype=torch.int64, device=device)
-    collectives.all_gather_into_tensor(lengths, torch.tensor([data.numel()], device=device), group=pg)
+    collectives.all_gather_into_tensor(lengths, torch.tensor([tensor.numel()], device=device), group=pg)
     host_lengths = lengths.tolist()
     longest = max(host_lengths)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[:data.numel()] = data
+    padded[:tensor.numel()] = tensor
     gathered = torch.empty(pg.size(), longest, dtype=torch.uint8, device=device)
     collectives.all_gather_into_tensor(gathered, padded, group=pg)
     host_gathered = gathered.cpu()
-    for rank in range(pg.size()):
-        object_list[rank] = _from_tensor(host_gathered[rank], host_lengths[rank])
+    return [host_gathered[rank, :host_lengths[rank]].numpy().tobytes() for rank in range(pg.size())]
 
 
 def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0,
