@@ -36,3 +36,8 @@ class CollectiveMismatchError(CommError):
 
 class GroupAbortedError(CommError):
     """The group was aborted (by this rank or a peer) after an earlier failure; it can't run more operations."""
+
+
+class CheckpointError(SpmdError):
+    """A checkpoint can't be written or read: incomplete, corrupted, from a newer format version, or not matching
+    the state it is loaded into."""

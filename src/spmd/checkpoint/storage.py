@@ -1,0 +1,149 @@
+"""Where checkpoints live: a small interface of whole files written and byte ranges read, and the local
+filesystem's implementation (torch's names: FileSystemWriter, FileSystemReader).
+
+Layer: checkpoint. No communication. Another storage (an object store, fsspec) implements StorageWriter and
+StorageReader; save and load call them as their docstrings say.
+
+Note: never lose the last good checkpoint
+A data file is written under a hidden temporary name, flushed to disk, then renamed to its final name, which
+carries the save's id, so no file of an earlier checkpoint in the same directory is ever overwritten. The
+metadata is written last the same way, by one rank, once every rank's files are final: the rename is the
+moment the new checkpoint exists and replaces the old one. A save killed at any point before it leaves the
+directory as it was (plus temporary or unreferenced files, which a reader ignores and the next save removes);
+in a new directory, a reader finds no metadata and says the save did not finish.
+"""
+
+from __future__ import annotations
+
+import abc
+import mmap
+import os
+import re
+from collections.abc import Iterable
+
+from spmd._core.errors import CheckpointError
+from spmd.checkpoint.metadata import METADATA_FILE
+
+_PARTIAL = ".partial"
+_DATA_FILE = re.compile(r"^__\d+_[0-9a-f]+\.safetensors$")
+
+
+class StorageWriter(abc.ABC):
+    """Writes one checkpoint (see Note: never lose the last good checkpoint)."""
+
+    @abc.abstractmethod
+    def write_file(self, name: str, parts: Iterable[memoryview]) -> int:
+        """(each writing rank) Store file `name` as the concatenation of `parts`, durably, invisible to readers
+        until complete; returns its size in bytes."""
+
+    @abc.abstractmethod
+    def commit(self, metadata: bytes, files: Iterable[str]) -> None:
+        """(coordinator, after every rank's write_file returned) Store the metadata, atomically, last; then drop
+        what an earlier checkpoint at the same place left and `files` doesn't name."""
+
+
+class StorageReader(abc.ABC):
+    """Reads one checkpoint."""
+
+    @abc.abstractmethod
+    def read_metadata(self) -> bytes:
+        """The metadata's bytes; raises CheckpointError if there is none (not a checkpoint, or a save that did not
+        finish)."""
+
+    @abc.abstractmethod
+    def read(self, name: str, offset: int, length: int) -> memoryview:
+        """Bytes [offset, offset + length) of file `name` (a view valid until close)."""
+
+    def close(self) -> None:
+        """Release what the reads hold (maps, handles)."""
+
+
+class FileSystemWriter(StorageWriter):
+    """A checkpoint as a directory of the local (or a shared) filesystem. `sync_files`: fsync each file before it
+    counts as written (turn off only where losing a just-written checkpoint to a power cut is acceptable)."""
+
+    def __init__(self, path: str | os.PathLike[str], sync_files: bool = True) -> None:
+        self.path = os.fspath(path)
+        self.sync_files = sync_files
+        os.makedirs(self.path, exist_ok=True)
+
+    def write_file(self, name: str, parts: Iterable[memoryview]) -> int:
+        final = os.path.join(self.path, name)
+        partial = os.path.join(self.path, f".{name}{_PARTIAL}")
+        size = 0
+        with open(partial, "wb", buffering=0) as file:
+            for part in parts:
+                written = 0
+                while written < len(part):      # a raw write may take less than it was given
+                    written += file.write(part[written:])
+                size += len(part)
+            if self.sync_files:
+                os.fsync(file.fileno())
+        os.replace(partial, final)
+        return size
+
+    def commit(self, metadata: bytes, files: Iterable[str]) -> None:
+        self.write_file(METADATA_FILE, [memoryview(metadata)])
+        if self.sync_files:
+            _sync_directory(self.path)
+        keep = set(files) | {METADATA_FILE}
+        for entry in os.listdir(self.path):
+            if entry not in keep and (_DATA_FILE.match(entry) or entry.endswith(_PARTIAL)):
+                os.unlink(os.path.join(self.path, entry))
+
+
+class FileSystemReader(StorageReader):
+    """Reads a checkpoint directory through memory maps: a read costs what the pages it touches cost."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def read_metadata(self) -> bytes:
+        where = os.path.join(self.path, METADATA_FILE)
+        if not os.path.isdir(self.path):
+            raise CheckpointError(f"checkpoint {self.path}: no such directory")
+        try:
+            with open(where, "rb") as file:
+                return file.read()
+        except FileNotFoundError:
+            partial = sorted(e for e in os.listdir(self.path) if e.endswith(_PARTIAL) or _DATA_FILE.match(e))
+            if partial:
+                shown = ", ".join(partial[:4]) + (", ..." if len(partial) > 4 else "")
+                raise CheckpointError(f"checkpoint {self.path} is incomplete: it has no {METADATA_FILE}, and "
+                                      f"{len(partial)} data files ({shown}) of a save that did not finish") from None
+            raise CheckpointError(f"{self.path} is not a checkpoint: it has no {METADATA_FILE}") from None
+
+    def read(self, name: str, offset: int, length: int) -> memoryview:
+        mapped = self._maps.get(name)
+        if mapped is None:
+            where = os.path.join(self.path, name)
+            try:
+                with open(where, "rb") as file:
+                    size = os.fstat(file.fileno()).st_size
+                    mapped = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint {self.path}: data file {name} is missing") from None
+            if mapped is None:
+                return memoryview(b"")[:0]
+            self._maps[name] = mapped
+        if offset + length > len(mapped):
+            raise CheckpointError(f"checkpoint {self.path}: data file {name} has {len(mapped)} bytes, fewer than "
+                                  f"the {offset + length} its metadata needs (truncated)")
+        return memoryview(mapped)[offset:offset + length]
+
+    def close(self) -> None:
+        maps, self._maps = self._maps, {}
+        for mapped in maps.values():
+            try:
+                mapped.close()
+            except BufferError:     # a view is still alive (a tensor of it): the map goes with the last one
+                pass
+
+
+def _sync_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
