@@ -33,7 +33,7 @@ from spmd.checkpoint.state_dict import (
 from spmd.ddp import DistributedDataParallel
 from spmd.device_mesh import init_device_mesh
 from spmd.fsdp import fully_shard
-from spmd.tensor import DTensor
+from spmd.tensor import DTensor, Replicate
 from spmd.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from spmd.tensor.placement import _StridedShard
 from spmd.testing import run_ranks
@@ -41,7 +41,8 @@ from spmd.testing import run_ranks
 TIMEOUT = 60.0
 RTOL, ATOL = 1e-5, 1e-6
 FULL = StateDictOptions(full_state_dict=True)
-WORLD = {"plain": 1, "ddp": 2, "fsdp": 4, "tp": 2, "fsdp_tp": 4}
+WORLD = {"plain": 1, "ddp": 2, "fsdp": 4, "hsdp": 4, "tp": 2, "fsdp_tp": 4}
+DP = {"plain": 1, "ddp": 2, "fsdp": 4, "hsdp": 4, "tp": 1, "fsdp_tp": 2}
 
 
 class Block(nn.Module):
@@ -93,12 +94,12 @@ def parallelize(layout: str, model: Net) -> tuple[nn.Module, int, int]:
     if layout == "ddp":
         ddp = DistributedDataParallel(model)
         return ddp, ddp.process_group.rank(), world
-    if layout == "fsdp":
-        mesh = init_device_mesh("cpu", (world,))
+    if layout in ("fsdp", "hsdp"):       # HSDP: replicated over mesh dim 0, sharded over dim 1
+        mesh = init_device_mesh("cpu", (world,) if layout == "fsdp" else (2, 2))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        return model, mesh.get_local_rank(0), world
+        return model, mesh.get_rank(), world
     mesh = init_device_mesh("cpu", (2, 2) if layout == "fsdp_tp" else (world,),
                            mesh_dim_names=("dp", "tp") if layout == "fsdp_tp" else ("tp",))
     for block in model.blocks:
@@ -318,7 +319,7 @@ def test_full_state_dict_of_fsdp_equals_the_one_process_state_dict() -> None:
             assert offloaded == ({}, {})
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp", "fsdp_tp"])
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "hsdp", "tp", "fsdp_tp"])
 def test_a_full_state_dict_set_into_a_parallel_model_then_trains_like_one_process(layout: str) -> None:
     fresh = build(seed=1)
 
@@ -334,15 +335,13 @@ def test_a_full_state_dict_set_into_a_parallel_model_then_trains_like_one_proces
     for dp in {1, 2, 4}:
         reference(dp)        # in the main thread, once
     for got in run_ranks(body, world_size=WORLD[layout], timeout=TIMEOUT):
-        assert_equal_trees(got, reference({"ddp": 2, "fsdp": 4, "tp": 1, "fsdp_tp": 2}[layout])["final"],
-                           exact=False)
+        assert_equal_trees(got, reference(DP[layout])["final"], exact=False)
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp"])
 def test_broadcast_from_rank0_loads_rank_0s_full_state_dict_everywhere(layout: str) -> None:
     fresh = build(seed=1)
-    dp = {"fsdp": 4, "fsdp_tp": 2}[layout]
-    ref = reference(dp)
+    ref = reference(DP[layout])
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
     def body(rank: int, world_size: int) -> None:
@@ -353,6 +352,52 @@ def test_broadcast_from_rank0_loads_rank_0s_full_state_dict_everywhere(layout: s
         assert_equal_trees(get_state_dict(model, optimizer, options=FULL), (ref["model"], ref["optim"]))
 
     run_ranks(body, world_size=WORLD[layout], timeout=TIMEOUT)
+
+
+def test_dtensors_of_another_layout_are_redistributed_and_become_full_tensors_in_a_plain_model() -> None:
+    trained, fresh = build(), build(seed=1)
+
+    def body(rank: int, world_size: int) -> None:
+        model, dp_rank, dp = parallelize("fsdp", copy.deepcopy(trained))
+        optimizer = adamw(model)
+        train(model, optimizer, range(2), dp_rank, dp)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        full = get_state_dict(model, optimizer, options=FULL)
+        replicated = [{k: v.redistribute(placements=[Replicate()]) if isinstance(v, DTensor) else v
+                       for k, v in tree.items()} for tree in (model_sd, optim_sd["state"]["head.weight"])]
+        other, _, _ = parallelize("fsdp", copy.deepcopy(fresh))
+        set_model_state_dict(other, replicated[0])
+        assert_equal_trees(get_model_state_dict(other), model_sd)
+        other_optimizer = adamw(other)
+        set_optimizer_state_dict(other, other_optimizer, {**optim_sd, "state": {**optim_sd["state"],
+                                                                               "head.weight": replicated[1]}})
+        assert_equal_trees(get_optimizer_state_dict(other, other_optimizer), optim_sd)
+        plain = build(seed=1)
+        plain_optimizer = adamw(plain)
+        set_state_dict(plain, plain_optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        assert_equal_trees(get_state_dict(plain, plain_optimizer), full)
+
+    run_ranks(body, world_size=4, timeout=TIMEOUT)
+
+
+def test_a_model_sharded_on_the_meta_device_takes_rank_0s_values() -> None:
+    """Rank 0 alone holds the values; the model is built on meta and sharded, and the loaded shards are
+    assigned (then the optimizer is made)."""
+    ref = reference(4)
+
+    def body(rank: int, world_size: int) -> None:
+        with torch.device("meta"):
+            model = Net()
+        model, _, _ = parallelize("fsdp", model)
+        set_model_state_dict(model, ref["model"] if rank == 0 else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        assert not any(param.is_meta for param in model.parameters())
+        assert_equal_trees(get_model_state_dict(model, options=FULL), ref["model"])
+        optimizer = adamw(model)
+        set_optimizer_state_dict(model, optimizer, ref["optim"], options=FULL)
+        assert_equal_trees(get_optimizer_state_dict(model, optimizer, options=FULL), ref["optim"])
+
+    run_ranks(body, world_size=4, timeout=TIMEOUT)
 
 
 # -- errors -------------------------------------------------------------------------------------------------

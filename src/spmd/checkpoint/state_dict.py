@@ -214,8 +214,10 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: Optimizers, optim_sta
                 return value
             fqn, names = leaf
             target = current.state.get(fqn, {}).get(names)
-            if not isinstance(target, Tensor) and isinstance(value, Tensor) and value.shape == params[fqn].shape:
-                target = params[fqn]      # no state of that name yet: the parameter's layout
+            param = params[fqn]
+            if not isinstance(target, Tensor) and isinstance(value, Tensor) and value.shape == param.shape \
+                    and value.dtype == param.dtype:
+                target = param            # no state of that name yet: a tensor like the parameter takes its layout
             return _to_layout(_state_key(fqn, names), value, target, opts.strict)
 
         if opts.broadcast_from_rank0:
@@ -541,14 +543,21 @@ def _same(a: Any, b: Any) -> bool:
 # -- layouts ----------------------------------------------------------------------------------------------------
 
 def _as_requested(tree: Any, opts: StateDictOptions) -> Any:
-    """`tree` with full tensors and/or on the CPU as `opts` asks; {} off rank 0 with both (see Note: layouts)."""
-    if opts.full_state_dict:
-        tree = _map_tensors(tree, lambda value: _full(value) if isinstance(value, DTensor) else value)
-    if opts.cpu_offload:
-        tree = _map_tensors(tree, _on_cpu)
-        if opts.full_state_dict and is_initialized() and get_rank() != 0:
-            return {}
-    return tree
+    """`tree` with full tensors and/or on the CPU as `opts` asks; {} off rank 0 with both, each gathered tensor
+    dropped at once there (see Note: layouts)."""
+    rank0_only = opts.full_state_dict and opts.cpu_offload and is_initialized() and get_rank() != 0
+
+    def convert(value: Tensor) -> Tensor | None:
+        if opts.full_state_dict and isinstance(value, DTensor):
+            value = _full(value)
+        if rank0_only:
+            return None
+        return _on_cpu(value) if opts.cpu_offload else value
+
+    if not (opts.full_state_dict or opts.cpu_offload):
+        return tree
+    converted = _map_tensors(tree, convert)
+    return {} if rank0_only else converted
 
 
 def _map_tensors(tree: Any, fn: Callable[[Tensor], Any]) -> Any:
@@ -601,7 +610,9 @@ def _to_layout(key: str, value: Any, target: Any, strict: bool) -> Any:
         return value
     _check_value(key, value, target, strict)
     if not isinstance(target, DTensor):
-        return _full(value) if isinstance(value, DTensor) else value
+        if isinstance(value, DTensor):
+            return _full(value)
+        return value.detach().clone() if target.is_meta else value     # to be assigned: the model's own
     mesh, placements = target.device_mesh, target.placements
     if isinstance(value, DTensor):
         if value.device_mesh != mesh:          # the same ranks in the same layout: the local pieces agree
