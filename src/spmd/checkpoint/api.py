@@ -198,24 +198,24 @@ def _plan(state_dict: Mapping[str, Any], group: ProcessGroup | None) -> _SavePla
             values[key] = leaf
     described = _exchange(group, {
         "id": secrets.token_hex(8),
-        "tensors": {key: [tensor_format.dtype_name(t.data.dtype), list(t.shape), t.distributed]
-                    for key, t in tensors.items()},
+        "tensors": {key: [tensor_format.dtype_name(t.data.dtype), list(t.shape), t.distributed,
+                          list(t.box.offsets), list(t.box.sizes), t.writes] for key, t in tensors.items()},
         "values": sorted(values)})
     shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
-    first_plain: dict[str, int] = {}
+    writer_of: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}   # (key, box) -> the rank writing it
     first_value: dict[str, int] = {}
     for other, report in enumerate(described):
-        for key, (dtype, shape, distributed) in report["tensors"].items():
+        for key, (dtype, shape, distributed, offsets, sizes, may_write) in report["tensors"].items():
             known = shapes.setdefault(key, (dtype, tuple(shape)))
             if known != (dtype, tuple(shape)):
                 raise CheckpointError(f"save: ranks disagree about {key!r}: {known[0]} of shape {list(known[1])} "
                                       f"on one, {dtype} of shape {shape} on rank {other}")
-            if not distributed:
-                first_plain.setdefault(key, other)
+            if may_write or not distributed:       # ranks on other submeshes may hold the same box: one writes
+                writer_of.setdefault((key, tuple(offsets), tuple(sizes)), other)
         for key in report["values"]:
             first_value.setdefault(key, other)
     writes = {key: t for key, t in tensors.items()
-              if not t.box.empty and (t.writes if t.distributed else first_plain[key] == rank)}
+              if not t.box.empty and writer_of.get((key, t.box.offsets, t.box.sizes)) == rank}
     return _SavePlan(group, rank, described[0]["id"], writes,
                      {key: value for key, value in values.items() if first_value[key] == rank}, shapes)
 
@@ -374,15 +374,21 @@ class _Loader:
             if size is None:
                 raise CheckpointError(f"checkpoint {self.where}: its metadata names data file {chunk.file} but "
                                       f"not its size; the metadata is corrupted")
+            actual = self.reader.file_size(chunk.file)
+            if actual is not None and actual != size:
+                raise CheckpointError(f"checkpoint {self.where}: data file {chunk.file} has {actual} bytes, its "
+                                      f"metadata says {size} ({'truncated' if actual < size else 'grown'} since "
+                                      f"the save)")
             file = tensor_format.TensorFile(chunk.file, lambda offset, length, name=chunk.file:
                                             self.reader.read(name, offset, length), size)
             self._files[chunk.file] = file
+        raw = file.raw(chunk.key)
         if (chunk.file, chunk.key) not in self._checked:
-            if tensor_format.crc32(file.raw(chunk.key)) != chunk.crc32:
+            if tensor_format.crc32(raw) != chunk.crc32:
                 raise CheckpointError(f"checkpoint {self.where}: data file {chunk.file} is corrupted: the bytes of "
                                       f"{chunk.key!r} don't match their checksum")
             self._checked.add((chunk.file, chunk.key))
-        source = file.tensor(chunk.key)
+        source = file.tensor(chunk.key, raw)
         if source.dtype != dtype or tuple(source.shape) != chunk.sizes:
             raise CheckpointError(f"checkpoint {self.where}: data file {chunk.file} holds {chunk.key!r} as "
                                   f"{source.dtype} {list(source.shape)}, its metadata says {dtype} "

@@ -105,12 +105,13 @@ class TensorFile:
         _, _, begin, end = self._entry(key)
         return self._read(self._start + begin, end - begin)
 
-    def tensor(self, key: str) -> Tensor:
-        """Tensor `key` over the bytes read (a view of the map for a FileSystemReader: copy what must outlive it)."""
+    def tensor(self, key: str, raw: memoryview | None = None) -> Tensor:
+        """Tensor `key` over its bytes (`raw`, when already read): a view of the map for a FileSystemReader, so
+        copy what must outlive it."""
         dtype, shape, begin, end = self._entry(key)
         if begin == end:
             return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(self.raw(key), dtype=torch.uint8).view(dtype).reshape(shape)
+        return torch.frombuffer(self.raw(key) if raw is None else raw, dtype=torch.uint8).view(dtype).reshape(shape)
 
     def _entry(self, key: str) -> tuple[torch.dtype, tuple[int, ...], int, int]:
         entry = self.entries.get(key)

@@ -6,9 +6,11 @@ Layer: checkpoint. No I/O, no communication.
 Note: who writes what
 A DTensor's local shard is one box of the global tensor (DTensorSpec.local_shape_and_offset; _StridedShard
 included). Ranks that differ only in their coordinate on a mesh dim the tensor is replicated over hold the same
-box: the one at coordinate 0 on every such dim writes it, so a replicated tensor is written once. A plain tensor
-or a non-tensor value is taken to be the same on every rank that has it (as torch's DCP does): the lowest rank
-holding its key writes it. Keys only some ranks have (pipeline stages) are written by those ranks.
+box, and so do ranks on other submeshes of a larger mesh (an FSDP parameter on the dp mesh of a (dp, tp) mesh is
+the same on every tp rank): of all the ranks holding a box at coordinate 0 on the tensor's replicated mesh dims,
+the lowest writes it, so a replicated tensor is written once. A plain tensor or a non-tensor value is taken to be
+the same on every rank that has it (as torch's DCP does): the lowest rank holding its key writes it. Keys only
+some ranks have (pipeline stages) are written by those ranks.
 """
 
 from __future__ import annotations

@@ -54,6 +54,11 @@ class StorageReader(abc.ABC):
     def read(self, name: str, offset: int, length: int) -> memoryview:
         """Bytes [offset, offset + length) of file `name` (a view valid until close)."""
 
+    def file_size(self, name: str) -> int | None:
+        """The size of file `name` where the storage can tell cheaply (load checks it against the metadata's, to
+        catch a truncated file before reading it), else None."""
+        return None
+
     def close(self) -> None:
         """Release what the reads hold (maps, handles)."""
 
@@ -131,6 +136,12 @@ class FileSystemReader(StorageReader):
             raise CheckpointError(f"checkpoint {self.path}: data file {name} has {len(mapped)} bytes, fewer than "
                                   f"the {offset + length} its metadata needs (truncated)")
         return memoryview(mapped)[offset:offset + length]
+
+    def file_size(self, name: str) -> int | None:
+        try:
+            return os.path.getsize(os.path.join(self.path, name))
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {self.path}: data file {name} is missing") from None
 
     def close(self) -> None:
         maps, self._maps = self._maps, {}
