@@ -90,6 +90,7 @@ class _SavePlan:
     save_id: str
     writes: dict[str, LocalTensor]          # the tensors this rank writes, by key
     values: dict[str, Any]                  # the non-tensor values this rank writes
+    paths: dict[str, Path]                  # where each key of this rank sat in its nested state dict
     shapes: dict[str, tuple[str, tuple[int, ...]]]   # every tensor key of any rank -> (dtype name, global shape)
 
 
@@ -190,7 +191,8 @@ def _plan(state_dict: Mapping[str, Any], group: ProcessGroup | None) -> _SavePla
     rank = 0 if group is None else group.group_rank
     tensors: dict[str, LocalTensor] = {}
     values: dict[str, Any] = {}
-    for key, (_, leaf) in flatten(_resolved(state_dict)).items():
+    flat = flatten(_resolved(state_dict))
+    for key, (_, leaf) in flat.items():
         if isinstance(leaf, Tensor):
             tensors[key] = local_tensor(key, leaf)
         else:
@@ -217,13 +219,15 @@ def _plan(state_dict: Mapping[str, Any], group: ProcessGroup | None) -> _SavePla
     writes = {key: t for key, t in tensors.items()
               if not t.box.empty and writer_of.get((key, t.box.offsets, t.box.sizes)) == rank}
     return _SavePlan(group, rank, described[0]["id"], writes,
-                     {key: value for key, value in values.items() if first_value[key] == rank}, shapes)
+                     {key: value for key, value in values.items() if first_value[key] == rank},
+                     {key: path for key, (path, _) in flat.items()}, shapes)
 
 
 def _write_and_commit(plan: _SavePlan, writer: StorageWriter, group: ProcessGroup | None) -> Metadata:
     """Steps 3-6 of the save protocol."""
     report: dict[str, Any] = {"error": None, "file": None, "size": 0, "chunks": {},
-                              "values": {key: encode_value(value, key) for key, value in plan.values.items()}}
+                              "values": {key: encode_value(value, key) for key, value in plan.values.items()},
+                              "paths": {key: list(plan.paths[key]) for key in [*plan.writes, *plan.values]}}
     try:
         if plan.writes:
             report.update(_write_file(plan, writer))
@@ -271,7 +275,10 @@ def _metadata(plan: _SavePlan, reports: list[dict[str, Any]]) -> Metadata:
     tensors = {key: TensorEntry(dtype, shape) for key, (dtype, shape) in plan.shapes.items()}
     values: dict[str, Any] = {}
     files: dict[str, int] = {}
+    paths: dict[str, list[str | int]] = {}
     for report in reports:
+        for key, path in report["paths"].items():
+            paths.setdefault(key, path)
         if report["file"] is not None:
             files[report["file"]] = report["size"]
         for key, (offsets, sizes, crc) in report["chunks"].items():
@@ -282,7 +289,7 @@ def _metadata(plan: _SavePlan, reports: list[dict[str, Any]]) -> Metadata:
         if not covered(entry.shape, [Box(c.offsets, c.sizes) for c in entry.chunks]):
             raise CheckpointError(f"save: the shards written of {key!r} don't cover its global shape "
                                   f"{list(entry.shape)} (boxes {[(c.offsets, c.sizes) for c in entry.chunks]})")
-    return Metadata(plan.save_id, tensors, values, files)
+    return Metadata(plan.save_id, tensors, values, files, paths)
 
 
 # -- load -----------------------------------------------------------------------------------------------------

@@ -44,6 +44,8 @@ class Metadata:
     tensors: dict[str, TensorEntry]
     values: dict[str, Any]       # flattened key -> the value (decoded)
     files: dict[str, int]        # data file -> its size in bytes
+    paths: dict[str, list[str | int]] = dataclasses.field(default_factory=dict)
+    """key -> where it sat in the nested state dict saved (dict keys and list indices), to rebuild the nesting."""
     version: int = FORMAT_VERSION
 
     def to_json(self) -> bytes:
@@ -54,6 +56,7 @@ class Metadata:
                                           "sizes": list(c.sizes), "crc32": c.crc32} for c in e.chunks]}
                         for key, e in self.tensors.items()},
             "values": {key: encode_value(value, key) for key, value in self.values.items()},
+            "paths": self.paths,
         }
         return json.dumps(body, indent=1).encode()
 
@@ -77,7 +80,7 @@ class Metadata:
                        for key, e in body["tensors"].items()}
             values = {key: decode_value(value) for key, value in body["values"].items()}
             return cls(str(body["save_id"]), tensors, values, {k: int(v) for k, v in body["files"].items()},
-                       version)
+                       {k: list(v) for k, v in body.get("paths", {}).items()}, version)
         except (KeyError, TypeError, ValueError) as error:
             raise CheckpointError(f"{where}: malformed metadata ({type(error).__name__}: {error})") from error
 
