@@ -257,6 +257,7 @@ def test_p2p_rendezvous_to_a_receiver_not_posted_yet_and_of_the_wrong_size() -> 
     def body(rank: int, size: int) -> list[float]:
         peer, numel = 1 - rank, shm_p2p.RENDEZVOUS_BYTES // 4
         spmd.send(torch.zeros(numel), peer) if rank == 0 else spmd.recv(torch.zeros(numel), peer)   # probe
+        spmd.barrier()                       # rank 1 has answered the probe before rank 0 sends again
         if rank == 0:
             sends = [spmd.isend(torch.full((numel,), float(k)), peer) for k in range(3)]
             spmd.barrier()                   # the receives are posted only now: copied into private buffers
