@@ -424,6 +424,10 @@ def _report(args: argparse.Namespace, base: str, per_rank: list[dict[str, Any]])
         print("spmd / torch throughput: " + ", ".join(f"{label} {torch_[key] / spmd[key]:.2f}x" for label, key in (
             ("save", "save"), ("load cold", "load_cold"), ("load warm", "load_warm"), ("async total", "async"))) +
             f"; async blocked {spmd['blocked'] / torch_['blocked']:.2f} of torch's")
+    for key, label in (("save", "save"), ("load_cold", "load cold"), ("async", "async total")):
+        print(f"{label} s per repetition: " + "; ".join(
+            f"{name} " + ", ".join(f"{s:.2f}" for s in _slowest(per_rank, lambda r, key=key, name=name: r[name][key]))
+            for name in figures))
     print("save GB/s / disk write GB/s (2 at once): " + ", ".join(
         f"{name} {f['bytes'] / f['save'] / disk_write:.2f}" for name, f in figures.items()))
     print("async blocked / host copy of the state into fresh memory (into kept buffers): " + ", ".join(
