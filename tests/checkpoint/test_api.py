@@ -297,3 +297,19 @@ def test_a_dtensor_with_a_partial_placement_is_refused(tmp_path) -> None:
 
     run_ranks(body, world_size=2, timeout=TIMEOUT)
 
+
+
+def test_async_save_in_one_process_keeps_its_host_buffers_for_the_next(tmp_path) -> None:
+    from spmd.checkpoint import api
+
+    weight = torch.arange(6.0)
+    dcp.async_save({"w": weight}, checkpoint_id=str(tmp_path / "a")).result(timeout=TIMEOUT)
+    buffer = api._ALONE.buffers["w"]
+    weight.mul_(2)
+    second = dcp.async_save({"w": weight}, checkpoint_id=str(tmp_path / "b"))
+    weight.add_(1)                                                   # after the call: not in the checkpoint
+    second.result(timeout=TIMEOUT)
+    assert api._ALONE.buffers["w"] is buffer
+    state = {"w": torch.zeros(6)}
+    dcp.load(state, checkpoint_id=str(tmp_path / "b"))
+    assert torch.equal(state["w"], torch.arange(6.0) * 2)

@@ -32,6 +32,7 @@ import json
 import os
 import secrets
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -110,54 +111,77 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
                process_group: AnyGroup | None = None, no_dist: bool = False) -> concurrent.futures.Future[Metadata]:
     """save() that returns once what this rank writes is copied to host memory; the writing goes on in the
     background and the Future's result is the metadata (or its exception the save's error). Training may change
-    the tensors meanwhile. Collective over `process_group`, like save (see Note: the save protocol)."""
+    the tensors meanwhile. Collective over `process_group`, like save (see Note: the save protocol). The host
+    buffers are kept for the next async_save, which first waits for this one to finish writing from them."""
     writer = _writer(checkpoint_id, storage_writer)
     group = _group(process_group, no_dist)
-    background = _background_group(group)
+    saver = _AsyncSaver.of(group)
     plan = _plan(state_dict, group)
-    plan.writes = {key: dataclasses.replace(item, data=_staged(item.data)) for key, item in plan.writes.items()}
+    plan.writes = saver.stage(plan.writes)
     future: concurrent.futures.Future[Metadata] = concurrent.futures.Future()
 
     def run() -> None:
         try:
-            future.set_result(_write_and_commit(plan, writer, background))
+            future.set_result(_write_and_commit(plan, writer, saver.group))
         except BaseException as error:     # the caller sees it through the future
             future.set_exception(error)
 
+    saver.writing = future
     threading.Thread(target=run, name=f"spmd-async-save-rank{plan.rank}", daemon=True).start()
     return future
 
 
-_BACKGROUND_GROUPS: dict[int, ProcessGroup] = {}
-_BACKGROUND_LOCK = threading.Lock()
+_SAVERS_LOCK = threading.Lock()
 
 
-def _background_group(group: ProcessGroup | None) -> ProcessGroup | None:
-    """The group async saves of `group` exchange on, made (collectively) at the first one."""
-    if group is None:
-        return None
-    world_group = current_world().default_group
-    if group is not world_group:
-        raise CheckpointError("async_save: only the world's default group is supported as process_group (its "
-                              "background exchanges need a group of their own, which every rank must create)")
-    key = id(current_world())
-    with _BACKGROUND_LOCK:
-        background = _BACKGROUND_GROUPS.get(key)
-    if background is None:
-        created = new_group(list(group.ranks))
-        assert isinstance(created, ProcessGroup)
-        background = created
-        with _BACKGROUND_LOCK:
-            _BACKGROUND_GROUPS[key] = background
-    return background
+class _AsyncSaver:
+    """What async saves of one rank keep: the group their background exchanges run on (made, collectively, at
+    the first one, so they never interleave with the training's collectives), the host buffers they stage into,
+    and the save still writing from those buffers."""
+
+    def __init__(self, group: ProcessGroup | None) -> None:
+        self.group = group
+        self.buffers: dict[str, Tensor] = {}
+        self.writing: concurrent.futures.Future[Metadata] | None = None
+
+    @classmethod
+    def of(cls, group: ProcessGroup | None) -> _AsyncSaver:
+        if group is None:
+            return _ALONE
+        world = current_world()
+        if group is not world.default_group:
+            raise CheckpointError("async_save: only the world's default group is supported as process_group (its "
+                                  "background exchanges need a group of their own, which every rank must create)")
+        with _SAVERS_LOCK:
+            saver = _SAVERS.get(world)
+        if saver is None:
+            background = new_group(list(group.ranks))
+            assert isinstance(background, ProcessGroup)
+            saver = cls(background)
+            with _SAVERS_LOCK:
+                _SAVERS[world] = saver
+        return saver
+
+    def stage(self, writes: dict[str, LocalTensor]) -> dict[str, LocalTensor]:
+        """`writes` with their data copied into this saver's host buffers (allocated at the first save, or when
+        a tensor's shape or dtype changed)."""
+        if self.writing is not None:
+            concurrent.futures.wait([self.writing])       # it still reads the buffers
+        kept, staged = {}, {}
+        for key, item in writes.items():
+            data = item.data.detach()
+            buffer = self.buffers.get(key)
+            if buffer is None or buffer.shape != data.shape or buffer.dtype != data.dtype:
+                buffer = torch.empty(data.shape, dtype=data.dtype, pin_memory=data.device.type == "cuda")
+            buffer.copy_(data)
+            kept[key] = buffer
+            staged[key] = dataclasses.replace(item, data=buffer)
+        self.buffers = kept
+        return staged
 
 
-def _staged(data: Tensor) -> Tensor:
-    """A host copy of `data`, which training can't touch."""
-    if data.device.type == "cpu":
-        return data.detach().clone(memory_format=torch.contiguous_format)
-    return data.detach().to("cpu", copy=True).contiguous()
-
+_SAVERS: weakref.WeakKeyDictionary[Any, _AsyncSaver] = weakref.WeakKeyDictionary()   # world -> its saver
+_ALONE = _AsyncSaver(None)      # a process saving by itself
 
 def _writer(checkpoint_id: str | os.PathLike[str] | None, storage_writer: StorageWriter | None) -> StorageWriter:
     if storage_writer is not None:
