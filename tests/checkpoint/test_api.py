@@ -120,6 +120,10 @@ class _CountingReader(FileSystemReader):
         self.read_bytes += length
         return super().read(name, offset, length)
 
+    def read_into(self, name: str, offset: int, buffer: memoryview) -> None:
+        self.read_bytes += len(buffer)
+        super().read_into(name, offset, buffer)
+
 
 def test_a_load_reads_only_the_byte_ranges_of_the_shards_it_holds(tmp_path) -> None:
     path = str(tmp_path / "ckpt")

@@ -390,15 +390,47 @@ class _Loader:
             region = target.box.overlap(saved)
             if region is None or region.empty:
                 continue
-            source = self._chunk(chunk, dtype)
-            target.box.view(target.data, region).copy_(saved.view(source, region))
+            if region == target.box == saved and _readable_into(target.data):
+                self._read_whole(chunk, target.data)
+            else:
+                source = self._chunk(chunk, dtype)
+                target.box.view(target.data, region).copy_(saved.view(source, region))
             filled += _volume(region)
         if filled != _volume(target.box):
             raise CheckpointError(f"checkpoint {self.where}: the saved boxes of {key!r} cover {filled} of the "
                                   f"{_volume(target.box)} elements this rank holds")
 
+    def _read_whole(self, chunk: Chunk, data: Tensor) -> None:
+        """Read a saved box straight into `data`, which is all of it (a load into the layout it was saved from),
+        then check it against its CRC-32."""
+        offset, nbytes = self._file(chunk).location(chunk.key)
+        view = tensor_format.as_bytes(data)
+        if nbytes != len(view):
+            raise CheckpointError(f"checkpoint {self.where}: data file {chunk.file} holds {nbytes} bytes of "
+                                  f"{chunk.key!r}, its metadata says {len(view)}")
+        self.reader.read_into(chunk.file, offset, view)
+        self._check(chunk, view)
+
+    def _check(self, chunk: Chunk, data: memoryview) -> None:
+        if (chunk.file, chunk.key) not in self._checked:
+            if tensor_format.crc32(data) != chunk.crc32:
+                raise CheckpointError(f"checkpoint {self.where}: data file {chunk.file} is corrupted: the bytes of "
+                                      f"{chunk.key!r} don't match their checksum")
+            self._checked.add((chunk.file, chunk.key))
+
     def _chunk(self, chunk: Chunk, dtype: torch.dtype) -> Tensor:
         """The saved box, checked against its CRC-32 the first time it is read."""
+        file = self._file(chunk)
+        raw = file.raw(chunk.key)
+        self._check(chunk, raw)
+        source = file.tensor(chunk.key, raw)
+        if source.dtype != dtype or tuple(source.shape) != chunk.sizes:
+            raise CheckpointError(f"checkpoint {self.where}: data file {chunk.file} holds {chunk.key!r} as "
+                                  f"{source.dtype} {list(source.shape)}, its metadata says {dtype} "
+                                  f"{list(chunk.sizes)}")
+        return source
+
+    def _file(self, chunk: Chunk) -> tensor_format.TensorFile:
         file = self._files.get(chunk.file)
         if file is None:
             size = self.metadata.files.get(chunk.file)
@@ -413,18 +445,12 @@ class _Loader:
             file = tensor_format.TensorFile(chunk.file, lambda offset, length, name=chunk.file:
                                             self.reader.read(name, offset, length), size)
             self._files[chunk.file] = file
-        raw = file.raw(chunk.key)
-        if (chunk.file, chunk.key) not in self._checked:
-            if tensor_format.crc32(raw) != chunk.crc32:
-                raise CheckpointError(f"checkpoint {self.where}: data file {chunk.file} is corrupted: the bytes of "
-                                      f"{chunk.key!r} don't match their checksum")
-            self._checked.add((chunk.file, chunk.key))
-        source = file.tensor(chunk.key, raw)
-        if source.dtype != dtype or tuple(source.shape) != chunk.sizes:
-            raise CheckpointError(f"checkpoint {self.where}: data file {chunk.file} holds {chunk.key!r} as "
-                                  f"{source.dtype} {list(source.shape)}, its metadata says {dtype} "
-                                  f"{list(chunk.sizes)}")
-        return source
+        return file
+
+
+def _readable_into(data: Tensor) -> bool:
+    """Whether a storage can read bytes straight into `data`'s memory."""
+    return data.device.type == "cpu" and data.is_contiguous() and data.numel() > 0
 
 
 def _volume(box: Box) -> int:

@@ -100,6 +100,11 @@ class TensorFile:
                                       f"data, beyond the file's end (truncated?)")
             self.entries[key] = (dtype_of(entry["dtype"]), tuple(entry["shape"]), begin, end)
 
+    def location(self, key: str) -> tuple[int, int]:
+        """(offset in the file, byte count) of tensor `key`."""
+        _, _, begin, end = self._entry(key)
+        return self._start + begin, end - begin
+
     def raw(self, key: str) -> memoryview:
         """The bytes of tensor `key`."""
         _, _, begin, end = self._entry(key)
