@@ -1,4 +1,4 @@
-"""Distributed checkpoints: `import spmd.checkpoint as dcp` for torch's `import torch.distributed.checkpoint as dcp`.
+"""Distributed checkpoints: `import spmd.checkpoint as dcp` where torch's DCP is imported as `dcp`.
 
 Layer: checkpoint (L5). save / load / async_save (api.py), the storage interface (storage.py), the format
 (format.py: safetensors files; metadata.py: the JSON index), the planning (planner.py) and, in state_dict.py,
