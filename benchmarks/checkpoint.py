@@ -138,7 +138,7 @@ class _Side:
             except ImportError as error:
                 raise RuntimeError("spmd.checkpoint is not there yet: run with --impls torch") from error
 
-            spmd.init_process_group("auto", timeout=600)
+            spmd.init_process_group("auto", timeout=600, torch_default_group=False)
             self.barrier = spmd.barrier
         else:
             import torch.distributed as dist

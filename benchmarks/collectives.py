@@ -127,7 +127,7 @@ def worker(rank: int, world_size: int, queue: Any, ports: dict[str, int], transp
                                  world_size=world_size, timeout=timeout)
         backends = []
         spmd.init_process_group(transports[0], init_method=f"tcp://127.0.0.1:{ports['spmd']}", rank=rank,
-                                world_size=world_size, timeout=300)
+                                world_size=world_size, timeout=300, torch_default_group=False)
         for transport in transports:
             group = None if transport == transports[0] else spmd.new_group(list(range(world_size)), backend=transport)
             backends.append(Backend(f"spmd-{transport}", spmd, group))

@@ -63,7 +63,7 @@ class _Impl:
 
             self.lib: Any = spmd
             spmd.init_process_group("auto", init_method=f"file://{init_file}.spmd", rank=rank,
-                                    world_size=world_size)
+                                    world_size=world_size, torch_default_group=False)
             self.backend = spmd.get_backend()
             self.model = spmd.DistributedDataParallel(raw, bucket_cap_mb=bucket_cap_mb)
         elif name == "torch":

@@ -96,7 +96,7 @@ class _Impl:
             from spmd.fsdp import fully_shard
 
             if not spmd.is_initialized():
-                spmd.init_process_group("auto", timeout=300)
+                spmd.init_process_group("auto", timeout=300, torch_default_group=False)
             self.barrier = spmd.barrier
             mesh = init_device_mesh("cpu", (world_size,))
         elif name == "torch":
@@ -289,7 +289,7 @@ def _scale_worker(rank: int, world_size: int, args: argparse.Namespace, ports: t
     from spmd.tensor.random import manual_seed
     from spmd.testing.memory import TensorMemoryTracker, fsdp_categories
 
-    spmd.init_process_group("auto", timeout=600)
+    spmd.init_process_group("auto", timeout=600, torch_default_group=False)
     baseline_rss = _max_rss()
     try:
         model = _gpt(args.scale_layers, args.scale_width, args.scale_heads, device="meta")

@@ -160,7 +160,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, ports: tuple[i
     warnings.filterwarnings("ignore", category=UserWarning)      # torch's pipelining's own notices
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(ports[0]))
-    spmd.init_process_group("auto", timeout=300)
+    spmd.init_process_group("auto", timeout=300, torch_default_group=False)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=world_size)
     try:
         steps: dict[str, dict[str, list[float]]] = {}

@@ -104,7 +104,7 @@ class _Impl:
             from spmd.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
             if not spmd.is_initialized():
-                spmd.init_process_group("auto", timeout=300)
+                spmd.init_process_group("auto", timeout=300, torch_default_group=False)
             self.comm: Any = spmd
             mesh = init_device_mesh("cpu", (world_size,))
             self.group = mesh.get_group(0)

@@ -340,7 +340,7 @@ def _gloo_parity(rank: int, world_size: int, gloo_port: int) -> list[str]:
     """Run the same ops on the same inputs through spmd (tcp, env:// over TCPStore) and torch gloo."""
     import torch.distributed as tdist
 
-    spmd.init_process_group("tcp", timeout=60)
+    spmd.init_process_group("tcp", timeout=60, torch_default_group=False)
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world_size)
     failures = []
     try:

@@ -40,7 +40,7 @@ def _torch_fsdp2_train(rank: int, world_size: int) -> dict[str, Any]:
 def _spmd_and_torch(rank: int, world_size: int, gloo_port: int) -> dict[str, Any]:
     import torch.distributed as tdist
 
-    spmd.init_process_group("shm", timeout=60)
+    spmd.init_process_group("shm", timeout=60, torch_default_group=False)
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world_size)
     try:
         ours = fsdp_train("gpt", rank, world_size)

@@ -44,7 +44,7 @@ def _spmd_and_torch(rank: int, world_size: int, gloo_port: int, schedule: str) -
 
     from spmd import pipelining
 
-    spmd.init_process_group("shm", timeout=60)
+    spmd.init_process_group("shm", timeout=60, torch_default_group=False)
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world_size)
     try:
         return {"spmd": _train(rank, world_size, pipelining.PipelineStage, pipelining.get_schedule_class(schedule)),

@@ -112,14 +112,17 @@ def is_initialized() -> bool:
 
 def init_process_group(backend: str = "auto", init_method: str | None = None,
                        timeout: float | datetime.timedelta | None = None, world_size: int = -1, rank: int = -1,
-                       store: Store | None = None, group_name: str = "") -> None:
+                       store: Store | None = None, group_name: str = "", torch_default_group: bool = True) -> None:
     """Join the job: rendezvous, connect the default group's transport, and make this rank's world current.
 
     Collective: every rank of the job calls it. With no arguments it reads RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT (as set by `spmdrun`). `backend` is "auto" (shared memory inside a host, tcp across hosts),
     "tcp", "shm" or "threads" (ranks are threads of one process; pass the shared `store`). `group_name` is
     accepted for torch.distributed compatibility and ignored, as torch ignores it (the default group is
-    always named "default").
+    always named "default"). `torch_default_group`: also initialise torch's default group over this world (the
+    "spmd" backend) when this rank rendezvoused by itself (no `store` given), so torch's own utilities see its
+    rank and world size (torch_backend.py, Note: torch's default group over spmd); pass False where the process
+    must initialise torch's default group itself.
     """
     if _world.get() is not None:
         raise RuntimeError("spmd: init_process_group was already called on this rank; call "
@@ -147,6 +150,10 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
     _world.set(world)
     with _process_world_lock:
         _process_worlds.append(world)
+    if torch_default_group and owns_store:     # a rank that rendezvoused itself: one world in its process
+        from spmd.comm import torch_backend
+
+        torch_backend.init_torch_default_group(rank, world_size, seconds)
 
 
 def _check_rank_arguments(rank: int, world_size: int) -> None:
@@ -203,6 +210,10 @@ def destroy_process_group(group: AnyGroup | None = None) -> None:
         if group in world.groups:
             world.groups.remove(group)
         return
+    if world.owns_store:
+        from spmd.comm import torch_backend
+
+        torch_backend.destroy_torch_default_group()
     world.destroy()
     _world.set(None)
     with _process_world_lock:

@@ -74,7 +74,7 @@ def _spmd_and_torch(rank: int, world_size: int, gloo_port: int, cases: list[tupl
     from spmd.device_mesh import init_device_mesh
     from spmd.tensor.parallel import loss_parallel
 
-    spmd.init_process_group("shm", timeout=60)
+    spmd.init_process_group("shm", timeout=60, torch_default_group=False)
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world_size)
     try:
         ours = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))["tp"]

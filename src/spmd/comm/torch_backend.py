@@ -1,0 +1,183 @@
+"""spmd as a torch.distributed backend named "spmd": a torch ProcessGroup whose every operation runs on an spmd
+group, so torch's own code (DistributedSampler, torchmetrics, torch's DDP and FSDP2) sees spmd's world and moves
+its bytes over spmd's transports.
+
+Layer: comm. With torch_pg.py, the only library modules that import torch.distributed.
+
+Note: torch's default group over spmd
+`spmd.init_process_group` (unless `torch_default_group=False`) calls `init_torch_default_group()`: it registers
+the backend and initialises torch's default group with it, on an in-memory store (spmd's world is already
+connected; torch's group needs no rendezvous of its own). So `torch.distributed.get_rank()` and
+`get_world_size()` answer for spmd's world, and a collective torch issues on its default group runs on spmd's
+default group. It is skipped where torch's default group already exists (a script that initialised torch
+first), and where the world was given its store (thread ranks: one process, many worlds, while torch has one
+default group per process).
+`spmd.destroy_process_group()` destroys the torch group it made. torch's subgroups over the "spmd" backend map
+to the spmd group of the same ranks, which must exist (made with spmd.new_group or a DeviceMesh).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._C._distributed_c10d import _create_work_from_future
+
+from spmd.comm import collectives, p2p
+from spmd.comm.group import ProcessGroup
+from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.work import Work
+
+BACKEND = "spmd"
+_REDUCE_OPS = {dist.ReduceOp.SUM: ReduceOp.SUM, dist.ReduceOp.AVG: ReduceOp.AVG,
+               dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT, dist.ReduceOp.MIN: ReduceOp.MIN,
+               dist.ReduceOp.MAX: ReduceOp.MAX, dist.ReduceOp.BAND: ReduceOp.BAND,
+               dist.ReduceOp.BOR: ReduceOp.BOR, dist.ReduceOp.BXOR: ReduceOp.BXOR}
+_registered = threading.Lock()
+_state: dict[str, Any] = {"registered": False, "owned": None}
+
+
+def _reduce_op(op: Any) -> ReduceOp:
+    """spmd's op for torch's (a ReduceOp object in options, whose `.op` is the enum value)."""
+    found = _REDUCE_OPS.get(getattr(op, "op", op))
+    if found is None:
+        raise ValueError(f"spmd backend: torch's reduce op {op} has no spmd counterpart")
+    return found
+
+
+def _torch_work(work: Work | None, outputs: list[Tensor]) -> Any:
+    """A torch Work for spmd's `work` (None: the op already finished), whose result is `outputs`."""
+    if work is None:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(outputs)
+    else:
+        future = work.get_future()
+    return _create_work_from_future(future)
+
+
+class SpmdProcessGroup(dist.ProcessGroup):
+    """torch's ProcessGroup interface over one spmd group (see Note: torch's default group over spmd)."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        super().__init__(group.rank(), group.size())
+        self.spmd_group = group
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def allreduce(self, tensors: list[Tensor], opts: Any = None) -> Any:
+        op = _reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
+        works = [collectives.all_reduce(t, op=op, group=self.spmd_group, async_op=True) for t in tensors]
+        return _torch_work(works[-1] if works else None, tensors)
+
+    def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> Any:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: list[Tensor], opts: Any = None) -> Any:
+        root = opts.rootRank if opts is not None else 0
+        works = [collectives.broadcast(t, group=self.spmd_group, group_src=root, async_op=True) for t in tensors]
+        return _torch_work(works[-1] if works else None, tensors)
+
+    def reduce(self, tensors: list[Tensor], opts: Any = None) -> Any:
+        op = _reduce_op(opts.reduceOp)
+        works = [collectives.reduce(t, group=self.spmd_group, group_dst=opts.rootRank, op=op, async_op=True)
+                 for t in tensors]
+        return _torch_work(works[-1] if works else None, tensors)
+
+    def allgather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> Any:
+        for outputs, tensor in zip(output_lists, inputs, strict=True):
+            collectives.all_gather(outputs, tensor, group=self.spmd_group)
+        return _torch_work(None, [t for outputs in output_lists for t in outputs])
+
+    def all_gather_single(self, output: Tensor, input: Tensor, opts: Any = None) -> Any:
+        work = collectives.all_gather_into_tensor(output, input, group=self.spmd_group, async_op=True)
+        return _torch_work(work, [output])
+
+    def reduce_scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> Any:
+        op = _reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
+        for output, inputs in zip(outputs, input_lists, strict=True):
+            collectives.reduce_scatter(output, inputs, op=op, group=self.spmd_group)
+        return _torch_work(None, outputs)
+
+    def reduce_scatter_single(self, output: Tensor, input: Tensor, opts: Any = None) -> Any:
+        op = _reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
+        work = collectives.reduce_scatter_tensor(output, input, op=op, group=self.spmd_group, async_op=True)
+        return _torch_work(work, [output])
+
+    def all_to_all_single(self, output: Tensor, input: Tensor, output_splits: list[int] | None,
+                          input_splits: list[int] | None, opts: Any = None) -> Any:
+        work = collectives.all_to_all_single(output, input, output_splits or None, input_splits or None,
+                                             group=self.spmd_group, async_op=True)
+        return _torch_work(work, [output])
+
+    def alltoall(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> Any:
+        collectives.all_to_all(outputs, inputs, group=self.spmd_group)
+        return _torch_work(None, outputs)
+
+    def gather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> Any:
+        root = opts.rootRank
+        gathered = output_lists[0] if self.spmd_group.rank() == root else None
+        collectives.gather(inputs[0], gathered, group=self.spmd_group, group_dst=root)
+        return _torch_work(None, gathered or [])
+
+    def scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> Any:
+        root = opts.rootRank
+        pieces = input_lists[0] if self.spmd_group.rank() == root else None
+        collectives.scatter(outputs[0], pieces, group=self.spmd_group, group_src=root)
+        return _torch_work(None, outputs)
+
+    def barrier(self, opts: Any = None) -> Any:
+        collectives.barrier(group=self.spmd_group)
+        return _torch_work(None, [])
+
+    def send(self, tensors: list[Tensor], dst: int, tag: int) -> Any:
+        work = p2p.isend(tensors[0], group=self.spmd_group, group_dst=dst, tag=tag)
+        return _torch_work(work, tensors)
+
+    def recv(self, tensors: list[Tensor], src: int, tag: int) -> Any:
+        work = p2p.irecv(tensors[0], group=self.spmd_group, group_src=src, tag=tag)
+        return _torch_work(work, tensors)
+
+
+def _create(options: Any, backend_options: Any) -> SpmdProcessGroup:
+    """torch's (extended) backend constructor: the spmd group of the same global ranks (see the Note)."""
+    from spmd.comm.world import current_world
+
+    world = current_world()
+    ranks = list(options.global_ranks_in_group) or list(range(options.group_size))
+    for group in world.groups:
+        if isinstance(group, ProcessGroup) and list(group.ranks) == ranks:
+            return SpmdProcessGroup(group)
+    raise ValueError(f"spmd backend: torch asked for a group of ranks {ranks}, but spmd's world on rank "
+                     f"{world.rank} has none; create it with spmd.new_group({ranks}) first (on every rank)")
+
+
+def register() -> None:
+    """Register the "spmd" backend with torch (once per process)."""
+    with _registered:
+        if not _state["registered"]:
+            dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+            _state["registered"] = True
+
+
+def init_torch_default_group(rank: int, world_size: int, timeout: float) -> bool:
+    """Initialise torch's default group over spmd's world, unless torch already has one; True if it did (see
+    Note: torch's default group over spmd)."""
+    if dist.is_initialized():
+        return False
+    register()
+    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout))
+    _state["owned"] = dist.group.WORLD
+    return True
+
+
+def destroy_torch_default_group() -> None:
+    """Destroy torch's default group if init_torch_default_group made it (and it is still torch's)."""
+    owned, _state["owned"] = _state["owned"], None
+    if owned is not None and dist.is_initialized() and dist.group.WORLD is owned:
+        dist.destroy_process_group()

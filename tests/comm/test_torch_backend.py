@@ -1,0 +1,107 @@
+"""torch sees spmd's world: spmd.init_process_group initialises torch's default group over the "spmd" backend, so
+torch's DistributedSampler, collectives and its own DistributedDataParallel run on spmd (real processes, shm);
+`torch_default_group=False` leaves torch alone; destroy_process_group takes torch's group down too."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import spmd
+from tests.procpool import ProcPool
+
+
+def _torch_on_spmd(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.utils.data import DistributedSampler
+
+    spmd.init_process_group("shm", timeout=60)
+    try:
+        out: dict[str, Any] = {"rank": dist.get_rank(), "size": dist.get_world_size(), "backend": dist.get_backend(),
+                               "sampler": list(DistributedSampler(list(range(10)), shuffle=False))}
+        t = torch.tensor([rank + 1.0])
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        gathered = torch.empty(2 * world_size)
+        dist.all_gather_into_tensor(gathered, torch.full((2,), float(rank)))
+        scattered = torch.empty(1)
+        dist.reduce_scatter_tensor(scattered, torch.arange(float(world_size)) * (rank + 1))
+        swapped = torch.empty(world_size)
+        dist.all_to_all_single(swapped, torch.full((world_size,), float(rank)))
+        root = torch.tensor([7.0 if rank == 0 else 0.0])
+        dist.broadcast(root, src=0)
+        if rank == 0:
+            dist.send(torch.tensor([42.0]), dst=1)
+            got = None
+        else:
+            got = torch.zeros(1)
+            dist.recv(got, src=0)
+        dist.barrier()
+        out.update(avg=t.item(), gathered=gathered.tolist(), scattered=scattered.item(), swapped=swapped.tolist(),
+                   root=root.item(), got=None if got is None else got.item())
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        reference = copy.deepcopy(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        inputs = torch.randn(2 * world_size, 4, generator=torch.Generator().manual_seed(1))
+        ddp(inputs.chunk(world_size)[rank]).square().mean().backward()
+        reference(inputs).square().mean().backward()       # one process, the whole batch: the mean over ranks
+        out["ddp"] = all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in
+                         zip(model.parameters(), reference.parameters(), strict=True))
+    finally:
+        spmd.destroy_process_group()
+    out["torch_left"] = dist.is_initialized()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_torch_sees_spmds_world_and_runs_its_collectives_and_ddp_on_it(procpool: ProcPool) -> None:
+    results = procpool.run(_torch_on_spmd, 2, timeout=90)
+    for rank, out in enumerate(results):
+        assert (out["rank"], out["size"], out["backend"]) == (rank, 2, "spmd")
+        assert out["sampler"] == list(range(rank, 10, 2))
+        assert out["avg"] == 1.5 and out["gathered"] == [0.0, 0.0, 1.0, 1.0] and out["root"] == 7.0
+        assert out["scattered"] == rank * 3.0 and out["swapped"] == [0.0, 1.0]
+        assert out["ddp"] and not out["torch_left"]
+    assert results[1]["got"] == 42.0
+
+
+def _opted_out(rank: int, world_size: int) -> bool:
+    import torch.distributed as dist
+
+    spmd.init_process_group("shm", timeout=60, torch_default_group=False)
+    try:
+        return dist.is_initialized()
+    finally:
+        spmd.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_torch_default_group_false_leaves_torch_alone(procpool: ProcPool) -> None:
+    assert procpool.run(_opted_out, 2, timeout=45) == [False, False]
+
+
+def _subgroup(rank: int, world_size: int) -> list[float]:
+    import torch.distributed as dist
+
+    spmd.init_process_group("shm", timeout=60)
+    try:
+        spmd.new_group([0, 1])                           # spmd's group of those ranks, which torch's maps to
+        pair = dist.new_group([0, 1])
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=pair)
+        if rank == 0:
+            dist.new_group([1, 2])                       # not a member: torch builds nothing here
+        else:
+            with pytest.raises(ValueError, match=r"group of ranks \[1, 2\], but spmd's world .* spmd.new_group"):
+                dist.new_group([1, 2])
+        return t.tolist()
+    finally:
+        spmd.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_a_torch_subgroup_runs_on_spmds_group_of_the_same_ranks(procpool: ProcPool) -> None:
+    assert procpool.run(_subgroup, 3, timeout=60)[:2] == [[1.0], [1.0]]
