@@ -12,7 +12,9 @@ For each: median step time and tokens/s, and how long backward waits on communic
   exposed    = median backward time with gradient sync - median backward time under no_sync()
   total      = median time of one all-reduce of the whole gradient (21 MB) on the same group
   overlapped = total - exposed (communication hidden behind backward compute)
-Both implementations live in the same two rank processes (each rank joins an spmd world and a gloo world
+A third run is torch's own DDP on a torch process group of the "spmd" backend (spmd.comm.torch_backend: torch's
+collectives running on spmd's groups), the way a user keeps torch's DDP and gets spmd's transports.
+The implementations live in the same two rank processes (each rank joins an spmd world and a gloo world
 and holds one model per implementation), and their steps alternate one by one (A, B, B, A, ...), so machine
 noise hits both alike. Every step starts after a barrier, and a step's time is the slowest rank's. Medians
 over all steps of all launches (--repeats), and the ratio of each launch.
@@ -57,6 +59,7 @@ class _Impl:
 
     def __init__(self, name: str, rank: int, world_size: int, init_file: str, bucket_cap_mb: float) -> None:
         self.name = name
+        self.group: Any = None
         raw = _model()
         if name == "spmd":
             import spmd
@@ -73,6 +76,16 @@ class _Impl:
             dist.init_process_group("gloo", init_method=f"file://{init_file}.gloo", rank=rank, world_size=world_size)
             self.backend = "gloo"
             self.model = torch.nn.parallel.DistributedDataParallel(raw, bucket_cap_mb=bucket_cap_mb)
+        elif name == "torch-spmd":      # torch's own DDP on a torch group of the "spmd" backend (after spmd, torch)
+            import torch.distributed as dist
+
+            from spmd.comm import torch_backend
+
+            torch_backend.register()
+            self.lib, self.backend = dist, "spmd"
+            self.group = dist.new_group(backend=torch_backend.BACKEND)
+            self.model = torch.nn.parallel.DistributedDataParallel(raw, bucket_cap_mb=bucket_cap_mb,
+                                                                   process_group=self.group)
         else:
             self.lib = None
             self.backend = "none"
@@ -103,7 +116,7 @@ class _Impl:
             return 0.0
         self.barrier()
         start = time.perf_counter()
-        self.lib.all_reduce(flat)
+        self.lib.all_reduce(flat, group=self.group)
         return time.perf_counter() - start
 
     def barrier(self) -> None:
@@ -111,7 +124,7 @@ class _Impl:
             self.lib.barrier()
 
     def close(self) -> None:
-        if self.lib is not None:
+        if self.lib is not None and self.group is None:     # torch-spmd's group goes with torch's world
             self.lib.barrier()   # gloo aborts a rank whose peer tears down while it still talks to it
             self.lib.destroy_process_group()
 
@@ -179,7 +192,7 @@ def main() -> None:
     for setting in args.settings:
         micro = SETTINGS[setting]
         global_batch = micro * world_size
-        runs = [_run(["spmd", "torch"], world_size, micro, args) for _ in range(args.repeats)]
+        runs = [_run(["spmd", "torch", "torch-spmd"], world_size, micro, args) for _ in range(args.repeats)]
         singles = [_run(["single"], 1, global_batch, args) for _ in range(args.repeats if setting == "compute" else 0)]
         spmd, ref = _summary(runs, "spmd", global_batch), _summary(runs, "torch", global_batch)
         per_run = [_summary([run], "spmd", global_batch)["tokens_s"] /
@@ -194,6 +207,10 @@ def main() -> None:
                   f"{row['exposed_ms']:11.1f} {row['overlapped_ms']:14.1f}")
         print(f"  spmd / torch tokens/s: {spmd['tokens_s'] / ref['tokens_s']:.2f}x "
               f"(per launch: {', '.join(f'{r:.2f}x' for r in per_run)})")
+        over_spmd = _summary(runs, "torch-spmd", global_batch)
+        print(f"  torch's DDP over the \"spmd\" backend: {over_spmd['step_ms']:.1f} ms, {over_spmd['tokens_s']:.0f} "
+              f"tokens/s, allreduce {over_spmd['comm_ms']:.1f} ms: {over_spmd['tokens_s'] / ref['tokens_s']:.2f}x "
+              f"torch's DDP over gloo")
         if singles:
             single = _summary(singles, "single", global_batch)
             print(f"  one process, one thread, batch {global_batch}: {single['tokens_s']:.0f} tokens/s; scaling "
