@@ -15,6 +15,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all", "all_to_all_single", "barrier",
         "broadcast", "gather", "monitored_barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
     ),
+    "spmd.comm.backend": (
+        "Backend", "get_default_backend_for_device", "is_available", "is_gloo_available", "is_mpi_available",
+        "is_nccl_available", "is_torchelastic_launched",
+    ),
     "spmd.comm.group": ("NonMemberGroup", "ProcessGroup"),
     "spmd.comm.objects": ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"),
     "spmd.comm.p2p": ("P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"),

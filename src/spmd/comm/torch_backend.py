@@ -2,7 +2,8 @@
 group, so torch's own code (DistributedSampler, torchmetrics, torch's DDP and FSDP2) sees spmd's world and moves
 its bytes over spmd's transports.
 
-Layer: comm. With torch_pg.py, the only library modules that import torch.distributed.
+Layer: comm. With torch_pg.py, the only library modules that import torch.distributed. It also answers what torch
+was built with (NCCL, gloo, MPI, CUDA), so backend.py's names can say why one is unavailable.
 
 Note: torch's default group over spmd
 `spmd.init_process_group` (unless `torch_default_group=False`) calls `init_torch_default_group()`: it registers
@@ -181,3 +182,25 @@ def destroy_torch_default_group() -> None:
     owned, _state["owned"] = _state["owned"], None
     if owned is not None and dist.is_initialized() and dist.group.WORLD is owned:
         dist.destroy_process_group()
+
+
+# -- what torch was built with: the facts behind spmd's backend names (backend.py) ------------------------------
+
+def torch_nccl_built() -> bool:
+    """Whether torch was built with NCCL (torch's CPU wheels are not)."""
+    return dist.is_available() and dist.is_nccl_available()
+
+
+def torch_gloo_built() -> bool:
+    """Whether torch was built with gloo."""
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def torch_mpi_built() -> bool:
+    """Whether torch was built with MPI (only from-source builds are)."""
+    return dist.is_available() and dist.is_mpi_available()
+
+
+def cuda_usable() -> bool:
+    """Whether this process sees a CUDA device."""
+    return torch.cuda.is_available()

@@ -15,12 +15,15 @@ import socket
 import threading
 import urllib.parse
 
+import torch
+
 from spmd._core import env
 from spmd._core.deadline import as_seconds
+from spmd.comm.backend import torch_style_name, transport_for
 from spmd.comm.debug import FlightRecorder, StatusService
 from spmd.comm.group import CollectiveObservers, NonMemberGroup, ProcessGroup
 from spmd.comm.store.base import PrefixStore, Store
-from spmd.comm.transports.base import TransportSpec, available_backends, create_transport
+from spmd.comm.transports.base import TransportSpec, create_transport
 
 DEFAULT_TIMEOUT = 600.0
 
@@ -28,14 +31,20 @@ AnyGroup = ProcessGroup | NonMemberGroup
 
 
 class World:
-    """One rank's view of the job: its rank, the store, the default group and every group it created."""
+    """One rank's view of the job: its rank, the store, the default group and every group it created.
+
+    `backend` is the name the user asked for ("gloo", "auto", "cpu:gloo,cuda:nccl"); `device` the device
+    init_process_group's device_id bound this rank to, if any.
+    """
 
     def __init__(self, rank: int, world_size: int, store: Store, backend: str, timeout: float,
-                 owns_store: bool) -> None:
+                 owns_store: bool, device: torch.device | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.store = store
         self.backend = backend
+        self.device = device
+        self.torch_backend_names: dict[str, str] = {}   # group name -> what torch's get_backend prints for it
         self.timeout = timeout
         self.owns_store = owns_store
         self.recorder = FlightRecorder()
@@ -60,7 +69,13 @@ class World:
         return self.store.compare_set(f"{self.prefix}/transport_token", "", secrets.token_hex(16))
 
     def create_group(self, ranks: list[int], timeout: float, backend: str, name: str) -> AnyGroup:
-        """Collective over the whole world (every rank calls it, in the same order, members or not)."""
+        """Collective over the whole world (every rank calls it, in the same order, members or not).
+
+        `backend` is a name as users write it (see spmd.comm.backend), translated here to a transport."""
+        transport_name = transport_for(backend)
+        torch_name = torch_style_name(backend)
+        if torch_name is not None:
+            self.torch_backend_names[name] = torch_name
         if self.rank not in ranks:
             group: AnyGroup = NonMemberGroup(name, ranks, self.rank)
         else:
@@ -68,7 +83,7 @@ class World:
             spec = TransportSpec(store=group_store, group_name=name, group_rank=ranks.index(self.rank),
                                  global_ranks=tuple(ranks), hosts=tuple(self.hosts[r] for r in ranks),
                                  timeout=timeout, token=self.token)
-            transport = create_transport(backend, spec)
+            transport = create_transport(transport_name, spec)
             group = ProcessGroup(name, ranks, ranks.index(self.rank), transport, group_store, self.store, timeout,
                                  self.recorder, transport.name, self.observers)
         self.groups.append(group)
@@ -110,25 +125,29 @@ def is_initialized() -> bool:
     return _visible_world() is not None
 
 
-def init_process_group(backend: str = "auto", init_method: str | None = None,
+def init_process_group(backend: str | None = None, init_method: str | None = None,
                        timeout: float | datetime.timedelta | None = None, world_size: int = -1, rank: int = -1,
-                       store: Store | None = None, group_name: str = "", torch_default_group: bool = True) -> None:
+                       store: Store | None = None, group_name: str = "",
+                       device_id: torch.device | int | None = None, torch_default_group: bool = True) -> None:
     """Join the job: rendezvous, connect the default group's transport, and make this rank's world current.
 
     Collective: every rank of the job calls it. With no arguments it reads RANK, WORLD_SIZE, MASTER_ADDR and
-    MASTER_PORT (as set by `spmdrun`). `backend` is "auto" (shared memory inside a host, tcp across hosts),
-    "tcp", "shm" or "threads" (ranks are threads of one process; pass the shared `store`). `group_name` is
-    accepted for torch.distributed compatibility and ignored, as torch ignores it (the default group is
-    always named "default"). `torch_default_group`: also initialise torch's default group over this world (the
-    "spmd" backend) when this rank rendezvoused by itself (no `store` given), so torch's own utilities see its
-    rank and world size (torch_backend.py, Note: torch's default group over spmd); pass False where the process
-    must initialise torch's default group itself.
+    MASTER_PORT (as set by `spmdrun`). `backend` is "auto" (the default: shared memory inside a host, tcp
+    across hosts), "tcp", "shm" or "threads" (ranks are threads of one process; pass the shared `store`), or
+    a torch name: "gloo" (= "auto"), "nccl" (CUDA over torch's NCCL), a device map "cpu:gloo,cuda:nccl"; any
+    case. `device_id` binds this rank to one device (a CUDA one becomes the current device). `group_name` is
+    accepted for torch compatibility and ignored, as torch ignores it (the default group is always "default").
+    `torch_default_group`: also initialise torch's default group over this world (the "spmd" backend) when this
+    rank rendezvoused by itself (no `store` given), so torch's own utilities see its rank and world size
+    (torch_backend.py, Note: torch's default group over spmd); pass False where the process must initialise
+    torch's default group itself.
     """
     if _world.get() is not None:
         raise RuntimeError("spmd: init_process_group was already called on this rank; call "
                            "destroy_process_group() first to re-initialize")
-    if backend not in available_backends():
-        raise ValueError(f"spmd: unknown backend {backend!r}; choose one of {available_backends()}")
+    backend = backend if backend is not None else "auto"
+    transport_for(backend)
+    device = _bind_device(device_id)
     _check_rank_arguments(rank, world_size)
     seconds = as_seconds(timeout, DEFAULT_TIMEOUT)
     owns_store = store is None
@@ -139,14 +158,14 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
             raise ValueError(f"spmd: with an explicit store, rank and world_size are required "
                              f"(got rank={rank}, world_size={world_size})")
     else:
-        if backend == "threads":
+        if transport_for(backend) == "threads":
             raise ValueError("spmd: the threads backend needs the store its threads share; use "
                              "spmd.testing.run_ranks, or pass one HashStore as store= to every thread")
         store, rank, world_size = rendezvous(init_method or "env://", rank, world_size, seconds)
     if not 0 <= rank < world_size:
         raise ValueError(f"spmd: rank {rank} is out of range for world_size {world_size}: ranks are "
                          f"0..{world_size - 1}")
-    world = World(rank, world_size, store, backend, seconds, owns_store)
+    world = World(rank, world_size, store, backend, seconds, owns_store, device)
     _world.set(world)
     with _process_world_lock:
         _process_worlds.append(world)
@@ -154,6 +173,35 @@ def init_process_group(backend: str = "auto", init_method: str | None = None,
         from spmd.comm import torch_backend
 
         torch_backend.init_torch_default_group(rank, world_size, seconds)
+
+
+def _bind_device(device_id: torch.device | int | None) -> torch.device | None:
+    """The device init_process_group's `device_id` names, validated; a CUDA one becomes the current device.
+
+    As in torch, an int is an index of the accelerator (CUDA here)."""
+    if device_id is None:
+        return None
+    if isinstance(device_id, int) and not isinstance(device_id, bool):
+        device = torch.device("cuda", device_id)
+    elif isinstance(device_id, torch.device):
+        device = device_id
+    else:
+        raise TypeError(f"spmd: init_process_group device_id must be a torch.device or an int, got "
+                        f"{type(device_id).__name__}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"spmd: init_process_group device_id={device_id!r} names a CUDA device, but "
+                             f"torch.cuda.is_available() is False; pass device_id=None (or torch.device('cpu'))")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if not 0 <= index < torch.cuda.device_count():
+            raise ValueError(f"spmd: init_process_group device_id={device_id!r}: this process sees "
+                             f"{torch.cuda.device_count()} CUDA devices")
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise ValueError(f"spmd: init_process_group device_id={device_id!r}: spmd binds ranks to cpu or cuda "
+                         f"devices, not {device.type}")
+    return device
 
 
 def _check_rank_arguments(rank: int, world_size: int) -> None:
@@ -295,5 +343,7 @@ def get_global_rank(group: AnyGroup, group_rank: int) -> int:
 
 
 def get_backend(group: AnyGroup | None = None) -> str:
+    """The group's backend as torch prints it ("gloo", "cpu:gloo,cuda:nccl") when it was asked for by a torch
+    name, else the transport spmd resolved ("shm", "tcp", "threads")."""
     resolved = resolve_group(group, "get_backend")
-    return resolved.backend
+    return current_world().torch_backend_names.get(resolved.name, resolved.backend)

@@ -168,8 +168,13 @@ def create_transport(backend: str, spec: TransportSpec) -> Transport:
     """Build and connect the transport named `backend` for one group (collective over the group's ranks).
 
     "shm" builds LocalShmTransport for a group on one host and HierarchicalTransport for one spanning hosts;
-    both are named "shm".
+    both are named "shm". A device map ("cpu:tcp,cuda:torch:nccl") builds a DeviceMapTransport over one
+    transport per entry.
     """
+    from spmd.comm.transports import device_map
+
+    if device_map.is_device_map(backend):
+        return device_map.DeviceMapTransport(spec, device_map.parse_device_map(backend))
     name = resolve_backend(backend, spec.hosts)
     path = _TRANSPORTS[name]
     if len(set(spec.hosts)) > 1:
