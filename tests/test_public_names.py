@@ -43,3 +43,64 @@ def test_stores_live_in_comm_store_and_the_facade() -> None:
 
     for name in ("Store", "HashStore", "PrefixStore", "TCPStore", "FileStore"):
         assert getattr(store, name) is getattr(spmd, name)
+
+
+# torch module path (under torch.distributed) -> names scripts import from it; spmd serves each at the same
+# path under `spmd`, as the same objects as spmd's own modules.
+TORCH_PATHS: dict[str, tuple[str, ...]] = {
+    "": ("init_process_group", "all_reduce", "Backend", "get_default_backend_for_device", "is_nccl_available",
+         "is_gloo_available", "is_mpi_available", "is_torchelastic_launched", "is_available"),
+    "distributed_c10d": ("init_process_group", "all_reduce", "new_group", "get_backend", "Backend", "ReduceOp",
+                         "_get_default_group"),
+    "device_mesh": ("DeviceMesh", "init_device_mesh"),
+    "tensor": ("DTensor", "Shard", "Replicate", "Partial", "distribute_tensor", "distribute_module",
+               "init_device_mesh", "DeviceMesh"),
+    "tensor.device_mesh": ("DeviceMesh", "init_device_mesh"),
+    "tensor.placement_types": ("Shard", "Replicate", "Partial", "Placement"),
+    "tensor.parallel": ("parallelize_module", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+                        "PrepareModuleInput", "loss_parallel"),
+    "tensor.debug": ("CommDebugMode",),
+    "_tensor": ("DTensor", "Shard", "Replicate", "Partial", "distribute_tensor", "DeviceMesh", "init_device_mesh"),
+    "_tensor.api": ("DTensor", "distribute_tensor", "distribute_module"),
+    "_tensor.device_mesh": ("DeviceMesh", "init_device_mesh"),
+    "_tensor.placement_types": ("Shard", "Replicate", "Partial", "Placement"),
+    "fsdp": ("fully_shard", "MixedPrecisionPolicy", "CPUOffloadPolicy", "FSDPModule"),
+    "_composable.fsdp": ("fully_shard", "MixedPrecisionPolicy", "CPUOffloadPolicy", "FSDPModule"),
+    "algorithms.ddp_comm_hooks.default_hooks": ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"),
+    "algorithms.ddp_comm_hooks.powerSGD_hook": ("PowerSGDState", "powerSGD_hook"),
+    "elastic.multiprocessing.errors": ("record", "ChildFailedError"),
+    "checkpoint": ("save", "load", "async_save", "FileSystemWriter", "FileSystemReader"),
+    "checkpoint.state_dict": ("get_state_dict", "set_state_dict", "get_model_state_dict", "StateDictOptions"),
+    "checkpoint.stateful": ("Stateful",),
+    "pipelining": ("PipelineStage", "ScheduleGPipe", "Schedule1F1B"),
+}
+SAME_AS = {  # alias module -> the spmd module whose objects it serves
+    "distributed_c10d": "spmd", "tensor.device_mesh": "spmd.device_mesh", "_tensor": "spmd.tensor",
+    "_tensor.api": "spmd.tensor", "_tensor.device_mesh": "spmd.device_mesh", "_tensor.placement_types": "spmd.tensor",
+    "tensor.placement_types": "spmd.tensor", "_composable.fsdp": "spmd.fsdp",
+    "algorithms.ddp_comm_hooks.default_hooks": "spmd.ddp", "algorithms.ddp_comm_hooks.powerSGD_hook": "spmd.ddp",
+    "checkpoint.stateful": "spmd.checkpoint",
+}
+
+
+@pytest.mark.parametrize("path", sorted(TORCH_PATHS))
+def test_torch_module_paths_exist_under_spmd(path: str) -> None:
+    torch_module = importlib.import_module("torch.distributed" + (f".{path}" if path else ""))
+    spmd_module = importlib.import_module("spmd" + (f".{path}" if path else ""))
+    for name in TORCH_PATHS[path]:
+        assert hasattr(torch_module, name), f"torch has no {path}.{name}: the table is stale"
+        assert hasattr(spmd_module, name), f"spmd.{path} lacks {name}"
+    target = SAME_AS.get(path)
+    if target is not None:
+        for name in TORCH_PATHS[path]:
+            if not name.startswith("_"):
+                assert getattr(spmd_module, name) is getattr(importlib.import_module(target), name), name
+
+
+def test_record_returns_the_entry_point_unchanged() -> None:
+    from spmd.elastic.multiprocessing.errors import record
+
+    def main() -> int:
+        return 7
+
+    assert record(main) is main and main() == 7

@@ -1,0 +1,17 @@
+"""Alias of `spmd.tensor` under torch's older DTensor path (`torch.distributed._tensor`), so scripts that still
+import it port by swapping the package name. Layer: tensor (an alias; it holds no logic)."""
+
+from spmd.tensor import (
+    DeviceMesh,
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+    init_device_mesh,
+)
+
+__all__ = ["DTensor", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "distribute_module",
+           "distribute_tensor", "init_device_mesh"]

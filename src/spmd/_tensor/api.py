@@ -1,0 +1,5 @@
+"""Alias of `spmd.tensor.api` under torch's older path (`torch.distributed._tensor.api`). Layer: tensor."""
+
+from spmd.tensor.api import DTensor, distribute_module, distribute_tensor
+
+__all__ = ["DTensor", "distribute_module", "distribute_tensor"]

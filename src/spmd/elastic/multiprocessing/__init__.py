@@ -1,0 +1,1 @@
+"""torch's elastic multiprocessing path; see `errors`. Layer: run."""
