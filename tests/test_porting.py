@@ -80,3 +80,14 @@ def test_collectives_tutorial_receives_what_torch_receives(tmp_path: pathlib.Pat
                 assert torch.equal(got[key], value), (rank, key, got[key], value)
             else:
                 assert got[key] == value, (rank, key)
+
+
+@pytest.mark.timeout(400)
+def test_fsdp2_tutorial_trains_the_same_weights_as_under_torch(tmp_path: pathlib.Path) -> None:
+    torch_out, spmd_out = _run_both("fsdp2_tutorial.py", tmp_path)
+    expected, got = torch.load(torch_out), torch.load(spmd_out)
+    torch.testing.assert_close(got["local"], expected["local"])
+    torch.testing.assert_close(got["replicated"], expected["replicated"])
+    assert expected["state"].keys() == got["state"].keys()
+    for key, value in expected["state"].items():
+        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
