@@ -22,22 +22,25 @@ import torch
 from spmd.comm.group import NonMemberGroup
 from spmd.comm.world import AnyGroup, World, current_world, init_process_group, is_initialized, new_group
 
-# Note: mesh groups are created once. One registry per world (per rank), keyed by the group's rank list.
-_GROUP_REGISTRY: weakref.WeakKeyDictionary[World, dict[tuple[int, ...], AnyGroup]] = weakref.WeakKeyDictionary()
+# Note: mesh groups are created once. One registry per world (per rank), keyed by the group's rank list and
+# the backend it was asked for (None: the world's).
+_GROUP_REGISTRY: weakref.WeakKeyDictionary[World, dict[tuple[tuple[int, ...], str | None], AnyGroup]] = (
+    weakref.WeakKeyDictionary())
 
 
-def _group_for(ranks: tuple[int, ...], world: World) -> AnyGroup:
-    """The group of `ranks`, created on first use. Collective over the world (see Note: mesh groups...)."""
+def _group_for(ranks: tuple[int, ...], world: World, backend: str | None = None) -> AnyGroup:
+    """The group of `ranks` (on `backend`, or the world's), created on first use. Collective over the world
+    (see Note: mesh groups...)."""
     registry = _GROUP_REGISTRY.setdefault(world, {})
-    group = registry.get(ranks)
+    group = registry.get((ranks, backend))
     if group is None:
-        if ranks == tuple(range(world.world_size)):
+        if ranks == tuple(range(world.world_size)) and backend is None:
             group = world.default_group
         else:
-            group = new_group(list(ranks))
+            group = new_group(list(ranks), backend=backend)
             if not isinstance(group, NonMemberGroup) and list(group.ranks) != list(ranks):
                 raise ValueError(f"DeviceMesh: a mesh row must list ranks in ascending order; got {list(ranks)}")
-        registry[ranks] = group
+        registry[(ranks, backend)] = group
     return group
 
 
@@ -52,11 +55,13 @@ class DeviceMesh:
 
     Collective to build: every rank of the world constructs the same mesh (see Note: mesh groups are created
     once). A rank not in `mesh` gets `get_coordinate() is None` and no groups. Equal meshes (same ranks, names
-    and device type on the same rank) compare equal and share their groups.
+    and device type on the same rank) compare equal and share their groups. `backend_override` names, per mesh
+    dim, the backend of that dim's groups (None: the world's), as torch's does.
     """
 
     def __init__(self, device_type: str, mesh: torch.Tensor | Sequence[Any], *,
-                 mesh_dim_names: tuple[str, ...] | None = None, _groups: list[AnyGroup] | None = None,
+                 mesh_dim_names: tuple[str, ...] | None = None,
+                 backend_override: tuple[str | None, ...] | None = None, _groups: list[AnyGroup] | None = None,
                  _root: DeviceMesh | None = None) -> None:
         if ":" in device_type:
             raise ValueError(f"DeviceMesh: device_type must not name a device index, got {device_type!r}; "
@@ -67,6 +72,7 @@ class DeviceMesh:
             self.mesh = self.mesh.reshape(1)
         self.device_type = device_type
         self.mesh_dim_names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
+        self._backends = tuple(backend_override) if backend_override is not None else (None,) * self.mesh.ndim
         self._check_names_and_ranks()
         self._world = current_world() if is_initialized() else None
         if self._world is None:
@@ -84,7 +90,8 @@ class DeviceMesh:
         hits = (self.mesh == rank).nonzero()
         self._coordinate = [int(c) for c in hits[0].tolist()] if len(hits) else None
         self._groups = _groups if _groups is not None else self._create_groups()
-        self._key = (device_type, tuple(self.mesh.shape), tuple(flat), self.mesh_dim_names, id(self._world))
+        self._key = (device_type, tuple(self.mesh.shape), tuple(flat), self.mesh_dim_names, self._backends,
+                     id(self._world))
         self._hash = hash(self._key)
 
     def _check_names_and_ranks(self) -> None:
@@ -97,6 +104,9 @@ class DeviceMesh:
                                  f"for a {self.mesh.ndim}-d mesh of shape {tuple(self.mesh.shape)}")
             if len(set(self.mesh_dim_names)) != len(self.mesh_dim_names):
                 raise ValueError(f"DeviceMesh: mesh_dim_names {self.mesh_dim_names} must be unique")
+        if len(self._backends) != self.mesh.ndim:
+            raise ValueError(f"DeviceMesh: backend_override {self._backends} must name one backend (or None) per "
+                             f"dim of the {self.mesh.ndim}-d mesh")
 
     def _create_groups(self) -> list[AnyGroup]:
         """Collective over the world: one group per row of every mesh dim; keep this rank's row's group."""
@@ -105,7 +115,7 @@ class DeviceMesh:
         for mesh_dim in range(self.mesh.ndim):
             found: AnyGroup | None = None
             for row in _rows(self.mesh, mesh_dim):
-                group = _group_for(row, self._world)
+                group = _group_for(row, self._world, self._backends[mesh_dim])
                 if self._world.rank in row:
                     found = group
             mine.append(found if found is not None else NonMemberGroup(f"mesh_dim{mesh_dim}", [], self._world.rank))
@@ -175,7 +185,7 @@ class DeviceMesh:
         ranks = tuple(sorted(self.mesh.reshape(-1).tolist()))
         if ranks == tuple(range(self._world.world_size)):
             return self._world.default_group
-        return _GROUP_REGISTRY.get(self._world, {}).get(ranks)
+        return _GROUP_REGISTRY.get(self._world, {}).get((ranks, None))
 
     def _dim_or_only(self, mesh_dim: int | str | None, what: str) -> int:
         if mesh_dim is None:
@@ -221,6 +231,7 @@ class DeviceMesh:
             raise ValueError(f"DeviceMesh: rank {self.get_rank()} is not in {self}, so it has no sub-mesh {key}")
         index = tuple(slice(None) if d in dims else self._coordinate[d] for d in range(self.ndim))
         sub = DeviceMesh(self.device_type, self.mesh[index], mesh_dim_names=key,
+                         backend_override=tuple(self._backends[d] for d in dims),
                          _groups=[self._groups[d] for d in dims], _root=self._root)
         self._submeshes[key] = sub
         return sub
@@ -290,10 +301,12 @@ class DeviceMesh:
 
 
 def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], *,
-                     mesh_dim_names: tuple[str, ...] | None = None) -> DeviceMesh:
+                     mesh_dim_names: tuple[str, ...] | None = None,
+                     backend_override: dict[int | str, str] | None = None) -> DeviceMesh:
     """Build a DeviceMesh over all ranks of the world, laid out row-major (rank r at the r-th position).
 
     Collective over the world. Initializes the default process group from the environment first if needed.
+    `backend_override` maps mesh dims (by index or name) to the backend of their groups, as torch's does.
 
     >>> from spmd.testing import run_ranks
     >>> def body(rank, world_size):
@@ -314,7 +327,31 @@ def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], *,
     if numel != world.world_size:
         raise ValueError(f"init_device_mesh: mesh_shape {shape} holds {numel} ranks but the world has "
                          f"{world.world_size} (rank {world.rank}); the mesh must cover every rank")
-    return DeviceMesh(device_type, torch.arange(numel).reshape(shape), mesh_dim_names=mesh_dim_names)
+    return DeviceMesh(device_type, torch.arange(numel).reshape(shape), mesh_dim_names=mesh_dim_names,
+                      backend_override=_backend_per_dim(backend_override, len(shape), mesh_dim_names))
+
+
+def _backend_per_dim(backend_override: dict[int | str, str] | None, ndim: int,
+                     mesh_dim_names: tuple[str, ...] | None) -> tuple[str | None, ...] | None:
+    """init_device_mesh's `backend_override` (keys: dim indices or names) as one backend or None per dim."""
+    if backend_override is None:
+        return None
+    left = dict(backend_override)
+    names = tuple(mesh_dim_names or ())
+    per_dim: list[str | None] = []
+    for dim in range(ndim):
+        name = names[dim] if dim < len(names) else None
+        if name is not None and name in left and dim in left:
+            raise ValueError(f"init_device_mesh: backend_override names dim {dim} twice (as {dim} and {name!r})")
+        backend = left.pop(name) if name is not None and name in left else left.pop(dim, None)
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(f"init_device_mesh: backend_override values must be backend names, got "
+                            f"{type(backend).__name__} for dim {dim}")
+        per_dim.append(backend)
+    if left:
+        raise ValueError(f"init_device_mesh: backend_override keys {list(left)} are not dims of the mesh: expected "
+                         f"integers in [0, {ndim}) or one of {names}")
+    return tuple(per_dim)
 
 
 __all__ = ["DeviceMesh", "init_device_mesh"]

@@ -191,3 +191,32 @@ def test_device_id_on_a_cuda_device_without_cuda_says_so() -> None:
         with pytest.raises(ValueError, match=r"torch\.cuda\.is_available\(\) is False"):
             spmd.init_process_group("gloo", store=spmd.HashStore(), rank=0, world_size=1, device_id=device_id)
     assert not spmd.is_initialized()
+
+
+def test_init_device_mesh_backend_override_builds_that_dims_groups_on_the_named_backend() -> None:
+    from spmd.device_mesh import init_device_mesh
+
+    def body(rank: int, world_size: int) -> tuple[str, str, str, str, float]:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"), backend_override={"tp": "GLOO"})
+        t = torch.tensor([float(rank)])
+        spmd.all_reduce(t, group=mesh.get_group("tp"))
+        plain = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        return (spmd.get_backend(mesh.get_group("tp")), mesh.get_group("tp").transport.name,
+                spmd.get_backend(mesh["dp"].get_group()), spmd.get_backend(plain.get_group("tp")), t.item())
+
+    results = run_ranks(body, world_size=4, timeout=60)
+    assert [r[4] for r in results] == [1.0, 1.0, 5.0, 5.0]
+    assert {r[:4] for r in results} == {("gloo", "shm", "threads", "threads")}
+
+
+@pytest.mark.parametrize(("override", "why"), [
+    ({"pp": "gloo"}, "keys \\['pp'\\] are not dims"), ({0: "gloo", "dp": "tcp"}, "names dim 0 twice"),
+])
+def test_init_device_mesh_bad_backend_override(override: dict, why: str) -> None:
+    from spmd.device_mesh import init_device_mesh
+
+    def body(rank: int, world_size: int) -> None:
+        init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), backend_override=override)
+
+    with pytest.raises(ValueError, match=why):
+        run_ranks(body, world_size=2, timeout=60)

@@ -50,6 +50,8 @@ def parse_device_map(backend: str) -> list[tuple[str, str]]:
 class DeviceMapTransport(Transport):
     """One sub-transport per device type; each op runs on the one serving its tensors' device type."""
 
+    devices = DEVICE_TYPES   # what a map may name; each instance narrows it to its entries, in map order
+
     def __init__(self, spec: TransportSpec, entries: list[tuple[str, str]]) -> None:
         self.devices = tuple(device for device, _ in entries)
         super().__init__(spec)
