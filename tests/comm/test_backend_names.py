@@ -220,3 +220,16 @@ def test_init_device_mesh_bad_backend_override(override: dict, why: str) -> None
 
     with pytest.raises(ValueError, match=why):
         run_ranks(body, world_size=2, timeout=60)
+
+
+@pytest.mark.skipif(NCCL_USABLE, reason="nccl is usable here")
+def test_a_refused_new_group_leaves_the_world_as_it_was() -> None:
+    def body(rank: int, world_size: int) -> tuple[str, int]:
+        with pytest.raises(RuntimeError, match="'nccl'"):
+            spmd.new_group([0, 1], backend="nccl")
+        group = spmd.new_group([0, 1], backend="tcp")
+        t = torch.tensor([1.0])
+        spmd.all_reduce(t, group=group)
+        return spmd.get_backend(group), int(t.item())
+
+    assert run_ranks(body, world_size=2, timeout=60) == [("tcp", 2)] * 2

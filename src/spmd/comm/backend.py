@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
+
 from spmd._core import env
 from spmd.comm import torch_backend
 from spmd.comm.transports.base import available_backends
@@ -40,9 +42,9 @@ class Backend(str):
         return name.lower()
 
 
-def get_default_backend_for_device(device: str | object) -> str:
+def get_default_backend_for_device(device: str | torch.device) -> str:
     """The backend torch picks for a device ("cpu" -> "gloo", "cuda" -> "nccl"); `device` may be a torch.device."""
-    device_type = getattr(device, "type", None) or str(device).split(":", 1)[0]
+    device_type = device.type if isinstance(device, torch.device) else str(device).split(":", 1)[0]
     backend = Backend.default_device_backend_map.get(device_type)
     if backend is None:
         raise ValueError(f"spmd: no default backend for device type {device_type!r}; known: "

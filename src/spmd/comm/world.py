@@ -73,9 +73,6 @@ class World:
 
         `backend` is a name as users write it (see spmd.comm.backend), translated here to a transport."""
         transport_name = transport_for(backend)
-        torch_name = torch_style_name(backend)
-        if torch_name is not None:
-            self.torch_backend_names[name] = torch_name
         if self.rank not in ranks:
             group: AnyGroup = NonMemberGroup(name, ranks, self.rank)
         else:
@@ -86,6 +83,9 @@ class World:
             transport = create_transport(transport_name, spec)
             group = ProcessGroup(name, ranks, ranks.index(self.rank), transport, group_store, self.store, timeout,
                                  self.recorder, transport.name, self.observers)
+        torch_name = torch_style_name(backend)
+        if torch_name is not None:
+            self.torch_backend_names[name] = torch_name
         self.groups.append(group)
         return group
 
@@ -146,7 +146,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         raise RuntimeError("spmd: init_process_group was already called on this rank; call "
                            "destroy_process_group() first to re-initialize")
     backend = backend if backend is not None else "auto"
-    transport_for(backend)
+    transport = transport_for(backend)     # an unavailable or unknown backend fails before any rendezvous
     device = _bind_device(device_id)
     _check_rank_arguments(rank, world_size)
     seconds = as_seconds(timeout, DEFAULT_TIMEOUT)
@@ -158,7 +158,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
             raise ValueError(f"spmd: with an explicit store, rank and world_size are required "
                              f"(got rank={rank}, world_size={world_size})")
     else:
-        if transport_for(backend) == "threads":
+        if transport == "threads":
             raise ValueError("spmd: the threads backend needs the store its threads share; use "
                              "spmd.testing.run_ranks, or pass one HashStore as store= to every thread")
         store, rank, world_size = rendezvous(init_method or "env://", rank, world_size, seconds)
