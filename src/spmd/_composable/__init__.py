@@ -1,1 +1,1 @@
-"""torch's older home of FSDP2 (`torch.distributed._composable`); only its `fsdp` package is aliased here."""
+"""torch's older home of FSDP2 (`_composable` in torch's distributed package); only `fsdp` is aliased here."""

@@ -1,5 +1,5 @@
-"""Alias of `spmd.tensor` under torch's older DTensor path (`torch.distributed._tensor`), so scripts that still
-import it port by swapping the package name. Layer: tensor (an alias; it holds no logic)."""
+"""Alias of `spmd.tensor` under torch's older DTensor path (`_tensor` in torch's distributed package), so
+scripts that still import it port by swapping the package name. Layer: tensor (an alias; it holds no logic)."""
 
 from spmd.tensor import (
     DeviceMesh,

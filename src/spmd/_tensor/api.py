@@ -1,4 +1,4 @@
-"""Alias of `spmd.tensor.api` under torch's older path (`torch.distributed._tensor.api`). Layer: tensor."""
+"""Alias of `spmd.tensor.api` under torch's older path (`_tensor.api`). Layer: tensor."""
 
 from spmd.tensor.api import DTensor, distribute_module, distribute_tensor
 

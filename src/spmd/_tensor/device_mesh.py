@@ -1,4 +1,4 @@
-"""Alias of `spmd.device_mesh` under torch's older path (`torch.distributed._tensor.device_mesh`). Layer: tensor."""
+"""Alias of `spmd.device_mesh` under torch's older path (`_tensor.device_mesh`). Layer: tensor."""
 
 from spmd.device_mesh import DeviceMesh, init_device_mesh
 

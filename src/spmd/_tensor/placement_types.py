@@ -1,4 +1,4 @@
-"""Alias of `spmd.tensor.placement` under torch's older path (`torch.distributed._tensor.placement_types`).
+"""Alias of `spmd.tensor.placement` under torch's older path (`_tensor.placement_types`).
 Layer: tensor."""
 
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard

@@ -1,4 +1,4 @@
-"""Alias of `spmd.fsdp` under torch's older FSDP2 path (`torch.distributed._composable.fsdp`), so scripts
+"""Alias of `spmd.fsdp` under torch's older FSDP2 path (`_composable.fsdp`), so scripts
 written before FSDP2 moved port by swapping the package name. Layer: fsdp (an alias; it holds no logic)."""
 
 from spmd.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle, fully_shard
