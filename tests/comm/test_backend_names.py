@@ -233,3 +233,16 @@ def test_a_refused_new_group_leaves_the_world_as_it_was() -> None:
         return spmd.get_backend(group), int(t.item())
 
     assert run_ranks(body, world_size=2, timeout=60) == [("tcp", 2)] * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_id_binds_the_rank_to_its_cuda_device() -> None:
+    from spmd.comm.world import current_world
+
+    index = torch.cuda.device_count() - 1
+    spmd.init_process_group("gloo", store=spmd.HashStore(), rank=0, world_size=1, device_id=index)
+    try:
+        assert current_world().device == torch.device("cuda", index)
+        assert torch.cuda.current_device() == index
+    finally:
+        spmd.destroy_process_group()

@@ -42,6 +42,7 @@ def run(rank, size):
     results["objects"] = objects
     results["initialized"] = dist.is_initialized() and dist.is_available()
     results["world_size"] = dist.get_world_size()
+    results["launched_by_elastic"] = dist.is_torchelastic_launched()
     torch.save(results, f"{sys.argv[1]}{rank}")
 
 
