@@ -13,7 +13,6 @@ from typing import ClassVar
 import torch
 
 from spmd._core import env
-from spmd.comm import torch_backend
 from spmd.comm.transports.base import available_backends
 from spmd.comm.transports.device_map import is_device_map, parse_device_map
 
@@ -89,6 +88,8 @@ def _transport_for_one(name: str) -> str:
 
 
 def _nccl_transport() -> str:
+    from spmd.comm import torch_backend  # here, not at the top: it imports the collectives, which import world
+
     reasons = []
     if not torch_backend.cuda_usable():
         reasons.append("torch.cuda.is_available() is False on this machine")
@@ -109,6 +110,8 @@ def is_available() -> bool:
 
 def is_nccl_available() -> bool:
     """Whether backend "nccl" can be built here: torch has NCCL and spmd has its torch:nccl transport."""
+    from spmd.comm import torch_backend
+
     return torch_backend.torch_nccl_built() and "torch:nccl" in available_backends()
 
 
