@@ -21,7 +21,7 @@ import spmd
 from spmd import ReduceOp
 from spmd.testing import run_ranks
 
-TRANSPORTS = ["threads", "tcp", "shm"]
+TRANSPORTS = ["threads", "tcp", "shm", "torch:gloo"]
 WORLD_SIZES = [1, 2, 3, 4]
 SUBGROUPS: dict[int, list[list[int]]] = {1: [], 2: [], 3: [[2, 0]], 4: [[0, 2, 3], [1, 3], [2]]}
 

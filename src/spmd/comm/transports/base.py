@@ -141,6 +141,8 @@ _TRANSPORTS: dict[str, str] = {            # backend -> "module:class", imported
     "threads": "spmd.comm.transports.threads:ThreadsTransport",
     "tcp": "spmd.comm.transports.tcp.transport:TcpTransport",
     "shm": "spmd.comm.transports.shm.local:LocalShmTransport",
+    "torch:gloo": "spmd.comm.transports.torch_pg:TorchGlooTransport",
+    "torch:nccl": "spmd.comm.transports.torch_pg:TorchNcclTransport",
 }
 _ACROSS_HOSTS: dict[str, str] = {          # what a backend builds instead for a group whose ranks span hosts
     "shm": "spmd.comm.transports.shm.hierarchical:HierarchicalTransport",
