@@ -1,0 +1,144 @@
+"""The torch:gloo transport: the collective matrix in real processes, timeouts, dead peers, subgroups, and the
+store adapter torch's groups rendezvous through.
+
+Thread ranks run the full matrix (tests/comm/test_matrix.py lists torch:gloo); here every family also runs on
+real rank processes from the shared pool, where each process builds its own gloo groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import spmd
+from spmd._core.errors import CommTimeoutError, PeerLostError
+from spmd.comm.store.base import HashStore, PrefixStore
+from spmd.comm.transports.torch_pg import SpmdStoreAdapter
+from spmd.device_mesh import init_device_mesh
+from spmd.testing import run_ranks
+from tests.comm.test_matrix import FAMILIES, SUBGROUPS
+from tests.procpool import ProcPool, kill_self
+
+
+def _matrix_family(rank: int, world_size: int, family: str) -> None:
+    spmd.init_process_group("torch:gloo", timeout=60)
+    try:
+        groups: list[tuple[spmd.ProcessGroup | None, list[int]]] = [(None, list(range(world_size)))]
+        for ranks in SUBGROUPS[world_size]:
+            group = spmd.new_group(ranks)
+            if rank in ranks:
+                groups.append((group, sorted(ranks)))
+        for group, members in groups:
+            FAMILIES[family](rank, group, members)
+    finally:
+        spmd.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_matrix_in_real_processes(procpool: ProcPool, world_size: int, family: str) -> None:
+    procpool.run(_matrix_family, world_size, timeout=240, args=(family,))
+
+
+def test_a_rank_that_never_joins_times_out_naming_the_op() -> None:
+    done = threading.Event()
+    caught: list[str] = []
+
+    def body(rank: int, size: int) -> str | None:
+        spmd.all_reduce(torch.ones(2))
+        if rank == 2:
+            done.wait(timeout=30)
+            return None
+        start = time.monotonic()
+        with pytest.raises(CommTimeoutError) as info:
+            spmd.all_gather_into_tensor(torch.empty(6), torch.ones(2))
+        elapsed = time.monotonic() - start
+        caught.append(str(info.value))
+        if len(caught) == 2:
+            done.set()
+        assert elapsed < 15, f"timeout took {elapsed:.1f}s"
+        return str(info.value)
+
+    messages = run_ranks(body, 3, timeout=60, comm_timeout=2, backend="torch:gloo")
+    for message in messages[:2]:
+        assert "all_gather #2" in message and "never entered it: [2]" in message, message
+
+
+def _killed_peer(rank: int, world_size: int) -> tuple[str, str, float] | None:
+    spmd.init_process_group("torch:gloo", timeout=60)
+    spmd.all_reduce(torch.ones(4))
+    if rank == world_size - 1:
+        kill_self()
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            spmd.all_gather_into_tensor(torch.empty(4 * world_size), torch.ones(4))
+    except Exception as error:   # the test checks its type and text
+        return type(error).__name__, str(error), time.monotonic() - start
+    finally:
+        spmd.destroy_process_group()
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_killed_peer_process_is_a_lost_peer(procpool: ProcPool) -> None:
+    results = procpool.run(_killed_peer, 3, timeout=90, may_die=frozenset({2}))
+    for rank in (0, 1):
+        assert results[rank] is not None, f"rank {rank} did not notice the dead peer"
+        name, message, elapsed = results[rank]
+        assert name == PeerLostError.__name__, f"rank {rank}: {name}: {message}"
+        assert "all_gather #2" in message and "never entered it: [2]" in message, message
+        assert elapsed < 30, f"rank {rank} took {elapsed:.1f}s to notice"
+
+
+def test_subgroups_and_mesh_groups_each_get_their_own_torch_group() -> None:
+    def body(rank: int, size: int) -> list[float]:
+        evens, odds = spmd.new_group([0, 2]), spmd.new_group([1, 3])
+        mine = evens if rank % 2 == 0 else odds
+        t = torch.full((3,), float(rank))
+        spmd.all_reduce(t, group=mine)
+        mesh = init_device_mesh("cpu", (2, 2))
+        rows = torch.full((2,), float(rank))
+        spmd.all_reduce(rows, group=mesh.get_group(1))
+        cols = torch.full((2,), float(rank))
+        spmd.all_reduce(cols, group=mesh.get_group(0))
+        assert mine.backend == "torch:gloo"
+        return [t[0].item(), rows[0].item(), cols[0].item()]
+
+    results = run_ranks(body, 4, timeout=60, backend="torch:gloo")
+    assert results == [[2.0, 1.0, 2.0], [4.0, 1.0, 4.0], [2.0, 5.0, 2.0], [4.0, 5.0, 4.0]]
+
+
+def test_store_adapter_serves_torch_groups_from_an_spmd_store() -> None:
+    spmd_store = PrefixStore("group/x", HashStore(timeout=5))
+    adapter = SpmdStoreAdapter(spmd_store)
+    adapter.set("a", b"1")
+    assert adapter.get("a") == b"1"
+    assert adapter.add("n", 2) == 2 and adapter.add("n", 3) == 5
+    assert adapter.compare_set("c", b"", b"v") == b"v"
+    assert adapter.check(["a", "c"]) and not adapter.check(["missing"])
+    assert adapter.multi_get(["a", "c"]) == [b"1", b"v"]
+    assert spmd_store.underlying_store.get("group/x/a") == b"1"     # keys land in spmd's prefixed namespace
+    with pytest.raises(Exception, match="missing"):
+        adapter.wait(["missing"], datetime.timedelta(seconds=0.1))
+    assert adapter.delete_key("a") and not adapter.check(["a"])
+
+    def build(rank: int, out: list[float]) -> None:
+        group = dist.ProcessGroupGloo(SpmdStoreAdapter(spmd_store), rank, 2, datetime.timedelta(seconds=20))
+        t = torch.full((2,), float(rank + 1))
+        group.allreduce([t]).wait()
+        out[rank] = t[0].item()
+
+    out = [0.0, 0.0]
+    threads = [threading.Thread(target=build, args=(rank, out)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert out == [3.0, 3.0]
