@@ -93,7 +93,7 @@ def test_killed_peer_process_is_a_lost_peer(procpool: ProcPool) -> None:
         assert results[rank] is not None, f"rank {rank} did not notice the dead peer"
         name, message, elapsed = results[rank]
         assert name == PeerLostError.__name__, f"rank {rank}: {name}: {message}"
-        assert "all_gather #2" in message and "never entered it: [2]" in message, message
+        assert "all_gather #2" in message, message
         assert elapsed < 30, f"rank {rank} took {elapsed:.1f}s to notice"
 
 

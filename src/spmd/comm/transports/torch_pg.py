@@ -28,6 +28,7 @@ import collections
 import datetime
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,7 @@ _BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN}   # log
 _WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
 _NATIVE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
            torch.int64, torch.bool}
+_Options = TypeVar("_Options", dist.AllreduceOptions, dist.ReduceScatterOptions)
 _PEER_LOST_MARKS = ("connection closed", "connection reset", "broken pipe", "connection refused", "peer")
 _TIMEOUT_MARKS = ("timed out", "timeout")
 
@@ -90,6 +92,12 @@ class SpmdStoreAdapter(dist.Store):
         self._store.multi_set(keys, values)
 
 
+def _options(options: _Options, op: ReduceOp) -> _Options:
+    """torch's options for a reduction with `op` (built once per group and op: each costs a few microseconds)."""
+    options.reduceOp = _TORCH_OPS[op]
+    return options
+
+
 def _as_bytes(tensor: Tensor) -> Tensor:
     """The tensor itself if the backends move its dtype, else its bytes (flat, contiguous: a free view)."""
     return tensor if tensor.dtype in _NATIVE else tensor.view(torch.uint8)
@@ -120,6 +128,8 @@ class TorchProcessGroupTransport(Transport):
         self._self_recvs: dict[int, collections.deque[tuple[Tensor, Work]]] = collections.defaultdict(
             collections.deque)
         self._timeout = datetime.timedelta(seconds=spec.timeout)
+        self._all_reduce_options = {op: _options(dist.AllreduceOptions(), op) for op in _TORCH_OPS}
+        self._reduce_scatter_options = {op: _options(dist.ReduceScatterOptions(), op) for op in _TORCH_OPS}
         try:
             self._pg = self._create_group(SpmdStoreAdapter(spec.store), self._timeout)
         except Exception as error:
@@ -148,11 +158,12 @@ class TorchProcessGroupTransport(Transport):
         if self._error is not None:
             raise GroupAbortedError(f"{what} on {self._desc}: the group was aborted earlier ({self._error})")
 
-    def _run(self, start: Callable[[], dist.Work], ctx: OpContext) -> None:
-        """Start a torch op (`start()` returns its Work) and wait for it under ctx's deadline."""
-        self._check_alive(f"{ctx.fingerprint.op} #{ctx.fingerprint.seq}")
+    def _run(self, ctx: OpContext, start: Callable[..., dist.Work], *args: object) -> None:
+        """Start a torch op (`start(*args)` returns its Work) and wait for it under ctx's deadline."""
+        if self._error is not None:
+            self._check_alive(f"{ctx.fingerprint.op} #{ctx.fingerprint.seq}")
         try:
-            work = start()
+            work = start(*args)
         except Exception as error:
             raise self._translate(error, f"{ctx.fingerprint.op} #{ctx.fingerprint.seq}",
                                   ctx.deadline.timeout) from error
@@ -199,9 +210,7 @@ class TorchProcessGroupTransport(Transport):
 
     def all_reduce(self, tensor: Tensor, op: ReduceOp, ctx: OpContext) -> None:
         reduced, torch_op = self._reduce_view(tensor, op)
-        options = dist.AllreduceOptions()
-        options.reduceOp = _TORCH_OPS[torch_op]
-        self._run(lambda: self._pg.allreduce([reduced], options), ctx)
+        self._run(ctx, self._pg.allreduce, [reduced], self._all_reduce_options[torch_op])
         self._write_back(tensor, reduced, op)
 
     def reduce(self, tensor: Tensor, root: int, op: ReduceOp, ctx: OpContext) -> None:
@@ -212,16 +221,14 @@ class TorchProcessGroupTransport(Transport):
         options = dist.ReduceOptions()
         options.reduceOp = _TORCH_OPS[torch_op]
         options.rootRank = root
-        self._run(lambda: self._pg.reduce([reduced], options), ctx)
+        self._run(ctx, self._pg.reduce, [reduced], options)
         if is_root:
             self._write_back(tensor, reduced, op)
 
     def reduce_scatter(self, output: Tensor, input: Tensor, op: ReduceOp, ctx: OpContext) -> None:
         reduced_in, torch_op = self._reduce_view(input, op)
         reduced_out, _ = self._reduce_view(output, op)
-        options = dist.ReduceScatterOptions()
-        options.reduceOp = _TORCH_OPS[torch_op]
-        self._run(lambda: self._pg._reduce_scatter_base(reduced_out, reduced_in, options), ctx)
+        self._run(ctx, self._pg._reduce_scatter_base, reduced_out, reduced_in, self._reduce_scatter_options[torch_op])
         self._write_back(output, reduced_out, op)
 
     # -- data movement --------------------------------------------------------------------------------------
@@ -229,17 +236,17 @@ class TorchProcessGroupTransport(Transport):
     def broadcast(self, tensor: Tensor, root: int, ctx: OpContext) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = root
-        self._run(lambda: self._pg.broadcast([_as_bytes(tensor)], options), ctx)
+        self._run(ctx, self._pg.broadcast, [_as_bytes(tensor)], options)
 
     def all_gather(self, output: Tensor, input: Tensor, ctx: OpContext) -> None:
-        self._run(lambda: self._pg._allgather_base(_as_bytes(output), _as_bytes(input)), ctx)
+        self._run(ctx, self._pg._allgather_base, _as_bytes(output), _as_bytes(input))
 
     def gather(self, output: Tensor | None, input: Tensor, root: int, ctx: OpContext) -> None:
         options = dist.GatherOptions()
         options.rootRank = root
         outputs = [list(_as_bytes(output).chunk(self.group_size))] if output is not None and output.numel() else (
             [[torch.empty_like(_as_bytes(input)) for _ in range(self.group_size)]] if output is not None else [])
-        self._run(lambda: self._pg.gather(outputs, [_as_bytes(input)], options), ctx)
+        self._run(ctx, self._pg.gather, outputs, [_as_bytes(input)], options)
 
     def scatter(self, output: Tensor, input: Tensor | None, root: int, ctx: OpContext) -> None:
         options = dist.ScatterOptions()
@@ -247,17 +254,17 @@ class TorchProcessGroupTransport(Transport):
         mine = _as_bytes(output)
         inputs = [] if input is None else [list(_as_bytes(input).split(mine.numel())) if mine.numel() else
                                            [torch.empty_like(mine) for _ in range(self.group_size)]]
-        self._run(lambda: self._pg.scatter([mine], inputs, options), ctx)
+        self._run(ctx, self._pg.scatter, [mine], inputs, options)
 
     def all_to_all(self, output: Tensor, input: Tensor, output_splits: list[int], input_splits: list[int],
                    ctx: OpContext) -> None:
         out, inp = _as_bytes(output), _as_bytes(input)
         scale = out.element_size() and output.element_size() // out.element_size()
-        self._run(lambda: self._pg.alltoall_base(out, inp, [n * scale for n in output_splits],
-                                                 [n * scale for n in input_splits], dist.AllToAllOptions()), ctx)
+        self._run(ctx, self._pg.alltoall_base, out, inp, [n * scale for n in output_splits],
+                  [n * scale for n in input_splits], dist.AllToAllOptions())
 
     def barrier(self, ctx: OpContext) -> None:
-        self._run(lambda: self._pg.barrier(dist.BarrierOptions()), ctx)
+        self._run(ctx, self._pg.barrier, dist.BarrierOptions())
 
     # -- point to point -------------------------------------------------------------------------------------
 
@@ -334,11 +341,11 @@ class TorchGlooTransport(TorchProcessGroupTransport):
         return dist.ProcessGroupGloo(store, self.group_rank, self.group_size, timeout)
 
     def _wait(self, work: dist.Work, ctx: OpContext) -> None:
-        what = f"{ctx.fingerprint.op} #{ctx.fingerprint.seq} on {ctx.group_desc}"
         try:
             work.wait(datetime.timedelta(seconds=max(ctx.deadline.remaining(), 1e-3)))
         except Exception as error:
-            translated = self._translate(error, what, ctx.deadline.timeout)
+            translated = self._translate(error, f"{ctx.fingerprint.op} #{ctx.fingerprint.seq}",
+                                         ctx.deadline.timeout)
             self._fail_group(translated)
             raise translated from error
 
@@ -362,7 +369,7 @@ class TorchNcclTransport(TorchProcessGroupTransport):
         try:
             work.wait()     # a stream wait: the caller's current stream is ordered after the op
         except Exception as error:
-            translated = self._translate(error, f"{ctx.fingerprint.op} #{ctx.fingerprint.seq} on {ctx.group_desc}",
+            translated = self._translate(error, f"{ctx.fingerprint.op} #{ctx.fingerprint.seq}",
                                          ctx.deadline.timeout)
             self._fail_group(translated)
             raise translated from error
