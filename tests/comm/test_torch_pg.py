@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 
 import spmd
-from spmd._core.errors import CommTimeoutError, PeerLostError
+from spmd._core.errors import CommTimeoutError, GroupAbortedError, PeerLostError
 from spmd.comm.store.base import HashStore, PrefixStore
 from spmd.comm.transports.torch_pg import SpmdStoreAdapter
+from spmd.comm.world import default_group
 from spmd.device_mesh import init_device_mesh
 from spmd.testing import run_ranks
 from tests.comm.test_matrix import FAMILIES, SUBGROUPS
@@ -142,3 +143,22 @@ def test_store_adapter_serves_torch_groups_from_an_spmd_store() -> None:
     for thread in threads:
         thread.join(timeout=30)
     assert out == [3.0, 3.0]
+
+
+def test_abort_on_one_rank_fails_the_others_fast() -> None:
+    others_ready = threading.Barrier(3)
+
+    def body(rank: int, size: int) -> float:
+        spmd.barrier()
+        others_ready.wait(timeout=30)      # every rank is out of the barrier before rank 0 aborts
+        start = time.monotonic()
+        if rank == 0:
+            default_group().abort(RuntimeError("rank 0 gives up"))
+            with pytest.raises(GroupAbortedError):
+                spmd.all_reduce(torch.ones(3))
+        else:
+            with pytest.raises(GroupAbortedError, match=r"rank 0 aborted .*rank 0 gives up"):
+                spmd.all_reduce(torch.ones(3))
+        return time.monotonic() - start
+
+    assert max(run_ranks(body, 3, timeout=60, comm_timeout=60, backend="torch:gloo")) < 10

@@ -11,7 +11,13 @@ Note: what runs where
   for gloo, waits for it with the op's deadline (CPU transports finish before they return). For NCCL the
   wait is torch's stream wait: the caller's stream is ordered after the op, and the op's own timeout is
   NCCL's watchdog (spec.timeout), not ctx.deadline.
-- isend/irecv start a torch send/recv (tag kept) and complete spmd's Work from the torch future's callback.
+- isend/irecv start a torch send/recv (tag kept); a thread per message waits for it and completes spmd's
+  Work (gloo's P2P works have no future). A message to this rank itself waits here for its receive (torch's
+  groups don't send to self).
+- abort leaves its error's kind and reason under the group's store key "torch_pg/abort", then aborts the torch
+  group. gloo's waits can't be interrupted, so every wait runs in slices of _ABORT_POLL_S and looks at that
+  key between slices (one store lookup per slice, only for ops that last longer): peers raise the same kind
+  of error (timeout, lost peer, mismatch; else GroupAbortedError) naming the rank that aborted.
 - dtypes neither backend moves (int16, uint16, uint32) travel widened for reductions and as bytes for every
   other op; bool reduces as uint8 (SUM is MAX, PRODUCT is MIN), so bits agree with the other transports.
 - AVG: NCCL averages itself; gloo sums, then divides once by the group size.
@@ -34,7 +40,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from spmd._core.errors import CommError, CommTimeoutError, GroupAbortedError, PeerLostError, StoreTimeoutError
+from spmd._core.errors import (
+    CollectiveMismatchError,
+    CommError,
+    CommTimeoutError,
+    GroupAbortedError,
+    PeerLostError,
+    StoreTimeoutError,
+)
 from spmd.comm.reduce_op import ReduceOp, finish_average
 from spmd.comm.store.base import Store
 from spmd.comm.transports.base import OpContext, Transport, TransportSpec
@@ -50,6 +63,11 @@ _WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: t
 _NATIVE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
            torch.int64, torch.bool}
 _Options = TypeVar("_Options", dist.AllreduceOptions, dist.ReduceScatterOptions)
+_ABORT_KEY = "torch_pg/abort"
+_PROPAGATED: dict[str, type[CommError]] = {error.__name__: error for error in (
+    CommTimeoutError, PeerLostError, CollectiveMismatchError)}
+_ABORT_POLL_S = 0.1      # a wait looks for a peer's abort this often (one store lookup per slice)
+_ABORT_POLL = datetime.timedelta(seconds=_ABORT_POLL_S)
 _PEER_LOST_MARKS = ("connection closed", "connection reset", "broken pipe", "connection refused", "peer")
 _TIMEOUT_MARKS = ("timed out", "timeout")
 
@@ -169,6 +187,15 @@ class TorchProcessGroupTransport(Transport):
                                   ctx.deadline.timeout) from error
         self._wait(work, ctx)
 
+    def _peer_abort(self, what: str) -> CommError | None:
+        """The error to raise if a peer has aborted the group, else None: the peer leaves its error's kind and
+        text in the store, and a timeout, lost peer or mismatch there is one here too (as on the tcp transport)."""
+        if not self.spec.store.check([_ABORT_KEY]):
+            return None
+        kind, _, reason = self.spec.store.get(_ABORT_KEY).decode().partition(":")
+        error_class = _PROPAGATED.get(kind, GroupAbortedError)
+        return error_class(f"{what} on {self._desc}: {reason}")
+
     def _fail_group(self, error: BaseException) -> None:
         """Remember the first failure, abort the torch group so peers fail fast, fail P2P in flight."""
         with self._lock:
@@ -275,12 +302,19 @@ class TorchProcessGroupTransport(Transport):
             self._pending.add(work)
 
         def wait() -> None:
-            try:
-                torch_work.wait()
-            except Exception as error:
-                work.to_failed(self._translate(error, what, self.spec.timeout))
-            else:
-                work.to_completed()
+            while True:
+                try:
+                    torch_work.wait(_ABORT_POLL)
+                except Exception as error:
+                    failure = self._error or self._peer_abort(what)
+                    if failure is None:
+                        if not torch_work.is_completed():
+                            continue
+                        failure = self._translate(error, what, self.spec.timeout)
+                    work.to_failed(failure)
+                else:
+                    work.to_completed()
+                break
             with self._lock:
                 self._pending.discard(work)
 
@@ -325,6 +359,12 @@ class TorchProcessGroupTransport(Transport):
     # -- lifetime -------------------------------------------------------------------------------------------
 
     def abort(self, error: BaseException) -> None:
+        """Fail this rank's ops and leave the reason in the group's store, where the peers' waits look."""
+        try:     # first: a peer that sees this rank's connections close looks here for the reason
+            self.spec.store.compare_set(_ABORT_KEY, "", f"{type(error).__name__}:rank {self.spec.global_rank} "
+                                                        f"aborted the group: {error}")
+        except Exception:    # a store that is gone can't carry the news; the peers see a lost peer instead
+            pass
         self._fail_group(error)
 
     def close(self) -> None:
@@ -341,13 +381,22 @@ class TorchGlooTransport(TorchProcessGroupTransport):
         return dist.ProcessGroupGloo(store, self.group_rank, self.group_size, timeout)
 
     def _wait(self, work: dist.Work, ctx: OpContext) -> None:
-        try:
-            work.wait(datetime.timedelta(seconds=max(ctx.deadline.remaining(), 1e-3)))
-        except Exception as error:
-            translated = self._translate(error, f"{ctx.fingerprint.op} #{ctx.fingerprint.seq}",
-                                         ctx.deadline.timeout)
-            self._fail_group(translated)
-            raise translated from error
+        """Wait in slices of _ABORT_POLL_S until ctx.deadline, looking for a peer's abort between slices (gloo
+        has no way to be interrupted: a peer's abort only reaches this rank through the store)."""
+        while True:
+            remaining = ctx.deadline.remaining()
+            try:
+                work.wait(datetime.timedelta(seconds=max(min(remaining, _ABORT_POLL_S), 1e-3)))
+                return
+            except Exception as error:
+                what = f"{ctx.fingerprint.op} #{ctx.fingerprint.seq}"
+                translated: CommError | None = self._peer_abort(what)
+                if translated is None:
+                    if not work.is_completed() and remaining > _ABORT_POLL_S:
+                        continue
+                    translated = self._translate(error, what, ctx.deadline.timeout)
+                self._fail_group(translated)
+                raise translated from error
 
 
 class TorchNcclTransport(TorchProcessGroupTransport):
