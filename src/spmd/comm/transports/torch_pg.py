@@ -11,13 +11,13 @@ Note: what runs where
   for gloo, waits for it with the op's deadline (CPU transports finish before they return). For NCCL the
   wait is torch's stream wait: the caller's stream is ordered after the op, and the op's own timeout is
   NCCL's watchdog (spec.timeout), not ctx.deadline.
-- isend/irecv start a torch send/recv (tag kept); a thread per message waits for it and completes spmd's
-  Work (gloo's P2P works have no future). A message to this rank itself waits here for its receive (torch's
-  groups don't send to self).
+- isend/irecv start a torch send/recv (tag kept); a thread per message waits for it (with torch's timeout,
+  the group's) and completes spmd's Work (gloo's P2P works have no future); an abort here fails them at
+  once. A message to this rank itself waits here for its receive (torch's groups don't send to self).
 - abort leaves its error's kind and reason under the group's store key "torch_pg/abort", then aborts the torch
-  group. gloo's waits can't be interrupted, so every wait runs in slices of _ABORT_POLL_S and looks at that
-  key between slices (one store lookup per slice, only for ops that last longer): peers raise the same kind
-  of error (timeout, lost peer, mismatch; else GroupAbortedError) naming the rank that aborted.
+  group. gloo's collective waits can't be interrupted, so each runs in slices of _ABORT_POLL_S and looks at
+  that key between slices (one store lookup per slice, only for ops that last longer): peers raise the same
+  kind of error (timeout, lost peer, mismatch; else GroupAbortedError) naming the rank that aborted.
 - dtypes neither backend moves (int16, uint16, uint32) travel widened for reductions and as bytes for every
   other op; bool reduces as uint8 (SUM is MAX, PRODUCT is MIN), so bits agree with the other transports.
 - AVG: NCCL averages itself; gloo sums, then divides once by the group size.
@@ -46,6 +46,7 @@ from spmd._core.errors import (
     CommTimeoutError,
     GroupAbortedError,
     PeerLostError,
+    StoreError,
     StoreTimeoutError,
 )
 from spmd.comm.reduce_op import ReduceOp, finish_average
@@ -67,7 +68,6 @@ _ABORT_KEY = "torch_pg/abort"
 _PROPAGATED: dict[str, type[CommError]] = {error.__name__: error for error in (
     CommTimeoutError, PeerLostError, CollectiveMismatchError)}
 _ABORT_POLL_S = 0.1      # a wait looks for a peer's abort this often (one store lookup per slice)
-_ABORT_POLL = datetime.timedelta(seconds=_ABORT_POLL_S)
 _PEER_LOST_MARKS = ("connection closed", "connection reset", "broken pipe", "connection refused", "peer")
 _TIMEOUT_MARKS = ("timed out", "timeout")
 
@@ -190,9 +190,12 @@ class TorchProcessGroupTransport(Transport):
     def _peer_abort(self, what: str) -> CommError | None:
         """The error to raise if a peer has aborted the group, else None: the peer leaves its error's kind and
         text in the store, and a timeout, lost peer or mismatch there is one here too (as on the tcp transport)."""
-        if not self.spec.store.check([_ABORT_KEY]):
+        try:
+            if not self.spec.store.check([_ABORT_KEY]):
+                return None
+            kind, _, reason = self.spec.store.get(_ABORT_KEY).decode().partition(":")
+        except (StoreError, OSError):     # the store went away with its rank: there is no news to read
             return None
-        kind, _, reason = self.spec.store.get(_ABORT_KEY).decode().partition(":")
         error_class = _PROPAGATED.get(kind, GroupAbortedError)
         return error_class(f"{what} on {self._desc}: {reason}")
 
@@ -302,19 +305,13 @@ class TorchProcessGroupTransport(Transport):
             self._pending.add(work)
 
         def wait() -> None:
-            while True:
-                try:
-                    torch_work.wait(_ABORT_POLL)
-                except Exception as error:
-                    failure = self._error or self._peer_abort(what)
-                    if failure is None:
-                        if not torch_work.is_completed():
-                            continue
-                        failure = self._translate(error, what, self.spec.timeout)
-                    work.to_failed(failure)
-                else:
-                    work.to_completed()
-                break
+            try:     # no slices here: a gloo send or recv whose wait timed out has failed for good
+                torch_work.wait()
+            except Exception as error:
+                work.to_failed(self._error or self._peer_abort(what) or self._translate(error, what,
+                                                                                        self.spec.timeout))
+            else:
+                work.to_completed()
             with self._lock:
                 self._pending.discard(work)
 
