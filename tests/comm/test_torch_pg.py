@@ -162,3 +162,10 @@ def test_abort_on_one_rank_fails_the_others_fast() -> None:
         return time.monotonic() - start
 
     assert max(run_ranks(body, 3, timeout=60, comm_timeout=60, backend="torch:gloo")) < 10
+
+
+@pytest.mark.skipif(dist.is_nccl_available(), reason="this torch has NCCL: the transport builds")
+def test_torch_nccl_without_nccl_says_so() -> None:
+    with pytest.raises(Exception, match="has no NCCL"):
+        spmd.init_process_group("torch:nccl", store=HashStore(timeout=10), rank=0, world_size=1, timeout=10)
+    assert not spmd.is_initialized()

@@ -403,6 +403,8 @@ class TorchNcclTransport(TorchProcessGroupTransport):
     devices = ("cuda",)
 
     def _create_group(self, store: dist.Store, timeout: datetime.timedelta) -> dist.ProcessGroup:
+        if not dist.is_nccl_available():
+            raise CommError("this build of torch has no NCCL: use torch:gloo for CPU tensors, or a CUDA build")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         options.is_high_priority_stream = False
@@ -410,6 +412,18 @@ class TorchNcclTransport(TorchProcessGroupTransport):
 
     def _native_avg(self) -> bool:
         return True
+
+    def _track(self, torch_work: dist.Work, work: Work, what: str) -> None:
+        """Order the caller's stream after the send or recv (torch's wait on NCCL is a stream wait, made on the
+        caller's thread so it is the caller's stream) and complete `work`: the op is enqueued, as the contract
+        for device transports says. A pair of ranks that both send before they receive relies on NCCL's
+        buffering for small messages; larger ones need batch_isend_irecv, as with torch's own NCCL."""
+        try:
+            torch_work.wait()
+        except Exception as error:
+            work.to_failed(self._error or self._translate(error, what, self.spec.timeout))
+            return
+        work.to_completed()
 
     def _wait(self, work: dist.Work, ctx: OpContext) -> None:
         try:
