@@ -30,6 +30,7 @@ check fingerprints in-band, to debug a mismatch.
 
 from __future__ import annotations
 
+import abc
 import collections
 import datetime
 import threading
@@ -134,8 +135,6 @@ def _deliver(message: Tensor, destination: Tensor, work: Work) -> None:
 class TorchProcessGroupTransport(Transport):
     """One spmd group over one torch process group; see the module docstring."""
 
-    backend = "abstract"
-
     def __init__(self, spec: TransportSpec) -> None:
         super().__init__(spec)
         self._desc = f"{self.name} transport of group {spec.group_name!r}, rank {spec.global_rank}"
@@ -153,12 +152,13 @@ class TorchProcessGroupTransport(Transport):
         except Exception as error:
             raise self._translate(error, "connecting the group", spec.timeout) from error
 
+    @abc.abstractmethod
     def _create_group(self, store: dist.Store, timeout: datetime.timedelta) -> dist.ProcessGroup:
-        raise NotImplementedError
+        """Build this rank's torch group on `store` (collective over the group's ranks)."""
 
+    @abc.abstractmethod
     def _wait(self, work: dist.Work, ctx: OpContext) -> None:
         """Wait for a torch op until ctx.deadline; translate its failure into spmd's errors."""
-        raise NotImplementedError
 
     # -- errors ---------------------------------------------------------------------------------------------
 
