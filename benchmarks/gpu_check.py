@@ -1,0 +1,237 @@
+"""The GPU check: spmd on CUDA tensors over torch's NCCL, one short run with a pass/fail table (under 5 minutes).
+
+    python benchmarks/gpu_check.py [--timeout 240]
+
+On a machine without CUDA it says so and exits 0 (CI machines have no GPU). With CUDA, one rank per GPU (at
+least one) as spawned processes, backend "nccl" (spmd's torch:nccl transport), each rank on its own device:
+  - collectives on CUDA tensors, every one checked against values computed on the host: all_reduce (SUM, AVG,
+    MAX) in float32 and bfloat16, broadcast, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single,
+    send/recv around the ranks (with 2 or more), barrier; each timed;
+  - a DDP step (spmd.DistributedDataParallel, device_ids=[rank]) and an FSDP2 step (spmd.fsdp.fully_shard) on a
+    small MLP, each against the same training in one process on the same device: the parameters after one
+    SGD step must match to 1e-5 (SGD: Adam's first step would blow reduction-order noise up).
+  - with one GPU only, also 2 ranks sharing it over spmd's shared-memory transport ("shm", which has to stage
+    CUDA tensors through host memory): an all_reduce on CUDA tensors, expected to work or to fail with a clear
+    error naming the transport's devices.
+Each row: name, PASS/FAIL, seconds, and the error's first line for a failure. Exit status 1 if any row failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _common import free_port, run_saving_processes
+
+Row = tuple[str, bool, float, str]
+
+
+def _check(rows: list[Row], name: str, fn: Callable[[], None]) -> None:
+    start = time.perf_counter()
+    try:
+        fn()
+        torch.cuda.synchronize()
+        rows.append((name, True, time.perf_counter() - start, ""))
+    except Exception as error:     # reported in the table, the run goes on
+        rows.append((name, False, time.perf_counter() - start,
+                     f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"))
+        traceback.print_exc()
+
+
+def _expect(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = 0.0) -> None:
+    got = actual.detach().float().cpu()
+    want = expected.float()
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=rtol, atol=rtol):
+        worst = (got - want).abs().max().item() if got.shape == want.shape else float("nan")
+        raise AssertionError(f"{what}: shape {list(got.shape)} vs {list(want.shape)}, largest difference {worst:g}")
+
+
+def _collectives(rows: list[Row], rank: int, world: int, device: torch.device) -> None:
+    import spmd
+
+    def value(r: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return ((torch.arange(n) * 3 + r * 7) % 13).to(dtype)
+
+    n = 1 << 20
+    for dtype in (torch.float32, torch.bfloat16):
+        for op, reduce in (("SUM", lambda xs: sum(xs)), ("AVG", lambda xs: sum(xs) / world),
+                           ("MAX", lambda xs: torch.stack(xs).max(0).values)):
+            def all_reduce(dtype: torch.dtype = dtype, op: str = op, reduce: Callable = reduce) -> None:
+                t = value(rank, n, dtype).to(device)
+                spmd.all_reduce(t, op=getattr(spmd.ReduceOp, op))
+                _expect(t, reduce([value(r, n, dtype).float() for r in range(world)]), f"all_reduce {op}",
+                        rtol=1e-2 if dtype is torch.bfloat16 else 0.0)
+            _check(rows, f"all_reduce {op} {str(dtype).removeprefix('torch.')} 4 MiB", all_reduce)
+
+    def broadcast() -> None:
+        t = value(rank, n).to(device)
+        spmd.broadcast(t, src=0)
+        _expect(t, value(0, n), "broadcast")
+
+    def all_gather() -> None:
+        out = torch.empty(world * n, device=device)
+        spmd.all_gather_into_tensor(out, value(rank, n).to(device))
+        _expect(out, torch.cat([value(r, n) for r in range(world)]), "all_gather_into_tensor")
+
+    def reduce_scatter() -> None:
+        out = torch.empty(n, device=device)
+        spmd.reduce_scatter_tensor(out, value(rank, world * n).to(device))
+        _expect(out, sum(value(r, world * n) for r in range(world)).chunk(world)[rank], "reduce_scatter_tensor")
+
+    def all_to_all() -> None:
+        out = torch.empty(world * 1024, device=device)
+        spmd.all_to_all_single(out, value(rank, world * 1024).to(device))
+        _expect(out, torch.cat([value(r, world * 1024).chunk(world)[rank] for r in range(world)]), "all_to_all")
+
+    def send_recv() -> None:
+        if world < 2:
+            return
+        got = torch.empty(n, device=device)
+        ops = [spmd.P2POp(spmd.isend, value(rank, n).to(device), (rank + 1) % world),
+               spmd.P2POp(spmd.irecv, got, (rank - 1) % world)]
+        for work in spmd.batch_isend_irecv(ops):
+            work.wait()
+        _expect(got, value((rank - 1) % world, n), "send/recv")
+
+    for name, fn in (("broadcast 4 MiB", broadcast), ("all_gather_into_tensor", all_gather),
+                     ("reduce_scatter_tensor", reduce_scatter), ("all_to_all_single", all_to_all),
+                     ("send/recv ring (batch_isend_irecv)", send_recv), ("barrier", lambda: spmd.barrier())):
+        _check(rows, name, fn)
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+
+
+def _one_process_step(device: torch.device, world: int) -> list[torch.Tensor]:
+    model = _mlp().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8 * world, 64, generator=torch.Generator().manual_seed(1)).to(device)
+    model(x).square().mean().backward()
+    optimizer.step()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+def _parallel_steps(rows: list[Row], rank: int, world: int, device: torch.device) -> None:
+    import spmd
+    from spmd.fsdp import fully_shard
+
+    want = _one_process_step(device, world)
+    x = torch.randn(8 * world, 64, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def ddp() -> None:
+        model = spmd.DistributedDataParallel(_mlp().to(device), device_ids=[device.index])
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(x.chunk(world)[rank]).square().mean().backward()
+        optimizer.step()
+        for got, expected in zip(model.module.parameters(), want, strict=True):
+            _expect(got, expected, "DDP parameter", rtol=1e-5)
+
+    def fsdp() -> None:
+        from spmd.device_mesh import init_device_mesh
+
+        model = _mlp().to(device)
+        mesh = init_device_mesh("cuda", (world,))
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(x.chunk(world)[rank]).square().mean().backward()
+        optimizer.step()
+        for got, expected in zip(model.parameters(), want, strict=True):
+            _expect(got.full_tensor(), expected, "FSDP2 parameter", rtol=1e-5)
+
+    _check(rows, "DDP step vs one process", ddp)
+    _check(rows, "FSDP2 step vs one process", fsdp)
+
+
+def _nccl_rank(rank: int, world: int, port: int, out_file: str) -> None:
+    import spmd
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    rows: list[Row] = []
+    try:
+        spmd.init_process_group("nccl", device_id=device, timeout=120)
+    except Exception as error:
+        rows.append(("init_process_group('nccl')", False, 0.0, f"{type(error).__name__}: {error}"))
+        torch.save(rows, f"{out_file}.{rank}")
+        return
+    try:
+        _collectives(rows, rank, world, device)
+        _parallel_steps(rows, rank, world, device)
+    finally:
+        spmd.destroy_process_group()
+    torch.save(rows, f"{out_file}.{rank}")
+
+
+def _shared_gpu_rank(rank: int, world: int, port: int, out_file: str) -> None:
+    import spmd
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rows: list[Row] = []
+    spmd.init_process_group("shm", timeout=60)
+    try:
+        def all_reduce() -> None:
+            t = torch.full((1 << 16,), float(rank + 1), device="cuda")
+            spmd.all_reduce(t)
+            _expect(t, torch.full((1 << 16,), float(world * (world + 1) // 2)), "all_reduce over shm")
+        _check(rows, "2 ranks on 1 GPU over shm: all_reduce", all_reduce)
+    finally:
+        spmd.destroy_process_group()
+    torch.save(rows, f"{out_file}.{rank}")
+
+
+def _print(rows_per_rank: list[list[Row]]) -> bool:
+    """The table, a row per check, the slowest rank's time; True if every rank passed every row."""
+    ok = True
+    names = [row[0] for row in rows_per_rank[0]]
+    print(f"{'check':44} {'result':6} {'seconds':>8}  error")
+    for index, name in enumerate(names):
+        rows = [ranks[index] for ranks in rows_per_rank if index < len(ranks)]
+        passed = all(row[1] for row in rows) and len(rows) == len(rows_per_rank)
+        ok &= passed
+        error = next((row[3] for row in rows if row[3]), "")
+        print(f"{name:44} {'PASS' if passed else 'FAIL':6} {max(row[2] for row in rows):8.3f}  {error}")
+    return ok
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds allowed per launch")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device on this machine (torch.cuda.is_available() is False): nothing to check")
+        return
+    gpus = torch.cuda.device_count()
+    print(f"gpu_check: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+          f"CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+    results: list[list[Any]] = []
+    port = free_port()
+    results.append(run_saving_processes(_nccl_rank, gpus, lambda rank, out: (rank, gpus, port, out), args.timeout,
+                                        "the NCCL checks"))
+    print(f"\n## {gpus} rank(s) over NCCL, one per GPU")
+    ok = _print(results[-1])
+    if gpus == 1:
+        port = free_port()
+        try:
+            shared = run_saving_processes(_shared_gpu_rank, 2, lambda rank, out: (rank, 2, port, out), args.timeout,
+                                          "2 ranks on one GPU")
+        except RuntimeError as error:
+            shared = [[("2 ranks on 1 GPU over shm: all_reduce", False, 0.0, str(error))]] * 2
+        print("\n## 2 ranks sharing the GPU over spmd's shm transport")
+        ok &= _print(shared)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
