@@ -14,10 +14,12 @@ import torch
 
 import spmd
 from spmd._core.errors import CollectiveMismatchError, CommTimeoutError, GroupAbortedError, PeerLostError
+from spmd.comm.world import default_group
 from spmd.testing import run_ranks
 from tests.procpool import ProcPool, kill_self
 
 TRANSPORTS = ["threads", "tcp"]
+FAILING_TRANSPORTS = [*TRANSPORTS, "torch:gloo"]   # timeouts and dead peers; torch:gloo checks no fingerprints
 
 
 def _mismatch(rank: int, call_a, call_b) -> str:
@@ -83,7 +85,7 @@ def test_different_roots_raise_on_every_rank(transport: str, op: str) -> None:
     _assert_both_sites(messages, "root=0", "root=1")
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", FAILING_TRANSPORTS)
 def test_timeout_names_the_missing_rank_and_what_it_last_did(transport: str) -> None:
     done = threading.Event()
     caught: list[str] = []
@@ -110,8 +112,8 @@ def test_timeout_names_the_missing_rank_and_what_it_last_did(transport: str) -> 
         assert "rank 2 last completed all_reduce #1 called at test_failures.py:" in message
 
 
-def _killed_peer(rank: int, world_size: int) -> tuple[str, str, float] | None:
-    spmd.init_process_group("tcp", timeout=60)
+def _killed_peer(rank: int, world_size: int, transport: str) -> tuple[str, str, float] | None:
+    spmd.init_process_group(transport, timeout=60)
     spmd.all_reduce(torch.ones(4))
     if rank == world_size - 1:
         kill_self()
@@ -127,17 +129,42 @@ def _killed_peer(rank: int, world_size: int) -> tuple[str, str, float] | None:
 
 
 @pytest.mark.timeout(120)
-def test_killed_peer_process_fails_every_survivor_fast(procpool: ProcPool) -> None:
-    results = procpool.run(_killed_peer, 3, timeout=90, may_die=frozenset({2}))
+@pytest.mark.parametrize("transport, names, within", [
+    ("tcp", "rank 2", 10),
+    ("torch:gloo", "all_gather #2", 30),      # gloo's error gives the lost peer's address, not its rank
+])
+def test_killed_peer_process_fails_every_survivor_fast(procpool: ProcPool, transport: str, names: str,
+                                                       within: float) -> None:
+    results = procpool.run(_killed_peer, 3, timeout=90, args=(transport,), may_die=frozenset({2}))
     assert results[2] is None
     for rank in (0, 1):
         assert results[rank] is not None, f"rank {rank} did not notice the dead peer"
         name, message, elapsed = results[rank]
         assert name == PeerLostError.__name__, f"rank {rank}: {name}: {message}"
-        assert "rank 2" in message, message
-        assert elapsed < 10, f"rank {rank} took {elapsed:.1f}s to notice"
+        assert names in message, message
+        assert elapsed < within, f"rank {rank} took {elapsed:.1f}s to notice"
     survivors = procpool.run(_sum_of_ranks, 3, timeout=60)     # the pool replaced the dead worker
     assert survivors == [3.0, 3.0, 3.0]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "torch:gloo"])
+def test_abort_on_one_rank_fails_the_others_fast(transport: str) -> None:
+    others_ready = threading.Barrier(3)
+
+    def body(rank: int, size: int) -> float:
+        spmd.barrier()
+        others_ready.wait(timeout=30)      # every rank is out of the barrier before rank 0 aborts
+        start = time.monotonic()
+        if rank == 0:
+            default_group().abort(RuntimeError("rank 0 gives up"))
+            with pytest.raises(GroupAbortedError):
+                spmd.all_reduce(torch.ones(3))
+        else:
+            with pytest.raises(GroupAbortedError, match=r"rank 0 aborted .*rank 0 gives up"):
+                spmd.all_reduce(torch.ones(3))
+        return time.monotonic() - start
+
+    assert max(run_ranks(body, 3, timeout=60, comm_timeout=60, backend=transport)) < 10
 
 
 def _sum_of_ranks(rank: int, world_size: int) -> float:
