@@ -395,10 +395,10 @@ class _Loader:
             else:
                 source = self._chunk(chunk, dtype)
                 target.box.view(target.data, region).copy_(saved.view(source, region))
-            filled += _volume(region)
-        if filled != _volume(target.box):
+            filled += region.volume
+        if filled != target.box.volume:
             raise CheckpointError(f"checkpoint {self.where}: the saved boxes of {key!r} cover {filled} of the "
-                                  f"{_volume(target.box)} elements this rank holds")
+                                  f"{target.box.volume} elements this rank holds")
 
     def _read_whole(self, chunk: Chunk, data: Tensor) -> None:
         """Read a saved box straight into `data`, which is all of it (a load into the layout it was saved from),
@@ -451,13 +451,6 @@ class _Loader:
 def _readable_into(data: Tensor) -> bool:
     """Whether a storage can read bytes straight into `data`'s memory."""
     return data.device.type == "cpu" and data.is_contiguous() and data.numel() > 0
-
-
-def _volume(box: Box) -> int:
-    count = 1
-    for size in box.sizes:
-        count *= size
-    return count
 
 
 def _assign(state_dict: dict[str, Any], path: Path, value: Any) -> None:

@@ -16,6 +16,7 @@ some ranks have (pipeline stages) are written by those ranks.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +40,10 @@ class Box:
     @property
     def empty(self) -> bool:
         return any(size == 0 for size in self.sizes)
+
+    @property
+    def volume(self) -> int:
+        return math.prod(self.sizes)
 
     def overlap(self, other: Box) -> Box | None:
         """The block both cover, or None."""
@@ -126,13 +131,4 @@ def local_tensor(key: str, tensor: Tensor) -> LocalTensor:
 
 def covered(shape: tuple[int, ...], boxes: list[Box]) -> bool:
     """Whether `boxes` (disjoint, as the writers' are) tile a tensor of `shape`."""
-    total = 1
-    for size in shape:
-        total *= size
-    found = 0
-    for box in boxes:
-        count = 1
-        for size in box.sizes:
-            count *= size
-        found += count
-    return found == total
+    return sum(box.volume for box in boxes) == math.prod(shape)
