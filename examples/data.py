@@ -1,8 +1,9 @@
 """The training corpus: the Python standard library's own source, read from the running interpreter.
 
 No download: every Python installation carries a few tens of MB of .py files. Tokens are bytes (vocabulary
-256), so no tokenizer needs training. Batches are random windows drawn from a generator seeded by (seed,
-step, rank), so every rank draws a different shard of the global batch, reproducibly.
+256), so no tokenizer needs training. Batches are random windows; train_gpt.py draws a whole global batch's
+starts from a generator seeded by (seed, step) and each data-parallel rank takes its slice, reproducibly and
+the same under every parallel layout.
 """
 
 from __future__ import annotations
@@ -44,8 +45,15 @@ class Corpus:
 
     def batch(self, split: str, batch_size: int, context: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
         """`batch_size` random windows: tokens (B, S) and the next-token targets (B, S)."""
+        return self.windows(split, self.starts(split, batch_size, context, generator), context)
+
+    def starts(self, split: str, batch_size: int, context: int, generator: torch.Generator) -> Tensor:
+        """`batch_size` random window starts (B,): cheap to draw for a whole global batch on every rank."""
+        return torch.randint(0, len(self.splits[split]) - context - 1, (batch_size,), generator=generator)
+
+    def windows(self, split: str, starts: Tensor, context: int) -> tuple[Tensor, Tensor]:
+        """The windows at `starts` (B,): tokens (B, S) and the next-token targets (B, S)."""
         data = self.splits[split]
-        starts = torch.randint(0, len(data) - context - 1, (batch_size,), generator=generator)
         windows = torch.stack([data[start:start + context + 1] for start in starts.tolist()])   # (B, S + 1)
         return windows[:, :-1], windows[:, 1:]
 

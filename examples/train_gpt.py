@@ -1,35 +1,42 @@
-"""Train a GPT-style decoder on the Python standard library's source, data-parallel over spmd ranks.
+"""Train a GPT-style decoder on the Python standard library's source, under any mix of spmd's parallelisms.
 
-    spmdrun --standalone --nproc-per-node 2 examples/train_gpt.py --parallel ddp --steps 200
+    spmdrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 200                     # DDP over 2
+    spmdrun --standalone --nproc-per-node 4 examples/train_gpt.py --dp-shard 2 --tp 2 --sequence-parallel
+    spmdrun --standalone --nproc-per-node 4 examples/train_gpt.py --pp 2 --dp-shard 2 --pp-schedule GPipe
     python examples/train_gpt.py --steps 50          # one process, no launcher needed
 
-Every rank builds the same model (DDP broadcasts rank 0's weights anyway), draws its own shard of each
-global batch, and DDP averages gradients during backward, so the run trains like one process on the global
-batch of `nproc x batch-size x grad-accum` sequences. Rank 0 prints a progress line with the training loss
-and tokens/s, the validation loss every --eval-every steps, and finally a sample of generated text.
+The layout is one DeviceMesh ("pp", "dp_replicate", "dp_shard", "tp") whose sizes multiply to the world size
+(default: every rank a data-parallel replica, i.e. DDP); parallelize.py lays the model out on it. Every
+data-parallel rank (a (dp_replicate, dp_shard) coordinate) trains on its own slice of each global batch of
+`--global-batch` sequences (default dp x batch-size x grad-accum); its TP and PP peers train on the same slice.
+The global batch is drawn from a generator seeded by the step, so every layout of the same global batch trains
+on the same tokens and, in fp32, to the same losses. Rank 0 prints a progress line with the training loss (the
+mean over the global batch) and tokens/s, the validation loss every --eval-every steps, and finally a sample of
+generated text.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import pathlib
 import sys
+import threading
 import time
+import warnings
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from data import Corpus, decode, encode
-from gpt import GPT, GPTConfig, loss_of
+from gpt import GPT, GPTConfig
+from parallelize import PP_SCHEDULES, Layout, ParallelGPT, build_mesh, data_parallel_rank
 
 import spmd
 
-PARALLEL_CHOICES = ("ddp",)   # fsdp, tp, pp and their compositions come with their issues
+_build_lock = threading.Lock()   # thread ranks (spmd.testing.run_ranks) share torch's global RNG
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -41,8 +48,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     model.add_argument("--context", type=int, default=128)
     train = parser.add_argument_group("training")
     train.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    train.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-step")
-    train.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (no_sync)")
+    train.add_argument("--batch-size", type=int, default=8, help="sequences per data-parallel rank per micro-step")
+    train.add_argument("--global-batch", type=int, default=0,
+                       help="sequences per optimizer step over all ranks (0: dp x batch-size x grad-accum); sets "
+                            "the batch size per data-parallel rank, so that layouts compare on one global batch")
+    train.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     train.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     train.add_argument("--min-lr", type=float, default=2e-4, help="learning rate at the end of the cosine")
     train.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
@@ -50,16 +60,60 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     train.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0: off)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--corpus-mb", type=float, default=8.0, help="MB of standard-library source to use")
+    train.add_argument("--mixed-precision", choices=("none", "bf16"), default="none",
+                       help="bf16: FSDP's MixedPrecisionPolicy (bf16 parameters, fp32 reduction), else autocast")
+    train.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    train.add_argument("--compile", action="store_true", help="torch.compile each block")
+    layout = parser.add_argument_group("layout (the degrees multiply to the world size)")
+    layout.add_argument("--dp-replicate", type=int, default=0, help="data-parallel replicas (0: the ranks left)")
+    layout.add_argument("--dp-shard", type=int, default=1, help="ranks FSDP2 shards the parameters over")
+    layout.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
+    layout.add_argument("--sequence-parallel", action="store_true", help="norms on sequence shards under --tp")
+    layout.add_argument("--loss-parallel", action="store_true", help="cross-entropy on vocab-sharded logits")
+    layout.add_argument("--pp-schedule", choices=PP_SCHEDULES, default="1F1B")
+    layout.add_argument("--microbatches", type=int, default=0, help="per pipeline step (0: 2 x --pp)")
+    layout.add_argument("--parallel", choices=("ddp",), default=None,
+                        help="deprecated: data parallelism is the default layout")
     run = parser.add_argument_group("run")
-    run.add_argument("--parallel", choices=PARALLEL_CHOICES, default="ddp")
     run.add_argument("--backend", default="auto", help="spmd transport: auto (shm on one host), tcp, shm")
     run.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)")
     run.add_argument("--log-every", type=int, default=10)
     run.add_argument("--eval-every", type=int, default=50)
-    run.add_argument("--eval-batches", type=int, default=8, help="validation batches per rank")
+    run.add_argument("--eval-batches", type=int, default=8, help="validation batches (each one global batch)")
     run.add_argument("--sample-tokens", type=int, default=300, help="length of the final sample (0: none)")
     run.add_argument("--prompt", default="def ")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.parallel is not None:
+        warnings.warn("--parallel ddp is deprecated: data parallelism is the default layout; drop the flag",
+                      FutureWarning, stacklevel=2)
+    return args
+
+
+def make_layout(args: argparse.Namespace, world_size: int) -> Layout:
+    """The layout from the flags; --dp-replicate 0 takes the ranks the other degrees leave."""
+    replicate = args.dp_replicate
+    if replicate == 0:
+        others = args.pp * args.dp_shard * args.tp
+        if others < 1 or world_size % others:
+            raise ValueError(f"--pp {args.pp} x --dp-shard {args.dp_shard} x --tp {args.tp} = {others} doesn't "
+                             f"divide the world size {world_size}; choose degrees whose product divides it")
+        replicate = world_size // others
+    return Layout(pp=args.pp, dp_replicate=replicate, dp_shard=args.dp_shard, tp=args.tp,
+                  sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel,
+                  pp_schedule=args.pp_schedule, microbatches=args.microbatches,
+                  mixed_precision=args.mixed_precision, activation_checkpointing=args.activation_checkpointing,
+                  compile=args.compile)
+
+
+def dp_batch_size(args: argparse.Namespace, layout: Layout) -> int:
+    """Sequences per data-parallel rank per micro-step."""
+    if not args.global_batch:
+        return args.batch_size
+    if args.global_batch % (layout.dp * args.grad_accum):
+        raise ValueError(f"--global-batch {args.global_batch} must be a multiple of dp ({layout.dp}) x --grad-accum "
+                         f"({args.grad_accum})")
+    return args.global_batch // (layout.dp * args.grad_accum)
 
 
 def learning_rate(step: int, args: argparse.Namespace) -> float:
@@ -80,87 +134,110 @@ def init_distributed(backend: str) -> None:
         spmd.init_process_group("threads", store=spmd.HashStore(), rank=0, world_size=1)
 
 
-def parallelize(model: nn.Module, args: argparse.Namespace) -> nn.Module:
-    if args.parallel == "ddp":
-        return spmd.DistributedDataParallel(model)
-    raise ValueError(f"--parallel {args.parallel} is not available yet; choose one of {PARALLEL_CHOICES}")
-
-
 def configure_threads(requested: int) -> None:
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(requested or max(1, (os.cpu_count() or 1) // local_ranks))
 
 
-@torch.no_grad()
-def validation_loss(model: nn.Module, corpus: Corpus, args: argparse.Namespace, rank: int, world_size: int) -> float:
-    """Mean loss over every rank's --eval-batches validation batches (the same batches at every evaluation)."""
-    generator = torch.Generator().manual_seed(10_000 + rank)
-    total = torch.zeros(1)
-    for _ in range(args.eval_batches):
-        tokens, targets = corpus.batch("val", args.batch_size, args.context, generator)
-        total += loss_of(model, tokens, targets)
-    spmd.all_reduce(total)
-    return total.item() / (args.eval_batches * world_size)
+def build_model(config: GPTConfig, seed: int) -> GPT:
+    """The same initial weights on every rank, whatever else draws from torch's RNG meanwhile."""
+    with _build_lock, torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return GPT(config)
 
 
-def progress_line(step: int, args: argparse.Namespace, loss: float, lr: float, tokens_per_s: float) -> str:
-    done = round(20 * step / args.steps)
-    return (f"[{'#' * done}{'.' * (20 - done)}] step {step:>5}/{args.steps}  loss {loss:6.3f}  lr {lr:.2e}  "
-            f"{tokens_per_s:,.0f} tok/s")
+class Trainer:
+    """The training loop: data slicing, the learning-rate schedule, logging, validation and the final sample."""
 
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rank, world_size = spmd.get_rank(), spmd.get_world_size()
+        self.say = print if self.rank == 0 else (lambda *a, **k: None)
+        self.layout = make_layout(args, world_size)
+        self.batch = dp_batch_size(args, self.layout)
+        self.config = GPTConfig(vocab=256, context=args.context, layers=args.layers, width=args.width,
+                                heads=args.heads)
+        self.layout.check(world_size, self.config, self.batch * args.grad_accum)
+        self.corpus = Corpus(int(args.corpus_mb * (1 << 20)))
+        model = build_model(self.config, args.seed)
+        parameters = sum(p.numel() for p in model.parameters())
+        self.mesh = build_mesh(self.layout)
+        self.dp_rank = data_parallel_rank(self.mesh)
+        self.model = ParallelGPT(model, self.mesh, self.layout)
+        self.optimizer = torch.optim.AdamW(self.model.optimizer_groups(), lr=args.lr, betas=(0.9, 0.95),
+                                           weight_decay=args.weight_decay)
+        self.global_batch = self.layout.dp * self.batch * args.grad_accum
+        self.say(f"GPT {parameters / 1e6:.2f}M parameters, {world_size} rank(s) of {torch.get_num_threads()} "
+                 f"thread(s), {self.layout.describe()} over {spmd.get_backend()}; corpus "
+                 f"{len(self.corpus.splits['train']) / 1e6:.1f}M train bytes; global batch {self.layout.dp} x "
+                 f"{self.batch} x {args.grad_accum} x {args.context} tokens")
 
-def train(args: argparse.Namespace) -> dict[str, list[float]]:
-    """Run the training; returns the logged training and validation losses (on every rank)."""
-    rank, world_size = spmd.get_rank(), spmd.get_world_size()
-    say = print if rank == 0 else (lambda *a, **k: None)
-    torch.manual_seed(args.seed)
-    corpus = Corpus(int(args.corpus_mb * (1 << 20)))
-    config = GPTConfig(vocab=256, context=args.context, layers=args.layers, width=args.width, heads=args.heads)
-    raw = GPT(config)
-    model = parallelize(raw, args)
-    optimizer = torch.optim.AdamW(raw.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    say(f"GPT {sum(p.numel() for p in raw.parameters()) / 1e6:.2f}M parameters, {world_size} rank(s) of "
-        f"{torch.get_num_threads()} thread(s), --parallel {args.parallel} over {spmd.get_backend()}; corpus "
-        f"{len(corpus.splits['train']) / 1e6:.1f}M train bytes; global batch {world_size} x {args.batch_size} x "
-        f"{args.grad_accum} x {args.context} tokens")
-    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + rank)
-    tokens_per_step = world_size * args.batch_size * args.grad_accum * args.context
-    history: dict[str, list[float]] = {"train": [], "val": []}
-    window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
-    for step in range(args.steps):
-        lr = learning_rate(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        step_loss = 0.0
-        for micro in range(args.grad_accum):
-            last = micro == args.grad_accum - 1
-            with contextlib.nullcontext() if last else model.no_sync():
-                tokens, targets = corpus.batch("train", args.batch_size, args.context, generator)
-                loss = loss_of(model, tokens, targets) / args.grad_accum
-                loss.backward()
-            step_loss += loss.item()
-        if args.clip > 0:
-            nn.utils.clip_grad_norm_(raw.parameters(), args.clip)   # gradients are already averaged: same on all
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        window_steps += 1
-        window_loss += step_loss
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            elapsed = time.perf_counter() - window_start
-            mean_loss = window_loss / window_steps   # rank 0's shard; the validation loss covers all ranks
-            history["train"].append(mean_loss)
-            say(progress_line(step + 1, args, mean_loss, lr, tokens_per_step * window_steps / elapsed), flush=True)
-            window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            val = validation_loss(raw, corpus, args, rank, world_size)
-            history["val"].append(val)
-            say(f"  validation loss {val:.3f} (perplexity {math.exp(val):.1f} per byte)", flush=True)
-            window_start = time.perf_counter()   # don't count evaluation in tokens/s
-    if args.sample_tokens and rank == 0:
-        prompt = encode(args.prompt).unsqueeze(0)
-        sample = raw.generate(prompt, args.sample_tokens, generator=torch.Generator().manual_seed(args.seed))
-        say("--- sample ---\n" + decode(sample[0]) + "\n--------------", flush=True)
-    return history
+    def micro_batches(self, split: str, seed: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This data-parallel rank's slice of `count` micro-batches of one global batch: all of them drawn from
+        one generator seeded by `seed`, laid out (micro-step, dp rank, sequence), so the tokens each global
+        micro-step holds don't depend on the layout."""
+        generator = torch.Generator().manual_seed(seed)
+        starts = self.corpus.starts(split, count * self.layout.dp * self.batch, self.args.context, generator)
+        mine = starts.view(count, self.layout.dp, self.batch)[:, self.dp_rank]
+        return [self.corpus.windows(split, row, self.args.context) for row in mine]
+
+    def train(self) -> dict[str, list[float]]:
+        """Run the training; returns the logged training and validation losses (on every rank)."""
+        args = self.args
+        tokens_per_step = self.global_batch * args.context
+        history: dict[str, list[float]] = {"train": [], "val": []}
+        window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
+        for step in range(args.steps):
+            lr = learning_rate(step, args)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            batches = self.micro_batches("train", args.seed * 1_000_003 + step, args.grad_accum)
+            window_loss += self.model.train_step(batches)
+            if args.clip > 0:
+                self.model.clip_grad_norm_(args.clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            window_steps += 1
+            if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+                mean_loss = self.model.mean_over_data_parallel(window_loss / window_steps)
+                elapsed = time.perf_counter() - window_start
+                history["train"].append(mean_loss)
+                self.say(self.progress_line(step + 1, mean_loss, lr, tokens_per_step * window_steps / elapsed),
+                         flush=True)
+                window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                val = self.validation_loss()
+                history["val"].append(val)
+                self.say(f"  validation loss {val:.3f} (perplexity {math.exp(val):.1f} per byte)", flush=True)
+                window_start = time.perf_counter()   # don't count evaluation in tokens/s
+        self.sample()
+        return history
+
+    def validation_loss(self) -> float:
+        """Mean loss over --eval-batches global validation batches (the same ones at every evaluation and under
+        every layout), each data-parallel rank running its slice of each through the parallel model."""
+        total = 0.0
+        for index in range(self.args.eval_batches):   # a step's worth of sequences per rank: a pipeline splits it
+            batches = self.micro_batches("val", 10_000 + index, self.args.grad_accum)
+            tokens, targets = torch.cat([t for t, _ in batches]), torch.cat([t for _, t in batches])
+            total += self.model.eval_loss(tokens, targets)
+        return self.model.mean_over_data_parallel(total / self.args.eval_batches)
+
+    def sample(self) -> None:
+        """Rank 0 prints --sample-tokens generated from --prompt by the whole model (gathered from all ranks)."""
+        if not self.args.sample_tokens:
+            return
+        full = self.model.full_model()
+        if full is not None:
+            prompt = encode(self.args.prompt).unsqueeze(0)
+            sample = full.generate(prompt, self.args.sample_tokens,
+                                   generator=torch.Generator().manual_seed(self.args.seed))
+            self.say("--- sample ---\n" + decode(sample[0]) + "\n--------------", flush=True)
+
+    def progress_line(self, step: int, loss: float, lr: float, tokens_per_s: float) -> str:
+        done = round(20 * step / self.args.steps)
+        return (f"[{'#' * done}{'.' * (20 - done)}] step {step:>5}/{self.args.steps}  loss {loss:6.3f}  lr {lr:.2e}  "
+                f"{tokens_per_s:,.0f} tok/s")
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
@@ -169,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     owns_world = not spmd.is_initialized()
     init_distributed(args.backend)
     try:
-        return train(args)
+        return Trainer(args).train()
     finally:
         if owns_world:
             spmd.destroy_process_group()
