@@ -215,7 +215,7 @@ def make_loss_fn(layout: Layout, tp_mesh: DeviceMesh, vocab: int):
     def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
         if layout.loss_parallel:
             logits = DTensor.from_local(logits, tp_mesh, [Shard(2)], shape=(*logits.shape[:-1], vocab))
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))   # bf16 logits: fp32 loss
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
     return loss_fn
 

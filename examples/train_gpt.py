@@ -182,10 +182,11 @@ class Trainer:
         return [self.corpus.windows(split, row, self.args.context) for row in mine]
 
     def train(self) -> dict[str, list[float]]:
-        """Run the training; returns the logged training and validation losses (on every rank)."""
+        """Run the training; returns the logged training losses (means over the global batch), the gradient norms
+        before clipping (of the logged steps) and the validation losses, on every rank."""
         args = self.args
         tokens_per_step = self.global_batch * args.context
-        history: dict[str, list[float]] = {"train": [], "val": []}
+        history: dict[str, list[float]] = {"train": [], "val": [], "grad_norm": []}
         window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
         for step in range(args.steps):
             lr = learning_rate(step, args)
@@ -193,8 +194,7 @@ class Trainer:
                 group["lr"] = lr
             batches = self.micro_batches("train", args.seed * 1_000_003 + step, args.grad_accum)
             window_loss += self.model.train_step(batches)
-            if args.clip > 0:
-                self.model.clip_grad_norm_(args.clip)
+            grad_norm = self.model.clip_grad_norm_(args.clip) if args.clip > 0 else math.nan
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             window_steps += 1
@@ -202,8 +202,9 @@ class Trainer:
                 mean_loss = self.model.mean_over_data_parallel(window_loss / window_steps)
                 elapsed = time.perf_counter() - window_start
                 history["train"].append(mean_loss)
-                self.say(self.progress_line(step + 1, mean_loss, lr, tokens_per_step * window_steps / elapsed),
-                         flush=True)
+                history["grad_norm"].append(grad_norm)
+                self.say(self.progress_line(step + 1, mean_loss, grad_norm, lr,
+                                            tokens_per_step * window_steps / elapsed), flush=True)
                 window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                 val = self.validation_loss()
@@ -234,10 +235,10 @@ class Trainer:
                                    generator=torch.Generator().manual_seed(self.args.seed))
             self.say("--- sample ---\n" + decode(sample[0]) + "\n--------------", flush=True)
 
-    def progress_line(self, step: int, loss: float, lr: float, tokens_per_s: float) -> str:
+    def progress_line(self, step: int, loss: float, grad_norm: float, lr: float, tokens_per_s: float) -> str:
         done = round(20 * step / self.args.steps)
-        return (f"[{'#' * done}{'.' * (20 - done)}] step {step:>5}/{self.args.steps}  loss {loss:6.3f}  lr {lr:.2e}  "
-                f"{tokens_per_s:,.0f} tok/s")
+        return (f"[{'#' * done}{'.' * (20 - done)}] step {step:>5}/{self.args.steps}  loss {loss:6.3f}  "
+                f"grad norm {grad_norm:5.2f}  lr {lr:.2e}  {tokens_per_s:,.0f} tok/s")
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
