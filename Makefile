@@ -19,7 +19,7 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q src tests
 
 demo: $(STAMP)
-	$(VENV)/bin/spmdrun --standalone --nproc-per-node 2 examples/train_gpt.py --parallel ddp --width 128 \
+	$(VENV)/bin/spmdrun --standalone --nproc-per-node 2 examples/train_gpt.py --width 128 \
 		--steps 500 --lr 3e-3 --log-every 25 --eval-every 100
 
 bench: $(STAMP)

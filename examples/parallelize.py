@@ -114,6 +114,10 @@ class Layout:
             raise ValueError("--sequence-parallel and --loss-parallel need tensor parallelism: add --tp N (N > 1)")
         if self.sequence_parallel and config.context % self.tp:
             raise ValueError(f"--sequence-parallel: --tp {self.tp} must divide --context {config.context}")
+        if self.compile and self.tp > 1:
+            raise ValueError("--compile with --tp: torch.compile of a block traces through spmd's tensor-parallel "
+                             "hooks and loses their autograd (the blocks' weights get no gradients, the losses "
+                             "drift from eager); drop --compile or --tp")
         if self.mixed_precision not in ("none", "bf16"):
             raise ValueError(f"--mixed-precision {self.mixed_precision}: choose none or bf16")
         if self.pp == 1:

@@ -121,7 +121,8 @@ def test_multi_stage_schedules_train_like_data_parallel(schedule: str) -> None:
 
 
 def test_hsdp_x_tp_and_pp_x_fsdp_x_tp_on_eight_ranks_train_like_data_parallel() -> None:
-    for flags in (["--dp-replicate", "2", "--dp-shard", "2", "--tp", "2"], ["--pp", "2", "--dp-shard", "2", "--tp", "2"]):
+    for flags in (["--dp-replicate", "2", "--dp-shard", "2", "--tp", "2"],
+                  ["--pp", "2", "--dp-shard", "2", "--tp", "2"]):
         assert_matches_data_parallel(train(8, *flags), 2)
 
 
@@ -142,7 +143,8 @@ def test_layouts_that_do_not_fit_are_refused_before_training() -> None:
              (["--sequence-parallel"], "need tensor parallelism"),
              (["--pp", "2", "--layers", "1"], "needs at least 2 layers"),
              (["--pp", "2", "--microbatches", "3"], "must divide the 8 sequences"),
-             (["--global-batch", "7"], "must be a multiple of dp")]
+             (["--global-batch", "7"], "must be a multiple of dp"),
+             (["--tp", "2", "--compile"], "--compile with --tp")]
     for flags, message in cases:
         with pytest.raises(ValueError, match=message):
             run_ranks(lambda rank, size, flags=flags: train_gpt.main([*TINY, *flags]), 2, timeout=TIMEOUT)
