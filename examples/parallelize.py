@@ -7,12 +7,12 @@ exists). `parallelize` applies, in this order (TorchTitan's, and for the same re
      head on the last), each a module keeping the model's parameter names (STYLE rule 13);
   2. tensor parallelism on mesh["tp"], per block: q, k, v, up colwise, proj and down rowwise (+ the norms
      sequence parallel, the head colwise with vocab-sharded logits for the loss-parallel cross-entropy);
-  3. activation checkpointing, then torch.compile, per block (both wrap the block's own forward, so FSDP's and
-     TP's hooks stay outside and parameter names unchanged);
+  3. activation checkpointing, then torch.compile, per block (both wrap the block's own forward: FSDP's hooks
+     on the block stay outside, parameter names unchanged; compile is refused with TP, see Layout.check);
   4. data parallelism last, on the already tensor-parallel parameters: fully_shard per block and then the root
      (the stage module under PP) over mesh["dp_shard"] (FSDP) or mesh["dp_replicate", "dp_shard"] (HSDP; also
-     used for pure replication composed with TP, where DDP can't take DTensor parameters), or DDP over
-     mesh["dp_replicate"] when nothing is sharded.
+     pure replication composed with TP, as HSDP with one shard, so that one fully_shard reduces the DTensor
+     gradients), or DDP over mesh["dp_replicate"] when nothing is tensor parallel or sharded.
 `ParallelGPT` then runs a step (microbatched through a pipeline schedule under PP, gradient accumulation
 otherwise), the validation loss, clipping over sharded gradients, and the full model for sampling.
 """
@@ -85,7 +85,7 @@ class Layout:
         return self.microbatches or 2 * self.pp
 
     def describe(self) -> str:
-        """'pp 2 (1F1B, 4 microbatches) x FSDP 2 x TP 2 (+SP)', or 'DDP 2'."""
+        """'PP 2 (1F1B, 4 microbatches) x FSDP 2 x TP 2 +SP', or 'DDP 2'."""
         parts = []
         if self.pp > 1:
             parts.append(f"PP {self.pp} ({self.pp_schedule}, {self.n_microbatches} microbatches)")
@@ -233,7 +233,7 @@ def apply_activation_checkpointing(module: GPT | GPTStage) -> None:
 
 
 def apply_compile(module: GPT | GPTStage) -> None:
-    """torch.compile each block's forward in place (names unchanged; hooks of FSDP and TP stay outside)."""
+    """torch.compile each block's forward in place (names unchanged; FSDP's hooks on the block stay outside)."""
     for _, block in _blocks(module):
         block.forward = torch.compile(block.forward)
 
