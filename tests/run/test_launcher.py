@@ -11,13 +11,14 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.run.helpers import Launcher, is_alive, run_agent, spmdrun, wait_until
+from tests.run.helpers import SPMDRUN, Launcher, is_alive, run_agent, spmdrun, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -170,21 +171,133 @@ def test_sigint_to_the_launcher_stops_every_worker_and_helper(tmp_path: Path) ->
     assert "got SIGINT" in launcher.output
 
 
-def test_sigkill_to_the_agent_takes_its_workers_down(tmp_path: Path) -> None:
+def test_sigkill_to_the_agent_takes_its_workers_their_children_and_their_shm_names_down(tmp_path: Path) -> None:
+    """Workers die through their parent-death signal; the processes they started and the /dev/shm names they
+    made are the agent's watchdog's to remove (the worker fakes a segment file named as the shm transport does)."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    launcher = Launcher("--nproc-per-node", "2", script(tmp_path, "w.py", PID_WRITER), str(pid_dir))
-    helpers: list[int] = []
+    tag = f"{os.getpid()}{time.monotonic_ns()}"
+    worker = script(tmp_path, "w.py", f"""
+        import os, signal, subprocess, sys
+        open(f"/dev/shm/spmd-{{os.getpid()}}-{tag}", "wb").close()
+        child = subprocess.Popen(["sleep", "300"])
+        with open(os.path.join(sys.argv[1], os.environ["RANK"]), "w") as f:
+            f.write(f"{{os.getpid()}} {{child.pid}}")
+        signal.pause()
+    """)
+    launcher = Launcher("--nproc-per-node", "2", worker, str(pid_dir))
+    pids: list[int] = []
     try:
         pids = read_pids(pid_dir, 2)
-        workers, helpers = pids[0::2], pids[1::2]
         launcher.popen.kill()
         launcher.finish(timeout=30)
-        wait_until(lambda: not any(is_alive(pid) for pid in workers), 10, f"workers {workers} to die with the agent")
+        wait_until(lambda: not any(is_alive(pid) for pid in pids), 5, f"workers and their children {pids} to die")
+        wait_until(lambda: not [name for name in os.listdir("/dev/shm") if name.endswith(f"-{tag}")], 5,
+                   "the watchdog to sweep the workers' /dev/shm names")
     finally:
-        for pid in helpers:  # the workers' own children are the user's to manage; clean up ours
+        for pid in pids:
             if is_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+        for name in os.listdir("/dev/shm"):
+            if name.endswith(f"-{tag}"):
+                os.unlink(f"/dev/shm/{name}")
+
+
+def test_helpers_that_outlive_a_successful_worker_are_stopped_with_its_group(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child"
+    worker = script(tmp_path, "w.py", f"""
+        import subprocess
+        child = subprocess.Popen(["sleep", "300"])
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+    """)
+    code, _, err = run_agent("--nproc-per-node", "1", worker)
+    assert code == 0, err
+    child = int(pid_file.read_text())
+    wait_until(lambda: not is_alive(child), 5, f"the worker's child {child} to die")
+
+
+def test_a_slow_reader_gets_every_line_and_the_exit_code(tmp_path: Path) -> None:
+    # The worker exits with some of its 100 kB still in the pipes, which the reader needs seconds more to read.
+    worker = script(tmp_path, "w.py", """
+        for i in range(1000):
+            print(f"line {i} " + "x" * 90)
+        print("final line")
+    """)
+    popen = subprocess.Popen([*SPMDRUN, "--nproc-per-node", "1", worker], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL)
+    assert popen.stdout is not None
+    received = bytearray()
+    try:
+        while chunk := popen.stdout.read1(100):
+            received += chunk
+            time.sleep(0.01)  # the slow reader itself (about 10 kB/s: about 10 s in all), not synchronisation
+        assert popen.wait(timeout=30) == 0
+    finally:
+        popen.kill()
+        popen.wait()
+    lines = received.decode().splitlines()
+    assert lines == [f"[rank0]: line {i} " + "x" * 90 for i in range(1000)] + ["[rank0]: final line"]
+
+
+def test_a_console_reader_that_goes_away_does_not_hold_the_agent(tmp_path: Path) -> None:
+    worker = script(tmp_path, "w.py", """
+        for i in range(100000):
+            print(f"line {i}")
+    """)
+    popen = subprocess.Popen([*SPMDRUN, "--nproc-per-node", "1", worker], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    assert popen.stdout is not None
+    try:
+        assert popen.stdout.readline() == b"[rank0]: line 0\n"
+        popen.stdout.close()  # like `spmdrun ... | head -1`
+        _, err = popen.communicate(timeout=60)
+    finally:
+        popen.kill()
+        popen.wait()
+    assert popen.returncode == 0, err
+    assert b"Error" not in err, err
+
+
+def test_a_long_line_without_newline_keeps_the_agent_memory_bounded(tmp_path: Path) -> None:
+    fifos = [tmp_path / "measured", tmp_path / "written"]
+    for fifo in fifos:
+        os.mkfifo(fifo)
+    size = 50 * 2**20
+    worker = script(tmp_path, "w.py", f"""
+        import sys
+        print("ready", flush=True)
+        open({str(fifos[0])!r}).read()
+        sys.stdout.buffer.write(b"x" * {size})
+        sys.stdout.flush()
+        open({str(fifos[1])!r}).read()
+    """)
+    popen = subprocess.Popen([*SPMDRUN, "--nproc-per-node", "1", worker], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL)
+    assert popen.stdout is not None
+    try:
+        assert popen.stdout.readline() == b"[rank0]: ready\n"
+        baseline = peak_rss_kib(popen.pid)
+        with open(fifos[0], "w"):
+            pass
+        received = 0
+        while received < size:
+            received += len(popen.stdout.read1(2**20).replace(b"[rank0]: ", b""))
+        growth = peak_rss_kib(popen.pid) - baseline
+        with open(fifos[1], "w"):
+            pass
+        assert popen.stdout.read() == b"\n"  # the line ends with the output
+        assert popen.wait(timeout=30) == 0
+    finally:
+        popen.kill()
+        popen.wait()
+    assert received == size
+    assert growth < 200 * 1024, f"the agent's peak memory grew {growth} KiB for a {size}-byte line"
+
+
+def peak_rss_kib(pid: int) -> int:
+    """VmHWM of `pid`: the most resident memory it has had, in KiB."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
 
 
 def test_two_agents_run_a_2x2_all_reduce_over_loopback(tmp_path: Path) -> None:

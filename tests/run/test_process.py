@@ -14,7 +14,7 @@ import time
 import pytest
 
 from spmd.run.failure import WorkerFailure, describe_exit, format_summary, read_error_file
-from spmd.run.process import Console, WorkerGroup, WorkerSpec
+from spmd.run.process import Console, WorkerGroup, WorkerSpec, _Prefixer
 from tests.run.helpers import is_alive, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -108,3 +108,30 @@ def test_failure_summary_shows_the_first_failure_and_its_traceback(tmp_path) -> 
     assert describe_exit(-99) == "signal 99" and describe_exit(0) == "exit code 0"
     alone = format_summary([killed], "test")
     assert "no Python traceback" in alone
+
+
+def test_prefix_goes_at_every_line_start_however_the_output_is_cut() -> None:
+    prefixer = _Prefixer(b"[r]: ")
+    pieces = [b"a", b"b\nc", b"\n\n", b"10%\r", b"20%\r", b"\n", b"x\r\ny", b""]
+    assert b"".join(prefixer(piece) for piece in pieces) + prefixer.end() == (
+        b"[r]: ab\n[r]: c\n[r]: \n[r]: 10%\r[r]: 20%\r\n[r]: x\r\n[r]: y\n")
+
+
+def test_a_progress_update_ending_in_cr_shows_while_the_worker_runs(tmp_path) -> None:
+    # The worker writes "10%\r" and then waits on a FIFO that the test opens only after seeing the update.
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    code = ("import sys\n"
+            "sys.stdout.write('10%\\r'); sys.stdout.flush()\n"
+            f"open({str(fifo)!r}).read()\n"
+            "print('100%')\n")
+    out = io.BytesIO()
+    group = start_group([spec(0, code, tmp_path)], Console(out, io.BytesIO()), "h")
+    try:
+        wait_until(lambda: out.getvalue() == b"[rank0]: 10%\r", 30, "the progress update")
+        with open(fifo, "w"):
+            pass
+        wait_until(lambda: group.poll() == [0], 30, "the worker to finish")
+    finally:
+        group.stop(grace=1.0)
+    assert out.getvalue() == b"[rank0]: 10%\r[rank0]: 100%\n"

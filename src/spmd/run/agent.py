@@ -29,7 +29,7 @@ from spmd.comm.store.base import HashStore, Store
 from spmd.comm.transports.shm.names import remove_orphan_segments
 from spmd.run.config import LaunchConfig, Std
 from spmd.run.failure import WorkerFailure, first_failure, format_summary
-from spmd.run.process import Console, WorkerGroup, WorkerSpec
+from spmd.run.process import Console, Watchdog, WorkerGroup, WorkerSpec
 from spmd.run.rendezvous import Coordinator, Heartbeat, NodeInfo, Outcome, RendezvousClient, Round
 
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap.py")
@@ -107,6 +107,7 @@ class Agent:
         self.client: RendezvousClient | None = None
         self.me: NodeInfo | None = None
         self.workers: WorkerGroup | None = None
+        self.watchdog: Watchdog | None = None
         self._raise_on_signal = True
         self._member = False  # whether this node is in the latest round (else it waits, and may leave alone)
         self._log_root, self._own_log_root = self._make_log_root()
@@ -116,6 +117,7 @@ class Agent:
         previous = {signum: signal.signal(signum, self._on_signal) for signum in HANDLED_SIGNALS}
         try:
             try:
+                self.watchdog = Watchdog()
                 return self._run()
             finally:
                 self._raise_on_signal = False  # from here on a signal can't interrupt the cleanup
@@ -132,6 +134,8 @@ class Agent:
             return 1
         finally:
             self._stop_workers(signal.SIGTERM)
+            if self.watchdog is not None:
+                self.watchdog.close()
             self._shut_down()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -215,7 +219,8 @@ class Agent:
             if pending is not None:
                 master = self.client.master(pending.number)
                 if master is not None:
-                    self.workers = WorkerGroup(self.console, self.hostname)  # stopped on any exit from here
+                    # stopped on any exit from here
+                    self.workers = WorkerGroup(self.console, self.hostname, self.watchdog)
                     self.workers.start(self._worker_specs(pending, *master))
                     pending, running = None, pending
             if running is not None and self.workers is not None and self._round_finished(running):
