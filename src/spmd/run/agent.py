@@ -34,6 +34,11 @@ from spmd.run.rendezvous import Coordinator, Heartbeat, NodeInfo, Outcome, Rende
 
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap.py")
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+UNPROTECTED_WARNING = (
+    "WARNING: the rendezvous store at {endpoint} has no token: anyone who can reach it can read the workers' "
+    "store address and token, join the job or end it. Give every agent the same secret with --rdzv-token TOKEN, "
+    "SPMD_STORE_TOKEN=TOKEN or --rdzv-token-file PATH (chmod 600); under Slurm, export SPMD_STORE_TOKEN="
+    "$(openssl rand -hex 16) in the batch script before srun.")
 
 
 class LaunchError(RuntimeError):
@@ -177,9 +182,15 @@ class Agent:
         host, port = config.rdzv_host, config.rdzv_port
         assert host is not None
         wants_host = config.node_rank == 0 or (config.node_rank is None and is_local_host(host))
+        token = config.rdzv_token
+        if token is None and wants_host and config.max_nodes == 1:
+            token = secrets.token_hex(16)  # no other agent can take part, so none needs to know it
+        if token is None:
+            self._say(UNPROTECTED_WARNING.format(endpoint=f"{host}:{port}"))
         if wants_host:
             try:
-                return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout), True
+                return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                                token=token), True
             except StoreError as error:
                 if port_is_free(port):
                     raise LaunchError(f"spmdrun: can't host the rendezvous at {host}:{port}: {error}") from None
@@ -189,8 +200,13 @@ class Agent:
                                       f"--rdzv-endpoint port.") from None
                 # Elastic agents on the endpoint's host race to host it; the losers join as clients.
         try:
-            return TCPStore(host, port, is_master=False, timeout=timeout), False
+            return TCPStore(host, port, is_master=False, timeout=timeout, token=token), False
         except StoreError as error:
+            if "refused this client" in str(error):  # the token, not the connection
+                raise LaunchError(f"spmdrun: the rendezvous at {host}:{port} refused this agent's token "
+                                  f"({'none given' if token is None else 'a different one'}): every agent of the "
+                                  f"job must use the same --rdzv-token, SPMD_STORE_TOKEN or --rdzv-token-file "
+                                  f"({error})") from None
             raise LaunchError(f"spmdrun: could not join the rendezvous at {host}:{port} within {timeout:g}s "
                               f"({error}). Is the agent of node 0 running with the same --rdzv-endpoint?") from None
 

@@ -1,14 +1,16 @@
 """The `spmdrun` command line: argv -> LaunchConfig, then one agent runs it.
 
-Layer: run. `parse_args` has no side effects beyond reading the Slurm environment it is given, so it is tested
-directly; `main` is the console script (`spmdrun`, `python -m spmd.run`). Flags follow torchrun's names (both
-`--nproc-per-node` and `--nproc_per_node` spellings); everything after the script is passed to it untouched.
+Layer: run. `parse_args` has no side effects beyond reading the environment it is given (Slurm's variables,
+SPMD_STORE_TOKEN) and a --rdzv-token-file, so it is tested directly; `main` is the console script (`spmdrun`,
+`python -m spmd.run`). Flags follow torchrun's names (both `--nproc-per-node` and `--nproc_per_node` spellings);
+everything after the script is passed to it untouched.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -36,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(parser, "--rdzv-endpoint", default=None, help=f"HOST[:PORT] of the rendezvous (default port "
           f"{DEFAULT_RDZV_PORT}); the node that owns HOST hosts it")
     _flag(parser, "--rdzv-id", default=None, help="job id shared by every node of the job")
+    _flag(parser, "--rdzv-token", default=None, help="secret every agent of the job presents to the rendezvous "
+          "store (default: $SPMD_STORE_TOKEN, else --rdzv-token-file; a one-node job makes its own)")
+    _flag(parser, "--rdzv-token-file", default=None, help="file holding the rendezvous token; only its owner "
+          "may read it (chmod 600)")
     _flag(parser, "--rdzv-backend", default="c10d", choices=["c10d", "static"],
           help="accepted for torchrun compatibility; spmd has one rendezvous, which does both")
     _flag(parser, "--rdzv-conf", default="", help="timeouts in seconds: join_timeout, last_call_timeout, "
@@ -102,6 +108,31 @@ def resolve_nproc(text: str) -> int:
     return os.cpu_count() or 1
 
 
+def read_token_file(path: str) -> str:
+    """The token in `path` (surrounding whitespace dropped); refused unless only its owner can read it."""
+    try:
+        with open(path, "rb") as file:
+            mode = os.fstat(file.fileno()).st_mode
+            text = file.read().decode().strip()
+    except OSError as error:
+        raise ValueError(f"spmdrun: can't read --rdzv-token-file {path!r}: {error.strerror}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(f"spmdrun: --rdzv-token-file {path!r} is open to others (mode {stat.filemode(mode)}), so "
+                         f"it is no secret; make it private with `chmod 600 {path}`")
+    if not text:
+        raise ValueError(f"spmdrun: --rdzv-token-file {path!r} is empty; write the job's token into it")
+    return text
+
+
+def rendezvous_token(flag: str | None, token_file: str | None, environ: Mapping[str, str]) -> str | None:
+    """The job's rendezvous token: --rdzv-token, else $SPMD_STORE_TOKEN, else --rdzv-token-file, else None."""
+    if flag is not None:
+        return flag
+    if environ.get("SPMD_STORE_TOKEN"):
+        return environ["SPMD_STORE_TOKEN"]
+    return read_token_file(token_file) if token_file is not None else None
+
+
 def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> LaunchConfig:
     """Turn `spmdrun` arguments into a LaunchConfig. Slurm's variables in `environ` fill in the node set when
     no rendezvous flag was given."""
@@ -132,10 +163,11 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
         except ValueError:
             raise ValueError(f"spmdrun: --local-ranks-filter {ns.local_ranks_filter!r} must be like 0,2,3") from None
     extra = {"rdzv_id": rdzv_id} if rdzv_id else {}
+    token = rendezvous_token(ns.rdzv_token, ns.rdzv_token_file, environ)
     return LaunchConfig(
         entrypoint=ns.training_script, args=tuple(ns.training_script_args), kind=kind, nproc_per_node=nproc,
         min_nodes=min_nodes, max_nodes=max_nodes, node_rank=node_rank, rdzv_host=rdzv_host, rdzv_port=rdzv_port,
-        max_restarts=ns.max_restarts, monitor_interval=ns.monitor_interval,
+        rdzv_token=token, max_restarts=ns.max_restarts, monitor_interval=ns.monitor_interval,
         redirects=StdPolicy.parse(ns.redirects, "--redirects"), tee=StdPolicy.parse(ns.tee, "--tee"),
         log_dir=ns.log_dir, local_ranks_filter=local_filter, local_addr=ns.local_addr,
         master_addr=ns.master_addr, master_port=ns.master_port, shutdown_grace=ns.shutdown_timeout,

@@ -114,6 +114,8 @@ class LaunchConfig:
     rdzv_host: str | None = None  # the rendezvous store's host; None: a single-node job with an in-process store
     rdzv_port: int = DEFAULT_RDZV_PORT  # its port (0 on the host picks a free one)
     rdzv_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:12])  # job id shared by all nodes
+    rdzv_token: str | None = dataclasses.field(default=None, repr=False)  # the rendezvous store's secret (None:
+    # generated when one node hosts the whole job, else none: anyone who reaches the endpoint can join)
     max_restarts: int = 0  # worker-group restarts after a failure before the job fails
     monitor_interval: float = 0.1  # seconds between checks of the workers and the rendezvous
     redirects: StdPolicy = StdPolicy()  # streams that go to the rank's log file only
@@ -149,6 +151,9 @@ class LaunchConfig:
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"spmdrun: {name.replace('_', '-')} {port} is not a TCP port (0-65535)")
+        if self.rdzv_token is not None and not self.rdzv_token.strip():
+            raise ValueError("spmdrun: the rendezvous token is empty; give a non-empty --rdzv-token, "
+                             "SPMD_STORE_TOKEN or --rdzv-token-file")
         if self.max_restarts < 0:
             raise ValueError(f"spmdrun: --max-restarts must be >= 0, got {self.max_restarts}")
         if self.monitor_interval <= 0 or self.shutdown_grace < 0:
