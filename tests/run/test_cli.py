@@ -140,3 +140,19 @@ def test_slurm_with_several_tasks_per_node_is_refused() -> None:
         detect({**SRUN_ENV, "SLURM_STEP_NUM_TASKS": "6"})
     with pytest.raises(ValueError, match="SLURM_PROCID"):
         detect({key: value for key, value in SRUN_ENV.items() if key != "SLURM_PROCID"})
+
+
+def test_rendezvous_token_comes_from_the_flag_the_environment_or_a_private_file(tmp_path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\n")
+    token_file.chmod(0o600)
+    args = ["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-token-file", str(token_file), "t.py"]
+    assert parse_args(args, environ={}).rdzv_token == "from-file"
+    assert parse_args(args, environ={"SPMD_STORE_TOKEN": "from-env"}).rdzv_token == "from-env"
+    assert parse_args(["--rdzv-token", "flag", *args], environ={"SPMD_STORE_TOKEN": "e"}).rdzv_token == "flag"
+    assert "from-file" not in repr(parse_args(args, environ={}))
+    token_file.chmod(0o644)
+    with pytest.raises(ValueError, match=r"open to others.*chmod 600"):
+        parse_args(args, environ={})
+    with pytest.raises(ValueError, match="can't read --rdzv-token-file"):
+        parse_args(["--rdzv-token-file", str(tmp_path / "missing"), "t.py"], environ={})

@@ -7,6 +7,7 @@ process (`run_agent`); those about the launcher process itself (signals, several
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -323,6 +324,65 @@ def test_two_agents_run_a_2x2_all_reduce_over_loopback(tmp_path: Path) -> None:
         node1.kill()
     sums = sorted(line for line in node0.lines + node1.lines if "sum" in line)
     assert sums == [f"[rank{rank}]: sum {rank} 4 {rank // 2} 10.0" for rank in range(4)]
+
+
+def test_a_stranger_cannot_read_the_rendezvous_of_a_job_with_a_token(tmp_path: Path) -> None:
+    from spmd._core.errors import StoreError
+    from spmd.comm.store import tcp_wire as wire
+    from spmd.comm.store.tcp import TCPStore
+
+    for rank in range(2):
+        os.mkfifo(tmp_path / f"go{rank}")
+    worker = script(tmp_path, "w.py", f"""
+        import os
+        print("store", os.environ["MASTER_PORT"], os.environ["SPMD_STORE_TOKEN"], flush=True)
+        os.close(os.open(os.path.join({str(tmp_path)!r}, "go" + os.environ["RANK"]), os.O_RDONLY))
+    """)
+    port = free_port()
+    common = ("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "j",
+              "--rdzv-conf", FAST_RDZV, "--rdzv-token", "job-secret")
+    nodes = [Launcher(*common, "--node-rank", str(rank), worker) for rank in range(2)]
+    try:
+        for node in nodes:
+            node.wait_for_line("store", timeout=60)
+        _, master_port, worker_token = next(line for line in nodes[0].lines if "store" in line).split()[-3:]
+        key = "spmd/rdzv/j/round/0/master"
+        insider = TCPStore("127.0.0.1", port, timeout=5, token="job-secret")
+        assert worker_token in insider.get(key).decode()  # the key is there to be read with the token
+        insider.close()
+        for token in (None, "guess"):
+            with pytest.raises(StoreError, match="refused"):
+                TCPStore("127.0.0.1", port, timeout=5, token=token)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:  # no handshake at all
+            raw.sendall(wire.frame(wire.GET, [key.encode()]))
+            reply = b""
+            with contextlib.suppress(OSError):
+                while chunk := raw.recv(4096):
+                    reply += chunk
+        assert worker_token.encode() not in reply and master_port.encode() not in reply
+        for rank in range(2):
+            with open(tmp_path / f"go{rank}", "w"):
+                pass
+        assert all(node.finish(timeout=60) == 0 for node in nodes), [node.output for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert not any("has no token" in node.output for node in nodes)
+
+
+def test_agents_with_different_tokens_fail_naming_the_token(tmp_path: Path) -> None:
+    worker = script(tmp_path, "w.py", "pass\n")
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = ("--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-conf", FAST_RDZV)
+    host = Launcher(*common, "--node-rank", "0", "--rdzv-token", "one", worker)
+    try:
+        wait_until(lambda: socket.socket().connect_ex(("127.0.0.1", int(endpoint.split(":")[1]))) == 0, 30,
+                   "the rendezvous store to listen")
+        code, _, err = run_agent(*common, "--node-rank", "1", "--rdzv-token", "two", worker)
+    finally:
+        host.kill()
+    assert code == 1
+    assert "refused this agent's token" in err and "--rdzv-token" in err, err
 
 
 def test_elastic_job_regroups_when_a_node_joins_late_and_when_it_dies(tmp_path: Path) -> None:
