@@ -324,6 +324,8 @@ def test_two_agents_run_a_2x2_all_reduce_over_loopback(tmp_path: Path) -> None:
         node1.kill()
     sums = sorted(line for line in node0.lines + node1.lines if "sum" in line)
     assert sums == [f"[rank{rank}]: sum {rank} 4 {rank // 2} 10.0" for rank in range(4)]
+    for node in (node0, node1):  # no token was given: every agent says so, once
+        assert sum("has no token" in line for line in node.lines) == 1, node.output
 
 
 def test_a_stranger_cannot_read_the_rendezvous_of_a_job_with_a_token(tmp_path: Path) -> None:
