@@ -7,7 +7,9 @@ Coordinator (spmd.run.rendezvous); a one-node job without an endpoint uses an in
 Note: the workers' store
 Workers call `init_process_group()` with no arguments, which builds a TCPStore at MASTER_ADDR:MASTER_PORT hosted
 by worker rank 0. Each round gets a fresh one: the node with group rank 0 picks a free port (or --master-port) and
-a fresh random SPMD_STORE_TOKEN and publishes them through the rendezvous. The agents' own store is never handed
+a fresh random SPMD_STORE_TOKEN and publishes them through the rendezvous, whose own store only agents holding
+the job's token (--rdzv-token, SPMD_STORE_TOKEN, --rdzv-token-file; made up when one node hosts the whole job)
+can read. The agents' own store is never handed
 to workers, so a restarted round can't see keys of the one before and a stale worker can't disturb the agents.
 """
 

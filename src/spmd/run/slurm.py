@@ -2,7 +2,9 @@
 
 Layer: run. Pure functions of an environment mapping. The contract: `srun --ntasks-per-node=1 spmdrun
 --nproc-per-node 8 train.py` starts one agent per node; each reads the step's node count, its own task id
-(its node rank) and the step's node list, whose first host hosts the rendezvous.
+(its node rank) and the step's node list, whose first host hosts the rendezvous. Nothing Slurm sets is secret
+(job ids and host lists are visible to every user), so no rendezvous token is derived here: the agent warns unless
+the batch script exports SPMD_STORE_TOKEN (srun passes it on) or names a --rdzv-token-file.
 """
 
 from __future__ import annotations
