@@ -30,17 +30,35 @@ class ReduceOp(enum.Enum):
 
 
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+# Dtypes the kernel reduces: torch's CPU kernels take these, but for uint16 and uint32, which it reduces
+# widened (see _WIDENED). Complex tensors reduce as pairs of their real dtype (SUM and AVG only).
+_REDUCIBLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16,
+                        torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.bool,
+                        torch.complex32, torch.complex64, torch.complex128})
+_WIDENED = {torch.uint16: torch.int32, torch.uint32: torch.int64}   # exact: the result is cast back, wrapping
 
 
 def check_reduce_op(op: ReduceOp, dtype: torch.dtype, op_name: str) -> None:
-    """Raise ValueError before any communication when `op` can't reduce `dtype`."""
+    """Raise ValueError before any communication when spmd can't reduce `dtype` with `op` exactly.
+
+    The pairs refused are those torch's gloo refuses (bitwise ops on floats, AVG on integers, anything but SUM
+    and AVG on complex) and dtypes no kernel reduces (uint64, float8); `op_name` says which op on which rank.
+    """
     if not isinstance(op, ReduceOp):
-        raise ValueError(f"{op_name}: op must be a spmd.ReduceOp, got {op!r}")
+        raise ValueError(f"{op_name}: op must be a spmd.ReduceOp (e.g. spmd.ReduceOp.SUM), got {op!r}")
+    if dtype not in _REDUCIBLE:
+        raise ValueError(f"{op_name}: spmd can't reduce {dtype} tensors with {op!r} or any op (no reduction "
+                         f"kernel for that dtype); "
+                         f"reduce a copy in a dtype it can (e.g. .to(torch.float32) or .to(torch.int64)) and "
+                         f"cast the result back")
     if op in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
-        raise ValueError(f"{op_name}: {op!r} needs an integer or bool tensor, got {dtype}")
+        raise ValueError(f"{op_name}: {op!r} needs an integer or bool tensor, got {dtype}; use SUM, MIN or MAX, "
+                         f"or reduce an integer view of the bits (tensor.view(torch.int32)) if bits are meant")
     if dtype.is_complex and op not in (ReduceOp.SUM, ReduceOp.AVG):
         # complex tensors travel as pairs of reals: only sums (and averages) of pairs are sums of complexes
-        raise ValueError(f"{op_name}: {op!r} is not defined for complex tensors ({dtype}); only SUM and AVG are")
+        raise ValueError(f"{op_name}: {op!r} is not defined for complex tensors ({dtype}), as in torch; only "
+                         f"SUM and AVG are. Reduce torch.view_as_real(tensor) for a per-component {op.name}, "
+                         f"or tensor.abs() for one of magnitudes")
     if op is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
         raise ValueError(f"{op_name}: ReduceOp.AVG needs a floating-point tensor, got {dtype}; use SUM and divide")
 
@@ -58,16 +76,21 @@ def reduce_into(dst: Tensor, sources: Sequence[Tensor], op: ReduceOp) -> Tensor:
     """dst <- op over `sources` (at least one), combined left to right; returns dst.
 
     Every rank that reduces the same sources in the same order gets the same bits. AVG is the sum divided
-    once by len(sources); bool SUM and PRODUCT are logical or and and. dst may be sources[0] or sources[1]
-    itself (reduction in place: both are read before dst is written) but must not overlap any other source.
+    once by len(sources); bool SUM and PRODUCT are logical or and and (as in gloo); uint16 and uint32 reduce
+    widened and wrap back. dst may be sources[0] or sources[1] itself (reduction in place: both are read
+    before dst is written) but must not overlap any other source.
     A reduction made of several calls (pairwise steps, or partial results from several groups) reduces with
     `partial_op(op)` and ends with `finish_average`.
     """
-    kernel = _BOOL_KERNELS.get(op, _KERNELS[op]) if dst.dtype is torch.bool else _KERNELS[op]
     if len(sources) == 1:
         if sources[0] is not dst:
             dst.copy_(sources[0])
         return dst
+    wide = _WIDENED.get(dst.dtype)
+    if wide is not None:          # torch has no CPU add, minimum or maximum for these dtypes
+        return dst.copy_(reduce_into(torch.empty(dst.shape, dtype=wide, device=dst.device),
+                                     [source.to(wide) for source in sources], op))
+    kernel = _BOOL_KERNELS.get(op, _KERNELS[op]) if dst.dtype is torch.bool else _KERNELS[op]
     kernel(sources[0], sources[1], out=dst)
     for source in sources[2:]:
         kernel(dst, source, out=dst)

@@ -30,7 +30,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 
 from spmd.comm import collectives, p2p
 from spmd.comm.group import ProcessGroup
-from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.reduce_op import ReduceOp, check_reduce_op
 from spmd.comm.work import Work
 
 BACKEND = "spmd"
@@ -42,12 +42,18 @@ _registered = threading.Lock()
 _state: dict[str, Any] = {"registered": False, "owned": None}
 
 
-def _reduce_op(op: Any) -> ReduceOp:
-    """spmd's op for torch's (a ReduceOp object in options, whose `.op` is the enum value)."""
-    found = _REDUCE_OPS.get(getattr(op, "op", op))
-    if found is None:
-        raise ValueError(f"spmd backend: torch's reduce op {op} has no spmd counterpart")
-    return found
+def _reduce_op(opts: Any, name: str, group: ProcessGroup, tensors: list[Tensor]) -> ReduceOp:
+    """spmd's op for the one in torch's `opts` (a ReduceOp object, whose `.op` is the enum value; SUM without
+    opts), checked against every tensor of the call before any of them is sent."""
+    where = f"spmd backend: {name} on rank {group.global_rank} of {group.description}"
+    torch_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+    op = _REDUCE_OPS.get(getattr(torch_op, "op", torch_op))
+    if op is None:
+        raise ValueError(f"{where}: torch's reduce op {torch_op} has no spmd counterpart (PREMUL_SUM: scale the "
+                         f"tensor, then reduce with SUM)")
+    for tensor in tensors:
+        check_reduce_op(op, tensor.dtype, where)
+    return op
 
 
 def _torch_work(work: Work | None, outputs: list[Tensor]) -> Any:
@@ -71,7 +77,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
         return BACKEND
 
     def allreduce(self, tensors: list[Tensor], opts: Any = None) -> Any:
-        op = _reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
+        op = _reduce_op(opts, "allreduce", self.spmd_group, tensors)
         works = [collectives.all_reduce(t, op=op, group=self.spmd_group, async_op=True) for t in tensors]
         return _torch_work(works[-1] if works else None, tensors)
 
@@ -84,7 +90,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
         return _torch_work(works[-1] if works else None, tensors)
 
     def reduce(self, tensors: list[Tensor], opts: Any = None) -> Any:
-        op = _reduce_op(opts.reduceOp)
+        op = _reduce_op(opts, "reduce", self.spmd_group, tensors)
         works = [collectives.reduce(t, group=self.spmd_group, group_dst=opts.rootRank, op=op, async_op=True)
                  for t in tensors]
         return _torch_work(works[-1] if works else None, tensors)
@@ -99,13 +105,13 @@ class SpmdProcessGroup(dist.ProcessGroup):
         return _torch_work(work, [output])
 
     def reduce_scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> Any:
-        op = _reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
+        op = _reduce_op(opts, "reduce_scatter", self.spmd_group, outputs)
         for output, inputs in zip(outputs, input_lists, strict=True):
             collectives.reduce_scatter(output, inputs, op=op, group=self.spmd_group)
         return _torch_work(None, outputs)
 
     def reduce_scatter_single(self, output: Tensor, input: Tensor, opts: Any = None) -> Any:
-        op = _reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
+        op = _reduce_op(opts, "reduce_scatter_single", self.spmd_group, [input])
         work = collectives.reduce_scatter_tensor(output, input, op=op, group=self.spmd_group, async_op=True)
         return _torch_work(work, [output])
 
