@@ -79,9 +79,9 @@ def _root(group: ProcessGroup, global_root: int | None, group_root: int | None, 
         if global_root is None:
             return 0
         return group.group_rank_of(global_root, f"{_where(op, group)}: {role}")
-    if not 0 <= group_root < group.size():
-        raise ValueError(f"{_where(op, group)}: group_{role}={group_root} is out of range for a group of "
-                         f"{group.size()} ranks")
+    if isinstance(group_root, bool) or not isinstance(group_root, int) or not 0 <= group_root < group.size():
+        raise ValueError(f"{_where(op, group)}: group_{role}={group_root!r} is out of range for a group of "
+                         f"{group.size()} ranks (group ranks are 0..{group.size() - 1})")
     return group_root
 
 

@@ -123,11 +123,11 @@ class ProcessGroup:
         return self.ranks[self.group_rank]
 
     def group_rank_of(self, global_rank: int, what: str) -> int:
-        """The group rank of `global_rank`, or ValueError naming `what` (e.g. "src of broadcast")."""
-        try:
+        """The group rank of `global_rank`, or ValueError naming `what` (e.g. "broadcast on rank 3: src")."""
+        if isinstance(global_rank, int) and not isinstance(global_rank, bool) and global_rank in self.ranks:
             return self.ranks.index(global_rank)
-        except ValueError:
-            raise ValueError(f"{what}: rank {global_rank} is not in {self.description}") from None
+        raise ValueError(f"{what}: rank {global_rank!r} is not in {self.description}; pass one of its global "
+                         f"ranks {self.ranks}, or a group rank 0..{self.size() - 1} as the group_ argument")
 
     # -- collectives ----------------------------------------------------------------------------------------
 

@@ -71,7 +71,7 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
                   group: AnyGroup | None = None) -> None:
     """On `dst`, object_gather_list[i] <- rank i's `obj`. Collective."""
     pg = resolve_group(group, "gather_object")
-    root = pg.group_rank_of(dst, "gather_object dst")
+    root = pg.group_rank_of(dst, f"gather_object on rank {pg.global_rank}: dst")
     if pg.group_rank == root and (object_gather_list is None or len(object_gather_list) != pg.size()):
         raise ValueError(f"gather_object on rank {pg.global_rank}: the destination needs an object_gather_list "
                          f"of {pg.size()} entries")
@@ -88,7 +88,7 @@ def broadcast_object_list(object_list: list[Any], src: int = 0, group: AnyGroup 
     The pickled bytes travel on `device` when given (as in torch), else where the group's transport stages them.
     """
     pg = resolve_group(group, "broadcast_object_list")
-    root = pg.group_rank_of(src, "broadcast_object_list src")
+    root = pg.group_rank_of(src, f"broadcast_object_list on rank {pg.global_rank}: src")
     is_root = pg.group_rank == root
     staging = _staging_device(pg, device)
     parts = [_to_tensor(obj, staging) for obj in object_list] if is_root else []
@@ -111,7 +111,7 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
                         src: int = 0, group: AnyGroup | None = None) -> None:
     """scatter_object_output_list[0] <- `src`'s scatter_object_input_list[rank]. Collective."""
     pg = resolve_group(group, "scatter_object_list")
-    root = pg.group_rank_of(src, "scatter_object_list src")
+    root = pg.group_rank_of(src, f"scatter_object_list on rank {pg.global_rank}: src")
     if not scatter_object_output_list:
         raise ValueError(f"scatter_object_list on rank {pg.global_rank}: the output list needs one entry")
     everything = [scatter_object_input_list] if pg.group_rank == root else [None]

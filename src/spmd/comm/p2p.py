@@ -20,13 +20,14 @@ from spmd.comm.world import AnyGroup, resolve_group
 
 
 def _peer(group: ProcessGroup, peer: int | None, group_peer: int | None, op: str, role: str) -> int:
+    where = f"{op} on rank {group.global_rank} of {group.description}"
     if (peer is None) == (group_peer is None):
-        raise ValueError(f"{op} on rank {group.global_rank}: pass exactly one of {role} and group_{role}")
+        raise ValueError(f"{where}: pass exactly one of {role} and group_{role}")
     if group_peer is None:
-        group_peer = group.group_rank_of(peer, f"{op} {role}")
-    elif not 0 <= group_peer < group.size():
-        raise ValueError(f"{op} on rank {group.global_rank}: group_{role}={group_peer} is out of range for "
-                         f"{group.description}")
+        return group.group_rank_of(peer, f"{where}: {role}")
+    if isinstance(group_peer, bool) or not isinstance(group_peer, int) or not 0 <= group_peer < group.size():
+        raise ValueError(f"{where}: group_{role}={group_peer!r} is out of range for a group of {group.size()} "
+                         f"ranks (group ranks are 0..{group.size() - 1})")
     return group_peer
 
 
@@ -109,12 +110,13 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     """Start every operation of the list; returns their Works in the same order."""
     if not p2p_op_list:
         raise ValueError("batch_isend_irecv: the list of P2POp is empty")
-    works = []
-    for item in p2p_op_list:
+    planned = []
+    for item in p2p_op_list:       # every item is checked before the first one starts
         if not isinstance(item, P2POp):
             raise TypeError(f"batch_isend_irecv: expected P2POp items, got {type(item).__name__}")
         op = "isend" if item.op is isend else "irecv"
         pg = resolve_group(item.group, op)
         target = _peer(pg, item.peer, item.group_peer, op, "dst" if op == "isend" else "src")
-        works.append(_start(op, item.tensor, pg, target, item.tag))
-    return works
+        check_tensor(item.tensor, "tensor", op, pg)
+        planned.append((op, item.tensor, pg, target, item.tag))
+    return [_start(*plan) for plan in planned]

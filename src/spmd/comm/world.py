@@ -8,6 +8,7 @@ public API resolves the default group here.
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import datetime
 import secrets
@@ -126,7 +127,8 @@ def is_initialized() -> bool:
 
 
 def init_process_group(backend: str | None = None, init_method: str | None = None,
-                       timeout: float | datetime.timedelta | None = None, world_size: int = -1, rank: int = -1,
+                       timeout: float | datetime.timedelta | None = None, world_size: int | None = -1,
+                       rank: int | None = -1,
                        store: Store | None = None, group_name: str = "",
                        device_id: torch.device | int | None = None, torch_default_group: bool = True) -> None:
     """Join the job: rendezvous, connect the default group's transport, and make this rank's world current.
@@ -148,23 +150,22 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     backend = backend if backend is not None else "auto"
     transport = transport_for(backend)     # an unavailable or unknown backend fails before any rendezvous
     device = _bind_device(device_id)
-    _check_rank_arguments(rank, world_size)
+    rank = -1 if rank is None else rank
+    world_size = -1 if world_size is None else world_size
+    _check_rank_arguments(rank, world_size, "the rank= and world_size= arguments")
     seconds = as_seconds(timeout, DEFAULT_TIMEOUT)
     owns_store = store is None
     if store is not None:
         if init_method is not None:
             raise ValueError("spmd: pass either store or init_method to init_process_group, not both")
         if rank < 0 or world_size <= 0:
-            raise ValueError(f"spmd: with an explicit store, rank and world_size are required "
-                             f"(got rank={rank}, world_size={world_size})")
+            raise ValueError(f"spmd.init_process_group: with an explicit store, rank and world_size are required "
+                             f"(got rank={rank}, world_size={world_size}); pass both")
     else:
         if transport == "threads":
             raise ValueError("spmd: the threads backend needs the store its threads share; use "
                              "spmd.testing.run_ranks, or pass one HashStore as store= to every thread")
         store, rank, world_size = rendezvous(init_method or "env://", rank, world_size, seconds)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"spmd: rank {rank} is out of range for world_size {world_size}: ranks are "
-                         f"0..{world_size - 1}")
     world = World(rank, world_size, store, backend, seconds, owns_store, device)
     _world.set(world)
     with _process_world_lock:
@@ -204,17 +205,22 @@ def _bind_device(device_id: torch.device | int | None) -> torch.device | None:
     return device
 
 
-def _check_rank_arguments(rank: int, world_size: int) -> None:
-    """Explicit rank / world_size arguments that can't be right, rejected before any rendezvous waits on them
-    (-1 means "not given": read from the environment or the init_method)."""
+def _check_rank_arguments(rank: int, world_size: int, source: str) -> None:
+    """Reject a rank / world_size that can't be right before any rendezvous waits on them; `source` says where
+    they came from, for the fix. -1 means "not given yet" (read from the environment or the init_method)."""
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"spmd.init_process_group: {name} must be an int, got {type(value).__name__} "
+                            f"{value!r}; check {source}")
     if world_size == 0 or world_size < -1:
-        raise ValueError(f"spmd: init_process_group world_size={world_size}: it must be a positive number of "
-                         f"ranks (or -1 to read WORLD_SIZE)")
+        raise ValueError(f"spmd.init_process_group: world_size {world_size} is not a number of ranks (it must be "
+                         f"at least 1, or -1 to read WORLD_SIZE); check {source}")
     if rank < -1:
-        raise ValueError(f"spmd: init_process_group rank={rank}: ranks count from 0 (or -1 to read RANK)")
+        raise ValueError(f"spmd.init_process_group: rank {rank} is negative (ranks count from 0; -1 reads RANK); "
+                         f"check {source}")
     if world_size > 0 and rank >= world_size:
-        raise ValueError(f"spmd: init_process_group rank={rank} is out of range for world_size={world_size}: "
-                         f"ranks are 0..{world_size - 1}")
+        raise ValueError(f"spmd.init_process_group: rank {rank} is out of range for world_size {world_size} "
+                         f"(ranks are 0..{world_size - 1}); check {source}")
 
 
 def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> tuple[Store, int, int]:
@@ -224,13 +230,19 @@ def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> 
 
     url = urllib.parse.urlparse(init_method)
     query = urllib.parse.parse_qs(url.query)
-    if "rank" in query:
-        rank = int(query["rank"][0])
-    if "world_size" in query:
-        world_size = int(query["world_size"][0])
-    if url.scheme == "env":
+    source = "the rank= and world_size= arguments"
+    if "rank" in query or "world_size" in query:
+        source = f"the rank and world_size in init_method {init_method!r}"
+        rank = _query_int(query, "rank", rank, init_method)
+        world_size = _query_int(query, "world_size", world_size, init_method)
+    if url.scheme == "env" and (rank < 0 or world_size < 0):
+        source = "RANK / WORLD_SIZE"
         rank = rank if rank >= 0 else env.required_int("RANK")
-        world_size = world_size if world_size > 0 else env.required_int("WORLD_SIZE")
+        world_size = world_size if world_size >= 0 else env.required_int("WORLD_SIZE")
+    _check_rank_arguments(rank, world_size, source)
+    missing = (f"spmd.init_process_group: init_method {init_method!r} needs rank and world_size; pass rank= and "
+               f"world_size=, or add ?rank=R&world_size=N to it")
+    if url.scheme == "env":
         host, port = env.required_str("MASTER_ADDR"), env.required_int("MASTER_PORT")
     elif url.scheme == "tcp":
         host, port = url.hostname or "", url.port or 0
@@ -238,15 +250,25 @@ def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> 
             raise ValueError(f"spmd: init_method {init_method!r} needs tcp://host:port")
     elif url.scheme == "file":
         if rank < 0 or world_size <= 0:
-            raise ValueError(f"spmd: init_method {init_method!r} needs rank and world_size")
+            raise ValueError(missing)
         return FileStore(url.path, world_size, timeout=timeout), rank, world_size
     else:
         raise ValueError(f"spmd: init_method {init_method!r} must start with env://, tcp:// or file://")
     if rank < 0 or world_size <= 0:
-        raise ValueError(f"spmd: init_method {init_method!r} needs rank and world_size")
+        raise ValueError(missing)
     store = TCPStore(host, port, world_size=world_size, is_master=rank == 0, timeout=timeout,
                      token=env.store_token())
     return store, rank, world_size
+
+
+def _query_int(query: dict[str, list[str]], name: str, default: int, init_method: str) -> int:
+    if name not in query:
+        return default
+    try:
+        return int(query[name][0])
+    except ValueError:
+        raise ValueError(f"spmd.init_process_group: {name}={query[name][0]!r} in init_method {init_method!r} is "
+                         f"not an integer") from None
 
 
 def destroy_process_group(group: AnyGroup | None = None) -> None:
@@ -280,15 +302,31 @@ def new_group(ranks: list[int] | None = None, timeout: float | datetime.timedelt
     """Create a group of `ranks` (all ranks if None). Collective: every rank of the world calls it, in the
     same order, including ranks not in `ranks`, which get a NonMemberGroup they can't communicate on."""
     world = current_world()
-    members = sorted(range(world.world_size) if ranks is None else ranks)
-    if len(set(members)) != len(members):
-        raise ValueError(f"spmd: new_group ranks {ranks} contain duplicates")
-    if members and not 0 <= members[0] <= members[-1] < world.world_size:
-        raise ValueError(f"spmd: new_group ranks {ranks} must lie in [0, {world.world_size})")
-    if not members:
-        raise ValueError("spmd: new_group needs at least one rank")
+    members = sorted(range(world.world_size) if ranks is None else _check_members(ranks, world))
     name = str(sum(1 for _ in world.groups))
     return world.create_group(members, as_seconds(timeout, world.timeout), backend or world.backend, name)
+
+
+def _check_members(ranks: object, world: World) -> list[int]:
+    """`ranks` as a list, or an error naming the calling rank and what is wrong, before any group is made."""
+    where = f"spmd.new_group on rank {world.rank}"
+    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+        raise TypeError(f"{where}: ranks must be a list of ints (or None for all ranks), got "
+                        f"{type(ranks).__name__}")
+    members = list(ranks)
+    for rank in members:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"{where}: ranks {members} hold {rank!r} ({type(rank).__name__}); list global ranks "
+                            f"as ints")
+        if not 0 <= rank < world.world_size:
+            raise ValueError(f"{where}: rank {rank} in ranks {members} is out of range for world_size "
+                             f"{world.world_size} (ranks are 0..{world.world_size - 1})")
+    repeated = sorted(rank for rank, count in collections.Counter(members).items() if count > 1)
+    if repeated:
+        raise ValueError(f"{where}: ranks {members} list rank(s) {repeated} more than once; list each rank once")
+    if not members:
+        raise ValueError(f"{where}: ranks is empty; a group needs at least one rank (None means all ranks)")
+    return members
 
 
 def new_subgroups(group_size: int) -> tuple[AnyGroup, list[AnyGroup]]:
