@@ -526,18 +526,36 @@ def _leave_in_set_up_window(rank: int, world_size: int, results: Any, how: str) 
 
 
 @pytest.mark.timeout(120)
-def test_set_up_window_names_are_removed_at_exit_and_by_the_orphan_sweep() -> None:
+def test_set_up_window_names_are_removed_at_exit() -> None:
     processes, results = _spawn(_leave_in_set_up_window, 1, "exit")
-    name, existed, exists_after_exit = results.get(timeout=60)
+    _, existed, exists_after_exit = results.get(timeout=60)
     _reap(processes)
     assert existed and not exists_after_exit                                        # atexit unlinked it
 
+
+@pytest.mark.timeout(120)
+def test_a_segment_of_a_process_killed_in_set_up_is_gone_after_the_next_set_up_without_a_launcher() -> None:
     processes, results = _spawn(_leave_in_set_up_window, 1, "kill")
     name, existed, _ = results.get(timeout=60)
     _reap(processes)
-    assert existed and os.path.exists(os.path.join(shm_segment.SHM_DIR, name))       # SIGKILL: no atexit
-    assert name in shm_names.remove_orphan_segments()
-    assert not os.path.exists(os.path.join(shm_segment.SHM_DIR, name))
+    assert existed                    # SIGKILL: no atexit; its peer never attached, so nobody unlinked it
+    assert run_ranks(lambda rank, size: spmd.get_backend(), 2, timeout=60, backend=SHM) == [SHM, SHM]
+    assert name not in os.listdir(shm_segment.SHM_DIR)      # that set-up swept it: no sweep called here
+
+
+def test_orphan_sweep_removes_names_of_dead_or_replaced_creators_of_this_pid_namespace_only(tmp_path) -> None:
+    pid = os.getpid()
+    start = shm_names.process_start_time(pid)
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    live = os.path.basename(shm_names.new_segment_name())
+    reused = f"spmd-{pid}-{start + 1}-{namespace}-00"          # our pid, an earlier process's start time
+    dead = f"spmd-{2**22 + 1}-5-{namespace}-00"               # above pid_max's default: nobody runs it
+    elsewhere = f"spmd-{2**22 + 1}-5-{namespace + 1}-00"      # a container sharing /dev/shm but not our pids
+    others = ["spmd-12-notanumber", "spmd-1-2-3", "other-1-2-3-4", live]
+    for name in [reused, dead, elsewhere, *others]:
+        (tmp_path / name).write_bytes(b"")
+    assert sorted(shm_names.remove_orphan_segments(str(tmp_path))) == sorted([reused, dead])
+    assert sorted(os.listdir(tmp_path)) == sorted([elsewhere, *others])
 
 
 def test_orphan_sweep_keeps_live_creators_segments() -> None:

@@ -5,8 +5,8 @@ every rank maps; once all ranks have mapped it, every rank unlinks the name, so 
 long as some rank still maps it: a group destroyed, a process exiting normally and a process killed with
 SIGKILL all leave nothing behind in /dev/shm. Only the short set-up window (create -> all attached) holds
 a name; a process that exits normally in that window unlinks it (atexit), and `remove_orphan_segments`
-(shm_names; spmdrun's agent calls it whenever its workers have stopped) removes names whose creating
-process died.
+(names.py), which every new segment runs first and spmdrun's agent runs whenever its workers have stopped,
+removes names whose creating process died (SIGKILL in that window).
 
 Note: segment layout
 All offsets are multiples of 64 (a cache line), so words written by different ranks never share one.
@@ -63,7 +63,6 @@ import contextlib
 import hashlib
 import mmap
 import os
-import secrets
 import socket
 import struct
 import threading
@@ -75,7 +74,13 @@ from torch import Tensor
 
 from spmd._core.deadline import Deadline
 from spmd._core.errors import CommTimeoutError, GroupAbortedError, PeerLostError
-from spmd.comm.transports.shm.names import NAME_PREFIX, SHM_DIR, process_start_time
+from spmd.comm.transports.shm.names import (
+    NAME_PREFIX,
+    SHM_DIR,
+    new_segment_name,
+    process_start_time,
+    remove_orphan_segments,
+)
 
 SLOT_BYTES = 1 << 20          # one staging slot; a chunk of a large collective is at most this per rank
 LAG = 1                       # ranks may run up to LAG - 1 phases apart (see Note: phases)
@@ -191,10 +196,12 @@ class Segment:
         """Create and map a new segment (group rank 0). Its name stays linked until `unlink_name`.
 
         The layout comes from the module's SLOT_BYTES, RING_BYTES and LAG at creation; it is written into
-        the header, and the other ranks read it from there.
+        the header, and the other ranks read it from there. Names that jobs killed in their set-up window
+        left behind are swept first, so none outlives the next set-up on the machine.
         """
+        remove_orphan_segments()
         layout = Layout(group_size, SLOT_BYTES, ring_bytes_for(group_size), LAG)
-        name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        name = new_segment_name()
         with _linked_lock:
             _linked.add(name)
         try:
