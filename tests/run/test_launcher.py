@@ -129,7 +129,10 @@ def test_a_worker_killed_in_shm_set_up_leaves_no_segment_name(tmp_path: Path) ->
     tag = f"{os.getpid()}{time.monotonic_ns()}"
     worker = script(tmp_path, "dies_in_set_up.py", f"""
         import os, signal
-        path = f"/dev/shm/spmd-{{os.getpid()}}-{tag}"
+        stat = open("/proc/self/stat", "rb").read()
+        start = int(stat[stat.rfind(b")") + 2:].split()[19])
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+        path = f"/dev/shm/spmd-{{os.getpid()}}-{{start}}-{{namespace}}-{tag}"
         open(path, "wb").close()
         os.kill(os.getpid(), signal.SIGKILL)
     """)
