@@ -679,6 +679,7 @@ def test_two_hosts_across_processes(tmp_path) -> None:
 def test_a_rank_that_never_joins_the_set_up_times_out_and_leaves_no_segment() -> None:
     spec = TransportSpec(store=spmd.HashStore(timeout=5), group_name="lonely", group_rank=0, global_ranks=(0, 1),
                          hosts=("h", "h"), timeout=0.5, token=b"t")
-    with pytest.raises(CommTimeoutError, match="group rank 1 did not map the shared segment"):
+    with pytest.raises(CommTimeoutError, match=r"group rank\(s\) \[1\] did not reach the set-up within 0.5s, so no "
+                                               r"shared segment was made"):
         create_transport(SHM, spec)
     assert _segments_of([os.getpid()]) == []

@@ -37,7 +37,14 @@ import torch
 from torch import Tensor
 
 from spmd._core.deadline import Deadline
-from spmd._core.errors import CollectiveMismatchError, CommError, GroupAbortedError, PeerLostError
+from spmd._core.errors import (
+    CollectiveMismatchError,
+    CommError,
+    CommTimeoutError,
+    GroupAbortedError,
+    PeerLostError,
+    StoreTimeoutError,
+)
 from spmd.comm.debug import Fingerprint, mismatch_message
 from spmd.comm.reduce_op import ReduceOp, reduce_into
 from spmd.comm.transports.base import OpContext, Transport, TransportSpec
@@ -168,15 +175,19 @@ class LocalShmTransport(Transport):
         self._p2p = P2PEngine(self.segment, self.group_rank, self.group_size, spec)
 
     def _connect(self, spec: TransportSpec) -> Segment:
-        """Collective set-up: rank 0 creates the segment, all map it, then everybody unlinks its name."""
+        """Collective set-up: once every rank has arrived, rank 0 creates the segment, all map it, then everybody
+        unlinks its name. Creating only then keeps the name's window (see segment) to the attaches: a peer that
+        never starts leaves no name behind."""
         deadline = Deadline(spec.timeout)
         what = f"shm transport set-up of group '{spec.group_name}' on rank {spec.global_rank}"
         epoch = (spec.store.add("shm/joins", 1) - 1) // self.group_size   # a fresh segment per incarnation
         key = f"shm/segment/{epoch}"
         if self.group_rank == 0:
+            self._await_arrivals(spec, epoch, deadline, what)
             segment = Segment.create(self.group_size)
             spec.store.set(key, segment.name)
         else:
+            spec.store.set(f"shm/arrived/{epoch}/{self.group_rank}", b"1")
             spec.store.wait([key], timeout=deadline.remaining())
             name = spec.store.get(key).decode()
             try:
@@ -195,6 +206,16 @@ class LocalShmTransport(Transport):
             raise
         segment.unlink_name()
         return segment
+
+    def _await_arrivals(self, spec: TransportSpec, epoch: int, deadline: Deadline, what: str) -> None:
+        """Wait until every other rank of the group has reached its set-up (group rank 0, before creating)."""
+        keys = {peer: f"shm/arrived/{epoch}/{peer}" for peer in range(1, self.group_size)}
+        try:
+            spec.store.wait(list(keys.values()), timeout=deadline.remaining())
+        except StoreTimeoutError:
+            missing = [peer for peer, key in keys.items() if not spec.store.check([key])]
+            raise CommTimeoutError(f"{what}: group rank(s) {missing} did not reach the set-up within "
+                                   f"{deadline.timeout:.1f}s, so no shared segment was made") from None
 
     # -- phases ---------------------------------------------------------------------------------------------
 
