@@ -183,7 +183,8 @@ def test_sigkill_to_the_agent_takes_its_workers_their_children_and_their_shm_nam
     tag = f"{os.getpid()}{time.monotonic_ns()}"
     worker = script(tmp_path, "w.py", f"""
         import os, signal, subprocess, sys
-        open(f"/dev/shm/spmd-{{os.getpid()}}-{tag}", "wb").close()
+        from spmd.comm.transports.shm.names import new_segment_name
+        open("/dev/shm/" + new_segment_name().rsplit("-", 1)[0] + "-{tag}", "wb").close()
         child = subprocess.Popen(["sleep", "300"])
         with open(os.path.join(sys.argv[1], os.environ["RANK"]), "w") as f:
             f.write(f"{{os.getpid()}} {{child.pid}}")
