@@ -26,7 +26,7 @@ class Store(abc.ABC):
     """The store protocol every rendezvous uses; all methods are thread-safe."""
 
     def __init__(self, timeout: float | datetime.timedelta | None = None) -> None:
-        self._timeout = as_seconds(timeout, DEFAULT_STORE_TIMEOUT)
+        self._timeout = as_seconds(timeout, DEFAULT_STORE_TIMEOUT, f"{type(self).__name__}: timeout")
 
     @property
     def timeout(self) -> float:
@@ -34,7 +34,7 @@ class Store(abc.ABC):
         return self._timeout
 
     def set_timeout(self, timeout: float | datetime.timedelta) -> None:
-        self._timeout = as_seconds(timeout, DEFAULT_STORE_TIMEOUT)
+        self._timeout = as_seconds(timeout, DEFAULT_STORE_TIMEOUT, f"{type(self).__name__}.set_timeout: timeout")
 
     @abc.abstractmethod
     def set(self, key: str, value: Value) -> None:
@@ -137,7 +137,7 @@ class HashStore(Store):
             return self._data[key]
 
     def wait(self, keys: list[str], timeout: float | datetime.timedelta | None = None) -> None:
-        deadline = Deadline(as_seconds(timeout, self._timeout))
+        deadline = Deadline(as_seconds(timeout, self._timeout, "HashStore.wait: timeout"))
         with self._changed:
             while True:
                 missing = [key for key in keys if key not in self._data]
@@ -145,7 +145,7 @@ class HashStore(Store):
                     return
                 if deadline.expired():
                     raise missing_keys_error("HashStore", missing, deadline.timeout)
-                self._changed.wait(deadline.remaining())
+                self._changed.wait(min(deadline.remaining(), threading.TIMEOUT_MAX))   # inf: wait forever
 
     def check(self, keys: list[str]) -> bool:
         with self._changed:

@@ -202,7 +202,7 @@ class FileStore(Store):
             return current
 
     def wait(self, keys: list[str], timeout: float | datetime.timedelta | None = None) -> None:
-        self._wait_for([key.encode() for key in keys], as_seconds(timeout, self.timeout))
+        self._wait_for([key.encode() for key in keys], as_seconds(timeout, self.timeout, "FileStore.wait: timeout"))
 
     def _wait_for(self, keys: list[bytes], timeout: float) -> list[bytes]:
         """The values of `keys`, polling the file with a growing pause until all exist or `timeout` passes."""
