@@ -352,7 +352,7 @@ def test_tcp_wait_for_workers_times_out_with_a_count() -> None:
 def test_tcp_port_in_use_is_a_clear_error() -> None:
     master = _master()
     try:
-        with pytest.raises(StoreError, match=f"port {master.port} on 0.0.0.0 is already in use.*MASTER_PORT"):
+        with pytest.raises(StoreError, match=f"port {master.port} on 127.0.0.1 is already in use.*MASTER_PORT"):
             TCPStore("127.0.0.1", master.port, is_master=True, wait_for_workers=False)
         assert master.add("still-serving", 1) == 1
     finally:

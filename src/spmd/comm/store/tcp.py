@@ -3,13 +3,16 @@
 Layer: comm. The master (rank 0, or the launcher's agent) runs a `StoreServer` (tcp_server): one
 daemon thread with a selectors loop that serves every client and parks blocking `get`/`wait` calls until
 their keys are set or their deadline passes. Every TCPStore instance, the master's included, is a client
-holding one connection; its calls are serialised by a lock. The wire format is tcp_wire's.
+holding one connection; its calls are serialised by a lock. The wire format, its handshake (each side proves
+it knows the token without sending it) and its size limits are tcp_wire's.
 """
 
 from __future__ import annotations
 
 import datetime
+import hmac
 import os
+import secrets
 import socket
 import threading
 import time
@@ -24,11 +27,16 @@ from spmd.comm.store.base import Store, Value, missing_keys_error, to_bytes
 from spmd.comm.store.tcp_server import StoreServer
 
 _REPLY_GRACE_S = 10.0     # how much longer than a blocking call's own timeout a client waits for its reply
+_FOREVER_S = 1e7          # a socket timeout at least this long (116 days; inf, 1e300) is no timeout at all
 _JOIN_KEY = "spmd_store/joined"   # counts the clients that joined, for wait_for_workers (torch keeps one too)
 
 
 class _Refused(Exception):
     """The server refused this client's token."""
+
+
+class _Impostor(Exception):
+    """The server answered the handshake but could not prove it knows the token."""
 
 
 class _Client:
@@ -57,20 +65,19 @@ class _Client:
                 try:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     sock.settimeout(max(0.05, min(deadline.remaining(), 10.0)))
-                    sock.sendall(wire.frame(wire.HELLO, [wire.MAGIC, token]))
-                    self._buf.clear()
-                    status, fields = self._read_reply(sock, max_size=wire.MAX_HELLO)
-                    if status == wire.REFUSED:
-                        raise _Refused(fields[0].decode(errors="replace") if fields else "refused")
-                    if status != wire.OK:
-                        raise ConnectionError(f"unexpected handshake reply (status {status}); is {self.address} "
-                                              f"an spmd store?")
+                    self._handshake(sock, token)
                     return sock
                 except _Refused as refusal:
                     sock.close()
                     hint = "set SPMD_STORE_TOKEN or pass token=" if not token else "check SPMD_STORE_TOKEN / token="
                     raise StoreError(f"TCPStore: the store server at {self.address} refused this client: "
                                      f"{refusal} ({hint} to the job's token)") from None
+                except _Impostor:
+                    sock.close()
+                    raise StoreError(f"TCPStore: the server at {self.address} could not prove it knows the token: "
+                                     f"it is not the job's store, or it was started with a different token "
+                                     f"(check SPMD_STORE_TOKEN / token= and MASTER_ADDR/MASTER_PORT). Nothing was "
+                                     f"sent to it.") from None
                 except OSError as error:
                     sock.close()
                     last_error = error
@@ -81,13 +88,33 @@ class _Client:
             time.sleep(min(delay, deadline.remaining()))
             delay = min(delay * 2, 0.5)
 
-    def _read_reply(self, sock: socket.socket, max_size: int | None = None) -> tuple[int, list[bytes]]:
+    def _handshake(self, sock: socket.socket, token: bytes) -> None:
+        """Prove the token to the server and check its proof (tcp_wire's handshake); raises before any request."""
+        client_nonce = secrets.token_bytes(wire.NONCE_BYTES)
+        self._buf.clear()
+        sock.sendall(wire.frame(wire.HELLO, [wire.MAGIC, client_nonce, b"1" if token else b"0"]))
+        status, fields = self._read_reply(sock, wire.MAX_HELLO)
+        if status == wire.REFUSED:
+            raise _Refused(fields[0].decode(errors="replace") if fields else "refused")
+        if status != wire.OK or len(fields) != 1 or len(fields[0]) != wire.NONCE_BYTES:
+            raise ConnectionError(f"unexpected handshake reply (status {status}); is {self.address} an spmd store?")
+        server_nonce = fields[0]
+        sock.sendall(wire.frame(wire.AUTH, [wire.proof(token, wire.CLIENT_SIDE, server_nonce, client_nonce)]))
+        status, fields = self._read_reply(sock, wire.MAX_HELLO)
+        if status == wire.REFUSED:
+            raise _Refused(fields[0].decode(errors="replace") if fields else "refused")
+        expected = wire.proof(token, wire.SERVER_SIDE, server_nonce, client_nonce)
+        if status != wire.OK or len(fields) != 1 or not hmac.compare_digest(fields[0], expected):
+            raise _Impostor()
+
+    def _read_reply(self, sock: socket.socket, max_size: int = wire.MAX_FRAME) -> tuple[int, list[bytes]]:
         buf = self._buf
         while len(buf) < wire.HEADER.size:
             self._recv_more(sock, buf)
         size, status = wire.HEADER.unpack_from(buf)
-        if max_size is not None and size > max_size:
-            raise ConnectionError(f"a {size}-byte handshake reply; is {self.address} an spmd store?")
+        if size > max_size:
+            raise ConnectionError(f"a {size}-byte reply, over the limit of {max_size}; is {self.address} an spmd "
+                                  f"store?")
         end = wire.HEADER.size + size
         while len(buf) < end:
             self._recv_more(sock, buf)
@@ -103,7 +130,15 @@ class _Client:
         buf += chunk
 
     def call(self, op: int, fields: Sequence[bytes], reply_within: float | None, what: str) -> tuple[int, list[bytes]]:
-        """Send one request and return (status, fields); StoreError if the connection fails or stays silent."""
+        """Send one request and return (status, fields); StoreError if the connection fails or stays silent.
+
+        A request over tcp_wire.MAX_FRAME is a ValueError raised before anything is sent.
+        """
+        size = wire.body_size(fields)
+        if size > wire.MAX_FRAME:
+            raise ValueError(f"TCPStore {self.address}: {wire.OP_NAMES[op]}({what[:200]}) would send {size} bytes, "
+                             f"over the store's limit of {wire.MAX_FRAME} bytes (tcp_wire.MAX_FRAME); keep large "
+                             f"data out of the store (write a file and store its path)")
         if os.getpid() != self._pid:
             raise StoreError(f"TCPStore {self.address}: this process was forked from the one that made the store and "
                              f"shares its connection; create a new TCPStore (or clone()) in the child")
@@ -172,8 +207,14 @@ class TCPStore(Store):
 
     `port=0` on the master lets the OS pick a free port (read it back from `.port`). With `wait_for_workers`
     the master's constructor returns only when `world_size` clients (itself included) have joined. A token
-    (argument, else env SPMD_STORE_TOKEN) makes the server refuse clients that do not present it. Like
-    torch's, a fresh store holds one key, the join counter, so `num_keys()` starts at 1.
+    (argument, else env SPMD_STORE_TOKEN) makes the server refuse clients that cannot prove they know it, and
+    clients refuse a server that cannot; the token itself never crosses the wire. Like torch's, a fresh store
+    holds one key, the join counter, so `num_keys()` starts at 1.
+
+    Where the master listens follows `host_name` (tcp_server.listen_addresses): a loopback address or
+    "localhost" keeps the store on loopback (127.0.0.1 and ::1), a literal IP of this machine is listened on
+    alone, a host name (or an address not on this machine) listens on every interface. Listening beyond
+    loopback without a token logs a warning. Timeouts are non-negative seconds; inf waits forever.
     """
 
     def __init__(self, host_name: str, port: int, world_size: int | None = None, is_master: bool = False,
@@ -192,12 +233,12 @@ class TCPStore(Store):
         self.is_master = is_master
         self._token = token if token is not None else env.store_token()
         self._owner: TCPStore | None = None   # a clone keeps its origin (and so the server) alive
-        server = StoreServer(port, self._token) if is_master else None
+        server = StoreServer(host_name, port, self._token) if is_master else None
         self._server = server
         self.port = server.port if server is not None else port
+        self._connect_host = server.local_host if server is not None else host_name
         try:
-            # The master reaches its own server on loopback: it listens on every interface.
-            self._client = _Client("127.0.0.1" if is_master else host_name, self.port, self._token, self.timeout)
+            self._client = _Client(self._connect_host, self.port, self._token, self.timeout)
         except BaseException:
             if server is not None:
                 server.stop()
@@ -235,7 +276,8 @@ class TCPStore(Store):
         clone._token = self._token
         clone._owner = self._owner or self
         clone._server = None
-        clone._client = _Client("127.0.0.1" if self.is_master else self.host, self.port, self._token, self.timeout)
+        clone._connect_host = self._connect_host
+        clone._client = _Client(clone._connect_host, self.port, self._token, self.timeout)
         clone._finalizer = weakref.finalize(clone, _shutdown, clone._client, None)
         return clone
 
@@ -247,7 +289,7 @@ class TCPStore(Store):
 
     def _reply_within(self, timeout: float) -> float | None:
         total = timeout + _REPLY_GRACE_S
-        return None if total == float("inf") else total
+        return None if total >= _FOREVER_S else total
 
     def _request(self, op: int, fields: Sequence[bytes], what: str, blocking_for: float | None = None) -> list[bytes]:
         limit = self._reply_within(self.timeout if blocking_for is None else max(blocking_for, 0.0))
@@ -280,7 +322,7 @@ class TCPStore(Store):
         return self._request(wire.CAS, [key.encode(), to_bytes(expected), to_bytes(desired)], key)[0]
 
     def wait(self, keys: list[str], timeout: float | datetime.timedelta | None = None) -> None:
-        seconds = as_seconds(timeout, self.timeout)
+        seconds = as_seconds(timeout, self.timeout, "TCPStore.wait: timeout")
         self._request(wire.WAIT, [wire.seconds_field(seconds), *(key.encode() for key in keys)], ", ".join(keys),
                       seconds)
 

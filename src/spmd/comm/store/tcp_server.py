@@ -1,18 +1,22 @@
 """The TCPStore server: one daemon thread of the master process serving every client.
 
-Layer: comm. A selectors loop serves every connection (wire format: tcp_wire). A blocking `get`/`wait`
-is parked on the server and answered when its keys are set or its deadline passes, so a waiting client costs
-nothing and never delays the others.
+Layer: comm. A selectors loop serves every connection (wire format and limits: tcp_wire). A blocking
+`get`/`wait` is parked on the server and answered when its keys are set or its deadline passes, so a waiting
+client costs nothing and never delays the others. Strangers are kept cheap: a connection is read in small
+pieces until it completes the challenge-response handshake, at most MAX_UNAUTHENTICATED of them are kept
+(the oldest goes first), and running out of file descriptors pauses accepting instead of spinning.
 """
 
 from __future__ import annotations
 
-import collections
 import errno
 import heapq
 import hmac
+import ipaddress
 import itertools
+import math
 import os
+import secrets
 import selectors
 import socket
 import threading
@@ -24,20 +28,56 @@ from spmd._core.log import get_logger
 from spmd.comm.store import tcp_wire as wire
 
 _log = get_logger(__name__)
-_HELLO_TIMEOUT_S = 30.0   # a connection that has not said HELLO by then is dropped (a stranger holding a socket)
+_HELLO_TIMEOUT_S = wire.HELLO_TIMEOUT_S   # a connection that has not completed the handshake by then is dropped
+_MAX_UNAUTHENTICATED = wire.MAX_UNAUTHENTICATED
+_ACCEPT_PAUSE_S = 0.05      # out of file descriptors with no stranger to drop: stop accepting this long
+_ACCEPTS_PER_WAKE = 64      # accept at most this many per readiness event, so a flood cannot starve the rest
+_MAX_SELECT_S = 60.0        # the longest the loop sleeps (a far deadline, 1e300 s, must not overflow select)
+_FD_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_warned_open_listener = False
+
+
+def listen_addresses(host: str) -> list[str]:
+    """The addresses a store server named `host` by the job listens on ("" = every interface).
+
+    Loopback (127.0.0.0/8, ::1, "localhost") stays on loopback: 127.0.0.1 and ::1 serve each other's clients,
+    another 127.x address only itself. Another literal IP is listened on alone (every interface if it is not
+    an address of this machine, e.g. behind NAT). A host name listens on every interface: other nodes may
+    reach it by an address this process cannot know.
+    """
+    if host == "localhost":
+        return ["127.0.0.1", "::1"]
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return [""]
+    if address.is_unspecified:
+        return [""]
+    if host in ("127.0.0.1", "::1"):
+        return [host, "::1" if host == "127.0.0.1" else "127.0.0.1"]
+    return [host]
+
+
+def _is_loopback(address: str) -> bool:
+    return address != "" and ipaddress.ip_address(address).is_loopback
 
 
 class _Conn:
     """The server's state for one client connection."""
 
-    __slots__ = ("authed", "closing", "inbuf", "outbuf", "sock", "waiter")
+    __slots__ = ("authed", "client_nonce", "closing", "events", "held", "inbuf", "outbuf", "server_nonce", "sock",
+                 "waiter")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.inbuf = bytearray()
         self.outbuf = bytearray()
         self.authed = False
+        self.server_nonce: bytes | None = None   # set once HELLO is answered; AUTH must follow
+        self.client_nonce = b""
         self.closing = False          # a refusal is being flushed; read nothing more
+        self.held = False             # over MAX_BUFFERED_REPLY: read nothing until the client reads its replies
+        self.events = selectors.EVENT_READ
         self.waiter: _Waiter | None = None
 
 
@@ -56,9 +96,13 @@ class _Waiter:
 
 
 class StoreServer:
-    """The key/value server: one thread, one selector, every client; parked waiters are woken by writes."""
+    """The key/value server: one thread, one selector, every client; parked waiters are woken by writes.
 
-    def __init__(self, port: int, token: str | None) -> None:
+    It listens where `listen_addresses(host)` says; `local_host` is the address a client in this process
+    connects to. Listening beyond loopback without a token logs one warning per process.
+    """
+
+    def __init__(self, host: str, port: int, token: str | None) -> None:
         self._token = None if token is None else token.encode()
         self._data: dict[bytes, bytes] = {}
         self._watchers: dict[bytes, set[_Waiter]] = {}
@@ -66,45 +110,86 @@ class StoreServer:
         self._seq = itertools.count()
         self._conns: set[_Conn] = set()
         self._resume: list[_Conn] = []
-        self._unauthed: collections.deque[tuple[float, _Conn]] = collections.deque()
+        self._unauthed: dict[_Conn, float] = {}   # connection -> hello deadline, oldest first
+        self._paused_until: float | None = None   # accepting paused (out of file descriptors) until then
         self._stopping = False
         self._pid = os.getpid()
-        self._listener = self._bind(port)
-        self.port: int = self._listener.getsockname()[1]
+        self._listeners, self.local_host = self._bind(host, port)
+        self.port: int = self._listeners[0].getsockname()[1]
+        self.addresses = [sock.getsockname()[0] for sock in self._listeners]
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._selector = selectors.DefaultSelector()
-        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        for listener in self._listeners:
+            self._selector.register(listener, selectors.EVENT_READ, None)
         self._selector.register(self._wake_r, selectors.EVENT_READ, self._wake_r)
+        self._handshake = {wire.HELLO: self._hello, wire.AUTH: self._auth}
         self._handlers = {
-            wire.HELLO: self._hello, wire.SET: self._set, wire.GET: self._get, wire.ADD: self._add,
+            wire.SET: self._set, wire.GET: self._get, wire.ADD: self._add,
             wire.CAS: self._cas, wire.WAIT: self._wait, wire.CHECK: self._check, wire.DELETE: self._delete,
             wire.NUM_KEYS: self._num_keys, wire.MULTI_GET: self._multi_get, wire.MULTI_SET: self._multi_set,
             wire.WAIT_COUNT: self._wait_count}
+        if self._token is None and not all(_is_loopback(address) for address in self.addresses):
+            _warn_open_listener(host, self.port)
         self._thread = threading.Thread(target=self._serve, name=f"spmd-tcpstore-server:{self.port}", daemon=True)
         self._thread.start()
 
-    @staticmethod
-    def _bind(port: int) -> socket.socket:
-        """Listen on every interface: IPv4 and IPv6 where the host has both, else IPv4 only."""
-        families = [socket.AF_INET6, socket.AF_INET] if socket.has_dualstack_ipv6() else [socket.AF_INET]
-        failure: OSError | None = None
-        for family in families:
+    @classmethod
+    def _bind(cls, host: str, port: int) -> tuple[list[socket.socket], str]:
+        """The listening sockets for `host` (see listen_addresses) and the address to reach them from here."""
+        addresses = listen_addresses(host)
+        listeners: list[socket.socket] = []
+        bound: list[str] = []
+        for address in addresses:
             try:
-                listener = socket.create_server(("", port), family=family, backlog=4096,
-                                                dualstack_ipv6=family == socket.AF_INET6)
+                listeners.append(cls._listen(address, listeners[0].getsockname()[1] if listeners else port))
+                bound.append(address)
+            except (OSError, StoreError) as error:
+                if listeners:   # the other loopback family: best effort
+                    _log.debug("TCPStore: not listening on [%s] too: %s", address, error)
+                    continue
+                if isinstance(error, StoreError):
+                    raise
+                if error.errno != errno.EADDRNOTAVAIL:
+                    raise StoreError(f"TCPStore: could not listen on {host}:{port}: {error}") from error
+                if _is_loopback(address):
+                    continue    # e.g. ::1 on a host without IPv6: the next loopback address
+                _log.info("TCPStore: %s is not an address of this machine; listening on every interface", host)
+                listeners.append(cls._listen("", port))
+                bound.append("")
+        if not listeners:
+            raise StoreError(f"TCPStore: could not listen on {host}:{port}: no loopback address is usable")
+        return listeners, bound[0] or "127.0.0.1"
+
+    @staticmethod
+    def _listen(address: str, port: int) -> socket.socket:
+        """A non-blocking listener on `address` ("" = every interface, IPv4 and IPv6 where the host has both)."""
+        if address:
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            candidates = [(family, False)]
+        elif socket.has_dualstack_ipv6():
+            candidates = [(socket.AF_INET6, True), (socket.AF_INET, False)]
+        else:
+            candidates = [(socket.AF_INET, False)]
+        shown = f"[{address}]" if ":" in address else address or "0.0.0.0"
+        failure: OSError | None = None
+        for family, dualstack in candidates:
+            try:
+                listener = socket.create_server((address, port), family=family, backlog=4096,
+                                                dualstack_ipv6=dualstack)
             except OSError as error:
                 if error.errno == errno.EADDRINUSE:
-                    raise StoreError(f"TCPStore: port {port} on 0.0.0.0 is already in use; pick another MASTER_PORT "
+                    raise StoreError(f"TCPStore: port {port} on {shown} is already in use; pick another MASTER_PORT "
                                      f"or use port 0 (the OS picks a free one)") from None
                 failure = error   # e.g. IPv6 present but unusable here: try IPv4 only
                 continue
             listener.setblocking(False)
             return listener
-        raise StoreError(f"TCPStore: could not listen on 0.0.0.0:{port}: {failure}") from failure
+        assert failure is not None
+        raise failure
 
     def stop(self) -> None:
-        """Close every connection and the listening socket; clients see their connection end."""
+        """Close every connection and the listening sockets; clients see their connection end."""
         if os.getpid() != self._pid:
             return   # a forked child: the server thread lives in the parent only
         self._stopping = True
@@ -122,7 +207,7 @@ class StoreServer:
             while not self._stopping:
                 for key, mask in self._selector.select(self._next_deadline_in()):
                     if key.data is None:
-                        self._accept()
+                        self._accept(key.fileobj)
                     elif key.data is self._wake_r:
                         self._drain_wake()
                     else:
@@ -140,19 +225,20 @@ class StoreServer:
             for conn in list(self._conns):
                 self._drop(conn)
             self._selector.close()
-            self._listener.close()
+            for listener in self._listeners:
+                listener.close()
             self._wake_r.close()
             self._wake_w.close()
 
-    def _next_deadline_in(self) -> float | None:
+    def _next_deadline_in(self) -> float:
         while self._deadlines and self._deadlines[0][2].done:
             heapq.heappop(self._deadlines)
-        while self._unauthed and (self._unauthed[0][1].authed or self._unauthed[0][1] not in self._conns):
-            self._unauthed.popleft()
         times = [self._deadlines[0][0]] if self._deadlines else []
         if self._unauthed:
-            times.append(self._unauthed[0][0])
-        return max(0.0, min(times) - time.monotonic()) if times else None
+            times.append(next(iter(self._unauthed.values())))
+        if self._paused_until is not None:
+            times.append(self._paused_until)
+        return min(_MAX_SELECT_S, max(0.0, min(times) - time.monotonic())) if times else _MAX_SELECT_S
 
     def _drain_wake(self) -> None:
         try:
@@ -161,24 +247,46 @@ class StoreServer:
         except OSError:
             pass
 
-    def _accept(self) -> None:
-        while True:
+    def _accept(self, listener: socket.socket) -> None:
+        for _ in range(_ACCEPTS_PER_WAKE):
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
-                return   # e.g. out of file descriptors; the client retries
+            except OSError as error:
+                if error.errno not in _FD_EXHAUSTED:
+                    continue   # e.g. ECONNABORTED: that one connection is gone, the next may be fine
+                if self._unauthed:
+                    self._drop(next(iter(self._unauthed)))   # a stranger's descriptor for a newcomer
+                    continue
+                self._pause_accepting()
+                return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if len(self._unauthed) >= _MAX_UNAUTHENTICATED:
+                self._drop(next(iter(self._unauthed)))   # the oldest stranger goes; a newcomer may be a rank
             conn = _Conn(sock)
             self._conns.add(conn)
-            self._unauthed.append((time.monotonic() + _HELLO_TIMEOUT_S, conn))
+            self._unauthed[conn] = time.monotonic() + _HELLO_TIMEOUT_S
             self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _pause_accepting(self) -> None:
+        """Out of file descriptors and no stranger to drop: stop selecting on the listeners for a moment."""
+        if self._paused_until is None:
+            _log.warning("TCPStore server on port %d: out of file descriptors; pausing accepts (raise "
+                         "`ulimit -n` if clients fail to connect)", self.port)
+            for listener in self._listeners:
+                self._selector.unregister(listener)
+        self._paused_until = time.monotonic() + _ACCEPT_PAUSE_S
+
+    def _resume_accepting(self) -> None:
+        self._paused_until = None
+        for listener in self._listeners:
+            self._selector.register(listener, selectors.EVENT_READ, None)
 
     def _read(self, conn: _Conn) -> None:
         try:
-            data = conn.sock.recv(wire.RECV_CHUNK)
+            data = conn.sock.recv(wire.RECV_CHUNK if conn.authed else wire.MAX_HELLO)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -190,19 +298,31 @@ class StoreServer:
         self._process(conn)
 
     def _process(self, conn: _Conn) -> None:
-        """Run the complete frames buffered on `conn`, in order; stop while one of them is parked."""
+        """Run the complete frames buffered on `conn`, in order; stop while one is parked or replies pile up."""
         buf = conn.inbuf
         while conn.waiter is None and not conn.closing and len(buf) >= wire.HEADER.size:
+            if len(conn.outbuf) > wire.MAX_BUFFERED_REPLY:
+                conn.held = True    # back-pressure: _flush resumes once the client has read its replies
+                self._update_events(conn)
+                return
             size, op = wire.HEADER.unpack_from(buf)
-            if not conn.authed and (op != wire.HELLO or size > wire.MAX_HELLO):
-                self._drop(conn)   # a stranger: read nothing more from it
+            if not conn.authed:
+                expected = wire.HELLO if conn.server_nonce is None else wire.AUTH
+                if op != expected or size > wire.MAX_HELLO:
+                    self._drop(conn)   # a stranger: read nothing more from it
+                    return
+            elif size > wire.MAX_FRAME:
+                conn.closing = True   # its body cannot be skipped without reading it: answer, then close
+                self._reply(conn, wire.ERROR, [f"a {size}-byte request is over the store's limit of "
+                                               f"{wire.MAX_FRAME} bytes".encode()])
+                self._update_events(conn)
                 return
             end = wire.HEADER.size + size
             if len(buf) < end:
                 return
             body = bytes(buf[wire.HEADER.size:end])
             del buf[:end]
-            handler = self._handlers.get(op)
+            handler = (self._handlers if conn.authed else self._handshake).get(op)
             try:
                 if handler is None:
                     raise ValueError(f"unknown opcode {op}")
@@ -219,6 +339,9 @@ class StoreServer:
                 return
 
     def _reply(self, conn: _Conn, status: int, fields: Sequence[bytes] = ()) -> None:
+        if wire.body_size(fields) > wire.MAX_FRAME:
+            status, fields = wire.ERROR, [f"the reply would be {wire.body_size(fields)} bytes, over the store's "
+                                          f"limit of {wire.MAX_FRAME}; ask for fewer keys at once".encode()]
         data = wire.frame(status, fields)
         if conn.outbuf:
             conn.outbuf += data
@@ -231,8 +354,8 @@ class StoreServer:
             self._drop(conn)
             return
         if sent < len(data):
-            conn.outbuf += data[sent:]
-            self._selector.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+            conn.outbuf += memoryview(data)[sent:]
+            self._update_events(conn)
 
     def _flush(self, conn: _Conn) -> None:
         try:
@@ -243,16 +366,30 @@ class StoreServer:
             self._drop(conn)
             return
         del conn.outbuf[:sent]
-        if not conn.outbuf:
-            if conn.closing:
-                self._drop(conn)
-            else:
-                self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
+        if conn.closing and not conn.outbuf:
+            self._drop(conn)
+            return
+        if conn.held and len(conn.outbuf) <= wire.MAX_BUFFERED_REPLY:
+            conn.held = False
+            self._resume.append(conn)   # run the requests it had already sent
+        self._update_events(conn)
+
+    def _update_events(self, conn: _Conn) -> None:
+        """Select on what `conn` needs now: reads unless held or closing, writes while replies are queued."""
+        events = 0 if conn.held or conn.closing else selectors.EVENT_READ
+        if conn.outbuf:
+            events |= selectors.EVENT_WRITE
+        if not events:
+            self._drop(conn)   # closing, and its last reply is sent
+        elif events != conn.events and conn in self._conns:
+            conn.events = events
+            self._selector.modify(conn.sock, events, conn)
 
     def _drop(self, conn: _Conn) -> None:
         if conn not in self._conns:
             return
         self._conns.discard(conn)
+        self._unauthed.pop(conn, None)
         if conn.waiter is not None:
             self._unpark(conn.waiter)
         try:
@@ -277,11 +414,14 @@ class StoreServer:
             return
         conn.waiter = waiter
         self._watch(waiter)
+        at = time.monotonic() + timeout
+        if math.isinf(at):
+            return   # waits forever: no deadline to keep
         if len(self._deadlines) > 64 and len(self._deadlines) > 4 * len(self._conns):
             # Answered waiters leave their entries behind until they reach the top; drop them in one pass.
             self._deadlines = [entry for entry in self._deadlines if not entry[2].done]
             heapq.heapify(self._deadlines)
-        heapq.heappush(self._deadlines, (time.monotonic() + timeout, next(self._seq), waiter))
+        heapq.heappush(self._deadlines, (at, next(self._seq), waiter))
 
     def _ready(self, waiter: _Waiter) -> bool:
         """Whether `waiter` can be answered now; sets `waiter.missing` to the keys it must still watch."""
@@ -330,10 +470,13 @@ class StoreServer:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        while self._unauthed and self._unauthed[0][0] <= now:
-            _, conn = self._unauthed.popleft()
-            if not conn.authed:
-                self._drop(conn)
+        while self._unauthed:
+            conn, deadline = next(iter(self._unauthed.items()))
+            if deadline > now:
+                break
+            self._drop(conn)
+        if self._paused_until is not None and self._paused_until <= now:
+            self._resume_accepting()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, waiter = heapq.heappop(self._deadlines)
             if not waiter.done:
@@ -363,18 +506,42 @@ class StoreServer:
     # Handlers: one per opcode; `fields` are the request's fields.
 
     def _hello(self, conn: _Conn, fields: list[bytes]) -> None:
-        magic, token = fields
+        magic = fields[0]
         if magic != wire.MAGIC:
-            self._drop(conn)
-            return
-        if self._token is not None and not hmac.compare_digest(token, self._token):
-            conn.closing = True
-            self._reply(conn, wire.REFUSED, [b"wrong token" if token else b"no token presented"])
-            if not conn.outbuf:
+            if magic.startswith(b"spmd-store/"):
+                self._refuse(conn, b"wire version %s, but this server speaks %s: run the same spmd version on "
+                                   b"every node" % (magic[:32], wire.MAGIC))
+            else:
                 self._drop(conn)
             return
+        _, client_nonce, has_token = fields
+        if not wire.NONCE_BYTES <= len(client_nonce) <= 64 or has_token not in (b"0", b"1"):
+            raise ValueError("malformed hello")
+        if has_token == b"0" and self._token is not None:
+            self._refuse(conn, b"no token presented")
+            return
+        if has_token == b"1" and self._token is None:
+            self._refuse(conn, b"this server has no token but the client presented one")
+            return
+        conn.client_nonce = client_nonce
+        conn.server_nonce = secrets.token_bytes(wire.NONCE_BYTES)
+        self._reply(conn, wire.OK, [conn.server_nonce])
+
+    def _auth(self, conn: _Conn, fields: list[bytes]) -> None:
+        (client_proof,) = fields
+        token, nonces = self._token or b"", (conn.server_nonce or b"", conn.client_nonce)
+        if not hmac.compare_digest(client_proof, wire.proof(token, wire.CLIENT_SIDE, *nonces)):
+            self._refuse(conn, b"wrong token")
+            return
         conn.authed = True
-        self._reply(conn, wire.OK)
+        del self._unauthed[conn]
+        self._reply(conn, wire.OK, [wire.proof(token, wire.SERVER_SIDE, *nonces)])
+
+    def _refuse(self, conn: _Conn, reason: bytes) -> None:
+        """Tell a client why it may not join, then close its connection once the reason is sent."""
+        conn.closing = True
+        self._reply(conn, wire.REFUSED, [reason])
+        self._update_events(conn)
 
     def _set(self, conn: _Conn, fields: list[bytes]) -> None:
         key, value = fields
@@ -384,7 +551,7 @@ class StoreServer:
 
     def _get(self, conn: _Conn, fields: list[bytes]) -> None:
         key, timeout = fields
-        self._park(conn, wire.GET, [key], float(timeout))
+        self._park(conn, wire.GET, [key], wire.parse_seconds(timeout))
 
     def _add(self, conn: _Conn, fields: list[bytes]) -> None:
         key, amount = fields
@@ -412,7 +579,7 @@ class StoreServer:
         self._reply(conn, wire.OK, [current])
 
     def _wait(self, conn: _Conn, fields: list[bytes]) -> None:
-        self._park(conn, wire.WAIT, fields[1:], float(fields[0]))
+        self._park(conn, wire.WAIT, fields[1:], wire.parse_seconds(fields[0]))
 
     def _check(self, conn: _Conn, fields: list[bytes]) -> None:
         self._reply(conn, wire.OK, [b"1" if all(key in self._data for key in fields) else b"0"])
@@ -425,7 +592,7 @@ class StoreServer:
         self._reply(conn, wire.OK, [str(len(self._data)).encode()])
 
     def _multi_get(self, conn: _Conn, fields: list[bytes]) -> None:
-        self._park(conn, wire.MULTI_GET, fields[1:], float(fields[0]))
+        self._park(conn, wire.MULTI_GET, fields[1:], wire.parse_seconds(fields[0]))
 
     def _multi_set(self, conn: _Conn, fields: list[bytes]) -> None:
         if len(fields) % 2:
@@ -438,4 +605,16 @@ class StoreServer:
 
     def _wait_count(self, conn: _Conn, fields: list[bytes]) -> None:
         key, target, timeout = fields
-        self._park(conn, wire.WAIT_COUNT, [key], float(timeout), int(target))
+        self._park(conn, wire.WAIT_COUNT, [key], wire.parse_seconds(timeout), int(target))
+
+
+def _warn_open_listener(host: str, port: int) -> None:
+    """Say once per process that a tokenless store is reachable from other machines."""
+    global _warned_open_listener
+    if _warned_open_listener:
+        return
+    _warned_open_listener = True
+    _log.warning(
+        "TCPStore server for %r listens on port %d beyond loopback WITHOUT A TOKEN: anyone who can reach this "
+        "port can join the job and read or overwrite its keys. Set SPMD_STORE_TOKEN to the same secret on every "
+        "node (spmdrun: --rdzv-token), or use a loopback MASTER_ADDR for a single-host job.", host, port)

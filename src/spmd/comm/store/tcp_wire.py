@@ -1,27 +1,54 @@
 """The TCPStore wire format, shared by its server (tcp_server) and its clients (tcp).
 
 Layer: comm. Nothing is ever pickled: a frame is a header (u32 body length, u8 opcode or reply status) and a
-body made of fields, each a u32 length and that many bytes; numbers travel as decimal text. The first frame of
-a connection is HELLO(magic, token). A server with a token refuses a client presenting another one and drops
-the connection before reading anything else; before that HELLO it accepts no frame larger than MAX_HELLO.
+body made of fields, each a u32 length and that many bytes; numbers travel as decimal text.
+
+Note: handshake (challenge-response in both directions; the token never crosses the wire)
+    client -> HELLO(MAGIC, client_nonce, b"1" if it has a token else b"0")
+    server -> OK(server_nonce), or REFUSED(reason) when exactly one side has a token
+    client -> AUTH(proof(token, CLIENT_SIDE, server_nonce, client_nonce))
+    server -> OK(proof(token, SERVER_SIDE, server_nonce, client_nonce)), or REFUSED(b"wrong token")
+The client sends no request before it has checked the server's proof, so whatever listens on the port without
+knowing the token learns neither the token nor any key or value. Without a token on either side the same
+exchange runs keyed by b"" (it then proves nothing, but keeps one code path).
+
+Note: limits (a stranger or a careless caller cannot make the server spin or buffer without bound)
+    MAX_HELLO            4 KiB   the largest frame accepted before the handshake completes
+    MAX_FRAME           64 MiB   the largest request or reply body; clients refuse to send a bigger one
+    MAX_UNAUTHENTICATED    256   connections that have not completed the handshake; a new one over the cap
+                                 drops the oldest of them (a flood cannot lock legitimate clients out)
+    MAX_BUFFERED_REPLY  64 MiB   reply bytes a connection may leave unread before the server stops reading
+                                 its requests (back-pressure; the connection is kept)
+    HELLO_TIMEOUT_S        5 s   how long a connection may take to complete the handshake
+Timeout fields are non-negative seconds or "inf" (wait forever); NaN or a negative one is a malformed request.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import math
 import struct
 from collections.abc import Sequence
 
 HEADER = struct.Struct("!IB")
 LENGTH = struct.Struct("!I")
-MAGIC = b"spmd-store/1"
+MAGIC = b"spmd-store/2"
+NONCE_BYTES = 16
 MAX_HELLO = 4096
+MAX_FRAME = 64 << 20
+MAX_UNAUTHENTICATED = 256
+MAX_BUFFERED_REPLY = 64 << 20
+HELLO_TIMEOUT_S = 5.0
 RECV_CHUNK = 1 << 18
+CLIENT_SIDE, SERVER_SIDE = b"client", b"server"
 
 # Opcodes (client -> server).
-HELLO, SET, GET, ADD, CAS, WAIT, CHECK, DELETE, NUM_KEYS, MULTI_GET, MULTI_SET, WAIT_COUNT = range(1, 13)
+(HELLO, SET, GET, ADD, CAS, WAIT, CHECK, DELETE, NUM_KEYS, MULTI_GET, MULTI_SET, WAIT_COUNT,
+ AUTH) = range(1, 14)
 OP_NAMES = {SET: "set", GET: "get", ADD: "add", CAS: "compare_set", WAIT: "wait", CHECK: "check",
             DELETE: "delete_key", NUM_KEYS: "num_keys", MULTI_GET: "multi_get", MULTI_SET: "multi_set",
-            WAIT_COUNT: "wait_for_workers", HELLO: "connect"}
+            WAIT_COUNT: "wait_for_workers", HELLO: "connect", AUTH: "connect"}
 # Reply statuses (server -> client).
 OK, TIMEOUT, ERROR, BAD_VALUE, REFUSED = range(5)
 
@@ -35,6 +62,11 @@ def frame(code: int, fields: Sequence[bytes]) -> bytes:
         size += 4 + len(field)
     parts[0] = HEADER.pack(size, code)
     return b"".join(parts)
+
+
+def body_size(fields: Sequence[bytes]) -> int:
+    """The body length `frame` would give these fields (to check it against MAX_FRAME before building it)."""
+    return sum(4 + len(field) for field in fields)
 
 
 def split_fields(body: bytes) -> list[bytes]:
@@ -52,5 +84,18 @@ def split_fields(body: bytes) -> list[bytes]:
     return fields
 
 
+def proof(token: bytes, side: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    """HMAC-SHA256 over both nonces and the proving side: shows knowledge of `token` without revealing it."""
+    return hmac.new(token, side + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
 def seconds_field(seconds: float) -> bytes:
     return repr(float(seconds)).encode()
+
+
+def parse_seconds(field: bytes) -> float:
+    """A timeout field: non-negative seconds or inf; ValueError for NaN, a negative number or garbage."""
+    seconds = float(field)
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"timeout {field[:32]!r} is not a non-negative number of seconds")
+    return seconds
