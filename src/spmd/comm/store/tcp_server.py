@@ -112,6 +112,7 @@ class StoreServer:
         self._resume: list[_Conn] = []
         self._unauthed: dict[_Conn, float] = {}   # connection -> hello deadline, oldest first
         self._paused_until: float | None = None   # accepting paused (out of file descriptors) until then
+        self._warned_fds = False
         self._stopping = False
         self._pid = os.getpid()
         self._listeners, self.local_host = self._bind(host, port)
@@ -248,7 +249,7 @@ class StoreServer:
             pass
 
     def _accept(self, listener: socket.socket) -> None:
-        for _ in range(_ACCEPTS_PER_WAKE):
+        for attempt in range(_ACCEPTS_PER_WAKE):
             try:
                 sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -256,6 +257,8 @@ class StoreServer:
             except OSError as error:
                 if error.errno not in _FD_EXHAUSTED:
                     continue   # e.g. ECONNABORTED: that one connection is gone, the next may be fine
+                if attempt:
+                    return     # accept fails so even with nobody queued; the selector says if anyone is
                 if self._unauthed:
                     self._drop(next(iter(self._unauthed)))   # a stranger's descriptor for a newcomer
                     continue
@@ -272,9 +275,11 @@ class StoreServer:
 
     def _pause_accepting(self) -> None:
         """Out of file descriptors and no stranger to drop: stop selecting on the listeners for a moment."""
+        if not self._warned_fds:
+            self._warned_fds = True
+            _log.warning("TCPStore server on port %d: out of file descriptors; accepts pause until some are free "
+                         "(raise `ulimit -n` if clients fail to connect)", self.port)
         if self._paused_until is None:
-            _log.warning("TCPStore server on port %d: out of file descriptors; pausing accepts (raise "
-                         "`ulimit -n` if clients fail to connect)", self.port)
             for listener in self._listeners:
                 self._selector.unregister(listener)
         self._paused_until = time.monotonic() + _ACCEPT_PAUSE_S
