@@ -74,19 +74,27 @@ def test_strangers_are_dropped_and_the_group_still_connects() -> None:
     host, port = store.get("g/tcp/addr/0").decode().rsplit(":", 1)
     address = (host, int(port))
     silent = socket.create_connection(address)                    # says nothing: must not hold up the group
+    nonce = b"n" * wire.NONCE_BYTES
     strangers = {
-        "wrong token": wire.hello_frame(b"not-the-token", 1, "g"),
         "garbage": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 64,
-        "oversized token": struct.pack("<8sHIH", wire.MAGIC, 60000, 1, 1) + b"x" * 64,
-        "wrong group": wire.hello_frame(TOKEN, 1, "other-group"),
-        "impossible rank": wire.hello_frame(TOKEN, 7, "g"),
+        "oversized name": struct.pack("<8sIH16s", wire.MAGIC, 1, 60000, nonce) + b"x" * 64,
+        "wrong group": wire.hello_frame(1, "other-group", nonce),
+        "impossible rank": wire.hello_frame(7, "g", nonce),
     }
     dropped = {}
     for name, frame in strangers.items():
         with socket.create_connection(address) as stranger:
             stranger.sendall(frame)
             dropped[name] = _closed_by_peer(stranger)
-    assert dropped == dict.fromkeys(strangers, True)
+    with socket.create_connection(address) as stranger:      # a plausible hello, then a proof without the token
+        hello = wire.hello_frame(1, "g", nonce)
+        stranger.sendall(hello)
+        challenge = wire.recv_bytes(stranger, wire.CHALLENGE_LEN)
+        assert wire.check_challenge(challenge, TOKEN, hello) is not None    # rank 0 proved itself ...
+        assert TOKEN not in challenge                                       # ... without showing the token
+        stranger.sendall(wire.proof_frame(b"not-the-token", hello, challenge[len(wire.MAGIC):][:wire.NONCE_BYTES]))
+        dropped["wrong token"] = _closed_by_peer(stranger)
+    assert dropped == dict.fromkeys([*strangers, "wrong token"], True)
     made[1] = TcpTransport(_spec(store, 1, 2))
     first.join(timeout=20)
     try:
@@ -97,6 +105,32 @@ def test_strangers_are_dropped_and_the_group_still_connects() -> None:
         for transport in made.values():
             transport.close()
         silent.close()
+
+
+def test_a_fake_peer_learns_nothing_of_the_token_and_is_named() -> None:
+    """Whatever listens at a published address without the token gets a hello with no secret in it, and the
+    connecting rank refuses to go on: it sends no proof and no data."""
+    received = bytearray()
+    with socket.create_server(("127.0.0.1", 0)) as fake:
+        store = HashStore(timeout=20)
+        store.set("g/tcp/addr/0", f"127.0.0.1:{fake.getsockname()[1]}")
+
+        def impersonate() -> None:
+            conn, _ = fake.accept()
+            with conn:
+                conn.settimeout(10)
+                received.extend(conn.recv(4096))
+                conn.sendall(wire.MAGIC + b"x" * (wire.CHALLENGE_LEN - len(wire.MAGIC)))
+                while chunk := conn.recv(4096):
+                    received.extend(chunk)
+
+        server = threading.Thread(target=impersonate)
+        server.start()
+        with pytest.raises(CommError, match=r"is not rank 0 of this group \(it could not prove"):
+            TcpTransport(_spec(store, 1, 2))
+        server.join(timeout=20)
+    assert received.startswith(wire.MAGIC) and TOKEN not in received
+    assert len(received) == len(wire.hello_frame(1, "g", b"n" * wire.NONCE_BYTES))    # the hello, nothing after
 
 
 def test_ranks_on_different_hosts_listen_on_every_interface() -> None:
@@ -130,25 +164,6 @@ def test_the_published_address_can_be_set_for_groups_spanning_hosts(monkeypatch:
     finally:
         for transport in made.values():
             transport.close()
-
-
-def test_connecting_to_an_impostor_fails() -> None:
-    store = HashStore(timeout=20)
-    with socket.create_server(("127.0.0.1", 0)) as impostor:
-        store.set("g/tcp/addr/0", f"127.0.0.1:{impostor.getsockname()[1]}")
-
-        def answer_wrongly() -> None:
-            conn, _ = impostor.accept()
-            with conn:
-                conn.recv(1024)
-                conn.sendall(wire.MAGIC + b"\0" * 32)
-                conn.recv(1)
-
-        thread = threading.Thread(target=answer_wrongly, daemon=True)
-        thread.start()
-        with pytest.raises(CommError, match="is not rank 0 of this group"):
-            TcpTransport(_spec(store, 1, 2))
-        thread.join(timeout=10)
 
 
 def test_set_up_times_out_naming_the_missing_rank() -> None:

@@ -1,4 +1,4 @@
-"""Connection set-up of the tcp transport: the listener, dialing, the hello/ack handshake, the full mesh.
+"""Connection set-up of the tcp transport: the listener, dialing, the challenge-response handshake, the full mesh.
 
 Layer: comm. A Connector builds this rank's half of a group's full mesh of authenticated sockets: it
 listens and publishes its address in the group's store, connects to every lower rank and accepts every
@@ -8,6 +8,7 @@ handshake) for the frames, and Note: threads of the tcp transport in `transport`
 
 from __future__ import annotations
 
+import secrets
 import socket
 import struct
 import threading
@@ -22,7 +23,7 @@ from spmd.comm.transports.tcp import wire
 
 SOCKET_BUFFER = 4 << 20           # bytes; large buffers keep a ring step's pieces in flight
 SEND_POLL_S = 0.5                 # a blocked send wakes this often to check for failure and its deadline
-HANDSHAKE_S = 10.0                # at most this long for one connection's hello/ack
+HANDSHAKE_S = 10.0                # at most this long for one connection's handshake
 
 
 class Connector:
@@ -86,7 +87,7 @@ class Connector:
                 f"tcp transport of {self._desc}, rank {self.spec.global_rank}: rank {global_rank} did not "
                 f"publish its address within {deadline.timeout:.1f}s (it never created this group)") from None
         host, port = self.spec.store.get(key).decode().rsplit(":", 1)
-        hello = wire.hello_frame(self.spec.token, self.group_rank, self.spec.group_name)
+        hello = wire.hello_frame(self.group_rank, self.spec.group_name, secrets.token_bytes(wire.NONCE_BYTES))
         while True:
             try:
                 sock = socket.create_connection((host, int(port)), timeout=max(0.01, deadline.remaining()))
@@ -100,15 +101,18 @@ class Connector:
         try:
             sock.settimeout(max(0.01, min(deadline.remaining(), HANDSHAKE_S)))
             sock.sendall(hello)
-            ack = wire.recv_bytes(sock, wire.ACK_LEN)
+            challenge = wire.recv_bytes(sock, wire.CHALLENGE_LEN)
+            their_nonce = wire.check_challenge(challenge, self.spec.token, hello)
+            if their_nonce is None:
+                sock.close()
+                raise CommError(f"tcp transport of {self._desc}, rank {self.spec.global_rank}: the process at "
+                                f"{host}:{port} is not rank {global_rank} of this group (it could not prove it "
+                                f"holds the group's token)")
+            sock.sendall(wire.proof_frame(self.spec.token, hello, their_nonce))
         except (OSError, wire.PeerClosed) as error:
             sock.close()
             raise PeerLostError(f"tcp transport of {self._desc}, rank {self.spec.global_rank}: handshake with "
                                 f"rank {global_rank} at {host}:{port} failed ({error})") from None
-        if not wire.check_ack(ack, self.spec.token, hello):
-            sock.close()
-            raise CommError(f"tcp transport of {self._desc}, rank {self.spec.global_rank}: the process at "
-                            f"{host}:{port} is not rank {global_rank} of this group (wrong token in its answer)")
         self._register(peer, sock)
 
     def _accept_loop(self, deadline: Deadline) -> None:
@@ -131,15 +135,20 @@ class Connector:
             self._handshaking.add(conn)
         try:
             conn.settimeout(max(0.01, min(deadline.remaining(), HANDSHAKE_S)))
-            hello = wire.read_hello(conn, self.spec.token, self.spec.group_name)
+            hello = wire.read_hello(conn, self.spec.group_name)
             if hello is not None:
                 peer, raw = hello
                 with self._cond:
                     valid = self.group_rank < peer < self.group_size and self._peers[peer] is None
                 if valid:
-                    conn.sendall(wire.ack_frame(self.spec.token, raw))
-                    self._register(peer, conn)
-                    return
+                    nonce = secrets.token_bytes(wire.NONCE_BYTES)
+                    conn.sendall(wire.challenge_frame(self.spec.token, raw, nonce))
+                    proof = wire.recv_bytes(conn, wire.PROOF_LEN)
+                    with self._cond:
+                        still_free = self._peers[peer] is None
+                    if still_free and wire.check_proof(proof, self.spec.token, raw, nonce):
+                        self._register(peer, conn)
+                        return
         except (OSError, wire.PeerClosed, ValueError):
             pass
         with self._cond:

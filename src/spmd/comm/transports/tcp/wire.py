@@ -14,11 +14,14 @@ followed by `key_len` bytes of key, `site_len` bytes of call site and `payload_l
          UTF-8 reason. A rank passes the first ABORT it gets on to its other peers.
   BYE    the sender is closing the group normally; EOF follows.
 
-Note: handshake
-The connecting rank speaks first: HELLO = magic | token_len u16 | group_rank u32 | name_len u16, then the
-token and the group name. The accepting rank checks magic, lengths, token (hmac.compare_digest) and name
-before it keeps the connection, and answers with magic | HMAC-SHA256(token, the hello it received), so the
-connecting rank knows it reached a member of its group and not whatever now listens on that port.
+Note: handshake (challenge-response in both directions; the token never crosses the wire)
+    connecting rank -> HELLO = magic | group_rank u32 | name_len u16 | its nonce (16 bytes), then the group name
+    accepting rank  -> CHALLENGE = magic | its nonce | HMAC-SHA256(token, b"accept" | HELLO | its nonce)
+    connecting rank -> PROOF = HMAC-SHA256(token, b"connect" | HELLO | the accepting rank's nonce)
+The accepting rank checks magic, lengths, name and rank before it answers, and keeps the connection only once
+the PROOF checks out; the connecting rank sends its PROOF (and anything else) only once the CHALLENGE proved
+that the other end knows the token. So whatever listens on a published port, or dials one, learns nothing of
+the token, and each proof is bound to both nonces and to its direction: none can be replayed or reflected.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ import torch
 from torch import Tensor
 
 HEADER = struct.Struct("<BBHHxxqQ")
-MAGIC = b"SPMDTCP1"
-_HELLO = struct.Struct("<8sHIH")
-_MAX_TOKEN = 1024
+MAGIC = b"SPMDTCP2"
+NONCE_BYTES = 16
+_HELLO = struct.Struct(f"<8sIH{NONCE_BYTES}s")
 _MAX_NAME = 1024
-ACK_LEN = len(MAGIC) + hashlib.sha256().digest_size
+PROOF_LEN = hashlib.sha256().digest_size
+CHALLENGE_LEN = len(MAGIC) + NONCE_BYTES + PROOF_LEN
 MAX_ABORT_REASON = 1 << 16
 
 
@@ -127,32 +131,48 @@ def discard(sock: socket.socket, length: int) -> None:
 # -- handshake ---------------------------------------------------------------------------------------------
 
 
-def hello_frame(token: bytes, group_rank: int, group_name: str) -> bytes:
+def hello_frame(group_rank: int, group_name: str, nonce: bytes) -> bytes:
     name = group_name.encode()
-    return _HELLO.pack(MAGIC, len(token), group_rank, len(name)) + token + name
+    return _HELLO.pack(MAGIC, group_rank, len(name), nonce) + name
 
 
-def read_hello(sock: socket.socket, token: bytes, group_name: str) -> tuple[int, bytes] | None:
-    """Read and check a connecting peer's hello; (its group rank, the raw hello) or None for a stranger.
+def read_hello(sock: socket.socket, group_name: str) -> tuple[int, bytes] | None:
+    """Read a connecting peer's hello; (its group rank, the raw hello) or None for a stranger.
 
-    Nothing the stranger sent is interpreted beyond the fixed-size fields until its token matched.
+    Nothing the stranger sent is interpreted beyond the fixed-size fields and the group name; whether it
+    holds the token is what its PROOF shows, after the CHALLENGE.
     """
     head = recv_bytes(sock, _HELLO.size)
-    magic, token_len, group_rank, name_len = _HELLO.unpack(head)
-    if magic != MAGIC or token_len > _MAX_TOKEN or name_len > _MAX_NAME:
-        return None
-    their_token = recv_bytes(sock, token_len)
-    if not hmac.compare_digest(their_token, token):
+    magic, group_rank, name_len, _ = _HELLO.unpack(head)
+    if magic != MAGIC or name_len > _MAX_NAME:
         return None
     name = recv_bytes(sock, name_len)
     if name != group_name.encode():
         return None
-    return group_rank, head + their_token + name
+    return group_rank, head + name
 
 
-def ack_frame(token: bytes, hello: bytes) -> bytes:
-    return MAGIC + hmac.new(token, hello, hashlib.sha256).digest()
+def _mac(token: bytes, direction: bytes, hello: bytes, nonce: bytes) -> bytes:
+    return hmac.new(token, direction + hello + nonce, hashlib.sha256).digest()
 
 
-def check_ack(ack: bytes, token: bytes, hello: bytes) -> bool:
-    return hmac.compare_digest(ack, ack_frame(token, hello))
+def challenge_frame(token: bytes, hello: bytes, nonce: bytes) -> bytes:
+    """The accepting rank's answer: its nonce and its proof of the token, bound to the hello it got."""
+    return MAGIC + nonce + _mac(token, b"accept", hello, nonce)
+
+
+def check_challenge(challenge: bytes, token: bytes, hello: bytes) -> bytes | None:
+    """The accepting rank's nonce if its CHALLENGE proves it knows the token, else None."""
+    if len(challenge) != CHALLENGE_LEN or challenge[:len(MAGIC)] != MAGIC:
+        return None
+    nonce = challenge[len(MAGIC):len(MAGIC) + NONCE_BYTES]
+    return nonce if hmac.compare_digest(challenge, challenge_frame(token, hello, nonce)) else None
+
+
+def proof_frame(token: bytes, hello: bytes, nonce: bytes) -> bytes:
+    """The connecting rank's proof of the token, bound to its hello and the accepting rank's nonce."""
+    return _mac(token, b"connect", hello, nonce)
+
+
+def check_proof(proof: bytes, token: bytes, hello: bytes, nonce: bytes) -> bool:
+    return hmac.compare_digest(proof, proof_frame(token, hello, nonce))
