@@ -388,7 +388,7 @@ def test_agents_with_different_tokens_fail_naming_the_token(tmp_path: Path) -> N
     finally:
         host.kill()
     assert code == 1
-    assert "refused this agent's token" in err and "--rdzv-token" in err, err
+    assert "do not share a token" in err and "--rdzv-token" in err, err
 
 
 def test_elastic_job_regroups_when_a_node_joins_late_and_when_it_dies(tmp_path: Path) -> None:

@@ -14,6 +14,10 @@ class StoreError(SpmdError):
     """A store operation failed: the server is gone, the token was refused, or the address is unusable."""
 
 
+class StoreAuthError(StoreError):
+    """The store and this client do not share the job's token: the server refused it, or could not prove it."""
+
+
 class StoreTimeoutError(StoreError, TimeoutError):
     """A store `get`/`wait` did not see its keys before the deadline."""
 

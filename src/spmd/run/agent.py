@@ -26,7 +26,7 @@ import tempfile
 import time
 import types
 
-from spmd._core.errors import StoreError
+from spmd._core.errors import StoreAuthError, StoreError
 from spmd.comm.store.base import HashStore, Store
 from spmd.comm.transports.shm.names import remove_orphan_segments
 from spmd.run.config import LaunchConfig, Std
@@ -203,12 +203,12 @@ class Agent:
                 # Elastic agents on the endpoint's host race to host it; the losers join as clients.
         try:
             return TCPStore(host, port, is_master=False, timeout=timeout, token=token), False
+        except StoreAuthError as error:
+            raise LaunchError(f"spmdrun: the rendezvous at {host}:{port} and this agent do not share a token "
+                              f"(this agent has {'none' if token is None else 'one'}): every agent of the "
+                              f"job must use the same --rdzv-token, SPMD_STORE_TOKEN or --rdzv-token-file "
+                              f"({error})") from None
         except StoreError as error:
-            if "refused this client" in str(error):  # the token, not the connection
-                raise LaunchError(f"spmdrun: the rendezvous at {host}:{port} refused this agent's token "
-                                  f"({'none given' if token is None else 'a different one'}): every agent of the "
-                                  f"job must use the same --rdzv-token, SPMD_STORE_TOKEN or --rdzv-token-file "
-                                  f"({error})") from None
             raise LaunchError(f"spmdrun: could not join the rendezvous at {host}:{port} within {timeout:g}s "
                               f"({error}). Is the agent of node 0 running with the same --rdzv-endpoint?") from None
 

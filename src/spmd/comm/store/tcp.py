@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from spmd._core import env
 from spmd._core.deadline import Deadline, as_seconds
-from spmd._core.errors import StoreError
+from spmd._core.errors import StoreAuthError, StoreError
 from spmd.comm.store import tcp_wire as wire
 from spmd.comm.store.base import Store, Value, missing_keys_error, to_bytes
 from spmd.comm.store.tcp_server import StoreServer
@@ -70,12 +70,12 @@ class _Client:
                 except _Refused as refusal:
                     sock.close()
                     hint = "set SPMD_STORE_TOKEN or pass token=" if not token else "check SPMD_STORE_TOKEN / token="
-                    raise StoreError(f"TCPStore: the store server at {self.address} refused this client: "
+                    raise StoreAuthError(f"TCPStore: the store server at {self.address} refused this client: "
                                      f"{refusal} ({hint} to the job's token)") from None
                 except _Impostor:
                     sock.close()
-                    raise StoreError(f"TCPStore: the server at {self.address} could not prove it knows the token: "
-                                     f"it is not the job's store, or it was started with a different token "
+                    raise StoreAuthError(f"TCPStore: the server at {self.address} could not prove it knows the token: "
+                                         f"it is not the job's store, or it was started with a different token "
                                      f"(check SPMD_STORE_TOKEN / token= and MASTER_ADDR/MASTER_PORT). Nothing was "
                                      f"sent to it.") from None
                 except OSError as error:
