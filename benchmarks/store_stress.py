@@ -12,6 +12,7 @@ by `--time-limit`; a store that stalls is reported as such.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -248,12 +249,13 @@ def main() -> None:
             flooder = child("flood", str(ports[kind]), str(args.flood_seconds), str(args.flood_held))
             time.sleep(0.5)   # let the flood ramp up to its held sockets before the load starts
             flooded[kind] = run_load(kind, ports[kind], args.clients, args.ops, deadline,
-                                     on_wait=lambda: peak.append(rss_bytes(pid)))
+                                     on_wait=lambda peak=peak, pid=pid: peak.append(rss_bytes(pid)))
             peak.append(rss_bytes(pid))
             line = ""
             try:
-                flooder.stdin.write("stop\n")
-                flooder.stdin.flush()
+                with contextlib.suppress(BrokenPipeError):   # it may have reached its own time bound
+                    flooder.stdin.write("stop\n")
+                    flooder.stdin.flush()
                 line = wait_line(flooder, 10)
             finally:
                 stop(flooder)
