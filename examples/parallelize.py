@@ -169,6 +169,19 @@ class GPTStage(nn.Module):
         return self.head(self.ln(x)) if self.head is not None else x
 
 
+class MergedStages(nn.Module):
+    """Several stages of one pipeline rank as one module of the same submodules (not copies), with the model's
+    parameter names: one state dict and one optimizer state dict cover them all."""
+
+    def __init__(self, stages: list[GPTStage]) -> None:
+        super().__init__()
+        for name in ("embed", "position", "ln", "head"):
+            owner = next((stage for stage in stages if getattr(stage, name) is not None), None)
+            if owner is not None:
+                setattr(self, name, getattr(owner, name))
+        self.blocks = nn.ModuleDict({index: block for stage in stages for index, block in stage.blocks.items()})
+
+
 def split_into_stages(model: GPT, layout: Layout, pp_rank: int) -> dict[int, GPTStage]:
     """This pipeline rank's stages by index: the blocks cut into pp x stages-per-rank contiguous runs (the
     earlier ones one block longer when they don't divide), placed as the schedule wants ('loop' or 'v')."""
@@ -297,6 +310,16 @@ class ParallelGPT:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.raw_parts for p in part.parameters()]
+
+    def state_module(self) -> nn.Module:
+        """This rank's part of the model as one module with the plain model's parameter names, for its state
+        dicts: the model itself, its pipeline stage, or its stages merged; FSDP's parameters resharded first."""
+        for part in self.raw_parts:
+            if isinstance(part, FSDPModule):
+                part.reshard()
+        if len(self.raw_parts) == 1:
+            return self.raw_parts[0]
+        return MergedStages(self.raw_parts)
 
     def optimizer_groups(self) -> list[dict]:
         """DTensor and plain parameters in separate groups: the optimizer's foreach kernels run per group, and a

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+from checkpointing import Checkpointer
 from data import Corpus, decode, encode
 from gpt import GPT, GPTConfig
 from parallelize import PP_SCHEDULES, Layout, ParallelGPT, build_mesh, data_parallel_rank
@@ -83,7 +84,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--eval-batches", type=int, default=8, help="validation batches (each one global batch)")
     run.add_argument("--sample-tokens", type=int, default=300, help="length of the final sample (0: none)")
     run.add_argument("--prompt", default="def ")
+    ckpt = parser.add_argument_group("checkpoints")
+    ckpt.add_argument("--checkpoint-dir", default="", help="where to save checkpoints (step-<N> directories)")
+    ckpt.add_argument("--checkpoint-every", type=int, default=0,
+                      help="save every K steps and at the end, in the background (0: never)")
+    ckpt.add_argument("--resume", action="store_true",
+                      help="continue from the newest complete checkpoint in --checkpoint-dir, under any layout "
+                           "(none there: start afresh, so a restarted job can pass the same flags)")
     args = parser.parse_args(argv)
+    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
+        parser.error("--checkpoint-every and --resume need --checkpoint-dir")
     if args.parallel is not None:
         warnings.warn("--parallel ddp is deprecated: data parallelism is the default layout; drop the flag",
                       FutureWarning, stacklevel=2)
@@ -167,6 +177,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.optimizer_groups(), lr=args.lr, betas=(0.9, 0.95),
                                            weight_decay=args.weight_decay)
         self.global_batch = self.layout.dp * self.batch * args.grad_accum
+        self.checkpointer = (Checkpointer(args.checkpoint_dir, args.checkpoint_every, self.model.state_module,
+                                          self.optimizer, self.layout.describe()) if args.checkpoint_dir else None)
         self.say(f"GPT {parameters / 1e6:.2f}M parameters, {world_size} rank(s) of {torch.get_num_threads()} "
                  f"thread(s), {self.layout.describe()} over {spmd.get_backend()}; corpus "
                  f"{len(self.corpus.splits['train']) / 1e6:.1f}M train bytes; global batch {self.layout.dp} x "
@@ -186,9 +198,10 @@ class Trainer:
         before clipping (of the logged steps) and the validation losses, on every rank."""
         args = self.args
         tokens_per_step = self.global_batch * args.context
-        history: dict[str, list[float]] = {"train": [], "val": [], "grad_norm": []}
+        history: dict[str, list[float]] = {"train": [], "val": [], "grad_norm": [], "step": []}
+        first_step = self.resume() if args.resume else 0
         window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
-        for step in range(args.steps):
+        for step in range(first_step, args.steps):
             lr = learning_rate(step, args)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -203,6 +216,7 @@ class Trainer:
                 elapsed = time.perf_counter() - window_start
                 history["train"].append(mean_loss)
                 history["grad_norm"].append(grad_norm)
+                history["step"].append(step + 1)
                 self.say(self.progress_line(step + 1, mean_loss, grad_norm, lr,
                                             tokens_per_step * window_steps / elapsed), flush=True)
                 window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
@@ -211,8 +225,23 @@ class Trainer:
                 history["val"].append(val)
                 self.say(f"  validation loss {val:.3f} (perplexity {math.exp(val):.1f} per byte)", flush=True)
                 window_start = time.perf_counter()   # don't count evaluation in tokens/s
+            if self.checkpointer is not None and self.checkpointer.due(step + 1, args.steps):
+                self.checkpointer.save(step + 1)
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
         self.sample()
         return history
+
+    def resume(self) -> int:
+        """Restore the newest complete checkpoint; the steps it had done (0 when there is none)."""
+        assert self.checkpointer is not None
+        restored = self.checkpointer.resume()
+        if restored is None:
+            self.say(f"no checkpoint in {self.args.checkpoint_dir} yet: starting afresh", flush=True)
+            return 0
+        step, layout = restored
+        self.say(f"resumed from {self.args.checkpoint_dir} at step {step} (saved under {layout})", flush=True)
+        return step
 
     def validation_loss(self) -> float:
         """Mean loss over --eval-batches global validation batches (the same ones at every evaluation and under
