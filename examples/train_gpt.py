@@ -18,6 +18,7 @@ generated text.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import pathlib
@@ -84,6 +85,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--eval-batches", type=int, default=8, help="validation batches (each one global batch)")
     run.add_argument("--sample-tokens", type=int, default=300, help="length of the final sample (0: none)")
     run.add_argument("--prompt", default="def ")
+    run.add_argument("--metrics-file", default="",
+                     help="rank 0 appends a JSON line per logged step and per validation (full precision)")
     ckpt = parser.add_argument_group("checkpoints")
     ckpt.add_argument("--checkpoint-dir", default="", help="where to save checkpoints (step-<N> directories)")
     ckpt.add_argument("--checkpoint-every", type=int, default=0,
@@ -217,13 +220,15 @@ class Trainer:
                 history["train"].append(mean_loss)
                 history["grad_norm"].append(grad_norm)
                 history["step"].append(step + 1)
-                self.say(self.progress_line(step + 1, mean_loss, grad_norm, lr,
-                                            tokens_per_step * window_steps / elapsed), flush=True)
+                tokens_per_s = tokens_per_step * window_steps / elapsed
+                self.say(self.progress_line(step + 1, mean_loss, grad_norm, lr, tokens_per_s), flush=True)
+                self.record(step=step + 1, loss=mean_loss, grad_norm=grad_norm, lr=lr, tokens_per_s=tokens_per_s)
                 window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                 val = self.validation_loss()
                 history["val"].append(val)
                 self.say(f"  validation loss {val:.3f} (perplexity {math.exp(val):.1f} per byte)", flush=True)
+                self.record(step=step + 1, val=val)
                 window_start = time.perf_counter()   # don't count evaluation in tokens/s
             if self.checkpointer is not None and self.checkpointer.due(step + 1, args.steps):
                 self.checkpointer.save(step + 1)
@@ -231,6 +236,13 @@ class Trainer:
             self.checkpointer.wait()
         self.sample()
         return history
+
+    def record(self, **metrics: float) -> None:
+        """Rank 0 appends `metrics` as one JSON line to --metrics-file (a restarted run appends after the
+        lines of the attempt before it)."""
+        if self.args.metrics_file and self.rank == 0:
+            with open(self.args.metrics_file, "a") as out:
+                out.write(json.dumps(metrics) + "\n")
 
     def resume(self) -> int:
         """Restore the newest complete checkpoint; the steps it had done (0 when there is none)."""
