@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import enum
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -28,7 +29,7 @@ from spmd.comm.debug import (
 )
 from spmd.comm.store.base import Store
 from spmd.comm.transports.base import OpContext, Transport
-from spmd.comm.work import Work, caller_stream
+from spmd.comm.work import Work, active_timer, caller_stream, charge_exposed
 
 Body = Callable[[OpContext], None]
 CollectiveObserver = Callable[["ProcessGroup", Fingerprint], None]
@@ -153,9 +154,14 @@ class ProcessGroup:
                 self._ensure_executor()
                 self._has_work.notify()
         if inline:
+            timer = active_timer()
+            if timer is not None:
+                started = time.perf_counter()
             try:
                 self._execute(record, body, work, None)    # the caller's thread: its stream is current already
             finally:
+                if timer is not None:
+                    charge_exposed(timer, started)
                 with self._lock:
                     self._running = None
                     if self._queue:

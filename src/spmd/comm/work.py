@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -33,6 +34,41 @@ def caller_stream(device: torch.device | None) -> torch.Stream | None:
 def current_stream(device: torch.device) -> torch.Stream:
     """The calling thread's current stream on `device` (the stream a waiter's later kernels go on)."""
     return torch.accelerator.current_stream(device)
+
+
+class ExposedCommunication:
+    """The seconds the calling thread spends blocked on communication inside `with ExposedCommunication() as c:`:
+    waiting in Work.wait for an op still in flight, or running a synchronous collective in its own thread. It is
+    the communication that overlapping with computation did not hide; a trainer subtracts it from a step's time
+    to get the compute. Per thread (a thread rank counts its own); nested timers each count."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._outer: ExposedCommunication | None = None
+
+    def __enter__(self) -> ExposedCommunication:
+        self._outer = getattr(_timing, "timer", None)
+        _timing.timer = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _timing.timer = self._outer
+
+
+_timing = threading.local()
+
+
+def active_timer() -> ExposedCommunication | None:
+    """The calling thread's innermost ExposedCommunication, or None (one attribute read when none is)."""
+    return getattr(_timing, "timer", None)
+
+
+def charge_exposed(timer: ExposedCommunication, since: float) -> None:
+    """Add the time since `since` (time.perf_counter) to `timer` and the timers around it."""
+    seconds = time.perf_counter() - since
+    while timer is not None:
+        timer.seconds += seconds
+        timer = timer._outer
 
 
 class WorkState(enum.Enum):
@@ -96,6 +132,9 @@ class Work:
         (a hand-off to its progress thread and back costs two thread wake-ups). For an op on an accelerator,
         the waiter's current stream then waits for the op's device work (a stream wait, not a host sync).
         """
+        timer = active_timer() if self.state is WorkState.PENDING else None
+        if timer is not None:
+            started = time.perf_counter()
         poll = self.poll
         if poll is not None and self.state is WorkState.PENDING:
             poll()
@@ -106,6 +145,8 @@ class Work:
                 finished = self._finished if self.state is WorkState.PENDING else None
             if finished is not None and not finished.wait(timeout):
                 raise CommTimeoutError(f"{self.description}: Work.wait timed out after {timeout}s (still running)")
+        if timer is not None:
+            charge_exposed(timer, started)
         if self._error is not None:
             raise self._error
         if self._ready is not None:
