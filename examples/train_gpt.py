@@ -18,10 +18,12 @@ generated text.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import pathlib
+import resource
 import sys
 import threading
 import time
@@ -33,10 +35,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from checkpointing import Checkpointer
 from data import Corpus, decode, encode
+from estimates import MeasuredMemory, MiB, flops_per_token, measure_matmul_peak, predict_memory
 from gpt import GPT, GPTConfig
 from parallelize import PP_SCHEDULES, Layout, ParallelGPT, build_mesh, data_parallel_rank
 
 import spmd
+from spmd.comm.work import ExposedCommunication
 
 _build_lock = threading.Lock()   # thread ranks (spmd.testing.run_ranks) share torch's global RNG
 
@@ -159,6 +163,18 @@ def build_model(config: GPTConfig, seed: int) -> GPT:
         return GPT(config)
 
 
+class StepTimes:
+    """This rank's timed steps: how many, their wall time, and the part of it blocked on communication."""
+
+    def __init__(self) -> None:
+        self.steps, self.seconds, self.exposed = 0, 0.0, 0.0
+
+    def add(self, seconds: float, exposed: float) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.exposed += exposed
+
+
 class Trainer:
     """The training loop: data slicing, the learning-rate schedule, logging, validation and the final sample."""
 
@@ -182,10 +198,26 @@ class Trainer:
         self.global_batch = self.layout.dp * self.batch * args.grad_accum
         self.checkpointer = (Checkpointer(args.checkpoint_dir, args.checkpoint_every, self.model.state_module,
                                           self.optimizer, self.layout.describe()) if args.checkpoint_dir else None)
+        self.tokens_per_step = self.global_batch * args.context
+        self.flops_per_token = flops_per_token(self.config)
+        peak = torch.tensor([measure_matmul_peak()], dtype=torch.float64)
+        spmd.all_reduce(peak)
+        self.peak_flops = peak.item()
+        microbatch = (self.batch * args.grad_accum // self.layout.n_microbatches if self.layout.pp > 1
+                      else self.batch)
+        self.predicted_memory = predict_memory(self.model.parts, self.config, self.layout, microbatch,
+                                               self.mesh.get_local_rank("pp"), self.corpus.splits.values())
+        self.measured_memory: MeasuredMemory | None = None
+        self.times = StepTimes()
+        self.history: dict[str, list[float]] = {"train": [], "val": [], "grad_norm": [], "step": [],
+                                                "memory": []}   # memory: [predicted, measured peak] bytes
         self.say(f"GPT {parameters / 1e6:.2f}M parameters, {world_size} rank(s) of {torch.get_num_threads()} "
                  f"thread(s), {self.layout.describe()} over {spmd.get_backend()}; corpus "
                  f"{len(self.corpus.splits['train']) / 1e6:.1f}M train bytes; global batch {self.layout.dp} x "
-                 f"{self.batch} x {args.grad_accum} x {args.context} tokens")
+                 f"{self.batch} x {args.grad_accum} x {args.context} tokens\n"
+                 f"predicted memory (rank 0): {self.predicted_memory.describe()}\n"
+                 f"{self.flops_per_token / 1e6:.1f} MFLOP per token; matmul peak {self.peak_flops / 1e9:.1f} "
+                 f"GFLOP/s over the {world_size} rank(s)", flush=True)
 
     def micro_batches(self, split: str, seed: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This data-parallel rank's slice of `count` micro-batches of one global batch: all of them drawn from
@@ -197,32 +229,27 @@ class Trainer:
         return [self.corpus.windows(split, row, self.args.context) for row in mine]
 
     def train(self) -> dict[str, list[float]]:
-        """Run the training; returns the logged training losses (means over the global batch), the gradient norms
-        before clipping (of the logged steps) and the validation losses, on every rank."""
+        """Run the training; returns, on every rank, the logged steps, their training losses (means over the
+        global batch) and gradient norms before clipping, the validation losses, and this rank's predicted and
+        measured peak memory."""
         args = self.args
-        tokens_per_step = self.global_batch * args.context
-        history: dict[str, list[float]] = {"train": [], "val": [], "grad_norm": [], "step": []}
+        history = self.history
         first_step = self.resume() if args.resume else 0
         window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
         for step in range(first_step, args.steps):
-            lr = learning_rate(step, args)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            batches = self.micro_batches("train", args.seed * 1_000_003 + step, args.grad_accum)
-            window_loss += self.model.train_step(batches)
-            grad_norm = self.model.clip_grad_norm_(args.clip) if args.clip > 0 else math.nan
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            loss, grad_norm, lr = self.timed_step(step, measure_memory=step == min(first_step + 1, args.steps - 1))
+            window_loss += loss
             window_steps += 1
             if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
                 mean_loss = self.model.mean_over_data_parallel(window_loss / window_steps)
-                elapsed = time.perf_counter() - window_start
+                tokens_per_s = self.tokens_per_step * window_steps / (time.perf_counter() - window_start)
                 history["train"].append(mean_loss)
                 history["grad_norm"].append(grad_norm)
                 history["step"].append(step + 1)
-                tokens_per_s = tokens_per_step * window_steps / elapsed
-                self.say(self.progress_line(step + 1, mean_loss, grad_norm, lr, tokens_per_s), flush=True)
-                self.record(step=step + 1, loss=mean_loss, grad_norm=grad_norm, lr=lr, tokens_per_s=tokens_per_s)
+                rss = self.peak_rss()
+                self.say(self.progress_line(step + 1, mean_loss, grad_norm, lr, tokens_per_s, rss), flush=True)
+                self.record(step=step + 1, loss=mean_loss, grad_norm=grad_norm, lr=lr, tokens_per_s=tokens_per_s,
+                            flops_fraction=self.flops_fraction(tokens_per_s), peak_rss_bytes=rss)
                 window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                 val = self.validation_loss()
@@ -234,8 +261,62 @@ class Trainer:
                 self.checkpointer.save(step + 1)
         if self.checkpointer is not None:
             self.checkpointer.wait()
+        self.summary()
         self.sample()
         return history
+
+    def timed_step(self, step: int, measure_memory: bool) -> tuple[float, float, float]:
+        """One optimizer step (the data, forward and backward, clipping, the update), timed, with the time
+        blocked on communication apart; the second step of a run (the first with the optimizer's state) measures
+        the peak tensor memory instead (its time, slowed by the tracking, is left out). Returns this rank's loss,
+        the gradient norm and the learning rate."""
+        args = self.args
+        memory = (MeasuredMemory(self.model.parameters(), self.optimizer, self.corpus.splits.values())
+                  if measure_memory and not args.compile else contextlib.nullcontext())
+        started = time.perf_counter()
+        with ExposedCommunication() as exposed, memory:
+            lr = learning_rate(step, args)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            batches = self.micro_batches("train", args.seed * 1_000_003 + step, args.grad_accum)
+            loss = self.model.train_step(batches)
+            grad_norm = self.model.clip_grad_norm_(args.clip) if args.clip > 0 else math.nan
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if isinstance(memory, MeasuredMemory):
+            self.measured_memory = memory
+            self.history["memory"] = [float(self.predicted_memory.total), float(memory.peak)]
+        else:
+            self.times.add(time.perf_counter() - started, exposed.seconds)
+        return loss, grad_norm, lr
+
+    def flops_fraction(self, tokens_per_s: float) -> float:
+        """The model FLOP/s achieved at `tokens_per_s`, as a fraction of the machine's measured matmul peak."""
+        return tokens_per_s * self.flops_per_token / self.peak_flops
+
+    @staticmethod
+    def peak_rss() -> int:
+        """The largest peak resident set size over the ranks' processes, in bytes (collective)."""
+        peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
+        spmd.all_reduce(peak, op=spmd.ReduceOp.MAX)
+        return int(peak.item())
+
+    def summary(self) -> None:
+        """Rank 0's account of the run: memory predicted against measured, and where the steps' time went."""
+        lines = ["--- summary ---", f"memory, predicted: {self.predicted_memory.describe()}"]
+        if self.measured_memory is not None:
+            lines.append(f"memory, measured (peak live tensors, rank 0, second step): "
+                         f"{self.measured_memory.describe()}; "
+                         f"{self.measured_memory.peak / max(1, self.predicted_memory.total):.2f}x the prediction")
+        lines.append(f"peak RSS {self.peak_rss() / MiB:.0f} MiB per process")
+        times = self.times
+        if times.steps:
+            tokens_per_s = self.tokens_per_step * times.steps / times.seconds
+            lines.append(f"time (rank 0, {times.steps} timed steps, {times.seconds:.1f} s): compute "
+                         f"{times.seconds - times.exposed:.1f} s ({1 - times.exposed / times.seconds:.0%}), exposed "
+                         f"communication {times.exposed:.1f} s ({times.exposed / times.seconds:.0%}); "
+                         f"{tokens_per_s:,.0f} tok/s, {self.flops_fraction(tokens_per_s):.1%} of the matmul peak")
+        self.say("\n".join(lines), flush=True)
 
     def record(self, **metrics: float) -> None:
         """Rank 0 appends `metrics` as one JSON line to --metrics-file (a restarted run appends after the
@@ -276,10 +357,12 @@ class Trainer:
                                    generator=torch.Generator().manual_seed(self.args.seed))
             self.say("--- sample ---\n" + decode(sample[0]) + "\n--------------", flush=True)
 
-    def progress_line(self, step: int, loss: float, grad_norm: float, lr: float, tokens_per_s: float) -> str:
+    def progress_line(self, step: int, loss: float, grad_norm: float, lr: float, tokens_per_s: float,
+                      rss: int) -> str:
         done = round(20 * step / self.args.steps)
         return (f"[{'#' * done}{'.' * (20 - done)}] step {step:>5}/{self.args.steps}  loss {loss:6.3f}  "
-                f"grad norm {grad_norm:5.2f}  lr {lr:.2e}  {tokens_per_s:,.0f} tok/s")
+                f"grad norm {grad_norm:5.2f}  lr {lr:.2e}  {tokens_per_s:,.0f} tok/s  "
+                f"{self.flops_fraction(tokens_per_s):.1%} of peak  RSS {rss / MiB:,.0f} MiB")
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:

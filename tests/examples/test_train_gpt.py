@@ -159,3 +159,22 @@ def test_parallel_flag_is_a_deprecated_alias_and_unknown_values_are_refused() ->
         train_gpt.parse_args([])
     with pytest.raises(SystemExit):
         train_gpt.parse_args(["--parallel", "fsdp"])
+
+
+@pytest.mark.parametrize("world_size, flags", [
+    (2, ()), (2, ("--dp-shard", "2")), (2, ("--tp", "2", "--sequence-parallel")), (2, ("--pp", "2")),
+    (2, ("--dp-shard", "2", "--activation-checkpointing")),
+], ids=["ddp", "fsdp", "tp-sp", "pp", "fsdp-ac"])
+def test_predicted_memory_is_within_a_fifth_of_the_measured_peak(world_size: int, flags: tuple[str, ...],
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Each rank's predicted bytes (parameters, gradients, optimizer state, FSDP's gathered groups, activations,
+    the corpus) against the peak live tensor bytes of its second step, on a model big enough for activations to
+    count (context 64, width 128, batch 8)."""
+    histories = train(world_size, "--steps", "2", "--width", "128", "--heads", "4", "--context", "64",
+                      "--corpus-mb", "1", *flags)
+    for rank, history in enumerate(histories):
+        predicted, measured = history["memory"]
+        assert 0.8 < measured / predicted < 1.25, f"rank {rank}: predicted {predicted}, measured {measured}"
+    out = capsys.readouterr().out
+    assert "predicted memory (rank 0)" in out and "memory, measured" in out and "exposed communication" in out
+    assert "of peak" in out and "MFLOP per token" in out
