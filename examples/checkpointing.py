@@ -10,7 +10,8 @@ Note: what a checkpoint holds
   the boxes of the saved shards that its own pieces overlap: that is what lets a checkpoint saved by FSDP on 2
   ranks resume as TP on 4.
 - "trainer": the number of steps done (the learning rate and the data position are functions of it: the global
-  batch of step s is drawn from a generator seeded by s), the world size and the layout it was saved under.
+  batch of step s is drawn from a generator seeded by s), the world size, layout and global batch it was saved
+  under (a resume with another global batch continues, but no longer as the saved run would have).
 - "rng": every rank's torch RNG state, restored when the world size is the one saved (a rank of another layout
   has no counterpart to take it from; the GPT draws no random numbers while training, so only models that add
   dropout would notice).
@@ -52,28 +53,28 @@ def complete_checkpoints(directory: str | pathlib.Path) -> list[tuple[int, pathl
 
 
 class Checkpointer:
-    """Saves and restores one run's state in `directory`, every `every` steps (0: only when asked). `model`
+    """Saves and restores one run's state in `directory`, every `every` steps (0: at the run's end only). `model`
     gives the module whose state to save, with the plain model's parameter names (asked at each save and
     restore: ParallelGPT.state_module reshards FSDP's parameters there)."""
 
     def __init__(self, directory: str | pathlib.Path, every: int, model: Callable[[], nn.Module],
-                 optimizer: torch.optim.Optimizer, describe_layout: str) -> None:
+                 optimizer: torch.optim.Optimizer, describe_layout: str, global_batch: int) -> None:
         if every < 0:
             raise ValueError(f"--checkpoint-every must be >= 0, got {every}")
         self.directory, self.every = pathlib.Path(directory), every
-        self.model, self.optimizer, self.layout = model, optimizer, describe_layout
+        self.model, self.optimizer, self.layout, self.global_batch = model, optimizer, describe_layout, global_batch
         self.pending: concurrent.futures.Future[dcp.Metadata] | None = None
         self.saved_steps: list[int] = []
 
-    def due(self, steps_done: int, total_steps: int) -> bool:
-        """Whether to checkpoint after `steps_done` steps: every `every` steps, and at the end of the run."""
-        return self.every > 0 and (steps_done % self.every == 0 or steps_done == total_steps)
+    def due(self, steps_done: int, last_step: int) -> bool:
+        """Whether to checkpoint after `steps_done` steps: every `every` steps, and at the run's last step."""
+        return steps_done == last_step or (self.every > 0 and steps_done % self.every == 0)
 
     def _state(self, steps_done: int, with_rng: bool) -> dict[str, Any]:
         model_state, optimizer_state = get_state_dict(self.model(), self.optimizer, options=_OPTIONS)
         state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state,
                                  "trainer": {"step": steps_done, "world_size": spmd.get_world_size(),
-                                             "layout": self.layout}}
+                                             "layout": self.layout, "global_batch": self.global_batch}}
         if with_rng:
             state["rng"] = {f"rank{spmd.get_rank()}": torch.get_rng_state()}
         return state
@@ -92,17 +93,18 @@ class Checkpointer:
             pending, self.pending = self.pending, None
             pending.result()
 
-    def resume(self) -> tuple[int, str] | None:
-        """Restore the newest complete checkpoint; (steps done, the layout it was saved under), or None when
-        there is none (a fresh run). Every rank must call it; ranks agree on which checkpoint (rank 0's view of
-        the directory, broadcast) so that a save completing meanwhile can't split them."""
+    def resume(self) -> dict[str, Any] | None:
+        """Restore the newest complete checkpoint; its "trainer" entry (steps done, and the world size, layout
+        and global batch it was saved under), or None when there is none (a fresh run). Every rank must call it;
+        ranks agree on which checkpoint (rank 0's view of the directory, broadcast) so that a save completing
+        meanwhile can't split them."""
         found = complete_checkpoints(self.directory)
         choice = [str(found[-1][1]) if found else None]
         spmd.broadcast_object_list(choice, src=0)
         if choice[0] is None:
             return None
         path = pathlib.Path(choice[0])
-        saved = {"trainer": {"step": 0, "world_size": 0, "layout": ""}}
+        saved = {"trainer": {"step": 0, "world_size": 0, "layout": "", "global_batch": 0}}
         dcp.load(saved, checkpoint_id=path)              # values only: reads the metadata
         trainer = saved["trainer"]
         state = self._state(trainer["step"], with_rng=trainer["world_size"] == spmd.get_world_size())
@@ -111,4 +113,4 @@ class Checkpointer:
                        optim_state_dict=state["optimizer"], options=_OPTIONS)
         if "rng" in state:
             torch.set_rng_state(state["rng"][f"rank{spmd.get_rank()}"])
-        return trainer["step"], trainer["layout"]
+        return trainer

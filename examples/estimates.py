@@ -114,18 +114,22 @@ def flops_per_token(config: GPTConfig) -> int:
     return 6 * matmul_weights + 12 * config.layers * H * config.context
 
 
-def measure_matmul_peak(seconds: float = 0.2, size: int = 512) -> float:
+def measure_matmul_peak(trials: int = 5, seconds: float = 0.04, size: int = 512) -> float:
     """This rank's fp32 matmul FLOP/s with its torch threads, measured while the other ranks measure theirs (so
-    that together they are the machine's peak as this job shares it). Collective over the world."""
+    that together they are the machine's peak as this job shares it): the best of `trials` short runs, so that
+    a moment of load from elsewhere on the machine doesn't lower it. Collective over the world."""
     generator = torch.Generator().manual_seed(0)     # not torch's global RNG, which thread ranks share
     a, b = torch.randn(size, size, generator=generator), torch.randn(size, size, generator=generator)
     torch.mm(a, b)
     spmd.barrier()
-    count, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        torch.mm(a, b)
-        count += 1
-    return 2 * size ** 3 * count / (time.perf_counter() - started)
+    best = 0.0
+    for _ in range(trials):
+        count, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            torch.mm(a, b)
+            count += 1
+        best = max(best, 2 * size ** 3 * count / (time.perf_counter() - started))
+    return best
 
 
 class MeasuredMemory:

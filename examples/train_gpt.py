@@ -53,7 +53,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     model.add_argument("--heads", type=int, default=4)
     model.add_argument("--context", type=int, default=128)
     train = parser.add_argument_group("training")
-    train.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    train.add_argument("--steps", type=int, default=300, help="optimizer steps (the schedule's length)")
+    train.add_argument("--stop-after", type=int, default=0,
+                       help="end this run after that many steps (0: --steps), checkpointing there: a job run in "
+                            "pieces (time-limited allocations) resumes the same schedule with --resume")
     train.add_argument("--batch-size", type=int, default=8, help="sequences per data-parallel rank per micro-step")
     train.add_argument("--global-batch", type=int, default=0,
                        help="sequences per optimizer step over all ranks (0: dp x batch-size x grad-accum); sets "
@@ -94,11 +97,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ckpt = parser.add_argument_group("checkpoints")
     ckpt.add_argument("--checkpoint-dir", default="", help="where to save checkpoints (step-<N> directories)")
     ckpt.add_argument("--checkpoint-every", type=int, default=0,
-                      help="save every K steps and at the end, in the background (0: never)")
+                      help="save every K steps, in the background (0: only at the end of the run)")
     ckpt.add_argument("--resume", action="store_true",
                       help="continue from the newest complete checkpoint in --checkpoint-dir, under any layout "
                            "(none there: start afresh, so a restarted job can pass the same flags)")
     args = parser.parse_args(argv)
+    if args.stop_after < 0:
+        parser.error(f"--stop-after must be >= 0, got {args.stop_after}")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         parser.error("--checkpoint-every and --resume need --checkpoint-dir")
     if args.parallel is not None:
@@ -197,7 +202,8 @@ class Trainer:
                                            weight_decay=args.weight_decay)
         self.global_batch = self.layout.dp * self.batch * args.grad_accum
         self.checkpointer = (Checkpointer(args.checkpoint_dir, args.checkpoint_every, self.model.state_module,
-                                          self.optimizer, self.layout.describe()) if args.checkpoint_dir else None)
+                                          self.optimizer, self.layout.describe(), self.global_batch)
+                             if args.checkpoint_dir else None)
         self.tokens_per_step = self.global_batch * args.context
         self.flops_per_token = flops_per_token(self.config)
         peak = torch.tensor([measure_matmul_peak()], dtype=torch.float64)
@@ -236,11 +242,12 @@ class Trainer:
         history = self.history
         first_step = self.resume() if args.resume else 0
         window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
-        for step in range(first_step, args.steps):
-            loss, grad_norm, lr = self.timed_step(step, measure_memory=step == min(first_step + 1, args.steps - 1))
+        last = min(args.steps, args.stop_after or args.steps)
+        for step in range(first_step, last):
+            loss, grad_norm, lr = self.timed_step(step, measure_memory=step == min(first_step + 1, last - 1))
             window_loss += loss
             window_steps += 1
-            if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            if (step + 1) % args.log_every == 0 or step + 1 == last:
                 mean_loss = self.model.mean_over_data_parallel(window_loss / window_steps)
                 tokens_per_s = self.tokens_per_step * window_steps / (time.perf_counter() - window_start)
                 history["train"].append(mean_loss)
@@ -251,13 +258,13 @@ class Trainer:
                 self.record(step=step + 1, loss=mean_loss, grad_norm=grad_norm, lr=lr, tokens_per_s=tokens_per_s,
                             flops_fraction=self.flops_fraction(tokens_per_s), peak_rss_bytes=rss)
                 window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
-            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            if (step + 1) % args.eval_every == 0 or step + 1 == last:
                 val = self.validation_loss()
                 history["val"].append(val)
                 self.say(f"  validation loss {val:.3f} (perplexity {math.exp(val):.1f} per byte)", flush=True)
                 self.record(step=step + 1, val=val)
                 window_start = time.perf_counter()   # don't count evaluation in tokens/s
-            if self.checkpointer is not None and self.checkpointer.due(step + 1, args.steps):
+            if self.checkpointer is not None and self.checkpointer.due(step + 1, last):
                 self.checkpointer.save(step + 1)
         if self.checkpointer is not None:
             self.checkpointer.wait()
@@ -332,9 +339,13 @@ class Trainer:
         if restored is None:
             self.say(f"no checkpoint in {self.args.checkpoint_dir} yet: starting afresh", flush=True)
             return 0
-        step, layout = restored
-        self.say(f"resumed from {self.args.checkpoint_dir} at step {step} (saved under {layout})", flush=True)
-        return step
+        self.say(f"resumed from {self.args.checkpoint_dir} at step {restored['step']} (saved under "
+                 f"{restored['layout']})", flush=True)
+        if restored["global_batch"] != self.global_batch:
+            self.say(f"note: the checkpoint was saved with a global batch of {restored['global_batch']} sequences, "
+                     f"this run has {self.global_batch}: it continues the schedule, but not as the saved run "
+                     f"would have (pass --global-batch {restored['global_batch']} for that)", flush=True)
+        return restored["step"]
 
     def validation_loss(self) -> float:
         """Mean loss over --eval-batches global validation batches (the same ones at every evaluation and under

@@ -93,3 +93,12 @@ def test_checkpoint_flags_need_a_directory() -> None:
     train_gpt = load_script()
     with pytest.raises(SystemExit):
         train_gpt.parse_args(["--resume"])
+
+
+def test_a_run_in_pieces_equals_one_run(tmp_path: pathlib.Path) -> None:
+    """--stop-after ends a run early with a checkpoint; the next piece, with --resume, finishes the schedule."""
+    whole = run(2, tmp_path / "whole", "--dp-shard", "2")
+    first = run(2, tmp_path / "pieces", "--dp-shard", "2", "--stop-after", "4")
+    second = run(2, tmp_path / "pieces", "--dp-shard", "2", "--resume")
+    assert first["step"] == [1, 2, 3, 4] and second["step"] == [5, 6]
+    assert first["train"] + second["train"] == whole["train"]
