@@ -59,8 +59,11 @@ def spmdrun(*args: str, timeout: float = 90.0, cwd: str | None = None,
 class Launcher:
     """A running `spmdrun` whose output (stdout and stderr merged) is collected line by line as it comes."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.popen = subprocess.Popen([*SPMDRUN, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    def __init__(self, *args: str, env: dict[str, str] | None = None,
+                 wrap: Callable[[list[str]], list[str]] | None = None) -> None:
+        """`wrap` turns the command line into the one to run (e.g. inside a network namespace); it must exec."""
+        argv = [*SPMDRUN, *args]
+        self.popen = subprocess.Popen(wrap(argv) if wrap else argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, env={**os.environ, **(env or {})})
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)

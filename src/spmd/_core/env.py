@@ -46,11 +46,19 @@ def store_token() -> str | None:
 
 
 def host_identity() -> str | None:
-    """An override of this process's host name, used to group ranks by host (tests fake two hosts with it)."""
+    """An override of this process's host identity, which groups ranks by host (ranks with one identity share
+    memory); an opaque label, never resolved as a name (tests fake two hosts with it)."""
     return optional_str("SPMD_HOST_ID")
 
 
 def socket_address() -> str | None:
-    """The address other hosts reach this process's tcp transport at (SPMD_SOCKET_ADDR), when the route-based
-    guess picks the wrong interface (several networks, NAT); only groups spanning hosts use it."""
+    """The address other hosts reach this process's tcp transport at (SPMD_SOCKET_ADDR; spmdrun sets it), when
+    the route towards the store picks the wrong interface (several networks, NAT); only groups spanning hosts
+    use it."""
     return optional_str("SPMD_SOCKET_ADDR")
+
+
+def socket_ifname() -> str | None:
+    """The interface whose IPv4 address this process's tcp transport publishes (SPMD_SOCKET_IFNAME), unless
+    SPMD_SOCKET_ADDR names the address itself."""
+    return optional_str("SPMD_SOCKET_IFNAME")

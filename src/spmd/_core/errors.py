@@ -34,6 +34,11 @@ class PeerLostError(CommError):
     """A peer rank's process died or its connection broke during an operation."""
 
 
+class PeerUnreachableError(CommError):
+    """A peer's published address can't be reached from this host (a wrong interface, a firewall, NAT); group
+    set-up fails within seconds, naming both hosts, the address and the override to set."""
+
+
 class CollectiveMismatchError(CommError):
     """Ranks of one group called different collectives (op, shape, dtype, reduce op or root) at one step."""
 

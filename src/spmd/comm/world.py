@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextvars
 import datetime
+import json
 import secrets
 import socket
 import threading
@@ -54,17 +55,19 @@ class World:
         # Every init over one long-lived store gets fresh keys: ranks re-initialize in lockstep, so the
         # count of this rank's inits names the same generation on every rank.
         self.prefix = f"spmd/{store.add(f'spmd/inits/rank{rank}', 1)}"
-        self.hosts = self._exchange_hosts()
+        self.hosts, self.host_names = self._exchange_hosts()
         self.token = self._agree_token()
         status_store = store.clone()
         self.status_service = StatusService(status_store, rank, self.recorder, owns_store=status_store is not store)
         self.default_group = self.create_group(list(range(world_size)), timeout, backend, name="default")
 
-    def _exchange_hosts(self) -> tuple[str, ...]:
+    def _exchange_hosts(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(host identity, hostname) of every rank: identities group ranks by host, names are for messages."""
         host = env.host_identity() or socket.gethostname()
-        self.store.set(f"{self.prefix}/host/{self.rank}", host)
-        return tuple(value.decode() for value in self.store.multi_get(
-            [f"{self.prefix}/host/{rank}" for rank in range(self.world_size)]))
+        self.store.set(f"{self.prefix}/host/{self.rank}", json.dumps([host, socket.gethostname()]))
+        pairs = [json.loads(value) for value in self.store.multi_get(
+            [f"{self.prefix}/host/{rank}" for rank in range(self.world_size)])]
+        return tuple(key for key, _ in pairs), tuple(name for _, name in pairs)
 
     def _agree_token(self) -> bytes:
         return self.store.compare_set(f"{self.prefix}/transport_token", "", secrets.token_hex(16))
@@ -80,7 +83,8 @@ class World:
             group_store = PrefixStore(f"{self.prefix}/group/{name}", self.store)
             spec = TransportSpec(store=group_store, group_name=name, group_rank=ranks.index(self.rank),
                                  global_ranks=tuple(ranks), hosts=tuple(self.hosts[r] for r in ranks),
-                                 timeout=timeout, token=self.token)
+                                 timeout=timeout, token=self.token,
+                                 host_names=tuple(self.host_names[r] for r in ranks))
             transport = create_transport(transport_name, spec)
             group = ProcessGroup(name, ranks, ranks.index(self.rank), transport, group_store, self.store, timeout,
                                  self.recorder, transport.name, self.observers)

@@ -29,6 +29,7 @@ import types
 from spmd._core.errors import StoreAuthError, StoreError
 from spmd.comm.store.base import HashStore, Store
 from spmd.comm.transports.shm.names import remove_orphan_segments
+from spmd.comm.transports.tcp.address import choose_address
 from spmd.run.config import LaunchConfig, Std
 from spmd.run.failure import WorkerFailure, first_failure, format_summary
 from spmd.run.process import Console, Watchdog, WorkerGroup, WorkerSpec
@@ -91,14 +92,17 @@ def is_local_host(host: str) -> bool:
     return False
 
 
-def address_toward(host: str, port: int) -> str:
-    """The local address this machine uses to reach `host` (a UDP 'connect' sends nothing; it picks a route)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect((host, port))
-            return sock.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
+def node_address(config: LaunchConfig) -> str:
+    """The address other nodes reach this one at: --local-addr, else (SPMD_SOCKET_ADDR, SPMD_SOCKET_IFNAME, or
+    the local address of the route towards the rendezvous endpoint); loopback for a one-node job."""
+    if config.local_addr is not None:
+        return config.local_addr
+    if not config.is_multinode:
+        return "127.0.0.1"
+    try:
+        return choose_address(config.rdzv_host).address
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
 
 
 class Agent:
@@ -166,8 +170,7 @@ class Agent:
             self.coordinator = Coordinator(store.clone(), config.rdzv_id, config.min_nodes, config.max_nodes,
                                            config.max_restarts, config.timeouts, now=time.monotonic())
             self.coordinator.start()
-        addr = config.local_addr or (address_toward(config.rdzv_host, config.rdzv_port) if config.is_multinode
-                                     else "127.0.0.1")
+        addr = node_address(config)
         self.client = RendezvousClient(store, config.rdzv_id)
         self.me = self.client.join(addr, self.hostname, config.nproc_per_node, config.node_rank, os.getpid())
         self.heartbeat = Heartbeat(store.clone(), config.rdzv_id, self.me.node_id, config.timeouts.heartbeat_interval)
@@ -317,6 +320,8 @@ class Agent:
                 "TORCHELASTIC_RESTART_COUNT": str(current.restart_count),
                 "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts), "TORCHELASTIC_RUN_ID": config.rdzv_id,
             })
+            if config.is_multinode:  # its workers publish the address it chose (spmd.comm.transports.tcp.address)
+                env["SPMD_SOCKET_ADDR"] = self.me.addr
             redirect, tee = config.redirects.for_rank(local_rank), config.tee.for_rank(local_rank)
             to_file = redirect | tee
             shown = config.local_ranks_filter is None or local_rank in config.local_ranks_filter

@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-t", "--tee", default="0", help="streams copied to per-rank log files and the console")
     _flag(parser, "--log-dir", default=None, help="directory for per-rank logs and error files")
     _flag(parser, "--local-ranks-filter", default=None, help="comma-separated local ranks whose output is shown")
-    _flag(parser, "--local-addr", default=None, help="address other nodes reach this node at")
+    _flag(parser, "--local-addr", default=None,
+          help="address other nodes reach this node and its workers at (default: SPMD_SOCKET_ADDR, the address "
+          "of SPMD_SOCKET_IFNAME, or the local address of the route to the rendezvous endpoint)")
     _flag(parser, "--master-addr", default=None, help="fixed MASTER_ADDR for workers (default: node 0's address)")
     _flag(parser, "--master-port", type=int, default=None, help="fixed MASTER_PORT (default: a free port)")
     parser.add_argument("-m", "--module", action="store_true", help="run the entry point as `python -m module`")

@@ -83,6 +83,11 @@ class Store(abc.ABC):
         """Another handle on the same store, usable concurrently from another thread (its own connection)."""
         return self
 
+    def server_host(self) -> str | None:
+        """The host of the store's server, as this client reaches it (None for a store without one): the
+        transports publish the local address of the route towards it."""
+        return None
+
     def close(self) -> None:
         """Release connections or files; the default has nothing to release."""
 
@@ -202,6 +207,9 @@ class PrefixStore(Store):
 
     def num_keys(self) -> int:
         return self.underlying_store.num_keys()
+
+    def server_host(self) -> str | None:
+        return self.underlying_store.server_host()
 
     def clone(self) -> Store:
         clone = PrefixStore(self.prefix, self.underlying_store.clone())

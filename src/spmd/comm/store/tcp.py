@@ -268,6 +268,9 @@ class TCPStore(Store):
         role = "master" if self.is_master else "client"
         return f"TCPStore({self.host}:{self.port}, {role}, world_size={self.world_size})"
 
+    def server_host(self) -> str | None:
+        return self.host
+
     def clone(self) -> TCPStore:
         """A new client connection to the same server (for another thread); its close() leaves the server up."""
         clone = TCPStore.__new__(TCPStore)

@@ -60,10 +60,16 @@ class TransportSpec:
     hosts: tuple[str, ...]        # host identity of each group rank (ranks on one host can share memory)
     timeout: float                # seconds; connection set-up and every operation are bounded by it
     token: bytes                  # shared secret: peers present it before any byte of theirs is used
+    host_names: tuple[str, ...] = ()  # hostname of each group rank, for messages (empty: not known)
 
     @property
     def group_size(self) -> int:
         return len(self.global_ranks)
+
+    def where(self, group_rank: int) -> str:
+        """'rank 2 on hostB': a group rank as messages name it (its global rank, and its host when known)."""
+        rank = f"rank {self.global_ranks[group_rank]}"
+        return f"{rank} on {self.host_names[group_rank]}" if self.host_names else rank
 
     @property
     def global_rank(self) -> int:

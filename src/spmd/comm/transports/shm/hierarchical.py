@@ -63,7 +63,8 @@ class HierarchicalTransport(Transport):
         spec = self.spec
         return TransportSpec(store=PrefixStore(f"hier/{name}", spec.store), group_name=f"{spec.group_name}/{name}",
                              group_rank=my_index, global_ranks=tuple(spec.global_ranks[r] for r in members),
-                             hosts=tuple(spec.hosts[r] for r in members), timeout=spec.timeout, token=spec.token)
+                             hosts=tuple(spec.hosts[r] for r in members), timeout=spec.timeout, token=spec.token,
+                             host_names=tuple(spec.host_names[r] for r in members) if spec.host_names else ())
 
     def _add(self, transport: Transport) -> Transport:
         self._transports.append(transport)

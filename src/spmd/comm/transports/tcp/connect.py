@@ -15,15 +15,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from spmd._core import env
 from spmd._core.deadline import Deadline
-from spmd._core.errors import CommError, CommTimeoutError, PeerLostError, StoreTimeoutError
+from spmd._core.errors import CommError, CommTimeoutError, PeerLostError, PeerUnreachableError, StoreTimeoutError
 from spmd.comm.transports.base import TransportSpec
-from spmd.comm.transports.tcp import wire
+from spmd.comm.transports.tcp import address, wire
 
 SOCKET_BUFFER = 4 << 20           # bytes; large buffers keep a ring step's pieces in flight
 SEND_POLL_S = 0.5                 # a blocked send wakes this often to check for failure and its deadline
 HANDSHAKE_S = 10.0                # at most this long for one connection's handshake
+REACH_S = 10.0                    # a peer's published address that refuses or drops connections this long is wrong
+CONNECT_ATTEMPT_S = 3.0           # one connection attempt (a dropped SYN is retried by the next one)
 
 
 class Connector:
@@ -50,18 +51,22 @@ class Connector:
     def connect(self, deadline: Deadline) -> None:
         """Collective over the group: listen, publish host:port, connect to lower ranks, accept higher ones."""
         r = self.group_rank
+        me = self.spec.where(r)
         one_host = len(set(self.spec.hosts)) == 1
         if one_host:
-            bind_host, public_host = "127.0.0.1", "127.0.0.1"
+            bind_host, choice = "127.0.0.1", address.AddressChoice("127.0.0.1", "one host")
         else:
-            bind_host, public_host = "0.0.0.0", env.socket_address() or _public_host(self.spec.hosts, r)
+            try:
+                bind_host, choice = "0.0.0.0", address.choose_address(self.spec.store.server_host())
+            except ValueError as error:
+                raise CommError(f"tcp transport of {self._desc}, {me}: {error}") from None
         try:
             self._listener = socket.create_server((bind_host, 0), backlog=max(16, 2 * self.group_size))
         except OSError as error:
-            raise CommError(f"tcp transport of {self._desc}, rank {self.spec.global_rank}: can't listen on "
-                            f"{bind_host} ({error})") from None
+            raise CommError(f"tcp transport of {self._desc}, {me}: can't listen on {bind_host} ({error})") from None
         port = self._listener.getsockname()[1]
-        self.spec.store.set(f"tcp/addr/{r}", f"{public_host}:{port}")
+        self.spec.store.set(f"tcp/source/{r}", choice.source)
+        self.spec.store.set(f"tcp/addr/{r}", f"{choice.address}:{port}")
         if r < self.group_size - 1:
             self._start_thread(self._accept_loop, f"spmd-tcp-accept-{self.spec.group_name}-r{r}", deadline)
         for peer in range(r):
@@ -69,34 +74,38 @@ class Connector:
         with self._cond:
             while not all(p is not None for i, p in enumerate(self._peers) if i != r):
                 if deadline.expired():
-                    missing = [self.spec.global_ranks[i] for i, p in enumerate(self._peers) if p is None and i != r]
+                    missing = [self.spec.where(i) for i, p in enumerate(self._peers) if p is None and i != r]
                     raise CommTimeoutError(
-                        f"tcp transport of {self._desc}, rank {self.spec.global_rank}: ranks {missing} did not "
-                        f"connect within {deadline.timeout:.1f}s (they never created this group, or can't "
-                        f"reach {public_host}:{port})")
+                        f"tcp transport of {self._desc}, {me}: {', '.join(missing)} did not connect within "
+                        f"{deadline.timeout:.1f}s (they never created this group, or can't reach "
+                        f"{choice.address}:{port}, chosen from {choice.source})")
                 self._cond.wait(deadline.remaining())
         self._close_listener()
 
     def _connect_to(self, peer: int, deadline: Deadline) -> None:
-        global_rank = self.spec.global_ranks[peer]
+        me, them = self.spec.where(self.group_rank), self.spec.where(peer)
         key = f"tcp/addr/{peer}"
         try:
             self.spec.store.wait([key], timeout=deadline.remaining())
         except StoreTimeoutError:
             raise CommTimeoutError(
-                f"tcp transport of {self._desc}, rank {self.spec.global_rank}: rank {global_rank} did not "
-                f"publish its address within {deadline.timeout:.1f}s (it never created this group)") from None
+                f"tcp transport of {self._desc}, {me}: {them} did not publish its address within "
+                f"{deadline.timeout:.1f}s (it never created this group)") from None
         host, port = self.spec.store.get(key).decode().rsplit(":", 1)
         hello = wire.hello_frame(self.group_rank, self.spec.group_name, secrets.token_bytes(wire.NONCE_BYTES))
+        reach_by = time.monotonic() + REACH_S
         while True:
             try:
-                sock = socket.create_connection((host, int(port)), timeout=max(0.01, deadline.remaining()))
+                sock = socket.create_connection((host, int(port)),
+                                                timeout=max(0.01, min(CONNECT_ATTEMPT_S, deadline.remaining())))
                 break
             except OSError as error:
                 if deadline.expired():
                     raise CommTimeoutError(
-                        f"tcp transport of {self._desc}, rank {self.spec.global_rank}: can't connect to rank "
-                        f"{global_rank} at {host}:{port} within {deadline.timeout:.1f}s ({error})") from None
+                        f"tcp transport of {self._desc}, {me}: can't connect to {them} at {host}:{port} within "
+                        f"{deadline.timeout:.1f}s ({error})") from None
+                if time.monotonic() >= reach_by:
+                    raise PeerUnreachableError(self._unreachable(peer, f"{host}:{port}", error)) from None
                 time.sleep(0.05)
         try:
             sock.settimeout(max(0.01, min(deadline.remaining(), HANDSHAKE_S)))
@@ -105,15 +114,26 @@ class Connector:
             their_nonce = wire.check_challenge(challenge, self.spec.token, hello)
             if their_nonce is None:
                 sock.close()
-                raise CommError(f"tcp transport of {self._desc}, rank {self.spec.global_rank}: the process at "
-                                f"{host}:{port} is not rank {global_rank} of this group (it could not prove it "
-                                f"holds the group's token)")
+                raise CommError(f"tcp transport of {self._desc}, {me}: the process at {host}:{port} is not "
+                                f"{them} of this group (it could not prove it holds the group's token)")
             sock.sendall(wire.proof_frame(self.spec.token, hello, their_nonce))
         except (OSError, wire.PeerClosed) as error:
             sock.close()
-            raise PeerLostError(f"tcp transport of {self._desc}, rank {self.spec.global_rank}: handshake with "
-                                f"rank {global_rank} at {host}:{port} failed ({error})") from None
+            raise PeerLostError(f"tcp transport of {self._desc}, {me}: handshake with {them} at {host}:{port} "
+                                f"failed ({error})") from None
         self._register(peer, sock)
+
+    def _unreachable(self, peer: int, target: str, error: OSError) -> str:
+        """Why `peer`'s published address can't be used from here, and the override that fixes it."""
+        source_key = f"tcp/source/{peer}"
+        source = self.spec.store.get(source_key).decode() if self.spec.store.check([source_key]) else "unknown"
+        names = self.spec.host_names
+        their_host = names[peer] if names else "its host"
+        my_host = names[self.group_rank] if names else "this host"
+        return (f"tcp transport of {self._desc}: {self.spec.where(self.group_rank)} can't reach "
+                f"{self.spec.where(peer)} at {target} within {REACH_S:g}s ({error}); {their_host} chose that "
+                f"address from {source}. On {their_host}, set {address.OVERRIDES} to an address {my_host} can "
+                f"reach")
 
     def _accept_loop(self, deadline: Deadline) -> None:
         listener = self._listener
@@ -205,28 +225,3 @@ def _tune(sock: socket.socket) -> None:
         if hasattr(socket, option):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
-
-def _public_host(hosts: tuple[str, ...], me: int) -> str:
-    """An address of this host that the other hosts can reach (SPMD_SOCKET_ADDR overrides this guess).
-
-    The local address of the route towards another rank's host (a UDP connect sends nothing), else the
-    address of this host's name, unless that is a loopback address, else the name itself.
-    """
-    for host in hosts:
-        if host == hosts[me]:
-            continue
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((socket.gethostbyname(host), 9))
-                address = probe.getsockname()[0]
-            if not address.startswith("127."):
-                return address
-        except OSError:
-            continue
-    try:
-        address = socket.gethostbyname(socket.gethostname())
-        if not address.startswith("127."):
-            return address
-    except OSError:
-        pass
-    return socket.gethostname()

@@ -1,0 +1,151 @@
+"""spmdrun across two "hosts": network namespaces joined by a veth pair, each with a hostname that resolves
+nowhere, as on clusters. Nothing sets an address by hand: the job must find the interface that reaches it.
+
+Each test makes its own uniquely named namespaces and removes them (tests/run/netns.py), uses only the
+addresses inside them, and is bounded in time. Where the machine can't make namespaces (no root, no `ip`),
+the tests say so and do not run.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.run import netns
+from tests.run.helpers import Launcher
+
+pytestmark = pytest.mark.timeout(150)
+
+FAST_RDZV = "last_call_timeout=0.5,heartbeat_interval=0.2,heartbeat_timeout=3,join_timeout=60"
+
+WORKER = """
+    import os, socket, sys
+    import torch
+    import spmd
+    from spmd.ddp.api import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    spmd.init_process_group(timeout=60)
+    rank, world = spmd.get_rank(), spmd.get_world_size()
+    checks = {}
+    t = torch.full((1000,), float(rank + 1))
+    spmd.all_reduce(t)
+    checks["all_reduce"] = t.eq(10.0).all().item()
+    b = torch.full((4,), float(rank))
+    spmd.broadcast(b, src=3)
+    checks["broadcast"] = b.eq(3.0).all().item()
+    r = torch.full((4,), float(rank))
+    spmd.reduce(r, dst=2)
+    checks["reduce"] = rank != 2 or r.eq(6.0).all().item()
+    gathered = torch.empty(8)
+    spmd.all_gather_into_tensor(gathered, torch.full((2,), float(rank)))
+    checks["all_gather"] = gathered.tolist() == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    scattered = torch.empty(2)
+    spmd.reduce_scatter_tensor(scattered, torch.arange(8.0))
+    checks["reduce_scatter"] = scattered.tolist() == [8.0 * rank, 8.0 * rank + 4]
+    exchanged = torch.empty(4)
+    spmd.all_to_all_single(exchanged, torch.arange(4.0) + 10 * rank)
+    checks["all_to_all"] = exchanged.tolist() == [10.0 * i + rank for i in range(4)]
+    objects = [None] * world
+    spmd.all_gather_object(objects, socket.gethostname())
+    # point to point on a ring: 0->1 and 2->3 inside a host, 1->2 and 3->0 across
+    inbox = torch.empty(3)
+    sent = spmd.isend(torch.full((3,), float(rank)), dst=(rank + 1) % world)
+    spmd.recv(inbox, src=(rank - 1) % world)
+    sent.wait()
+    checks["p2p"] = inbox.eq(float((rank - 1) % world)).all().item()
+    flat = spmd.new_group(backend="tcp")
+    f = torch.ones(100_000)
+    spmd.all_reduce(f, group=flat)
+    checks["tcp_group"] = f.eq(4.0).all().item()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    torch.manual_seed(rank)
+    model(torch.randn(8, 4)).square().sum().backward()
+    grad = model.module.weight.grad.clone()
+    spmd.broadcast(grad, src=0)
+    checks["ddp"] = torch.equal(grad, model.module.weight.grad)
+    spmd.barrier()
+    failed = [name for name, ok in checks.items() if not ok]
+    print("result", rank, socket.gethostname(), os.environ["SPMD_SOCKET_ADDR"], spmd.get_backend(),
+          spmd.get_backend(flat), "hosts", *objects,
+          "failed", *failed, flush=True)
+    spmd.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def can_make_hosts() -> None:
+    reason = netns.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def hosts(can_make_hosts: None) -> Iterator[netns.TwoHosts]:
+    made = netns.TwoHosts()
+    try:
+        made.start()
+        yield made
+    finally:
+        made.close()
+
+
+def script(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def start_nodes(hosts: netns.TwoHosts, worker: str, *extra: str, names: tuple[str, str],
+                env: dict[str, str] | None = None) -> list[Launcher]:
+    """One agent per host (node ranks 0 and 1), two workers each, meeting at host A's address."""
+    common = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"{netns.ADDRESSES[0]}:29400",
+              "--rdzv-conf", FAST_RDZV, "--rdzv-token", secrets.token_hex(8), *extra)
+    return [Launcher(*common, "--node-rank", str(node), worker, env=env,
+                     wrap=lambda argv, node=node: hosts.argv(node, names[node], argv))
+            for node in range(2)]
+
+
+def finish_all(nodes: list[Launcher], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    try:
+        return [node.finish(timeout=max(1.0, deadline - time.monotonic())) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+def results(nodes: list[Launcher]) -> dict[int, list[str]]:
+    found = {}
+    for node in nodes:
+        for line in node.lines:
+            match = re.search(r"result (\d+) (.*)", line)
+            if match:
+                found[int(match.group(1))] = match.group(2).split()
+    return found
+
+
+def test_two_hosts_with_unresolvable_names_run_every_collective_p2p_and_ddp(
+        hosts: netns.TwoHosts, tmp_path: Path) -> None:
+    names = (f"hosta-{secrets.token_hex(3)}", f"hostb-{secrets.token_hex(3)}")   # resolvable nowhere
+    worker = script(tmp_path, "all.py", WORKER)
+    nodes = start_nodes(hosts, worker, names=names)
+    codes = finish_all(nodes, timeout=120)
+    outputs = "\n".join(node.output for node in nodes)
+    assert codes == [0, 0], outputs
+    got = results(nodes)
+    assert sorted(got) == [0, 1, 2, 3], outputs
+    for rank, fields in got.items():
+        hostname, published, backend, flat_backend, _, *seen, _ = fields[:fields.index("failed") + 1]
+        assert hostname == names[rank // 2]
+        assert published == netns.ADDRESSES[rank // 2]   # the agent's choice: the route to the rendezvous
+        assert seen == [names[0], names[0], names[1], names[1]]
+        assert fields[fields.index("failed") + 1:] == [], outputs       # no check failed
+        assert (backend, flat_backend) == ("shm", "tcp"), outputs
