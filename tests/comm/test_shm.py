@@ -15,6 +15,7 @@ import multiprocessing.connection
 import os
 import re
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ import torch
 
 import spmd
 from spmd._core.deadline import Deadline
-from spmd._core.errors import CollectiveMismatchError, CommError, CommTimeoutError
+from spmd._core.errors import CollectiveMismatchError, CommError, CommTimeoutError, PeerLostError
 from spmd.comm.debug import Fingerprint
 from spmd.comm.transports.base import OpContext, Transport, TransportSpec, create_transport
 from spmd.comm.transports.shm import local as shm_local
@@ -674,6 +675,36 @@ def _two_host_worker(rank: int, world_size: int, results: Any, store_path: str) 
 def test_two_hosts_across_processes(tmp_path) -> None:
     reports = _sorted_reports(_two_host_worker, 4, str(tmp_path / "store"))
     assert reports == [(rank, "HierarchicalTransport", True) for rank in range(4)]
+
+
+def _lost_on_other_host_worker(rank: int, world_size: int, results: Any, store_path: str) -> None:
+    """Ranks 0-1 on host-a, 2-3 on host-b; rank 3 exits after one all_reduce, the others report their error."""
+    os.environ["SPMD_HOST_ID"] = "host-a" if rank < 2 else "host-b"
+    torch.set_num_threads(1)
+    spmd.init_process_group("shm", init_method=f"file://{store_path}", rank=rank, world_size=world_size, timeout=60)
+    t = torch.ones(1000)
+    spmd.all_reduce(t)
+    if rank == 3:
+        results.send((rank, "", ""))
+        os._exit(0)
+    try:
+        spmd.all_reduce(t)
+        results.send((rank, "no error", ""))
+    except PeerLostError as error:
+        results.send((rank, str(error), error.reason))
+    finally:
+        os._exit(0)
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_lost_on_another_host_is_named_once_with_its_host_on_every_rank(tmp_path) -> None:
+    reports = _sorted_reports(_lost_on_other_host_worker, 4, str(tmp_path / "store"))
+    host = socket.gethostname()
+    for rank, message, reason in reports[:3]:
+        assert message.count("spmd: all_reduce") == 1 and message.count(f"rank {rank} on {host}") == 1, message
+        assert re.match(rf"rank 3 on {host} \(group rank 1, pid \d+\) died; the group can't continue$", reason)
+        # rank 2 saw it (same host); rank 0 heard it from rank 2, rank 1 from rank 0: both name rank 2
+        assert message.endswith(reason if rank == 2 else f"{reason} (seen first by rank 2 on {host})"), message
 
 
 def test_a_rank_that_never_joins_the_set_up_times_out_and_leaves_no_segment() -> None:

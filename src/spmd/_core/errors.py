@@ -7,7 +7,22 @@ from __future__ import annotations
 
 
 class SpmdError(RuntimeError):
-    """Base of every error spmd raises on purpose (a RuntimeError, as torch.distributed's are)."""
+    """Base of every error spmd raises on purpose (a RuntimeError, as torch.distributed's are).
+
+    `reason` is the failure itself, said once, without the operation, group and rank that saw it (which the
+    message adds in front): what a group's error ends with, and what an abort passes on to the peers.
+    `seen_by` names the rank that saw the failure first ("rank 2 on hostB") when that is not this rank.
+    """
+
+    def __init__(self, message: str = "", *, reason: str | None = None, seen_by: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = message if reason is None else reason
+        self.seen_by = seen_by
+
+    def explained(self, where: str) -> str:
+        """The message of this failure as seen at `where`: the place, the reason, and who saw it first."""
+        seen = f" (seen first by {self.seen_by})" if self.seen_by else ""
+        return f"{where}: {self.reason}{seen}"
 
 
 class StoreError(SpmdError):
@@ -46,7 +61,25 @@ class CollectiveMismatchError(CommError):
 class GroupAbortedError(CommError):
     """The group was aborted (by this rank or a peer) after an earlier failure; it can't run more operations."""
 
+    def explained(self, where: str) -> str:
+        return f"{where}: {self.seen_by} aborted the group: {self.reason}" if self.seen_by else super().explained(
+            where)
+
 
 class CheckpointError(SpmdError):
     """A checkpoint can't be written or read: incomplete, corrupted, from a newer format version, or not matching
     the state it is loaded into."""
+
+
+def abort_text(error: BaseException, me: str) -> str:
+    """What an abort tells the peers: who saw the failure first (`me` unless it was relayed to it), a NUL, and
+    the failure's reason."""
+    if isinstance(error, SpmdError):
+        return f"{error.seen_by or me}\0{error.reason}"
+    return f"{me}\0{type(error).__name__}: {error}"
+
+
+def parse_abort_text(text: str) -> tuple[str | None, str]:
+    """(who saw the failure first, its reason) of an abort_text; (None, text) for text of another form."""
+    seen_by, sep, reason = text.partition("\0")
+    return (seen_by, reason) if sep else (None, text)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -94,6 +95,7 @@ class ProcessGroup:
         self.timeout = timeout
         self.backend = backend
         self.description = f"group '{name}' (ranks {self.ranks})"
+        self.host_name = socket.gethostname()      # errors name the host of the rank that raised them
         self._world_store = world_store
         self._recorder = recorder
         self.observers = observers if observers is not None else CollectiveObservers()
@@ -269,19 +271,20 @@ class ProcessGroup:
 
     def _explain(self, error: BaseException, fingerprint: Fingerprint) -> BaseException:
         """Give a transport's error its context: rank, op, group, and for timeouts what the others are doing."""
-        where = f"spmd: {fingerprint.describe()} on {self.description}, rank {self.global_rank}"
+        where = f"spmd: {fingerprint.describe()} on {self.description}, rank {self.global_rank} on {self.host_name}"
         if isinstance(error, CommTimeoutError):
             try:
                 statuses = collect_statuses(self._world_store, self.ranks)
             except (StoreError, OSError) as store_error:
-                return CommTimeoutError(f"{where}: timed out after {self.timeout:.1f}s; the store could not be "
-                                        f"asked what the other ranks are doing ({store_error})")
+                reason = (f"timed out after {self.timeout:.1f}s; the store could not be asked what the other ranks "
+                          f"are doing ({store_error})")
+                return CommTimeoutError(f"{where}: {reason}", reason=reason)
             missing, lines = describe_stragglers(self.name, self.ranks, fingerprint, statuses)
-            return CommTimeoutError(
-                f"{where}: timed out after {self.timeout:.1f}s. Ranks that never entered it: {missing}.\n  "
-                + "\n  ".join(lines))
+            reason = f"timed out after {self.timeout:.1f}s. Ranks that never entered it: {missing}.\n  " + "\n  ".join(
+                lines)
+            return CommTimeoutError(f"{where}: {reason}", reason=reason)
         if isinstance(error, SpmdError):
-            return type(error)(f"{where}: {error}")
+            return type(error)(error.explained(where), reason=error.reason, seen_by=error.seen_by)
         if isinstance(error, (ValueError, TypeError)):
             return error
         return CommError(f"{where}: {type(error).__name__}: {error}")

@@ -49,6 +49,8 @@ from spmd._core.errors import (
     PeerLostError,
     StoreError,
     StoreTimeoutError,
+    abort_text,
+    parse_abort_text,
 )
 from spmd.comm.reduce_op import ReduceOp, finish_average
 from spmd.comm.store.base import Store
@@ -193,11 +195,13 @@ class TorchProcessGroupTransport(Transport):
         try:
             if not self.spec.store.check([_ABORT_KEY]):
                 return None
-            kind, _, reason = self.spec.store.get(_ABORT_KEY).decode().partition(":")
+            kind, _, text = self.spec.store.get(_ABORT_KEY).decode().partition(":")
         except (StoreError, OSError):     # the store went away with its rank: there is no news to read
             return None
         error_class = _PROPAGATED.get(kind, GroupAbortedError)
-        return error_class(f"{what} on {self._desc}: {reason}")
+        seen_by, reason = parse_abort_text(text)
+        return error_class(f"{what} on {self._desc}: {seen_by} aborted the group: {reason}", reason=reason,
+                           seen_by=seen_by)
 
     def _fail_group(self, error: BaseException) -> None:
         """Remember the first failure, abort the torch group so peers fail fast, fail P2P in flight."""
@@ -358,8 +362,8 @@ class TorchProcessGroupTransport(Transport):
     def abort(self, error: BaseException) -> None:
         """Fail this rank's ops and leave the reason in the group's store, where the peers' waits look."""
         try:     # first: a peer that sees this rank's connections close looks here for the reason
-            self.spec.store.compare_set(_ABORT_KEY, "", f"{type(error).__name__}:rank {self.spec.global_rank} "
-                                                        f"aborted the group: {error}")
+            self.spec.store.compare_set(_ABORT_KEY, "", f"{type(error).__name__}:"
+                                                        f"{abort_text(error, self.spec.where(self.group_rank))}")
         except Exception:    # a store that is gone can't carry the news; the peers see a lost peer instead
             pass
         self._fail_group(error)

@@ -39,11 +39,10 @@ from torch import Tensor
 from spmd._core.deadline import Deadline
 from spmd._core.errors import (
     CollectiveMismatchError,
-    CommError,
     CommTimeoutError,
-    GroupAbortedError,
     PeerLostError,
     StoreTimeoutError,
+    abort_text,
 )
 from spmd.comm.debug import Fingerprint, mismatch_message
 from spmd.comm.reduce_op import ReduceOp, reduce_into
@@ -566,8 +565,7 @@ class LocalShmTransport(Transport):
     def abort(self, error: BaseException) -> None:
         if self.segment is not None:
             kind = ABORT_PEER_LOST if isinstance(error, PeerLostError) else ABORT_OTHER
-            self.segment.set_abort(kind, str(error) if isinstance(error, (CommError, GroupAbortedError))
-                                   else f"{type(error).__name__}: {error}")
+            self.segment.set_abort(kind, abort_text(error, self.spec.where(self.group_rank)))
         self._p2p.fail(error)
 
     def close(self) -> None:

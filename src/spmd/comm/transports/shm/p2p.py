@@ -376,8 +376,8 @@ class P2PEngine:
                 involved |= {src for src, message in enumerate(self._incoming) if message is not None}
             dead = segment.dead_peer(sorted(involved))
             if dead is not None:
-                error = PeerLostError(f"point-to-point on rank {self._spec.global_rank}: "
-                                      f"{segment.peer_lost_message(dead)}")
+                lost = segment.peer_lost_message(dead)
+                error = PeerLostError(f"point-to-point on rank {self._spec.global_rank}: {lost}", reason=lost)
         if error is not None:
             self.fail(error)
 
@@ -516,8 +516,9 @@ class P2PEngine:
                 peer_memory.read(segment.pids[src], address, message.address, message.nbytes)
             except OSError as error:
                 if segment.dead_peer([src]) is not None:
-                    raise PeerLostError(f"point-to-point on rank {self._spec.global_rank}: "
-                                        f"{segment.peer_lost_message(src)}") from error
+                    lost = segment.peer_lost_message(src)
+                    raise PeerLostError(f"point-to-point on rank {self._spec.global_rank}: {lost}",
+                                        reason=lost) from error
                 raise CommError(f"recv from rank {self._spec.global_ranks[src]} on rank {self._spec.global_rank}: "
                                 f"copying {message.nbytes} bytes out of its memory failed: {error}") from error
             if segment.aborted():

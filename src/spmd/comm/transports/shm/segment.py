@@ -73,7 +73,7 @@ import torch
 from torch import Tensor
 
 from spmd._core.deadline import Deadline
-from spmd._core.errors import CommTimeoutError, GroupAbortedError, PeerLostError
+from spmd._core.errors import CommTimeoutError, GroupAbortedError, PeerLostError, parse_abort_text
 from spmd.comm.transports.shm.names import (
     NAME_PREFIX,
     SHM_DIR,
@@ -331,10 +331,12 @@ class Segment:
     def abort_error(self, what: str) -> Exception:
         """The error a wait raises once some rank aborted the group (call only when `aborted()`)."""
         aborter = self.word(_H_ABORT)
-        message = self.read_bytes(_H_ABORT_MSG, self.word(_H_ABORT_LEN)).decode(errors="replace")
+        text = self.read_bytes(_H_ABORT_MSG, self.word(_H_ABORT_LEN)).decode(errors="replace")
+        seen_by, reason = parse_abort_text(text)
+        seen_by = seen_by or f"group rank {aborter - 1}"
         if self.word(_H_ABORT_KIND) == ABORT_PEER_LOST:
-            return PeerLostError(f"{what}: {message}")
-        return GroupAbortedError(f"{what}: group rank {aborter - 1} aborted the group: {message}")
+            return PeerLostError(f"{what}: {reason} (seen first by {seen_by})", reason=reason, seen_by=seen_by)
+        return GroupAbortedError(f"{what}: {seen_by} aborted the group: {reason}", reason=reason, seen_by=seen_by)
 
     def dead_peer(self, peers: list[int] | range) -> int | None:
         """The first rank in `peers` whose process has exited (checked through /proc), or None."""
@@ -399,7 +401,8 @@ class Segment:
                 dead = self.dead_peer([peer])
                 if dead is not None:
                     words[sleeping] = 0
-                    raise PeerLostError(f"{describe()}: {self.peer_lost_message(dead)}")
+                    lost = self.peer_lost_message(dead)
+                    raise PeerLostError(f"{describe()}: {lost}", reason=lost)
             with contextlib.suppress(BlockingIOError, InterruptedError):   # BlockingIOError: SO_RCVTIMEO passed
                 self._wake.recv(16)
             words[sleeping] = 0
@@ -407,8 +410,8 @@ class Segment:
                 return
 
     def peer_lost_message(self, peer: int) -> str:
-        return (f"rank {self.global_ranks[peer]} (group rank {peer}, pid {self.pids[peer]}) died; the group "
-                f"can't continue")
+        return (f"rank {self.global_ranks[peer]} on {socket.gethostname()} (group rank {peer}, pid "
+                f"{self.pids[peer]}) died; the group can't continue")
 
 
 def wake_socket(address: bytes) -> socket.socket:

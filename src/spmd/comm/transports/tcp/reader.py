@@ -25,6 +25,7 @@ from spmd._core.errors import (
     GroupAbortedError,
     PeerLostError,
     SpmdError,
+    parse_abort_text,
 )
 from spmd.comm.debug import Fingerprint, mismatch_message
 from spmd.comm.transports.base import Transport, TransportSpec
@@ -98,7 +99,7 @@ class Router(Transport):
         self._closing = False
 
     @abc.abstractmethod
-    def _fail(self, error: SpmdError, origin: int | None = None, reason: str | None = None) -> None:
+    def _fail(self, error: SpmdError, origin: int | None = None) -> None:
         """Fail everything in flight on this rank with `error`, and send every peer an ABORT frame."""
 
     def _register(self, peer: int, sock: socket.socket) -> None:
@@ -129,9 +130,11 @@ class Router(Transport):
                 elif kind == Kind.P2P:
                     self._on_message(peer, seq, key.decode(), nbytes)
                 elif kind == Kind.ABORT and nbytes <= wire.MAX_ABORT_REASON:
-                    reason = wire.recv_bytes(sock, nbytes).decode(errors="replace")
+                    seen_by, reason = parse_abort_text(wire.recv_bytes(sock, nbytes).decode(errors="replace"))
+                    seen_by = seen_by or f"rank {seq}"
                     error_type = _ERROR_TYPES.get(key.decode(errors="replace"), GroupAbortedError)
-                    self._fail(error_type(f"rank {seq} aborted {self._desc}: {reason}"), origin=seq, reason=reason)
+                    self._fail(error_type(f"{seen_by} aborted {self._desc}: {reason}", reason=reason,
+                                          seen_by=seen_by), origin=seq)
                 elif kind == Kind.BYE:
                     with self._lock:
                         peer.left = True
@@ -152,16 +155,16 @@ class Router(Transport):
             stranded = self._take_p2p_recvs(peer.group_rank)
             self._cond.notify_all()
         lost = self._left_error(peer) if left else PeerLostError(
-            f"lost the connection to rank {peer.global_rank} of {self._desc}: its process died or the connection "
-            f"broke ({type(error).__name__}: {error})")
+            f"lost the connection to {self.spec.where(peer.group_rank)} of {self._desc}: its process died or the "
+            f"connection broke ({type(error).__name__}: {error})")
         for work in stranded:
             work.to_failed(copy_error(lost))
         if not left:
             self._fail(lost)
 
     def _left_error(self, peer: Peer) -> PeerLostError:
-        return PeerLostError(f"rank {peer.global_rank} has left {self._desc} (it destroyed the group) while "
-                             f"rank {self.spec.global_rank} still needs it")
+        return PeerLostError(f"{self.spec.where(peer.group_rank)} has left {self._desc} (it destroyed the group) "
+                             f"while {self.spec.where(self.group_rank)} still needs it")
 
     def _on_piece(self, peer: Peer, seq: int, key: bytes, site: bytes, nbytes: int) -> None:
         """A collective piece arrived: receive it into its posted slot, or keep it until one is posted."""
@@ -278,7 +281,7 @@ def _decode_fingerprint(key: bytes, site: bytes) -> Fingerprint:
 
 def copy_error(error: SpmdError) -> SpmdError:
     """A fresh instance to raise on this thread (one exception object raised on many threads mixes tracebacks)."""
-    return type(error)(str(error))
+    return type(error)(str(error), reason=error.reason, seen_by=error.seen_by)
 
 
 def _p2p_problem(posted: P2PRecv, dtype: str, nbytes: int, src: int) -> CommError | None:

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from spmd._core.deadline import Deadline
-from spmd._core.errors import CommTimeoutError, GroupAbortedError, PeerLostError, SpmdError
+from spmd._core.errors import CommTimeoutError, GroupAbortedError, PeerLostError, SpmdError, abort_text
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.transports.base import OpContext, TransportSpec
 from spmd.comm.transports.tcp import algorithms, wire
@@ -152,8 +152,8 @@ class TcpTransport(Router):
             except OSError as error:
                 if self._error is not None:
                     raise copy_error(self._error) from None
-                lost = PeerLostError(f"lost the connection to rank {peer.global_rank} of {self._desc} while "
-                                     f"sending ({type(error).__name__}: {error})")
+                lost = PeerLostError(f"lost the connection to {self.spec.where(peer.group_rank)} of {self._desc} "
+                                     f"while sending ({type(error).__name__}: {error})")
                 self._fail(lost)
                 raise copy_error(lost) from None
 
@@ -281,7 +281,8 @@ class TcpTransport(Router):
                 wire.send_frame(peer.sock, header, view, None, self._is_failed)
         except OSError as error:
             failure = self._error or PeerLostError(
-                f"send to rank {peer.global_rank} of {self._desc} failed ({type(error).__name__}: {error})")
+                f"send to {self.spec.where(peer.group_rank)} of {self._desc} failed ({type(error).__name__}: "
+                f"{error})")
             work.to_failed(copy_error(failure))
             self._fail(failure)
             return
@@ -304,11 +305,12 @@ class TcpTransport(Router):
 
     # -- lifetime -----------------------------------------------------------------------------------------------
 
-    def _fail(self, error: SpmdError, origin: int | None = None, reason: str | None = None) -> None:
+    def _fail(self, error: SpmdError, origin: int | None = None) -> None:
         """Fail everything in flight on this rank with `error`, and send every peer an ABORT frame.
 
-        An abort received from a peer is passed on too (with its `origin` rank and `reason`), so a peer that
-        next sees this rank's connection close has already read why.
+        An abort received from a peer is passed on too (with its `origin` rank, and the rank that saw the
+        failure first inside the frame: errors.abort_text), so a peer that next sees this rank's connection
+        close has already read why.
         """
         with self._cond:
             if self._error is None:
@@ -331,7 +333,7 @@ class TcpTransport(Router):
             work.to_failed(copy_error(error))
         if send_aborts:
             try:
-                text = (str(error) if reason is None else reason).encode()[:wire.MAX_ABORT_REASON]
+                text = abort_text(error, self.spec.where(self.group_rank)).encode()[:wire.MAX_ABORT_REASON]
                 origin = self.spec.global_rank if origin is None else origin
                 self._send_to_all(wire.pack_header(Kind.ABORT, origin, len(text), type(error).__name__.encode()),
                                   text)
