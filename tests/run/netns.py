@@ -61,14 +61,18 @@ class TwoHosts:
 
     def argv(self, host: int, hostname: str, argv: list[str]) -> list[str]:
         """`argv` run on host 0 (A) or 1 (B) under `hostname`."""
-        return ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "--mount", "--propagation",
-                "private", "sh", "-c", PRELUDE, hostname, *argv]
+        return ["ip", "netns", "exec", self.namespaces[host], *own_host_argv(hostname, argv)]
 
     def close(self) -> None:
         for namespace in self._made:            # deleting a namespace deletes its end of the veth pair
             subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, timeout=30)
         self._made.clear()
         subprocess.run(["ip", "link", "delete", self.links[0]], capture_output=True, timeout=30)  # if never moved
+
+
+def own_host_argv(hostname: str, argv: list[str]) -> list[str]:
+    """`argv` run in this network namespace under `hostname` (with the mounts the environment asks for)."""
+    return ["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c", PRELUDE, hostname, *argv]
 
 
 def _ip(*args: str) -> None:

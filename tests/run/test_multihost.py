@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import re
 import secrets
+import socket
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -103,14 +104,17 @@ def script(tmp_path: Path, name: str, body: str) -> str:
     return str(path)
 
 
-def start_nodes(hosts: netns.TwoHosts, worker: str, *extra: str, names: tuple[str, str],
-                env: dict[str, str] | None = None) -> list[Launcher]:
-    """One agent per host (node ranks 0 and 1), two workers each, meeting at host A's address."""
-    common = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"{netns.ADDRESSES[0]}:29400",
-              "--rdzv-conf", FAST_RDZV, "--rdzv-token", secrets.token_hex(8), *extra)
-    return [Launcher(*common, "--node-rank", str(node), worker, env=env,
-                     wrap=lambda argv, node=node: hosts.argv(node, names[node], argv))
-            for node in range(2)]
+def start_nodes(wraps: list[Callable[[list[str]], list[str]]], worker: str, endpoint: str,
+                envs: list[dict[str, str]] | None = None) -> list[Launcher]:
+    """One agent per wrap (node ranks 0, 1, ...), two workers each, meeting at `endpoint`."""
+    common = ("--nnodes", str(len(wraps)), "--nproc-per-node", "2", "--rdzv-endpoint", endpoint,
+              "--rdzv-conf", FAST_RDZV, "--rdzv-token", secrets.token_hex(8))
+    return [Launcher(*common, "--node-rank", str(node), worker, env=envs[node] if envs else None, wrap=wrap)
+            for node, wrap in enumerate(wraps)]
+
+
+def on_hosts(hosts: netns.TwoHosts, names: tuple[str, str]) -> list[Callable[[list[str]], list[str]]]:
+    return [lambda argv, node=node: hosts.argv(node, names[node], argv) for node in range(2)]
 
 
 def finish_all(nodes: list[Launcher], timeout: float) -> list[int]:
@@ -132,11 +136,19 @@ def results(nodes: list[Launcher]) -> dict[int, list[str]]:
     return found
 
 
+@pytest.mark.parametrize("hosts_file", ["none", "debian"])
 def test_two_hosts_with_unresolvable_names_run_every_collective_p2p_and_ddp(
-        hosts: netns.TwoHosts, tmp_path: Path) -> None:
-    names = (f"hosta-{secrets.token_hex(3)}", f"hostb-{secrets.token_hex(3)}")   # resolvable nowhere
+        hosts: netns.TwoHosts, tmp_path: Path, hosts_file: str) -> None:
+    names = (f"hosta-{secrets.token_hex(3)}", f"hostb-{secrets.token_hex(3)}")   # resolvable nowhere ...
+    envs = None
+    if hosts_file == "debian":            # ... or, Debian-style, each host's own name is 127.0.1.1
+        envs = []
+        for name in names:
+            path = tmp_path / f"hosts-{name}"
+            path.write_text(f"127.0.0.1 localhost\n127.0.1.1 {name}\n")
+            envs.append({"SPMD_TEST_HOSTS_FILE": str(path)})
     worker = script(tmp_path, "all.py", WORKER)
-    nodes = start_nodes(hosts, worker, names=names)
+    nodes = start_nodes(on_hosts(hosts, names), worker, f"{netns.ADDRESSES[0]}:29400", envs)
     codes = finish_all(nodes, timeout=120)
     outputs = "\n".join(node.output for node in nodes)
     assert codes == [0, 0], outputs
@@ -149,3 +161,22 @@ def test_two_hosts_with_unresolvable_names_run_every_collective_p2p_and_ddp(
         assert seen == [names[0], names[0], names[1], names[1]]
         assert fields[fields.index("failed") + 1:] == [], outputs       # no check failed
         assert (backend, flat_backend) == ("shm", "tcp"), outputs
+
+
+def test_two_hosts_with_one_hostname_and_private_shm_share_memory_only_inside_each(
+        can_make_hosts: None, tmp_path: Path) -> None:
+    """Two "containers" in one network namespace, both called `node`, each with its own /dev/shm: ranks group by
+    what they can share, not by name, so the job runs hierarchically instead of failing in shm set-up."""
+    worker = script(tmp_path, "all.py", WORKER)
+    wrap = lambda argv: netns.own_host_argv("node", argv)   # noqa: E731
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{probe.getsockname()[1]}"
+    nodes = start_nodes([wrap, wrap], worker, endpoint, [{"SPMD_TEST_PRIVATE_SHM": "1"}] * 2)
+    codes = finish_all(nodes, timeout=120)
+    outputs = "\n".join(node.output for node in nodes)
+    assert codes == [0, 0], outputs
+    got = results(nodes)
+    assert sorted(got) == [0, 1, 2, 3], outputs
+    for fields in got.values():
+        assert fields[0] == "node" and fields[fields.index("failed") + 1:] == [], outputs

@@ -24,6 +24,7 @@ from spmd._core.deadline import as_seconds
 from spmd.comm.backend import torch_style_name, transport_for
 from spmd.comm.debug import FlightRecorder, StatusService
 from spmd.comm.group import CollectiveObservers, NonMemberGroup, ProcessGroup
+from spmd.comm.host import host_identity
 from spmd.comm.store.base import PrefixStore, Store
 from spmd.comm.transports.base import TransportSpec, create_transport
 
@@ -63,7 +64,7 @@ class World:
 
     def _exchange_hosts(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(host identity, hostname) of every rank: identities group ranks by host, names are for messages."""
-        host = env.host_identity() or socket.gethostname()
+        host = host_identity()
         self.store.set(f"{self.prefix}/host/{self.rank}", json.dumps([host, socket.gethostname()]))
         pairs = [json.loads(value) for value in self.store.multi_get(
             [f"{self.prefix}/host/{rank}" for rank in range(self.world_size)])]

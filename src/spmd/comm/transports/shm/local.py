@@ -194,8 +194,9 @@ class LocalShmTransport(Transport):
             except FileNotFoundError:
                 raise RuntimeError(
                     f"{what}: segment {name} of group rank 0 (rank {spec.global_ranks[0]}) is not in this "
-                    f"process's {SHM_DIR}, although both report host {spec.hosts[0]!r}. Ranks in "
-                    f"separate containers don't share memory: give each container its own SPMD_HOST_ID, or "
+                    f"process's {SHM_DIR}, although both have host identity {spec.hosts[0]!r} (SPMD_HOST_ID, "
+                    f"else hostname, boot id, {SHM_DIR} mount and namespaces). Ranks that don't share memory "
+                    f"need different identities: give each its own SPMD_HOST_ID (any label, never resolved), or "
                     f"use backend='tcp'.") from None
         try:
             segment.announce()
