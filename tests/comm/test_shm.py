@@ -613,7 +613,7 @@ def test_hierarchical_collectives_equal_the_flat_algorithm(hosts: tuple[str, ...
 
     def body(transport: Transport, rank: int) -> list[torch.Tensor]:
         assert isinstance(transport, HierarchicalTransport if len(set(hosts)) > 1 else LocalShmTransport)
-        assert transport.name == SHM
+        assert transport.name == ("shm+tcp" if len(set(hosts)) > 1 else SHM)
         results = []
         for seq, op in enumerate((spmd.ReduceOp.SUM, spmd.ReduceOp.AVG, spmd.ReduceOp.MAX)):
             t = _inputs(rank, n, torch.float64) * (rank + 1)
@@ -665,7 +665,7 @@ def _two_host_worker(rank: int, world_size: int, results: Any, store_path: str) 
         spmd.broadcast(b, src=3)
         out = torch.empty(4 * 10)
         spmd.all_gather_into_tensor(out, torch.full((10,), float(rank)))
-        results.send((rank, engine, torch.equal(t, torch.arange(300_000, dtype=torch.float64) * 10)
+        results.send((rank, engine, spmd.get_backend(), torch.equal(t, torch.arange(300_000, dtype=torch.float64) * 10)
                      and b[0].item() == 3.0 and torch.equal(out, torch.arange(4.0).repeat_interleave(10))))
     finally:
         spmd.destroy_process_group()
@@ -674,7 +674,7 @@ def _two_host_worker(rank: int, world_size: int, results: Any, store_path: str) 
 @pytest.mark.timeout(120)
 def test_two_hosts_across_processes(tmp_path) -> None:
     reports = _sorted_reports(_two_host_worker, 4, str(tmp_path / "store"))
-    assert reports == [(rank, "HierarchicalTransport", True) for rank in range(4)]
+    assert reports == [(rank, "HierarchicalTransport", "shm+tcp", True) for rank in range(4)]
 
 
 def _lost_on_other_host_worker(rank: int, world_size: int, results: Any, store_path: str) -> None:

@@ -160,7 +160,7 @@ def test_two_hosts_with_unresolvable_names_run_every_collective_p2p_and_ddp(
         assert published == netns.ADDRESSES[rank // 2]   # the agent's choice: the route to the rendezvous
         assert seen == [names[0], names[0], names[1], names[1]]
         assert fields[fields.index("failed") + 1:] == [], outputs       # no check failed
-        assert (backend, flat_backend) == ("shm", "tcp"), outputs
+        assert (backend, flat_backend) == ("shm+tcp", "tcp"), outputs   # auto: hierarchical, and what was asked
 
 
 def test_two_hosts_with_one_hostname_and_private_shm_share_memory_only_inside_each(

@@ -387,6 +387,7 @@ def get_global_rank(group: AnyGroup, group_rank: int) -> int:
 
 def get_backend(group: AnyGroup | None = None) -> str:
     """The group's backend as torch prints it ("gloo", "cpu:gloo,cuda:nccl") when it was asked for by a torch
-    name, else the transport spmd resolved ("shm", "tcp", "threads")."""
+    name, else the transport spmd resolved: "shm" (one host), "shm+tcp" (shared memory inside hosts, tcp between
+    them), "tcp", "threads"."""
     resolved = resolve_group(group, "get_backend")
     return current_world().torch_backend_names.get(resolved.name, resolved.backend)

@@ -176,8 +176,8 @@ def create_transport(backend: str, spec: TransportSpec) -> Transport:
     """Build and connect the transport named `backend` for one group (collective over the group's ranks).
 
     "shm" builds LocalShmTransport for a group on one host and HierarchicalTransport for one spanning hosts;
-    both are named "shm". A device map ("cpu:tcp,cuda:torch:nccl") builds a DeviceMapTransport over one
-    transport per entry.
+    named "shm" and "shm+tcp" (what get_backend reports). A device map ("cpu:tcp,cuda:torch:nccl") builds a
+    DeviceMapTransport over one transport per entry.
     """
     from spmd.comm.transports import device_map
 

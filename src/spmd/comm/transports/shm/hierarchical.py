@@ -34,7 +34,7 @@ from spmd.comm.work import Work
 class HierarchicalTransport(Transport):
     """Shared memory inside each host, tcp between hosts; see the module docstring for the algorithms."""
 
-    name = "shm"
+    name = "shm+tcp"       # what get_backend says: shared memory inside hosts, tcp between them
     devices = ("cpu",)
 
     def __init__(self, spec: TransportSpec) -> None:
