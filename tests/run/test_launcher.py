@@ -118,7 +118,7 @@ def test_sigkilled_worker_without_restarts_is_reported_by_rank_and_signal(tmp_pa
     assert code == 1
     assert time.monotonic() - started < 60  # rank 0 was stopped, not waited for
     summary = err[err.index("spmdrun: job failed"):]
-    assert "first failure" in summary and "rank 1 (local rank 1)" in summary and "signal SIGKILL" in summary
+    assert "root cause at" in summary and "rank 1 (local rank 1)" in summary and "signal SIGKILL" in summary
     assert "no Python traceback" in summary
 
 

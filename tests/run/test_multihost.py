@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.run import netns
-from tests.run.helpers import Launcher
+from tests.run.helpers import Launcher, is_alive, wait_until
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -180,3 +180,40 @@ def test_two_hosts_with_one_hostname_and_private_shm_share_memory_only_inside_ea
     assert sorted(got) == [0, 1, 2, 3], outputs
     for fields in got.values():
         assert fields[0] == "node" and fields[fields.index("failed") + 1:] == [], outputs
+
+
+def test_sigkill_of_one_hosts_agent_ends_the_job_fast_naming_the_lost_host(
+        hosts: netns.TwoHosts, tmp_path: Path) -> None:
+    names = (f"hosta-{secrets.token_hex(3)}", f"hostb-{secrets.token_hex(3)}")
+    worker = script(tmp_path, "loop.py", """
+        import os, time
+        import torch
+        import spmd
+        spmd.init_process_group(timeout=60)
+        t = torch.ones(10)
+        spmd.all_reduce(t)
+        print("ready", os.getpid(), flush=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            spmd.all_reduce(t)
+    """)
+    nodes = start_nodes(on_hosts(hosts, names), worker, f"{netns.ADDRESSES[0]}:29400")
+    try:
+        for node in nodes:
+            wait_until(lambda node=node: sum("ready" in line for line in node.lines) == 2, 90,
+                       f"both workers of a node to start:\n{node.output}")
+        pids = [int(line.split()[-1]) for node in nodes for line in node.lines if "ready" in line]
+        killed_at = time.monotonic()
+        nodes[1].popen.kill()                   # host B's agent dies; its workers follow it (parent-death signal)
+        code = nodes[0].finish(timeout=60)
+        took = time.monotonic() - killed_at
+    finally:
+        for node in nodes:
+            node.kill()
+    summary = nodes[0].output
+    assert code == 1, summary
+    assert took < 3 + 10, summary               # the heartbeat timeout (3s), plus the agents' own stops
+    assert f"root cause: lost {names[1]} (node " in summary and ", ranks 2-3): its agent sent no heartbeat" in summary
+    assert "no restarts are left" in summary
+    assert f"rank 2 on {names[1]}" in summary   # the survivors' workers name whom they lost, with its host
+    wait_until(lambda: not any(is_alive(pid) for pid in pids), 10, "every worker of both hosts to be gone")

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from spmd.run.failure import WorkerFailure, describe_exit, format_summary, read_error_file
+from spmd.run.failure import WorkerError, WorkerFailure, describe_exit, format_summary, read_error_file, root_cause
 from spmd.run.process import Console, WorkerGroup, WorkerSpec, _Prefixer
 from tests.run.helpers import is_alive, wait_until
 
@@ -93,7 +93,7 @@ def test_failures_read_exit_status_and_error_file(tmp_path) -> None:
     assert all(f.error is None for f in failures)
 
 
-def test_failure_summary_shows_the_first_failure_and_its_traceback(tmp_path) -> None:
+def test_failure_summary_shows_the_root_cause_and_its_traceback(tmp_path) -> None:
     error_file = tmp_path / "e.json"
     error_file.write_text('{"type": "ValueError", "message": "boom", "timestamp": 5.0, '
                           '"traceback": "Traceback (most recent call last):\\nValueError: boom\\n"}')
@@ -102,8 +102,9 @@ def test_failure_summary_shows_the_first_failure_and_its_traceback(tmp_path) -> 
     raised = WorkerFailure.from_exit(3, 1, "hostB", 42, 1, str(error_file))
     killed = WorkerFailure.from_exit(2, 0, "hostB", 41, -signal.SIGTERM, None, seen_at=9.0)
     summary = format_summary([killed, raised], "test")
-    assert "first failure at" in summary and "rank 3 (local rank 1) on host hostB, pid 42" in summary
-    assert "    ValueError: boom" in summary and "also failed: rank 2" in summary and "signal SIGTERM" in summary
+    assert "root cause at" in summary and "rank 3 (local rank 1) on host hostB, pid 42" in summary
+    assert "    ValueError: boom" in summary and "signal SIGTERM" in summary
+    assert "other failures (likely its consequences):\n    rank 2 (local rank 0) on host hostB" in summary
     assert WorkerFailure.from_json(raised.to_json()) == raised
     assert describe_exit(-99) == "signal 99" and describe_exit(0) == "exit code 0"
     alone = format_summary([killed], "test")
@@ -135,3 +136,34 @@ def test_a_progress_update_ending_in_cr_shows_while_the_worker_runs(tmp_path) ->
     finally:
         group.stop(grace=1.0)
     assert out.getvalue() == b"[rank0]: 10%\r[rank0]: 100%\n"
+
+
+def _raised(rank: int, host: str, when: float, error_type: str, message: str) -> WorkerFailure:
+    return WorkerFailure(rank, rank % 2, host, 100 + rank, 1, when, WorkerError(error_type, message, "tb", when))
+
+
+def test_the_root_cause_is_a_failure_of_its_own_not_the_earliest_report_of_a_lost_peer() -> None:
+    timeout = _raised(3, "hostB", 1.0, "CommTimeoutError", "rank 0 on hostA did not publish its address")
+    unreachable = _raised(2, "hostB", 2.0, "PeerUnreachableError", "rank 2 on hostB can't reach rank 0 on hostA")
+    lost = _raised(0, "hostA", 1.5, "PeerLostError", "lost the connection to rank 2 on hostB")
+    assert root_cause([timeout, unreachable, lost]) is unreachable
+    summary = format_summary([timeout, unreachable, lost], "test")
+    assert "root cause at" in summary and "rank 2 (local rank 0) on host hostB" in summary.splitlines()[1]
+    assert summary.splitlines()[-2:] == [f"    {lost.headline()}", f"    {timeout.headline()}"]
+
+
+def test_when_every_failure_reports_another_rank_the_one_they_name_is_the_root_cause() -> None:
+    seen = _raised(2, "hostB", 2.0, "PeerLostError", "rank 2 on hostB: rank 3 on hostB (group rank 1, pid 9) died")
+    heard = _raised(0, "hostA", 1.0, "PeerLostError", "rank 0 on hostA: rank 3 on hostB (group rank 1, pid 9) died "
+                                                      "(seen first by rank 2 on hostB)")
+    timed_out = _raised(1, "hostA", 0.5, "CommTimeoutError", "rank 1 on hostA: timed out; rank 2 never entered")
+    assert root_cause([seen, heard, timed_out]) is seen      # rank 3 did not fail by itself; rank 2 is named most
+    assert root_cause([heard, timed_out]) is timed_out      # nobody named failed: the earliest
+
+
+def test_a_lost_node_is_the_root_cause_of_every_worker_failure() -> None:
+    lost = _raised(0, "hostA", 1.0, "PeerLostError", "lost the connection to rank 2 on hostB")
+    summary = format_summary([lost], "run r; lost hostB", lost="lost hostB (node 2, ranks 2-3): no heartbeat")
+    assert summary.splitlines() == ["spmdrun: job failed (run r; lost hostB)",
+                                    "  root cause: lost hostB (node 2, ranks 2-3): no heartbeat",
+                                    "  other failures (likely its consequences):", f"    {lost.headline()}"]

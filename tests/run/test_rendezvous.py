@@ -203,3 +203,40 @@ def test_master_address_roundtrip_and_first_close_wins() -> None:
     first = job.client.close(Outcome("interrupted", "SIGINT"))
     second = job.client.close(Outcome("succeeded", "late"))
     assert first == second == Outcome("interrupted", "SIGINT")
+
+
+def test_a_node_lost_from_a_fixed_size_job_without_restarts_ends_it_naming_the_host_and_its_ranks() -> None:
+    job = Job(2, 2)
+    a, b = job.join("host0", node_rank=0), job.join("host1", node_rank=1)
+    first = job.step(0.0)
+    assert first is not None and first.world_size == 4
+    job.client.report_failures(first.number, a.node_id, [failure(0, 1.0)])  # its workers lost their peers
+    for now in (1.0, 3.0, 5.0):                  # host1's agent was killed at 0: no heartbeat from it
+        job.beat(a)
+        job.step(now)
+    assert job.client.outcome() is None          # within the heartbeat timeout (5s), b may still report
+    job.beat(a)
+    job.step(5.5)
+    outcome = job.client.outcome()
+    assert outcome is not None and outcome.status == "failed"
+    assert outcome.lost == f"lost host1 (node {b.node_id}, ranks 2-3): its agent sent no heartbeat for 5s (died, or " \
+                           "the host is unreachable)"
+    assert "no restarts are left (0 of 0 used)" in outcome.message
+    assert outcome.failures == (failure(0, 1.0),)     # the survivors' failures: consequences, reported with it
+
+
+def test_a_node_lost_with_restarts_left_is_waited_for_until_a_stated_time_then_rejoins() -> None:
+    job = Job(2, 2, max_restarts=1)
+    a, b = job.join("host0", node_rank=0), job.join("host1", node_rank=1)
+    job.step(0.0)
+    for now in (2.0, 4.0, 5.5):
+        job.beat(a)
+        paused = job.step(now)
+    assert paused is not None and paused.number == 1 and paused.nodes == ()
+    assert paused.note.startswith(f"lost host1 (node {b.node_id}, ranks 2-3): ")
+    assert "waiting until " in paused.note and "(join_timeout 30s) for 1 node(s) to join, restart 1 of 1" in paused.note
+    again = job.join("host1", node_rank=1)           # its agent is started again
+    job.beat(a)
+    resumed = job.step(6.0)
+    assert resumed is not None and resumed.number == 2 and resumed.restart_count == 1
+    assert [node.node_id for node in resumed.nodes] == [a.node_id, again.node_id]

@@ -31,7 +31,7 @@ from spmd.comm.store.base import HashStore, Store
 from spmd.comm.transports.shm.names import remove_orphan_segments
 from spmd.comm.transports.tcp.address import choose_address
 from spmd.run.config import LaunchConfig, Std
-from spmd.run.failure import WorkerFailure, first_failure, format_summary
+from spmd.run.failure import WorkerFailure, format_summary, root_cause
 from spmd.run.process import Console, Watchdog, WorkerGroup, WorkerSpec
 from spmd.run.rendezvous import Coordinator, Heartbeat, NodeInfo, Outcome, RendezvousClient, Round
 
@@ -253,7 +253,7 @@ class Agent:
         assert self.client is not None and self.me is not None
         group_rank = new.group_rank(self.me.node_id)
         if not new.nodes:
-            self._say(f"round {new.number}: too few nodes left (need {self.config.min_nodes}); waiting for more")
+            self._say(f"round {new.number}: {new.note or 'too few nodes; waiting for more'}")
             return None
         if group_rank is None:
             self._say(f"round {new.number}: the job is full ({len(new.nodes)} nodes); this node waits")
@@ -283,7 +283,7 @@ class Agent:
             failures = self.workers.failures()
             # Report before stopping the rest: the coordinator compares reports by time to find the root cause.
             self.client.report_failures(current.number, self.me.node_id, [f.to_json() for f in failures])
-            self._say(f"round {current.number}: {first_failure(failures).headline()}; stopping this node's workers")
+            self._say(f"round {current.number}: {root_cause(failures).headline()}; stopping this node's workers")
             self._stop_workers(signal.SIGTERM)
             return True
         if all(code == 0 for code in codes):
@@ -345,9 +345,10 @@ class Agent:
         self._stop_workers(signal.SIGTERM)
         if outcome.status == "succeeded":
             return 0
-        if outcome.status == "failed" and outcome.failures:
+        if outcome.status == "failed" and (outcome.failures or outcome.lost):
             failures = [WorkerFailure.from_json(failure) for failure in outcome.failures]
-            self.console.message(format_summary(failures, f"run {self.config.rdzv_id}; {outcome.message}"))
+            self.console.message(format_summary(failures, f"run {self.config.rdzv_id}; {outcome.message}",
+                                                outcome.lost))
         else:
             self._say(outcome.message)
         return 1

@@ -2,14 +2,17 @@
 
 Layer: run. The worker side (spmd.run.bootstrap) writes an error file when the user's code raises; here the agent
 turns an exit status plus that file into a WorkerFailure, ships it between nodes as JSON, and formats the
-summary a person reads: the first failing rank, its host, its exit code or signal name, and its traceback.
+summary a person reads: the root cause (its rank, host, exit code or signal name and traceback), then the failures
+that followed from it.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
+import re
 import signal
 import time
 from typing import Any
@@ -85,26 +88,52 @@ class WorkerFailure:
         return WorkerFailure(**{**data, "error": WorkerError(**error) if error else None})
 
 
-def first_failure(failures: list[WorkerFailure]) -> WorkerFailure:
-    """The root cause: the failure that happened first (others are often its consequences)."""
-    return min(failures, key=lambda failure: (failure.timestamp, failure.rank))
+# Errors that report another rank's failure or absence (a lost peer, an abort, a peer that never came) rather
+# than a failure of their own: a root cause is looked for among the other failures first.
+CONSEQUENCES = frozenset({"PeerLostError", "GroupAbortedError", "CommTimeoutError"})
+_BLAMED = re.compile(r"(?<!group )\brank (\d+)\b")
 
 
-def format_summary(failures: list[WorkerFailure], context: str) -> str:
-    """The report printed when a job fails: the first failure in full, then the others in one line each."""
-    first = first_failure(failures)
-    when = time.strftime("%H:%M:%S", time.localtime(first.timestamp))
-    lines = [f"spmdrun: job failed ({context})",
-             f"  first failure at {when}: {first.headline()}"]
-    if first.error is not None:
-        lines.append("  its traceback:")
-        lines.extend("    " + line for line in first.error.traceback.rstrip("\n").splitlines())
+def root_cause(failures: list[WorkerFailure]) -> WorkerFailure:
+    """The failure the others are consequences of: the earliest that is not a consequence type (an exception of
+    its own, a crash, a kill); else, when every failure reports another rank, the failed rank they name most;
+    else the earliest."""
+    by_time = sorted(failures, key=lambda failure: (failure.timestamp, failure.rank))
+    own = [failure for failure in by_time if failure.error is None or failure.error.type not in CONSEQUENCES]
+    if own:
+        return own[0]
+    failed = {failure.rank: failure for failure in by_time}
+    blamed = collections.Counter(rank for failure in by_time if failure.error is not None
+                                 for rank in {int(r) for r in _BLAMED.findall(failure.error.message)} - {failure.rank})
+    for rank, _ in blamed.most_common():
+        if rank in failed:
+            return failed[rank]
+    return by_time[0]
+
+
+def format_summary(failures: list[WorkerFailure], context: str, lost: str | None = None) -> str:
+    """The report printed when a job fails: the root cause in full, then the other failures, one line each.
+
+    `lost` describes nodes lost from the job (their agents died): then that is the root cause, and every worker
+    failure is a consequence."""
+    lines = [f"spmdrun: job failed ({context})"]
+    if lost is not None:
+        first = None
+        lines.append(f"  root cause: {lost}")
     else:
-        lines.append(f"  no Python traceback: the worker ended by {first.how} without raising (a crash in native "
-                     "code, os._exit, sys.exit or a kill from outside)")
-    for other in sorted(failures, key=lambda failure: failure.rank):
-        if other is not first:
-            lines.append(f"  also failed: {other.headline()}")
+        first = root_cause(failures)
+        when = time.strftime("%H:%M:%S", time.localtime(first.timestamp))
+        lines.append(f"  root cause at {when}: {first.headline()}")
+        if first.error is not None:
+            lines.append("  its traceback:")
+            lines.extend("    " + line for line in first.error.traceback.rstrip("\n").splitlines())
+        else:
+            lines.append(f"  no Python traceback: the worker ended by {first.how} without raising (a crash in "
+                         "native code, os._exit, sys.exit or a kill from outside)")
+    others = sorted((failure for failure in failures if failure is not first), key=lambda failure: failure.rank)
+    if others:
+        lines.append("  other failures (likely its consequences):")
+        lines.extend(f"    {other.headline()}" for other in others)
     return "\n".join(lines)
 
 
@@ -113,7 +142,7 @@ class ChildFailedError(SpmdError):
 
     def __init__(self, failures: list[WorkerFailure], context: str) -> None:
         self.failures = failures
-        self.first = first_failure(failures)
+        self.first = root_cause(failures)
         super().__init__(format_summary(failures, context))
 
 

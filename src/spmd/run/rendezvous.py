@@ -19,7 +19,9 @@ Protocol (keys are under `spmd/rdzv/<run id>/`):
                     the rest. All its workers succeeded: `set("round/<r>/done/<id>", "1")`.
   6. (coordinator)  every member done -> close "succeeded";
                     a member dead (heartbeat stale or `left/<id>`) -> a new round with the live nodes (no restart
-                    used; see Note: failure reports and dying nodes);
+                    used; see Note: failure reports and dying nodes); with fewer than MIN left, close "failed"
+                    naming the lost nodes when no restarts remain, else use one and wait (an empty round saying
+                    for what and until when, at most join_timeout);
                     failure -> once settled, the earliest failure of all reports is the root cause; a new round
                     (restart_count + 1) while restarts remain, else close "failed" with every report;
                     a waiting node and room below MAX (and no member done) -> a new round with it;
@@ -65,6 +67,7 @@ class Round:
     number: int
     nodes: tuple[NodeInfo, ...]
     restart_count: int
+    note: str = ""  # for a round with no nodes: why the job waits, for what and until when
 
     @property
     def world_size(self) -> int:
@@ -81,13 +84,20 @@ class Round:
         return sum(node.nproc for node in self.nodes[:group_rank])
 
     def to_json(self) -> str:
-        return json.dumps({"number": self.number, "restart_count": self.restart_count,
+        return json.dumps({"number": self.number, "restart_count": self.restart_count, "note": self.note,
                            "nodes": [dataclasses.asdict(node) for node in self.nodes]})
 
     @staticmethod
     def from_json(text: bytes | str) -> Round:
         data = json.loads(text)
-        return Round(data["number"], tuple(NodeInfo(**node) for node in data["nodes"]), data["restart_count"])
+        return Round(data["number"], tuple(NodeInfo(**node) for node in data["nodes"]), data["restart_count"],
+                     data.get("note", ""))
+
+    def describe_node(self, node: NodeInfo) -> str:
+        """'hostB (node 2, ranks 2-3)': a member as the summaries name it."""
+        offset = self.rank_offset(node.node_id)
+        ranks = f"rank {offset}" if node.nproc == 1 else f"ranks {offset}-{offset + node.nproc - 1}"
+        return f"{node.hostname} (node {node.node_id}, {ranks})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +108,7 @@ class Outcome:
     status: str
     message: str
     failures: tuple[dict[str, Any], ...] = ()  # the WorkerFailures (as JSON) reported, when status is 'failed'
+    lost: str | None = None  # the nodes whose loss ended the job (then the root cause), if that is what did
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -105,7 +116,7 @@ class Outcome:
     @staticmethod
     def from_json(text: bytes | str) -> Outcome:
         data = json.loads(text)
-        return Outcome(data["status"], data["message"], tuple(data["failures"]))
+        return Outcome(data["status"], data["message"], tuple(data["failures"]), data.get("lost"))
 
 
 class RendezvousClient:
@@ -271,16 +282,17 @@ class Coordinator:
             self._close(Outcome("succeeded", "every worker exited 0"))
             return
         alive_ids = {node.node_id for node in alive}
-        if any(node.node_id not in alive_ids for node in current.nodes):
-            self._regroup(alive, now)  # a member died or left: a membership change, not a restart
-            return
         reported = {node.node_id: json.loads(self.store.get(key)) for node in current.nodes
                     if self.store.check([key := f"round/{current.number}/failure/{node.node_id}"])}
+        failures = tuple(sorted((failure for report in reported.values() for failure in report),
+                                key=lambda failure: (failure["timestamp"], failure["rank"])))
+        lost = [node for node in current.nodes if node.node_id not in alive_ids]
+        if lost:
+            self._lose_nodes(current, lost, alive, failures, now)
+            return
         if reported:
             if self._failures_settled(current, set(reported), now):
-                self._fail_round(tuple(sorted((failure for report in reported.values() for failure in report),
-                                              key=lambda failure: (failure["timestamp"], failure["rank"]))),
-                                 alive, now)
+                self._fail_round(failures, alive, now)
         elif not any(done) and len(current.nodes) < self.max_nodes and len(alive) > len(current.nodes):
             self._publish(alive)  # a node joined late and there is room: scale up
 
@@ -314,12 +326,49 @@ class Coordinator:
                  self.max_restarts)
         self._regroup(alive, now)
 
+    def _lose_nodes(self, current: Round, lost: list[NodeInfo], alive: list[NodeInfo],
+                    failures: tuple[dict[str, Any], ...], now: float) -> None:
+        """Members died or left. With MIN nodes left the job goes on without them (a membership change, no restart
+        used). With fewer it needs a node to (re-)join. A fixed-size job with no restarts left ends now, naming
+        the lost nodes (the root cause of the worker failures reported); with restarts left it uses one and waits.
+        An elastic job waits for nodes as when it started. Waits last at most join_timeout and say for what and
+        until when."""
+        if len(alive) >= self.min_nodes:
+            self._publish(alive)
+            return
+        gone = ", ".join(current.describe_node(node) for node in lost)
+        agents = "its agent" if len(lost) == 1 else "their agents"
+        what = (f"lost {gone}: {agents} sent no heartbeat for {self.timeouts.heartbeat_timeout:g}s (died, or the "
+                f"host is unreachable)")
+        restart = ""
+        if self.min_nodes == self.max_nodes:
+            if self.restart_count >= self.max_restarts:
+                message = (f"a node was lost; {len(alive)} of the {self.min_nodes} nodes needed are left and no "
+                           f"restarts are left ({self.restart_count} of {self.max_restarts} used) to wait for a "
+                           "re-join")
+                self._close(Outcome("failed", message, failures, lost=what))
+                return
+            self.restart_count += 1
+            restart = f", restart {self.restart_count} of {self.max_restarts}"
+        note = f"{what}; waiting {self._until()} for {self.min_nodes - len(alive)} node(s) to join{restart}"
+        log.info("%s", note)
+        self._wait_for_nodes(now, note)
+
     def _regroup(self, alive: list[NodeInfo], now: float) -> None:
         """Start a new round with the live nodes, or, with too few, publish an empty round and wait for more."""
         if len(alive) >= self.min_nodes:
             self._publish(alive)
             return
-        self._write_round(Round(self.next_number, (), self.restart_count))
+        self._wait_for_nodes(now, f"too few nodes left (need {self.min_nodes}); waiting {self._until()} for more")
+
+    def _until(self) -> str:
+        """'until 15:32:10 (join_timeout 600s)': the end of a wait for nodes starting now, by the wall clock."""
+        until = time.strftime("%H:%M:%S", time.localtime(time.time() + self.timeouts.join_timeout))
+        return f"until {until} (join_timeout {self.timeouts.join_timeout:g}s)"
+
+    def _wait_for_nodes(self, now: float, note: str) -> None:
+        """Publish an empty round (every agent stops its workers and waits) that says why, and wait for nodes."""
+        self._write_round(Round(self.next_number, (), self.restart_count, note))
         self.current, self.wait_started, self.settle_started, self.failure_seen_at = None, now, None, None
 
     def _publish(self, alive: list[NodeInfo]) -> None:
