@@ -105,11 +105,12 @@ def script(tmp_path: Path, name: str, body: str) -> str:
 
 
 def start_nodes(wraps: list[Callable[[list[str]], list[str]]], worker: str, endpoint: str,
-                envs: list[dict[str, str]] | None = None) -> list[Launcher]:
-    """One agent per wrap (node ranks 0, 1, ...), two workers each, meeting at `endpoint`."""
+                envs: list[dict[str, str]] | None = None, flags: list[tuple[str, ...]] | None = None) -> list[Launcher]:
+    """One agent per wrap (node ranks 0, 1, ...), two workers each, meeting at `endpoint`; `flags` per node."""
     common = ("--nnodes", str(len(wraps)), "--nproc-per-node", "2", "--rdzv-endpoint", endpoint,
               "--rdzv-conf", FAST_RDZV, "--rdzv-token", secrets.token_hex(8))
-    return [Launcher(*common, "--node-rank", str(node), worker, env=envs[node] if envs else None, wrap=wrap)
+    return [Launcher(*common, "--node-rank", str(node), *(flags[node] if flags else ()), worker,
+                     env=envs[node] if envs else None, wrap=wrap)
             for node, wrap in enumerate(wraps)]
 
 
@@ -217,3 +218,22 @@ def test_sigkill_of_one_hosts_agent_ends_the_job_fast_naming_the_lost_host(
     assert "no restarts are left" in summary
     assert f"rank 2 on {names[1]}" in summary   # the survivors' workers name whom they lost, with its host
     wait_until(lambda: not any(is_alive(pid) for pid in pids), 10, "every worker of both hosts to be gone")
+
+
+def test_a_published_address_that_does_not_reach_fails_in_seconds_naming_both_hosts_and_the_fix(
+        hosts: netns.TwoHosts, tmp_path: Path) -> None:
+    names = (f"hosta-{secrets.token_hex(3)}", f"hostb-{secrets.token_hex(3)}")
+    worker = script(tmp_path, "all.py", WORKER)
+    wrong = ("--local-addr", "10.200.0.99", "--master-addr", netns.ADDRESSES[0])   # host A's workers publish .99
+    started = time.monotonic()
+    nodes = start_nodes(on_hosts(hosts, names), worker, f"{netns.ADDRESSES[0]}:29400", flags=[wrong, ()])
+    codes = finish_all(nodes, timeout=90)
+    took = time.monotonic() - started
+    outputs = "\n".join(node.output for node in nodes)
+    assert codes == [1, 1], outputs
+    assert took < 45, outputs                      # not the group timeout (60s here, 600s by default)
+    summary = nodes[1].output[nodes[1].output.index("spmdrun: job failed"):]
+    root = summary.splitlines()[1]
+    assert "root cause at" in root and f"on host {names[1]}" in root and "PeerUnreachableError" in root, summary
+    assert f"on {names[1]} can't reach rank 0 on {names[0]} at 10.200.0.99:" in root, summary
+    assert f"{names[0]} chose that address from SPMD_SOCKET_ADDR. On {names[0]}, set SPMD_SOCKET_ADDR=" in root
