@@ -53,6 +53,12 @@ WORKER = """
     exchanged = torch.empty(4)
     spmd.all_to_all_single(exchanged, torch.arange(4.0) + 10 * rank)
     checks["all_to_all"] = exchanged.tolist() == [10.0 * i + rank for i in range(4)]
+    gathered_at = [torch.empty(2) for _ in range(world)] if rank == 1 else None
+    spmd.gather(torch.full((2,), float(rank)), gathered_at, dst=1)
+    checks["gather"] = rank != 1 or [g[0].item() for g in gathered_at] == [0.0, 1.0, 2.0, 3.0]
+    piece = torch.empty(2)
+    spmd.scatter(piece, [torch.full((2,), 10.0 + i) for i in range(world)] if rank == 2 else None, src=2)
+    checks["scatter"] = piece.eq(10.0 + rank).all().item()
     objects = [None] * world
     spmd.all_gather_object(objects, socket.gethostname())
     # point to point on a ring: 0->1 and 2->3 inside a host, 1->2 and 3->0 across
@@ -237,3 +243,36 @@ def test_a_published_address_that_does_not_reach_fails_in_seconds_naming_both_ho
     assert "root cause at" in root and f"on host {names[1]}" in root and "PeerUnreachableError" in root, summary
     assert f"on {names[1]} can't reach rank 0 on {names[0]} at 10.200.0.99:" in root, summary
     assert f"{names[0]} chose that address from SPMD_SOCKET_ADDR. On {names[0]}, set SPMD_SOCKET_ADDR=" in root
+
+
+def test_an_elastic_job_grows_when_the_second_host_joins_late(hosts: netns.TwoHosts, tmp_path: Path) -> None:
+    names = (f"hosta-{secrets.token_hex(3)}", f"hostb-{secrets.token_hex(3)}")
+    worker = script(tmp_path, "grow.py", """
+        import os, time
+        if os.environ["WORLD_SIZE"] == "2":     # host A alone: wait to be replaced by the grown round
+            print("alone", flush=True)
+            time.sleep(120)
+            raise SystemExit(1)
+        import torch
+        import spmd
+        spmd.init_process_group(timeout=60)
+        t = torch.ones(4)
+        spmd.all_reduce(t)
+        print("grown", spmd.get_rank(), t[0].item(), spmd.get_backend(), flush=True)
+        spmd.destroy_process_group()
+    """)
+    common = ("--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-endpoint", f"{netns.ADDRESSES[0]}:29400",
+              "--rdzv-conf", FAST_RDZV, "--rdzv-token", secrets.token_hex(8), worker)
+    first = Launcher(*common, wrap=lambda argv: hosts.argv(0, names[0], argv))
+    nodes = [first]
+    try:
+        wait_until(lambda: sum("alone" in line for line in first.lines) == 2, 60, f"host A alone:\n{first.output}")
+        nodes.append(Launcher(*common, wrap=lambda argv: hosts.argv(1, names[1], argv)))
+        codes = finish_all(nodes, timeout=90)
+    finally:
+        for node in nodes:
+            node.kill()
+    outputs = "\n".join(node.output for node in nodes)
+    assert codes == [0, 0], outputs
+    grown = sorted(line.split("grown ", 1)[1] for line in outputs.splitlines() if "grown " in line)
+    assert grown == [f"{rank} 4.0 shm+tcp" for rank in range(4)], outputs
