@@ -226,6 +226,7 @@ def test_sigkill_of_one_hosts_agent_ends_the_job_fast_naming_the_lost_host(
     wait_until(lambda: not any(is_alive(pid) for pid in pids), 10, "every worker of both hosts to be gone")
 
 
+@pytest.mark.slow        # the 10 s a wrong address is retried (connect.REACH_S) plus two jobs' start
 def test_a_published_address_that_does_not_reach_fails_in_seconds_naming_both_hosts_and_the_fix(
         hosts: netns.TwoHosts, tmp_path: Path) -> None:
     names = (f"hosta-{secrets.token_hex(3)}", f"hostb-{secrets.token_hex(3)}")
