@@ -72,3 +72,22 @@ def test_bad_flags_exit_2_with_the_reason(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit) as exited:
         main(["--nnodes", "2", "train.py"])
     assert exited.value.code == 2 and "needs --rdzv-endpoint" in capsys.readouterr().err
+
+
+def test_the_node_address_is_local_addr_resolved_else_the_route_to_the_endpoint(monkeypatch) -> None:
+    from spmd.run.agent import LaunchError, node_address
+    from spmd.run.config import LaunchConfig
+
+    monkeypatch.delenv("SPMD_SOCKET_ADDR", raising=False)
+    monkeypatch.delenv("SPMD_SOCKET_IFNAME", raising=False)
+    multi = {"entrypoint": "x.py", "min_nodes": 2, "max_nodes": 2, "rdzv_host": "127.0.0.1"}
+    assert node_address(LaunchConfig(**multi, local_addr="localhost")) == "127.0.0.1"   # what workers publish
+    assert node_address(LaunchConfig(**multi)) == "127.0.0.1"          # the route to a loopback endpoint
+    monkeypatch.setenv("SPMD_SOCKET_IFNAME", "lo")
+    assert node_address(LaunchConfig(**{**multi, "rdzv_host": "192.0.2.1"})) == "127.0.0.1"
+    assert node_address(LaunchConfig(entrypoint="x.py")) == "127.0.0.1"
+    with pytest.raises(LaunchError, match=r"--local-addr 'no-such-node.invalid' is not an address"):
+        node_address(LaunchConfig(**multi, local_addr="no-such-node.invalid"))
+    monkeypatch.setenv("SPMD_SOCKET_IFNAME", "no-such-if0")
+    with pytest.raises(LaunchError, match="SPMD_SOCKET_IFNAME='no-such-if0' names no interface"):
+        node_address(LaunchConfig(**multi))

@@ -96,7 +96,11 @@ def node_address(config: LaunchConfig) -> str:
     """The address other nodes reach this one at: --local-addr, else (SPMD_SOCKET_ADDR, SPMD_SOCKET_IFNAME, or
     the local address of the route towards the rendezvous endpoint); loopback for a one-node job."""
     if config.local_addr is not None:
-        return config.local_addr
+        try:
+            return socket.gethostbyname(config.local_addr)   # resolved here once: workers publish an address
+        except OSError as error:
+            raise LaunchError(f"spmdrun: --local-addr {config.local_addr!r} is not an address and does not resolve "
+                              f"on {socket.gethostname()} ({error}); give an IPv4 address of this node") from None
     if not config.is_multinode:
         return "127.0.0.1"
     try:
