@@ -17,7 +17,7 @@ import struct
 from spmd._core import env
 
 SIOCGIFADDR = 0x8915          # Linux ioctl: an interface's IPv4 address
-OVERRIDES = "SPMD_SOCKET_ADDR=<this host's address> or SPMD_SOCKET_IFNAME=<interface> (spmdrun: --local-addr)"
+OVERRIDES = "SPMD_SOCKET_ADDR=<address> or SPMD_SOCKET_IFNAME=<interface> (spmdrun: --local-addr <address>)"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -132,8 +132,8 @@ class Connector:
         my_host = names[self.group_rank] if names else "this host"
         return (f"tcp transport of {self._desc}: {self.spec.where(self.group_rank)} can't reach "
                 f"{self.spec.where(peer)} at {target} within {REACH_S:g}s ({error}); {their_host} chose that "
-                f"address from {source}. On {their_host}, set {address.OVERRIDES} to an address {my_host} can "
-                f"reach")
+                f"address from {source}. On {their_host}, give an address of it that {my_host} can reach: "
+                f"{address.OVERRIDES}")
 
     def _accept_loop(self, deadline: Deadline) -> None:
         listener = self._listener
