@@ -20,6 +20,7 @@ out): DDP 4, FSDP2 4, TP 4 (Megatron's plan), PP 4 (--pp-schedule, --microbatche
     by a barrier and timed as the slowest rank's; tokens/s is the median over rounds, the ratio spmd / torch.
   - same work: each library's loss of its first step, on every rank holding one; the table shows the largest
     difference (the same weights on the same batch: zero, or rounding where the reductions differ in order).
+  - with --profile LAYOUT: cProfile of each library's steps under that layout on rank 0, after its rounds.
   - trainer overhead: examples/train_gpt.py's Trainer run for --warmup + --steps steps under each layout (its own
     model, vocabulary 256, on its corpus; no validation until the last step, no sample) with its model's and
     optimizer's methods timed: a step's wall time minus the time inside ParallelGPT.train_step, clipping,
@@ -31,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import io
 import os
 import pathlib
+import pstats
 import statistics
 import sys
 import time
@@ -96,8 +99,7 @@ def _param_groups(params: list[nn.Parameter]) -> list[dict[str, Any]]:
     """Parameters grouped by type and mesh: the optimizer's foreach kernels take one layout per list."""
     groups: dict[Any, list[nn.Parameter]] = {}
     for param in params:
-        mesh = getattr(param, "device_mesh", None)
-        groups.setdefault((type(param.data).__name__, id(mesh)), []).append(param)
+        groups.setdefault((type(param.data).__name__, getattr(param, "device_mesh", None)), []).append(param)
     return [{"params": group} for group in groups.values()]
 
 
@@ -238,7 +240,42 @@ def _throughput(name: str, world: int, args: argparse.Namespace) -> dict[str, li
     for round_ in range(args.repeats):
         for library in order if round_ % 2 == 0 else order[::-1]:
             out[library].append(_timed_block(impls[library], args.steps))   # type: ignore[union-attr]
+    if args.profile == name:
+        out["profile"] = {library: _profile(impl, args.steps, args.profile_top) for library, impl in impls.items()}
     return out
+
+
+def _package(path: str, function: str) -> str:
+    """'spmd/fsdp', 'torch/distributed', 'examples', a C function's name, or 'other Python'."""
+    for marker, label in (("/src/spmd/", "spmd/"), ("site-packages/torch/", "torch/")):
+        if marker in path:
+            return label + path.split(marker)[-1].split("/")[0].removesuffix(".py")
+    if "/examples/" in path:
+        return "examples"
+    return function if path == "~" else "other Python"
+
+
+def _profile(impl: Any, steps: int, top: int) -> str:
+    """cProfile of `steps` steps on this rank: the top functions by own time, and the own time of spmd's,
+    torch's and the examples' Python by package (every rank runs the steps; rank 0's profile is printed)."""
+    profiler = cProfile.Profile()
+    impl.barrier()
+    profiler.enable()
+    for _ in range(steps):
+        impl.step()
+    profiler.disable()
+    impl.barrier()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    by_package: dict[str, float] = {}
+    for (path, _, name), (_, _, own, _, _) in stats.stats.items():   # type: ignore[attr-defined]
+        package = _package(path, name)
+        by_package[package] = by_package.get(package, 0.0) + own
+    out.write("own time per step by package (ms; cProfile inflates Python code):\n")
+    for package, own in sorted(by_package.items(), key=lambda kv: -kv[1])[:top]:
+        out.write(f"{own / steps * 1e3:9.2f}  {package}\n")
+    stats.sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 class _Clock:
@@ -335,13 +372,21 @@ def _worker(rank: int, world: int, args: argparse.Namespace, ports: tuple[int, i
         spmd.destroy_process_group()
 
 
-def _tokens_per_s(per_rank: list[dict[str, Any]], name: str, library: str, tokens: int) -> float | str:
-    """Median over rounds of the tokens per second of the slowest rank's block (or torch's error)."""
+def _blocks(per_rank: list[dict[str, Any]], name: str, library: str) -> list[float] | str:
+    """The slowest rank's seconds of each round's block (or torch's error)."""
     first = per_rank[0]["throughput"][name][library]
     if isinstance(first, str):
         return first
-    blocks = [max(r["throughput"][name][library][i] for r in per_rank) for i in range(len(first))]
-    return statistics.median(tokens / block for block in blocks)
+    return [max(r["throughput"][name][library][i] for r in per_rank) for i in range(len(first))]
+
+
+def _ratio(spmd_blocks: list[float], torch_blocks: list[float] | str) -> str:
+    """spmd / torch tokens/s of the medians, with the range of the rounds' own ratios."""
+    if isinstance(torch_blocks, str):
+        return "-"
+    rounds = [t / s for s, t in zip(spmd_blocks, torch_blocks, strict=True)]
+    spread = f" ({min(rounds):.2f}-{max(rounds):.2f})" if len(rounds) > 1 else ""
+    return f"{statistics.median(torch_blocks) / statistics.median(spmd_blocks):.2f}{spread}"
 
 
 def _loss_difference(per_rank: list[dict[str, Any]], name: str) -> str:
@@ -360,7 +405,8 @@ def _report(args: argparse.Namespace, per_rank: list[dict[str, Any]], load_befor
           f"{args.context}; {args.world} ranks x 1 thread; spmd on shm, torch on gloo; PP {args.pp_schedule}, "
           f"{args.microbatches or 2 * args.world} microbatches; medians of {args.repeats} rounds of {args.steps} "
           f"steps; {machine_line()}")
-    print("\n| layout | spmd tokens/s | torch tokens/s | ratio | first loss, spmd - torch | trainer overhead |\n"
+    print("\n| layout | spmd tokens/s | torch tokens/s | ratio (rounds) | first loss, spmd - torch | "
+          "trainer overhead |\n"
           "|---|---:|---:|---:|---:|---:|")
     for name in args.layouts:
         shape = degrees(name, args.world)
@@ -368,9 +414,11 @@ def _report(args: argparse.Namespace, per_rank: list[dict[str, Any]], load_befor
             print(f"| {name} | needs 4 ranks | | | | |")
             continue
         label = f"{name} " + "x".join(str(n) for n in shape.values())
-        spmd_rate, torch_rate = (_tokens_per_s(per_rank, name, lib, tokens) for lib in LIBRARIES)
-        ratio = f"{spmd_rate / torch_rate:.2f}" if isinstance(torch_rate, float) else "-"
-        torch_cell = f"{torch_rate:,.0f}" if isinstance(torch_rate, float) else f"not run: {torch_rate}"
+        spmd_blocks, torch_blocks = (_blocks(per_rank, name, lib) for lib in LIBRARIES)
+        spmd_rate = statistics.median(tokens / block for block in spmd_blocks)
+        torch_cell = (f"not run: {torch_blocks}" if isinstance(torch_blocks, str) else
+                      f"{statistics.median(tokens / block for block in torch_blocks):,.0f}")
+        ratio = _ratio(spmd_blocks, torch_blocks)  # type: ignore[arg-type]
         overhead = ""
         if name in per_rank[0]["overhead"]:
             seconds, share = max((r["overhead"][name] for r in per_rank), key=lambda pair: pair[1])
@@ -379,6 +427,9 @@ def _report(args: argparse.Namespace, per_rank: list[dict[str, Any]], load_befor
               f"{overhead} |")
     with open("/proc/loadavg") as f:
         print(f"\n/proc/loadavg before: {load_before}; after: {f.read().strip()}")
+    for name in args.layouts:
+        for library, text in per_rank[0]["throughput"].get(name, {}).get("profile", {}).items():
+            print(f"\ncProfile of {library}'s {name} steps, rank 0:\n{text}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -396,6 +447,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", choices=LAYOUT_NAMES, default=None,
+                        help="after its rounds, cProfile --steps steps of each library under this layout (rank 0)")
+    parser.add_argument("--profile-top", type=int, default=25, help="rows per profile table")
     parser.add_argument("--no-overhead", action="store_true", help="skip the Trainer overhead runs")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for the whole launch")
     args = parser.parse_args(argv)
