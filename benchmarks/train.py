@@ -17,7 +17,9 @@ out): DDP 4, FSDP2 4, TP 4 (Megatron's plan), PP 4 (--pp-schedule, --microbatche
     fully_shard on its "dp" dim. A layout torch can't run here shows torch's error instead of a number.
   - timing: per layout both are built, warmed up (--warmup steps each), then --repeats rounds each time --steps
     steps of one library and then of the other (the order alternating per round), each block started and ended
-    by a barrier and timed as the slowest rank's; tokens/s is the median over rounds, the ratio spmd / torch.
+    by a barrier and timed as the slowest rank's; tokens/s is the median over rounds, the ratio spmd / torch
+    (with the range of the rounds' own ratios); beside it each library's CPU time per step and rank (all of the
+    process's threads), which a loaded machine disturbs less than wall time.
   - same work: each library's loss of its first step, on every rank holding one; the table shows the largest
     difference (the same weights on the same batch: zero, or rounding where the reductions differ in order).
   - with --profile LAYOUT: cProfile of each library's steps under that layout on rank 0, after its rounds.
@@ -211,13 +213,14 @@ def _tensor_parallel(model: nn.Module, mesh: Any) -> None:
     parallelize_module(model.head, mesh, ColwiseParallel(output_layouts=Replicate()))
 
 
-def _timed_block(impl: Any, steps: int) -> float:
+def _timed_block(impl: Any, steps: int) -> tuple[float, float]:
+    """`steps` steps between two barriers: (wall seconds, CPU seconds of this process, all its threads)."""
     impl.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         impl.step()
     impl.barrier()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def _throughput(name: str, world: int, args: argparse.Namespace) -> dict[str, list[float] | str]:
@@ -239,7 +242,9 @@ def _throughput(name: str, world: int, args: argparse.Namespace) -> dict[str, li
     order = list(impls)
     for round_ in range(args.repeats):
         for library in order if round_ % 2 == 0 else order[::-1]:
-            out[library].append(_timed_block(impls[library], args.steps))   # type: ignore[union-attr]
+            wall, cpu = _timed_block(impls[library], args.steps)
+            out[library].append(wall)
+            out.setdefault("cpu", {}).setdefault(library, []).append(cpu / args.steps)
     if args.profile == name:
         out["profile"] = {library: _profile(impl, args.steps, args.profile_top) for library, impl in impls.items()}
     return out
@@ -380,6 +385,13 @@ def _blocks(per_rank: list[dict[str, Any]], name: str, library: str) -> list[flo
     return [max(r["throughput"][name][library][i] for r in per_rank) for i in range(len(first))]
 
 
+def _cpu_per_step(per_rank: list[dict[str, Any]], name: str) -> str:
+    """Median CPU ms per step and rank of each library ("spmd / torch")."""
+    cpu = [r["throughput"][name].get("cpu", {}) for r in per_rank]
+    return " / ".join(f"{statistics.median(s for c in cpu for s in c[lib]) * 1e3:.0f}" if lib in cpu[0] else "-"
+                      for lib in LIBRARIES)
+
+
 def _ratio(spmd_blocks: list[float], torch_blocks: list[float] | str) -> str:
     """spmd / torch tokens/s of the medians, with the range of the rounds' own ratios."""
     if isinstance(torch_blocks, str):
@@ -405,13 +417,12 @@ def _report(args: argparse.Namespace, per_rank: list[dict[str, Any]], load_befor
           f"{args.context}; {args.world} ranks x 1 thread; spmd on shm, torch on gloo; PP {args.pp_schedule}, "
           f"{args.microbatches or 2 * args.world} microbatches; medians of {args.repeats} rounds of {args.steps} "
           f"steps; {machine_line()}")
-    print("\n| layout | spmd tokens/s | torch tokens/s | ratio (rounds) | first loss, spmd - torch | "
-          "trainer overhead |\n"
-          "|---|---:|---:|---:|---:|---:|")
+    print("\n| layout | spmd tokens/s | torch tokens/s | ratio (rounds) | CPU ms/step/rank spmd / torch | "
+          "first loss, spmd - torch | trainer overhead |\n|---|---:|---:|---:|---:|---:|---:|")
     for name in args.layouts:
         shape = degrees(name, args.world)
         if shape is None:
-            print(f"| {name} | needs 4 ranks | | | | |")
+            print(f"| {name} | needs 4 ranks | | | | | |")
             continue
         label = f"{name} " + "x".join(str(n) for n in shape.values())
         spmd_blocks, torch_blocks = (_blocks(per_rank, name, lib) for lib in LIBRARIES)
@@ -423,7 +434,8 @@ def _report(args: argparse.Namespace, per_rank: list[dict[str, Any]], load_befor
         if name in per_rank[0]["overhead"]:
             seconds, share = max((r["overhead"][name] for r in per_rank), key=lambda pair: pair[1])
             overhead = f"{share:.2%} ({seconds * 1e3:.2f} ms/step)"
-        print(f"| {label} | {spmd_rate:,.0f} | {torch_cell} | {ratio} | {_loss_difference(per_rank, name)} | "
+        print(f"| {label} | {spmd_rate:,.0f} | {torch_cell} | {ratio} | {_cpu_per_step(per_rank, name)} | "
+              f"{_loss_difference(per_rank, name)} | "
               f"{overhead} |")
     with open("/proc/loadavg") as f:
         print(f"\n/proc/loadavg before: {load_before}; after: {f.read().strip()}")
