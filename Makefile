@@ -18,18 +18,18 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(PY) -m pytest -q src tests
 
-# The demo trains one 500-step schedule in two pieces: FSDP2 on 2 ranks to step 250, checkpointing, then
-# tensor parallelism on 2 ranks resumed from that checkpoint (same global batch, so the same run).
+# The demo trains one 500-step schedule in two pieces: FSDP2 on 2 ranks to step 200, checkpointing, then
+# DDP on 2 ranks resumed from that checkpoint (same global batch, so the same run).
 DEMO_CHECKPOINTS := .demo/checkpoints
-DEMO_FLAGS := --width 128 --steps 500 --global-batch 16 --lr 3e-3 --log-every 25 --eval-every 125 \
-	--checkpoint-dir $(DEMO_CHECKPOINTS) --checkpoint-every 125
+DEMO_FLAGS := --width 128 --steps 500 --global-batch 16 --lr 3e-3 --log-every 25 --eval-every 100 \
+	--checkpoint-dir $(DEMO_CHECKPOINTS) --checkpoint-every 100
 
 demo: $(STAMP)
 	rm -rf $(DEMO_CHECKPOINTS)
 	$(VENV)/bin/spmdrun --standalone --nproc-per-node 2 examples/train_gpt.py $(DEMO_FLAGS) \
-		--dp-shard 2 --stop-after 250 --sample-tokens 0
+		--dp-shard 2 --stop-after 200 --sample-tokens 0
 	$(VENV)/bin/spmdrun --standalone --nproc-per-node 2 examples/train_gpt.py $(DEMO_FLAGS) \
-		--tp 2 --sequence-parallel --resume
+		--dp-replicate 2 --resume
 
 bench: $(STAMP)
 	$(PY) benchmarks/collectives.py
