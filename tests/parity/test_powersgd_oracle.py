@@ -29,8 +29,14 @@ RANK_R, STEPS, LR, SEED = 2, 5, 0.1, 7
 
 
 def _model() -> nn.Linear:
-    torch.manual_seed(0)
-    return nn.Linear(8, 6)
+    """The same Linear(8 -> 6) at every call, from its own generator: thread ranks share torch's global RNG, so a
+    draw from it could interleave with the other rank's."""
+    model = nn.Linear(8, 6)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.rand(param.shape, generator=generator) - 0.5)
+    return model
 
 
 def _batch(rank: int, step: int) -> tuple[Tensor, Tensor]:
