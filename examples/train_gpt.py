@@ -10,9 +10,12 @@ The layout is one DeviceMesh ("pp", "dp_replicate", "dp_shard", "tp") whose size
 data-parallel rank (a (dp_replicate, dp_shard) coordinate) trains on its own slice of each global batch of
 `--global-batch` sequences (default dp x batch-size x grad-accum); its TP and PP peers train on the same slice.
 The global batch is drawn from a generator seeded by the step, so every layout of the same global batch trains
-on the same tokens and, in fp32, to the same losses. Rank 0 prints a progress line with the training loss (the
-mean over the global batch) and tokens/s, the validation loss every --eval-every steps, and finally a sample of
-generated text.
+on the same tokens and, in fp32, to the same losses. With --checkpoint-dir the run saves in the background every
+--checkpoint-every steps and at its end (examples/checkpointing.py), and --resume continues from the newest
+complete checkpoint under any layout. Rank 0 prints a header (layout, predicted memory per rank, FLOPs per token,
+the measured matmul peak), a progress line with the training loss (the mean over the global batch), tokens/s,
+the FLOP/s fraction of the peak and peak RSS, the validation loss every --eval-every steps, a summary (measured
+against predicted memory, compute against exposed communication) and finally a sample of generated text.
 """
 
 from __future__ import annotations
@@ -181,7 +184,8 @@ class StepTimes:
 
 
 class Trainer:
-    """The training loop: data slicing, the learning-rate schedule, logging, validation and the final sample."""
+    """The training loop: data slicing, the learning-rate schedule, checkpoints and resuming, logging with the
+    memory and FLOP/s accounting, validation, the final summary and sample."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
