@@ -46,6 +46,7 @@ class _Client:
         self.address = f"{host}:{port}"
         self._lock = threading.Lock()
         self._buf = bytearray()
+        self._scratch = memoryview(bytearray(wire.RECV_CHUNK))   # every recv lands here: no allocation per read
         self._sock_timeout: float | None = -1.0
         self._closed = False
         self._pid = os.getpid()
@@ -110,24 +111,23 @@ class _Client:
     def _read_reply(self, sock: socket.socket, max_size: int = wire.MAX_FRAME) -> tuple[int, list[bytes]]:
         buf = self._buf
         while len(buf) < wire.HEADER.size:
-            self._recv_more(sock, buf)
+            self._recv_more(sock)
         size, status = wire.HEADER.unpack_from(buf)
         if size > max_size:
             raise ConnectionError(f"a {size}-byte reply, over the limit of {max_size}; is {self.address} an spmd "
                                   f"store?")
         end = wire.HEADER.size + size
         while len(buf) < end:
-            self._recv_more(sock, buf)
+            self._recv_more(sock)
         body = bytes(buf[wire.HEADER.size:end])
         del buf[:end]
         return status, wire.split_fields(body)
 
-    @staticmethod
-    def _recv_more(sock: socket.socket, buf: bytearray) -> None:
-        chunk = sock.recv(wire.RECV_CHUNK)
-        if not chunk:
+    def _recv_more(self, sock: socket.socket) -> None:
+        size = sock.recv_into(self._scratch)
+        if not size:
             raise ConnectionError("the server closed the connection")
-        buf += chunk
+        self._buf += self._scratch[:size]
 
     def call(self, op: int, fields: Sequence[bytes], reply_within: float | None, what: str) -> tuple[int, list[bytes]]:
         """Send one request and return (status, fields); StoreError if the connection fails or stays silent.

@@ -118,6 +118,7 @@ class StoreServer:
         self._listeners, self.local_host = self._bind(host, port)
         self.port: int = self._listeners[0].getsockname()[1]
         self.addresses = [sock.getsockname()[0] for sock in self._listeners]
+        self._scratch = memoryview(bytearray(wire.RECV_CHUNK))   # every recv lands here: no allocation per read
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._selector = selectors.DefaultSelector()
@@ -291,15 +292,15 @@ class StoreServer:
 
     def _read(self, conn: _Conn) -> None:
         try:
-            data = conn.sock.recv(wire.RECV_CHUNK if conn.authed else wire.MAX_HELLO)
+            size = conn.sock.recv_into(self._scratch, wire.RECV_CHUNK if conn.authed else wire.MAX_HELLO)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
-        if not data:
+            size = 0
+        if not size:
             self._drop(conn)
             return
-        conn.inbuf += data
+        conn.inbuf += self._scratch[:size]
         self._process(conn)
 
     def _process(self, conn: _Conn) -> None:
