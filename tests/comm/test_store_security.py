@@ -23,7 +23,7 @@ import pytest
 
 from spmd._core.errors import StoreError, StoreTimeoutError
 from spmd.comm import world
-from spmd.comm.store import tcp_server
+from spmd.comm.store import tcp, tcp_server
 from spmd.comm.store import tcp_wire as wire
 from spmd.comm.store.tcp import TCPStore
 
@@ -265,6 +265,54 @@ def test_malformed_timeouts_get_an_error_and_keep_other_deadlines(master: TCPSto
         stranger.sendall(wire.frame(wire.NUM_KEYS, []))
         assert _read_frame(stranger)[0] == wire.OK   # the stranger's connection survived its bad requests
     client.close()
+
+
+def _silent_server(answered: int) -> tuple[socket.socket, threading.Thread]:
+    """A tokenless listener that completes the handshake, answers `answered` requests with OK, then only reads."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+
+    def serve() -> None:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            conn.settimeout(10)
+            try:
+                _, (_, client_nonce, _) = _read_frame(conn)
+                server_nonce = secrets.token_bytes(wire.NONCE_BYTES)
+                conn.sendall(wire.frame(wire.OK, [server_nonce]))
+                _read_frame(conn)
+                conn.sendall(wire.frame(wire.OK, [wire.proof(b"", wire.SERVER_SIDE, server_nonce, client_nonce)]))
+                for _ in range(answered):
+                    _read_frame(conn)
+                    conn.sendall(wire.frame(wire.OK, [b"1"]))
+                while conn.recv(4096):
+                    pass
+            except (OSError, AssertionError):
+                return
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+def test_server_that_stops_answering_fails_the_call_after_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tcp, "_REPLY_GRACE_S", 0.3)
+    listener, thread = _silent_server(answered=1)   # the constructor's join add() is answered
+    try:
+        client = TCPStore("127.0.0.1", listener.getsockname()[1], timeout=0.2)
+        start = time.monotonic()
+        with pytest.raises(StoreError, match=r"no reply to add\(k\) within 0\.5s; the store server is not"):
+            client.add("k", 1)
+        assert 0.4 < time.monotonic() - start < 3.0
+        with pytest.raises(StoreError, match="its connection was lost earlier"):
+            client.add("k", 1)   # the stream may hold a late reply: the connection is not reused
+        client.close()
+    finally:
+        listener.close()
+        thread.join(timeout=10)
 
 
 def test_infinite_timeout_parks_without_a_deadline(master: TCPStore) -> None:

@@ -14,6 +14,7 @@ import hmac
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -29,6 +30,7 @@ from spmd.comm.store.tcp_server import StoreServer
 _REPLY_GRACE_S = 10.0     # how much longer than a blocking call's own timeout a client waits for its reply
 _FOREVER_S = 1e7          # a socket timeout at least this long (116 days; inf, 1e300) is no timeout at all
 _JOIN_KEY = "spmd_store/joined"   # counts the clients that joined, for wait_for_workers (torch keeps one too)
+_TIMEVAL = struct.Struct("@ll")   # struct timeval, for the kernel's socket timeouts
 
 
 class _Refused(Exception):
@@ -67,6 +69,7 @@ class _Client:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     sock.settimeout(max(0.05, min(deadline.remaining(), 10.0)))
                     self._handshake(sock, token)
+                    sock.settimeout(None)   # blocking from now on: calls bound their waits with _bound_waits
                     return sock
                 except _Refused as refusal:
                     sock.close()
@@ -150,11 +153,11 @@ class _Client:
                                  f"{'(close() was called)' if self._closed else '(its connection was lost earlier)'}")
             try:
                 if reply_within != self._sock_timeout:
-                    sock.settimeout(reply_within)
+                    self._bound_waits(sock, reply_within)
                     self._sock_timeout = reply_within
                 sock.sendall(frame)
                 return self._read_reply(sock)
-            except TimeoutError:
+            except (TimeoutError, BlockingIOError):   # BlockingIOError: a kernel timeout of _bound_waits ran out
                 self._break()
                 raise StoreError(f"TCPStore {self.address}: no reply to {wire.OP_NAMES[op]}({what}) within "
                                  f"{reply_within:.1f}s; the store server is not responding") from None
@@ -169,6 +172,18 @@ class _Client:
             except BaseException:
                 self._break()   # interrupted (KeyboardInterrupt) between request and reply: the stream is unusable
                 raise
+
+    @staticmethod
+    def _bound_waits(sock: socket.socket, seconds: float | None) -> None:
+        """Bound each send and recv on the blocking `sock` by `seconds` (None: unbounded) in the kernel.
+
+        SO_RCVTIMEO/SO_SNDTIMEO rather than a Python socket timeout, which polls before every send and recv: two
+        more system calls per request.
+        """
+        whole, fraction = divmod(seconds or 0.0, 1.0)   # a zero timeval is no bound
+        timeval = _TIMEVAL.pack(int(whole), int(fraction * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
     def _break(self) -> None:
         sock, self._sock = self._sock, None
