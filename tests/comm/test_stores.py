@@ -24,6 +24,7 @@ import pytest
 
 from spmd._core.errors import StoreError, StoreTimeoutError
 from spmd.comm.store import tcp_server as tcp_store_server
+from spmd.comm.store import tcp_wire as wire
 from spmd.comm.store.base import HashStore, PrefixStore, Store
 from spmd.comm.store.file import FileStore
 from spmd.comm.store.tcp import TCPStore
@@ -538,6 +539,53 @@ def test_processes_adding_to_tcp_and_file_stores_lose_nothing(tmp_path: os.PathL
     finally:
         _stop(procs)
         checker.close()
+        master.close()
+
+
+_SETTER_SCRIPT = textwrap.dedent("""
+    import os, sys
+    from spmd.comm.store.tcp import TCPStore
+    store = TCPStore("127.0.0.1", int(sys.argv[1]), timeout=60)
+    for i in range(2000):
+        store.set(f"k/{i}", str(i))
+    store.multi_set(["last/a", "last/b"], ["a", "b"])
+    os._exit(0)   # no close(), no finalizer: what the kernel sent before the exit must still be applied
+""")
+
+
+def test_unanswered_sets_are_applied_in_order_even_if_the_process_exits_at_once() -> None:
+    master = _master(timeout=60)
+    proc = _python(_SETTER_SCRIPT, str(master.port))
+    try:
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert master.multi_get(["last/a", "last/b"]) == [b"a", b"b"]
+        assert all(master.get(f"k/{i}") == str(i).encode() for i in range(2000))
+    finally:
+        _stop([proc])
+        master.close()
+
+
+def test_unanswered_set_is_seen_by_its_own_next_call_and_its_failure_reported_by_it() -> None:
+    master = _master()
+    client = TCPStore("127.0.0.1", master.port, timeout=10)
+    try:
+        for i in range(100):
+            client.set("k", str(i))
+            assert client.compare_set("k", str(i), "seen") == b"seen"   # the set before it was applied first
+
+        def broken(conn: object, fields: list[bytes]) -> None:
+            raise RuntimeError("injected")
+
+        master._server._handlers[wire.SET] = broken
+        client.set("lost", "v")   # returns: the failure comes back later
+        with pytest.raises(StoreError, match=r"an earlier request .* set failed: server error: RuntimeError\('injected'"
+                                             r"\) \(reported by add\(n\), which was served\)"):
+            client.add("n", 1)
+        assert client.add("n", 1) == 2   # the connection stays usable and in step
+        assert not client.check(["lost"])
+    finally:
+        client.close()
         master.close()
 
 

@@ -135,7 +135,9 @@ class _Client:
     def call(self, op: int, fields: Sequence[bytes], reply_within: float | None, what: str) -> tuple[int, list[bytes]]:
         """Send one request and return (status, fields); StoreError if the connection fails or stays silent.
 
-        A request over tcp_wire.MAX_FRAME is a ValueError raised before anything is sent.
+        An UNANSWERED request (set, multi_set) returns (OK, []) once it is sent; if it fails on the server, a
+        later call reads the failure ahead of its own reply and raises it. A request over tcp_wire.MAX_FRAME is
+        a ValueError raised before anything is sent.
         """
         size = wire.body_size(fields)
         if size > wire.MAX_FRAME:
@@ -156,7 +158,13 @@ class _Client:
                     self._bound_waits(sock, reply_within)
                     self._sock_timeout = reply_within
                 sock.sendall(frame)
-                return self._read_reply(sock)
+                if op in wire.UNANSWERED:
+                    return wire.OK, []
+                status, reply = self._read_reply(sock)
+                failures = []
+                while status == wire.QUIET_FAILED:   # an earlier set's failure, ahead of this request's reply
+                    failures.append(reply[0].decode(errors="replace") if reply else "failed")
+                    status, reply = self._read_reply(sock)
             except (TimeoutError, BlockingIOError):   # BlockingIOError: a kernel timeout of _bound_waits ran out
                 self._break()
                 raise StoreError(f"TCPStore {self.address}: no reply to {wire.OP_NAMES[op]}({what}) within "
@@ -172,6 +180,10 @@ class _Client:
             except BaseException:
                 self._break()   # interrupted (KeyboardInterrupt) between request and reply: the stream is unusable
                 raise
+        if failures:
+            raise StoreError(f"TCPStore {self.address}: an earlier request on this connection failed on the server: "
+                             f"{'; '.join(failures)} (reported by {wire.OP_NAMES[op]}({what}), which was served)")
+        return status, reply
 
     @staticmethod
     def _bound_waits(sock: socket.socket, seconds: float | None) -> None:
@@ -230,6 +242,11 @@ class TCPStore(Store):
     "localhost" keeps the store on loopback (127.0.0.1 and ::1), a literal IP of this machine is listened on
     alone, a host name (or an address not on this machine) listens on every interface. Listening beyond
     loopback without a token logs a warning. Timeouts are non-negative seconds; inf waits forever.
+
+    `set` and `multi_set` return once their request is sent, without waiting for an answer (as torch's set):
+    this store's later calls see the write, another client sees it once the server has read it (a blocking
+    get or wait there is answered when it lands), and a failure on the server is raised by this store's next
+    call.
     """
 
     def __init__(self, host_name: str, port: int, world_size: int | None = None, is_master: bool = False,

@@ -337,12 +337,20 @@ class StoreServer:
                 if not conn.authed:
                     self._drop(conn)
                     return
-                self._reply(conn, wire.ERROR, [f"malformed request: {error}".encode()])
+                self._fail(conn, op, f"malformed request: {error}")
             except Exception as error:   # a server bug must fail one request, not every client's store
                 _log.exception("TCPStore server on port %d: request %d failed", self.port, op)
-                self._reply(conn, wire.ERROR, [f"server error: {error!r}".encode()])
+                self._fail(conn, op, f"server error: {error!r}")
             if conn not in self._conns:
                 return
+
+    def _fail(self, conn: _Conn, op: int, message: str) -> None:
+        """Answer a request that failed; an UNANSWERED one says which request it was, for its client reads it
+        ahead of a later request's reply."""
+        if op in wire.UNANSWERED:
+            self._reply(conn, wire.QUIET_FAILED, [f"{wire.OP_NAMES[op]} failed: {message}".encode()])
+        else:
+            self._reply(conn, wire.ERROR, [message.encode()])
 
     def _reply(self, conn: _Conn, status: int, fields: Sequence[bytes] = ()) -> None:
         if wire.body_size(fields) > wire.MAX_FRAME:
@@ -509,7 +517,8 @@ class StoreServer:
         for waiter in finished:       # answered last, so a client that sees its answer sees the tidy state
             self._finish(waiter)
 
-    # Handlers: one per opcode; `fields` are the request's fields.
+    # Handlers: one per opcode; `fields` are the request's fields. Each answers its request, except those in
+    # wire.UNANSWERED, which are answered only when they fail.
 
     def _hello(self, conn: _Conn, fields: list[bytes]) -> None:
         magic = fields[0]
@@ -552,7 +561,6 @@ class StoreServer:
     def _set(self, conn: _Conn, fields: list[bytes]) -> None:
         key, value = fields
         self._data[key] = value
-        self._reply(conn, wire.OK)
         self._changed(key)
 
     def _get(self, conn: _Conn, fields: list[bytes]) -> None:
@@ -605,7 +613,6 @@ class StoreServer:
             raise ValueError("multi_set needs key/value pairs")
         pairs = list(zip(fields[::2], fields[1::2]))
         self._data.update(pairs)
-        self._reply(conn, wire.OK)
         for key, _ in pairs:
             self._changed(key)
 

@@ -3,6 +3,12 @@
 Layer: comm. Nothing is ever pickled: a frame is a header (u32 body length, u8 opcode or reply status) and a
 body made of fields, each a u32 length and that many bytes; numbers travel as decimal text.
 
+Note: replies come in request order, one per request, except for the UNANSWERED requests (set, multi_set):
+those are answered only when they fail, with status QUIET_FAILED, so a client sends them and moves on (as
+torch's set does) and reads such a failure ahead of the reply to a later request. The server applies each
+connection's requests in order, so that connection's later requests see the write; another connection sees
+it once the server has read it.
+
 Note: handshake (challenge-response in both directions; the token never crosses the wire)
     client -> HELLO(MAGIC, client_nonce, b"1" if it has a token else b"0")
     server -> OK(server_nonce), or REFUSED(reason) when exactly one side has a token
@@ -33,7 +39,7 @@ from collections.abc import Sequence
 
 HEADER = struct.Struct("!IB")
 LENGTH = struct.Struct("!I")
-MAGIC = b"spmd-store/2"
+MAGIC = b"spmd-store/3"
 NONCE_BYTES = 16
 MAX_HELLO = 4096
 MAX_FRAME = 64 << 20
@@ -49,8 +55,9 @@ CLIENT_SIDE, SERVER_SIDE = b"client", b"server"
 OP_NAMES = {SET: "set", GET: "get", ADD: "add", CAS: "compare_set", WAIT: "wait", CHECK: "check",
             DELETE: "delete_key", NUM_KEYS: "num_keys", MULTI_GET: "multi_get", MULTI_SET: "multi_set",
             WAIT_COUNT: "wait_for_workers", HELLO: "connect", AUTH: "connect"}
+UNANSWERED = frozenset({SET, MULTI_SET})   # answered only when they fail (with QUIET_FAILED)
 # Reply statuses (server -> client).
-OK, TIMEOUT, ERROR, BAD_VALUE, REFUSED = range(5)
+OK, TIMEOUT, ERROR, BAD_VALUE, REFUSED, QUIET_FAILED = range(6)
 
 
 def frame(code: int, fields: Sequence[bytes]) -> bytes:
