@@ -175,6 +175,33 @@ def test_open_listener_without_token_warns_once_per_process(monkeypatch: pytest.
             store.close()
 
 
+def test_local_clients_with_a_token_use_the_unix_socket_and_tcp_still_serves(monkeypatch: pytest.MonkeyPatch,
+                                                                             master: TCPStore) -> None:
+    if sys.platform != "linux":
+        pytest.skip("abstract Unix sockets are Linux's")
+    local = TCPStore("localhost", master.port, timeout=5, token=TOKEN)
+    monkeypatch.setattr(tcp, "_LOCAL_SOCKETS", False)
+    remote = TCPStore("127.0.0.1", master.port, timeout=5, token=TOKEN)
+    try:
+        assert local._client._sock.family == socket.AF_UNIX and remote._client._sock.family == socket.AF_INET
+        local.set("k", "over unix")
+        assert remote.get("k") == b"over unix"
+        assert wire.local_name(master.port, b"other") != wire.local_name(master.port, TOKEN.encode())
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stranger:   # the name is not a way around
+            stranger.settimeout(10)
+            stranger.connect(wire.local_name(master.port, TOKEN.encode()))
+            client_nonce = secrets.token_bytes(wire.NONCE_BYTES)
+            stranger.sendall(wire.frame(wire.HELLO, [wire.MAGIC, client_nonce, b"1"]))
+            status, (server_nonce,) = _read_frame(stranger)
+            assert status == wire.OK
+            guess = wire.proof(b"guess", wire.CLIENT_SIDE, server_nonce, client_nonce)
+            stranger.sendall(wire.frame(wire.AUTH, [guess]))
+            assert _read_frame(stranger) == (wire.REFUSED, [b"wrong token"])
+    finally:
+        local.close()
+        remote.close()
+
+
 # The handshake.
 
 def _fake_server(received: bytearray) -> tuple[socket.socket, threading.Thread]:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import datetime
 import hmac
+import ipaddress
 import os
 import secrets
 import socket
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -31,6 +33,7 @@ _REPLY_GRACE_S = 10.0     # how much longer than a blocking call's own timeout a
 _FOREVER_S = 1e7          # a socket timeout at least this long (116 days; inf, 1e300) is no timeout at all
 _JOIN_KEY = "spmd_store/joined"   # counts the clients that joined, for wait_for_workers (torch keeps one too)
 _TIMEVAL = struct.Struct("@ll")   # struct timeval, for the kernel's socket timeouts
+_LOCAL_SOCKETS = sys.platform == "linux"   # a client with a token tries a loopback server's Unix socket first
 
 
 class _Refused(Exception):
@@ -61,12 +64,11 @@ class _Client:
         delay = 0.01
         while True:
             try:
-                sock = socket.create_connection((host, port), timeout=max(0.05, min(deadline.remaining(), 10.0)))
+                sock = self._open(host, port, token, max(0.05, min(deadline.remaining(), 10.0)))
             except OSError as error:
                 last_error: BaseException = error
             else:
                 try:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     sock.settimeout(max(0.05, min(deadline.remaining(), 10.0)))
                     self._handshake(sock, token)
                     sock.settimeout(None)   # blocking from now on: calls bound their waits with _bound_waits
@@ -91,6 +93,26 @@ class _Client:
                                  f"the master (rank 0 or the launcher) is running.")
             time.sleep(min(delay, deadline.remaining()))
             delay = min(delay * 2, 0.5)
+
+    @staticmethod
+    def _open(host: str, port: int, token: bytes, timeout: float) -> socket.socket:
+        """A socket connected to the server: its Unix socket (tcp_wire's note) if there is a token, `host` is
+        loopback and the server has one, else TCP."""
+        if _LOCAL_SOCKETS and token and _is_loopback(host):
+            local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            local.settimeout(timeout)
+            try:
+                local.connect(wire.local_name(port, token))
+                return local
+            except OSError:   # none: the server is elsewhere, or could not listen on it
+                local.close()
+        sock = socket.create_connection((host, port), timeout=timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            sock.close()
+            raise
+        return sock
 
     def _handshake(self, sock: socket.socket, token: bytes) -> None:
         """Prove the token to the server and check its proof (tcp_wire's handshake); raises before any request."""
@@ -223,6 +245,15 @@ class _Client:
                 self._lock.release()
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _shutdown(client: _Client, server: StoreServer | None) -> None:
     client.close()
     if server is not None:
@@ -241,7 +272,9 @@ class TCPStore(Store):
     Where the master listens follows `host_name` (tcp_server.listen_addresses): a loopback address or
     "localhost" keeps the store on loopback (127.0.0.1 and ::1), a literal IP of this machine is listened on
     alone, a host name (or an address not on this machine) listens on every interface. Listening beyond
-    loopback without a token logs a warning. Timeouts are non-negative seconds; inf waits forever.
+    loopback without a token logs a warning. With a token, a client of a loopback address talks to the server
+    over its Unix socket where it has one (Linux; tcp_wire's note). Timeouts are non-negative seconds; inf
+    waits forever.
 
     `set` and `multi_set` return once their request is sent, without waiting for an answer (as torch's set):
     this store's later calls see the write, another client sees it once the server has read it (a blocking

@@ -19,6 +19,7 @@ import os
 import secrets
 import selectors
 import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -118,6 +119,8 @@ class StoreServer:
         self._listeners, self.local_host = self._bind(host, port)
         self.port: int = self._listeners[0].getsockname()[1]
         self.addresses = [sock.getsockname()[0] for sock in self._listeners]
+        if sys.platform == "linux" and self._token is not None:
+            self._listen_local(wire.local_name(self.port, self._token))
         self._scratch = memoryview(bytearray(wire.RECV_CHUNK))   # every recv lands here: no allocation per read
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -189,6 +192,19 @@ class StoreServer:
             return listener
         assert failure is not None
         raise failure
+
+    def _listen_local(self, name: str) -> None:
+        """Also accept on the abstract Unix socket `name`, for clients on this machine (see tcp_wire)."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(name)
+            listener.listen(4096)
+        except OSError as error:   # this machine's clients then use TCP
+            listener.close()
+            _log.debug("TCPStore: no local socket for port %d: %s", self.port, error)
+            return
+        listener.setblocking(False)
+        self._listeners.append(listener)
 
     def stop(self) -> None:
         """Close every connection and the listening sockets; clients see their connection end."""
@@ -266,7 +282,8 @@ class StoreServer:
                 self._pause_accepting()
                 return
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if len(self._unauthed) >= _MAX_UNAUTHENTICATED:
                 self._drop(next(iter(self._unauthed)))   # the oldest stranger goes; a newcomer may be a rank
             conn = _Conn(sock)
