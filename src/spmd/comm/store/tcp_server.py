@@ -119,8 +119,9 @@ class StoreServer:
         self._listeners, self.local_host = self._bind(host, port)
         self.port: int = self._listeners[0].getsockname()[1]
         self.addresses = [sock.getsockname()[0] for sock in self._listeners]
-        if sys.platform == "linux" and self._token is not None:
-            self._listen_local(wire.local_name(self.port, self._token))
+        if sys.platform == "linux" and self._token is not None and any(
+                _is_loopback(address) or ipaddress.ip_address(address).is_unspecified for address in self.addresses):
+            self._listen_local(wire.local_name(self.port, self._token))   # reachable on loopback: faster there
         self._scratch = memoryview(bytearray(wire.RECV_CHUNK))   # every recv lands here: no allocation per read
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
