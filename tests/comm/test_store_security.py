@@ -397,6 +397,25 @@ def test_flood_of_silent_strangers_is_capped_and_lets_ranks_in(master: TCPStore)
             sock.close()
 
 
+def test_flood_of_strangers_that_leave_pauses_accepting_and_loses_no_rank(master: TCPStore) -> None:
+    """Strangers that connect and leave (or send garbage) cost the server's thread a bounded share: past
+    tcp_server._STRANGERS_PER_WINDOW in one window, accepting pauses until the window ends, the kernel queueing
+    newcomers meanwhile; a rank connecting during the flood still gets in and is served."""
+    server = master._server
+    count = 5 * tcp_server._STRANGERS_PER_WINDOW
+    for index in range(count):
+        with socket.create_connection(("127.0.0.1", master.port), timeout=10) as stranger:
+            if index % 2:
+                stranger.sendall(b"GET / HTTP/1.0\r\n\r\n")
+    client = TCPStore("127.0.0.1", master.port, timeout=10, token=TOKEN)
+    for i in range(20):
+        client.set(f"k{i}", str(i))
+        assert client.get(f"k{i}") == str(i).encode()
+    client.close()
+    _until(lambda: not server._unauthed)
+    assert server.stranger_pauses >= 1
+
+
 _LOW_FD_SERVER = textwrap.dedent("""
     import os, resource, sys
     resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))

@@ -33,6 +33,8 @@ _HELLO_TIMEOUT_S = wire.HELLO_TIMEOUT_S   # a connection that has not completed 
 _MAX_UNAUTHENTICATED = wire.MAX_UNAUTHENTICATED
 _ACCEPT_PAUSE_S = 0.05      # out of file descriptors with no stranger to drop: stop accepting this long
 _ACCEPTS_PER_WAKE = 64      # accept at most this many per readiness event, so a flood cannot starve the rest
+_STRANGER_WINDOW_S = 0.02   # strangers (connections gone before authenticating) are counted per window; past
+_STRANGERS_PER_WINDOW = 8   # this many in one, accepting pauses until it ends (at most 400 strangers a second)
 _MAX_SELECT_S = 60.0        # the longest the loop sleeps (a far deadline, 1e300 s, must not overflow select)
 _FD_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _warned_open_listener = False
@@ -112,8 +114,10 @@ class StoreServer:
         self._conns: set[_Conn] = set()
         self._resume: list[_Conn] = []
         self._unauthed: dict[_Conn, float] = {}   # connection -> hello deadline, oldest first
-        self._paused_until: float | None = None   # accepting paused (out of file descriptors) until then
+        self._paused_until: float | None = None   # accepting paused (out of descriptors, or a flood) until then
         self._warned_fds = False
+        self._stranger_window, self._strangers = 0.0, 0    # the current window's start and its strangers so far
+        self.stranger_pauses = 0     # how often a flood of strangers paused accepting
         self._stopping = False
         self._pid = os.getpid()
         self._listeners, self.local_host = self._bind(host, port)
@@ -268,6 +272,8 @@ class StoreServer:
 
     def _accept(self, listener: socket.socket) -> None:
         for attempt in range(_ACCEPTS_PER_WAKE):
+            if self._paused_until is not None:
+                return     # a flood was paused for in this very loop
             try:
                 sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -280,7 +286,7 @@ class StoreServer:
                 if self._unauthed:
                     self._drop(next(iter(self._unauthed)))   # a stranger's descriptor for a newcomer
                     continue
-                self._pause_accepting()
+                self._out_of_descriptors()
                 return
             sock.setblocking(False)
             if sock.family != socket.AF_UNIX:
@@ -292,16 +298,33 @@ class StoreServer:
             self._unauthed[conn] = time.monotonic() + _HELLO_TIMEOUT_S
             self._selector.register(sock, selectors.EVENT_READ, conn)
 
-    def _pause_accepting(self) -> None:
-        """Out of file descriptors and no stranger to drop: stop selecting on the listeners for a moment."""
+    def _pause_accepting(self, until: float) -> None:
+        """Stop selecting on the listeners until `until` (the kernel queues connections meanwhile)."""
+        if self._paused_until is None:
+            for listener in self._listeners:
+                self._selector.unregister(listener)
+            self._paused_until = until
+
+    def _out_of_descriptors(self) -> None:
+        """Out of file descriptors and no stranger to drop: pause accepting for a moment."""
         if not self._warned_fds:
             self._warned_fds = True
             _log.warning("TCPStore server on port %d: out of file descriptors; accepts pause until some are free "
                          "(raise `ulimit -n` if clients fail to connect)", self.port)
-        if self._paused_until is None:
-            for listener in self._listeners:
-                self._selector.unregister(listener)
-        self._paused_until = time.monotonic() + _ACCEPT_PAUSE_S
+        self._pause_accepting(time.monotonic() + _ACCEPT_PAUSE_S)
+
+    def _count_stranger(self) -> None:
+        """A connection left before authenticating (garbage, a close, a hello timeout, an eviction): past
+        _STRANGERS_PER_WINDOW in one window, accepting pauses until the window ends. A flood then costs the
+        server's thread a bounded share, and the clients it serves keep their latency; clients that authenticate
+        are never counted, so a job's ranks connecting at once are not slowed."""
+        now = time.monotonic()
+        if now - self._stranger_window >= _STRANGER_WINDOW_S:
+            self._stranger_window, self._strangers = now, 0
+        self._strangers += 1
+        if self._strangers >= _STRANGERS_PER_WINDOW and self._paused_until is None:
+            self.stranger_pauses += 1
+            self._pause_accepting(self._stranger_window + _STRANGER_WINDOW_S)
 
     def _resume_accepting(self) -> None:
         self._paused_until = None
@@ -422,6 +445,8 @@ class StoreServer:
             return
         self._conns.discard(conn)
         self._unauthed.pop(conn, None)
+        if not conn.authed and not self._stopping:
+            self._count_stranger()
         if conn.waiter is not None:
             self._unpark(conn.waiter)
         try:
