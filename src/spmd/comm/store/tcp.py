@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import hmac
-import ipaddress
 import os
 import secrets
 import socket
@@ -27,7 +26,7 @@ from spmd._core.deadline import Deadline, as_seconds
 from spmd._core.errors import StoreAuthError, StoreError
 from spmd.comm.store import tcp_wire as wire
 from spmd.comm.store.base import Store, Value, missing_keys_error, to_bytes
-from spmd.comm.store.tcp_server import StoreServer
+from spmd.comm.store.tcp_server import StoreServer, is_loopback_host
 
 _REPLY_GRACE_S = 10.0     # how much longer than a blocking call's own timeout a client waits for its reply
 _FOREVER_S = 1e7          # a socket timeout at least this long (116 days; inf, 1e300) is no timeout at all
@@ -98,7 +97,7 @@ class _Client:
     def _open(host: str, port: int, token: bytes, timeout: float) -> socket.socket:
         """A socket connected to the server: its Unix socket (tcp_wire's note) if there is a token, `host` is
         loopback and the server has one, else TCP."""
-        if _LOCAL_SOCKETS and token and _is_loopback(host):
+        if _LOCAL_SOCKETS and token and is_loopback_host(host):
             local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             local.settimeout(timeout)
             try:
@@ -243,15 +242,6 @@ class _Client:
                 self._break()
             finally:
                 self._lock.release()
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _shutdown(client: _Client, server: StoreServer | None) -> None:

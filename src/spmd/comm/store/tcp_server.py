@@ -65,6 +65,16 @@ def _is_loopback(address: str) -> bool:
     return address != "" and ipaddress.ip_address(address).is_loopback
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` (an address or "localhost") is loopback; False for any other name, which may be anywhere."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class _Conn:
     """The server's state for one client connection."""
 

@@ -15,6 +15,7 @@ import socket
 import struct
 
 from spmd._core import env
+from spmd.comm.store.tcp_server import is_loopback_host
 
 SIOCGIFADDR = 0x8915          # Linux ioctl: an interface's IPv4 address
 OVERRIDES = "SPMD_SOCKET_ADDR=<address> or SPMD_SOCKET_IFNAME=<interface> (spmdrun: --local-addr <address>)"
@@ -45,7 +46,8 @@ def choose_address(toward: str | None) -> AddressChoice:
         return AddressChoice(address, f"SPMD_SOCKET_IFNAME={ifname}")
     if toward is not None:
         address = route_address(toward)
-        if address is not None and (not _is_loopback(address) or _is_loopback_host(toward)):
+        # a loopback route is right only for a loopback store, which only this machine's ranks reach
+        if address is not None and (not _is_loopback(address) or is_loopback_host(toward)):
             return AddressChoice(address, f"the route to the store at {toward}")
     for name, address in interfaces().items():
         if not _is_loopback(address):
@@ -96,13 +98,3 @@ def _resolve(value: str, variable: str) -> str:
 
 def _is_loopback(address: str) -> bool:
     return ipaddress.ip_address(address).is_loopback
-
-
-def _is_loopback_host(host: str) -> bool:
-    """Whether the store's host is loopback: then only ranks of this machine reach it, and loopback is right."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
