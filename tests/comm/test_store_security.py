@@ -398,11 +398,11 @@ def test_flood_of_silent_strangers_is_capped_and_lets_ranks_in(master: TCPStore)
 
 
 def test_flood_of_strangers_that_leave_pauses_accepting_and_loses_no_rank(master: TCPStore) -> None:
-    """Strangers that connect and leave (or send garbage) cost the server's thread a bounded share: past
-    tcp_server._STRANGERS_PER_WINDOW in one window, accepting pauses until the window ends, the kernel queueing
-    newcomers meanwhile; a rank connecting during the flood still gets in and is served."""
+    """Strangers that connect and leave (or send garbage) cost the server's thread a bounded share: at
+    tcp_server._ADMITTED_PER_WINDOW unauthenticated admissions in one window, accepting pauses until the window
+    ends, the kernel queueing newcomers meanwhile; a rank connecting during the flood still gets in and is served."""
     server = master._server
-    count = 5 * tcp_server._STRANGERS_PER_WINDOW
+    count = 5 * tcp_server._ADMITTED_PER_WINDOW
     for index in range(count):
         with socket.create_connection(("127.0.0.1", master.port), timeout=10) as stranger:
             if index % 2:
@@ -413,7 +413,50 @@ def test_flood_of_strangers_that_leave_pauses_accepting_and_loses_no_rank(master
         assert client.get(f"k{i}") == str(i).encode()
     client.close()
     _until(lambda: not server._unauthed)
-    assert server.stranger_pauses >= 1
+    assert server.admission_pauses >= 1
+
+
+
+def test_strangers_that_stay_silent_spend_admissions_too(master: TCPStore) -> None:
+    """Admissions count connections accepted and not yet authenticated, so strangers that hold their sockets
+    open pause accepting as surely as those that leave; the ranks already in are served throughout."""
+    server = master._server
+    client = TCPStore("127.0.0.1", master.port, timeout=10, token=TOKEN)
+    flood = [socket.create_connection(("127.0.0.1", master.port), timeout=10)
+             for _ in range(4 * tcp_server._ADMITTED_PER_WINDOW)]
+    try:
+        _until(lambda: len(server._unauthed) == len(flood))
+        assert server.admission_pauses >= 1
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+    finally:
+        for sock in flood:
+            sock.close()
+        client.close()
+
+
+def test_ranks_handshaking_at_once_give_their_admissions_back(master: TCPStore) -> None:
+    """Many ranks connecting at once all get in: each one that authenticates returns its admission, so the
+    window's budget bounds the handshakes in flight, not how many ranks may join."""
+    ranks = 4 * tcp_server._ADMITTED_PER_WINDOW
+    errors: list[BaseException] = []
+
+    def join(rank: int) -> None:
+        try:
+            store = TCPStore("127.0.0.1", master.port, timeout=10, token=TOKEN)
+            store.set(f"rank{rank}", str(rank))
+            store.close()
+        except BaseException as error:   # reported below, with the rank
+            errors.append(error)
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors
+    assert all(master.get(f"rank{rank}") == str(rank).encode() for rank in range(ranks))
+    assert master._server._admitted < tcp_server._ADMITTED_PER_WINDOW
 
 
 _LOW_FD_SERVER = textwrap.dedent("""

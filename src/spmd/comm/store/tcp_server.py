@@ -4,11 +4,14 @@ Layer: comm. A selectors loop serves every connection (wire format and limits: t
 `get`/`wait` is parked on the server and answered when its keys are set or its deadline passes, so a waiting
 client costs nothing and never delays the others. Strangers are kept cheap: a connection is read in small
 pieces until it completes the challenge-response handshake, at most MAX_UNAUTHENTICATED of them are kept
-(the oldest goes first), and running out of file descriptors pauses accepting instead of spinning.
+(the oldest goes first), at most _ADMITTED_PER_WINDOW unauthenticated connections are accepted per window
+(each one that authenticates gives its place back), and running out of file descriptors pauses accepting
+instead of spinning.
 """
 
 from __future__ import annotations
 
+import enum
 import errno
 import heapq
 import hmac
@@ -33,8 +36,8 @@ _HELLO_TIMEOUT_S = wire.HELLO_TIMEOUT_S   # a connection that has not completed 
 _MAX_UNAUTHENTICATED = wire.MAX_UNAUTHENTICATED
 _ACCEPT_PAUSE_S = 0.05      # out of file descriptors with no stranger to drop: stop accepting this long
 _ACCEPTS_PER_WAKE = 64      # accept at most this many per readiness event, so a flood cannot starve the rest
-_STRANGER_WINDOW_S = 0.02   # strangers (connections gone before authenticating) are counted per window; past
-_STRANGERS_PER_WINDOW = 8   # this many in one, accepting pauses until it ends (at most 400 strangers a second)
+_ADMIT_WINDOW_S = 0.02      # connections accepted and not yet authenticated are counted per window; at
+_ADMITTED_PER_WINDOW = 8    # this many in one, accepting pauses until it ends (at most 400 strangers a second)
 _MAX_SELECT_S = 60.0        # the longest the loop sleeps (a far deadline, 1e300 s, must not overflow select)
 _FD_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _warned_open_listener = False
@@ -73,6 +76,13 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class _Pause(enum.Enum):
+    """Why the listeners are not being selected on."""
+
+    ADMISSIONS = "the window's admissions are spent (a flood of strangers, or many ranks handshaking at once)"
+    DESCRIPTORS = "out of file descriptors"
 
 
 class _Conn:
@@ -124,10 +134,11 @@ class StoreServer:
         self._conns: set[_Conn] = set()
         self._resume: list[_Conn] = []
         self._unauthed: dict[_Conn, float] = {}   # connection -> hello deadline, oldest first
-        self._paused_until: float | None = None   # accepting paused (out of descriptors, or a flood) until then
+        self._paused: _Pause | None = None          # accepting paused, and why
+        self._paused_until = 0.0                     # ... until then
         self._warned_fds = False
-        self._stranger_window, self._strangers = 0.0, 0    # the current window's start and its strangers so far
-        self.stranger_pauses = 0     # how often a flood of strangers paused accepting
+        self._admit_window, self._admitted = 0.0, 0  # the current window's start, its unauthenticated admissions
+        self.admission_pauses = 0    # how often spent admissions paused accepting
         self._stopping = False
         self._pid = os.getpid()
         self._listeners, self.local_host = self._bind(host, port)
@@ -269,7 +280,7 @@ class StoreServer:
         times = [self._deadlines[0][0]] if self._deadlines else []
         if self._unauthed:
             times.append(next(iter(self._unauthed.values())))
-        if self._paused_until is not None:
+        if self._paused is not None:
             times.append(self._paused_until)
         return min(_MAX_SELECT_S, max(0.0, min(times) - time.monotonic())) if times else _MAX_SELECT_S
 
@@ -282,8 +293,8 @@ class StoreServer:
 
     def _accept(self, listener: socket.socket) -> None:
         for attempt in range(_ACCEPTS_PER_WAKE):
-            if self._paused_until is not None:
-                return     # a flood was paused for in this very loop
+            if self._paused is not None:
+                return     # admissions spent, or a stranger's descriptor could not be had, in this very loop
             try:
                 sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -307,13 +318,33 @@ class StoreServer:
             self._conns.add(conn)
             self._unauthed[conn] = time.monotonic() + _HELLO_TIMEOUT_S
             self._selector.register(sock, selectors.EVENT_READ, conn)
+            self._admit()
 
-    def _pause_accepting(self, until: float) -> None:
+    def _admit(self) -> None:
+        """Count one unauthenticated connection against the window's admissions; when they are spent, accepting
+        pauses until the window ends or one of them authenticates. A flood of strangers then costs the server's
+        thread a bounded share whatever the strangers do, and its clients keep their latency; ranks that connect
+        at once are slowed only to _ADMITTED_PER_WINDOW handshakes in flight."""
+        now = time.monotonic()
+        if now - self._admit_window >= _ADMIT_WINDOW_S:
+            self._admit_window, self._admitted = now, 0
+        self._admitted += 1
+        if self._admitted >= _ADMITTED_PER_WINDOW and self._paused is None:
+            self.admission_pauses += 1
+            self._pause_accepting(_Pause.ADMISSIONS, self._admit_window + _ADMIT_WINDOW_S)
+
+    def _authenticated(self) -> None:
+        """A connection authenticated: its admission is given back, and accepting resumes if it waited for one."""
+        self._admitted = max(0, self._admitted - 1)
+        if self._paused is _Pause.ADMISSIONS:
+            self._resume_accepting()
+
+    def _pause_accepting(self, reason: _Pause, until: float) -> None:
         """Stop selecting on the listeners until `until` (the kernel queues connections meanwhile)."""
-        if self._paused_until is None:
+        if self._paused is None:
             for listener in self._listeners:
                 self._selector.unregister(listener)
-            self._paused_until = until
+            self._paused, self._paused_until = reason, until
 
     def _out_of_descriptors(self) -> None:
         """Out of file descriptors and no stranger to drop: pause accepting for a moment."""
@@ -321,23 +352,10 @@ class StoreServer:
             self._warned_fds = True
             _log.warning("TCPStore server on port %d: out of file descriptors; accepts pause until some are free "
                          "(raise `ulimit -n` if clients fail to connect)", self.port)
-        self._pause_accepting(time.monotonic() + _ACCEPT_PAUSE_S)
-
-    def _count_stranger(self) -> None:
-        """A connection left before authenticating (garbage, a close, a hello timeout, an eviction): past
-        _STRANGERS_PER_WINDOW in one window, accepting pauses until the window ends. A flood then costs the
-        server's thread a bounded share, and the clients it serves keep their latency; clients that authenticate
-        are never counted, so a job's ranks connecting at once are not slowed."""
-        now = time.monotonic()
-        if now - self._stranger_window >= _STRANGER_WINDOW_S:
-            self._stranger_window, self._strangers = now, 0
-        self._strangers += 1
-        if self._strangers >= _STRANGERS_PER_WINDOW and self._paused_until is None:
-            self.stranger_pauses += 1
-            self._pause_accepting(self._stranger_window + _STRANGER_WINDOW_S)
+        self._pause_accepting(_Pause.DESCRIPTORS, time.monotonic() + _ACCEPT_PAUSE_S)
 
     def _resume_accepting(self) -> None:
-        self._paused_until = None
+        self._paused = None
         for listener in self._listeners:
             self._selector.register(listener, selectors.EVENT_READ, None)
 
@@ -455,8 +473,6 @@ class StoreServer:
             return
         self._conns.discard(conn)
         self._unauthed.pop(conn, None)
-        if not conn.authed and not self._stopping:
-            self._count_stranger()
         if conn.waiter is not None:
             self._unpark(conn.waiter)
         try:
@@ -542,7 +558,7 @@ class StoreServer:
             if deadline > now:
                 break
             self._drop(conn)
-        if self._paused_until is not None and self._paused_until <= now:
+        if self._paused is not None and self._paused_until <= now:
             self._resume_accepting()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, waiter = heapq.heappop(self._deadlines)
@@ -603,6 +619,7 @@ class StoreServer:
             return
         conn.authed = True
         del self._unauthed[conn]
+        self._authenticated()
         self._reply(conn, wire.OK, [wire.proof(token, wire.SERVER_SIDE, *nonces)])
 
     def _refuse(self, conn: _Conn, reason: bytes) -> None:
