@@ -242,7 +242,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--flood-held", type=int, default=500, help="silent sockets held open at most")
     parser.add_argument("--flood-seconds", type=float, default=20.0, help="bound on one flood's duration")
-    parser.add_argument("--time-limit", type=float, default=150.0)
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="bound on the whole run in seconds (default 90 + 30 per repeat)")
     parser.add_argument("--pin", action="store_true",
                         help="run the flood on the last CPU and the servers and clients on the others, as a remote "
                              "attacker's CPU would not be this host's (the no-flood runs are pinned the same way)")
@@ -252,7 +253,7 @@ def main() -> None:
         if len(cpus) < 2:
             parser.error("--pin needs at least 2 CPUs")
         CPUS["flood"], CPUS["store"] = {cpus[-1]}, set(cpus[:-1])
-    deadline = Deadline(args.time_limit)
+    deadline = Deadline(args.time_limit if args.time_limit is not None else 90.0 + 30.0 * args.repeats)
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _common import human_bytes, machine_line
@@ -289,6 +290,8 @@ def main() -> None:
                 runs.append(run)
             flooded[kind] = None if len(runs) < (args.repeats if kind == "spmd" else 1) else {
                 field: med(runs, field) for field in runs[0]}
+            if kind == "spmd" and flooded[kind] is None and deadline.left() <= 0.1:
+                raise RuntimeError("spmd's flooded runs did not finish within --time-limit; raise it")
             after, waited = settle_rss(pid, before, deadline)
             rss[kind] = {"before": before, "peak": max(peak), "after": after, "waited": waited}
     finally:
