@@ -35,6 +35,18 @@ _TIMEVAL = struct.Struct("@ll")   # struct timeval, for the kernel's socket time
 _LOCAL_SOCKETS = sys.platform == "linux"   # a client with a token tries a loopback server's Unix socket first
 
 
+_forks = 0   # how many forks led to this process (counted in each child), to tell a forked child's store
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_count_fork)
+
+
 class _Refused(Exception):
     """The server refused this client's token."""
 
@@ -53,7 +65,7 @@ class _Client:
         self._scratch = memoryview(bytearray(wire.RECV_CHUNK))   # every recv lands here: no allocation per read
         self._sock_timeout: float | None = -1.0
         self._closed = False
-        self._pid = os.getpid()
+        self._forks_at_start = _forks   # a forked child sees a later count: the connection is its parent's
         self._sock: socket.socket | None = self._connect(host, port, b"" if token is None else token.encode(),
                                                          timeout)
 
@@ -160,15 +172,15 @@ class _Client:
         later call reads the failure ahead of its own reply and raises it. A request over tcp_wire.MAX_FRAME is
         a ValueError raised before anything is sent.
         """
-        size = wire.body_size(fields)
-        if size > wire.MAX_FRAME:
-            raise ValueError(f"TCPStore {self.address}: {wire.OP_NAMES[op]}({what[:200]}) would send {size} bytes, "
-                             f"over the store's limit of {wire.MAX_FRAME} bytes (tcp_wire.MAX_FRAME); keep large "
-                             f"data out of the store (write a file and store its path)")
-        if os.getpid() != self._pid:
+        try:
+            frame = wire.frame(op, fields)
+        except wire.FrameTooLarge as error:
+            raise ValueError(f"TCPStore {self.address}: {wire.OP_NAMES[op]}({what[:200]}) would send {error.size} "
+                             f"bytes, over the store's limit of {wire.MAX_FRAME} bytes (tcp_wire.MAX_FRAME); keep "
+                             f"large data out of the store (write a file and store its path)") from None
+        if self._forks_at_start != _forks:
             raise StoreError(f"TCPStore {self.address}: this process was forked from the one that made the store and "
                              f"shares its connection; create a new TCPStore (or clone()) in the child")
-        frame = wire.frame(op, fields)
         with self._lock:
             sock = self._sock
             if sock is None:
@@ -226,7 +238,7 @@ class _Client:
     def close(self) -> None:
         """Close the connection; a call blocked in another thread fails at once."""
         self._closed = True
-        if os.getpid() != self._pid:   # a forked child: drop its copy of the parent's socket, leave the parent's be
+        if self._forks_at_start != _forks:   # a forked child: drop its copy of the socket, leave the parent's be
             sock, self._sock = self._sock, None
             if sock is not None:
                 sock.close()

@@ -40,6 +40,7 @@ _ADMIT_WINDOW_S = 0.02      # connections accepted and not yet authenticated are
 _ADMITTED_PER_WINDOW = 8    # this many in one, accepting pauses until it ends (at most 400 strangers a second)
 _MAX_SELECT_S = 60.0        # the longest the loop sleeps (a far deadline, 1e300 s, must not overflow select)
 _FD_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_HEADER_SIZE = wire.HEADER.size
 _warned_open_listener = False
 
 
@@ -375,43 +376,48 @@ class StoreServer:
     def _process(self, conn: _Conn) -> None:
         """Run the complete frames buffered on `conn`, in order; stop while one is parked or replies pile up."""
         buf = conn.inbuf
-        while conn.waiter is None and not conn.closing and len(buf) >= wire.HEADER.size:
-            if len(conn.outbuf) > wire.MAX_BUFFERED_REPLY:
-                conn.held = True    # back-pressure: _flush resumes once the client has read its replies
-                self._update_events(conn)
-                return
-            size, op = wire.HEADER.unpack_from(buf)
-            if not conn.authed:
-                expected = wire.HELLO if conn.server_nonce is None else wire.AUTH
-                if op != expected or size > wire.MAX_HELLO:
-                    self._drop(conn)   # a stranger: read nothing more from it
+        pos = 0   # the frames before it are run; they leave the buffer in one cut at the end
+        try:
+            while conn.waiter is None and not conn.closing and len(buf) - pos >= _HEADER_SIZE:
+                if len(conn.outbuf) > wire.MAX_BUFFERED_REPLY:
+                    conn.held = True    # back-pressure: _flush resumes once the client has read its replies
+                    self._update_events(conn)
                     return
-            elif size > wire.MAX_FRAME:
-                conn.closing = True   # its body cannot be skipped without reading it: answer, then close
-                self._reply(conn, wire.ERROR, [f"a {size}-byte request is over the store's limit of "
-                                               f"{wire.MAX_FRAME} bytes".encode()])
-                self._update_events(conn)
-                return
-            end = wire.HEADER.size + size
-            if len(buf) < end:
-                return
-            body = bytes(buf[wire.HEADER.size:end])
-            del buf[:end]
-            handler = (self._handlers if conn.authed else self._handshake).get(op)
-            try:
-                if handler is None:
-                    raise ValueError(f"unknown opcode {op}")
-                handler(conn, wire.split_fields(body))
-            except (ValueError, IndexError) as error:
+                size, op = wire.HEADER.unpack_from(buf, pos)
                 if not conn.authed:
-                    self._drop(conn)
+                    expected = wire.HELLO if conn.server_nonce is None else wire.AUTH
+                    if op != expected or size > wire.MAX_HELLO:
+                        self._drop(conn)   # a stranger: read nothing more from it
+                        return
+                elif size > wire.MAX_FRAME:
+                    conn.closing = True   # its body cannot be skipped without reading it: answer, then close
+                    self._reply(conn, wire.ERROR, [f"a {size}-byte request is over the store's limit of "
+                                                   f"{wire.MAX_FRAME} bytes".encode()])
+                    self._update_events(conn)
                     return
-                self._fail(conn, op, f"malformed request: {error}")
-            except Exception as error:   # a server bug must fail one request, not every client's store
-                _log.exception("TCPStore server on port %d: request %d failed", self.port, op)
-                self._fail(conn, op, f"server error: {error!r}")
-            if conn not in self._conns:
-                return
+                start = pos + _HEADER_SIZE
+                end = start + size
+                if len(buf) < end:
+                    return
+                body = bytes(buf[start:end])
+                pos = end
+                handler = (self._handlers if conn.authed else self._handshake).get(op)
+                try:
+                    if handler is None:
+                        raise ValueError(f"unknown opcode {op}")
+                    handler(conn, wire.split_fields(body))
+                except (ValueError, IndexError) as error:
+                    if not conn.authed:
+                        self._drop(conn)
+                        return
+                    self._fail(conn, op, f"malformed request: {error}")
+                except Exception as error:   # a server bug must fail one request, not every client's store
+                    _log.exception("TCPStore server on port %d: request %d failed", self.port, op)
+                    self._fail(conn, op, f"server error: {error!r}")
+                if conn not in self._conns:
+                    return
+        finally:
+            del buf[:pos]
 
     def _fail(self, conn: _Conn, op: int, message: str) -> None:
         """Answer a request that failed; an UNANSWERED one says which request it was, for its client reads it
@@ -422,10 +428,11 @@ class StoreServer:
             self._reply(conn, wire.ERROR, [message.encode()])
 
     def _reply(self, conn: _Conn, status: int, fields: Sequence[bytes] = ()) -> None:
-        if wire.body_size(fields) > wire.MAX_FRAME:
-            status, fields = wire.ERROR, [f"the reply would be {wire.body_size(fields)} bytes, over the store's "
-                                          f"limit of {wire.MAX_FRAME}; ask for fewer keys at once".encode()]
-        data = wire.frame(status, fields)
+        try:
+            data = wire.frame(status, fields)
+        except wire.FrameTooLarge as error:
+            data = wire.frame(wire.ERROR, [f"the reply would be {error.size} bytes, over the store's limit of "
+                                           f"{wire.MAX_FRAME}; ask for fewer keys at once".encode()])
         if conn.outbuf:
             conn.outbuf += data
             return
@@ -635,7 +642,12 @@ class StoreServer:
 
     def _get(self, conn: _Conn, fields: list[bytes]) -> None:
         key, timeout = fields
-        self._park(conn, wire.GET, [key], wire.parse_seconds(timeout))
+        seconds = wire.parse_seconds(timeout)
+        value = self._data.get(key)
+        if value is not None:   # the common case, answered without parking
+            self._reply(conn, wire.OK, (value,))
+            return
+        self._park(conn, wire.GET, [key], seconds)
 
     def _add(self, conn: _Conn, fields: list[bytes]) -> None:
         key, amount = fields

@@ -66,29 +66,38 @@ UNANSWERED = frozenset({SET, MULTI_SET})   # answered only when they fail (with 
 OK, TIMEOUT, ERROR, BAD_VALUE, REFUSED, QUIET_FAILED = range(6)
 
 
+class FrameTooLarge(ValueError):
+    """A frame whose body would be over MAX_FRAME; `frame` raises it before building anything."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"a {size}-byte frame body is over the store's limit of {MAX_FRAME} bytes")
+        self.size = size
+
+
 def frame(code: int, fields: Sequence[bytes]) -> bytes:
+    """The frame of `fields` under opcode or status `code`; FrameTooLarge if its body would be over MAX_FRAME."""
     parts = [b""]
     size = 0
+    pack = LENGTH.pack
     for field in fields:
-        parts.append(LENGTH.pack(len(field)))
+        length = len(field)
+        parts.append(pack(length))
         parts.append(field)
-        size += 4 + len(field)
+        size += 4 + length
+    if size > MAX_FRAME:
+        raise FrameTooLarge(size)
     parts[0] = HEADER.pack(size, code)
     return b"".join(parts)
 
 
-def body_size(fields: Sequence[bytes]) -> int:
-    """The body length `frame` would give these fields (to check it against MAX_FRAME before building it)."""
-    return sum(4 + len(field) for field in fields)
-
-
 def split_fields(body: bytes) -> list[bytes]:
     fields = []
+    unpack = LENGTH.unpack_from
     pos, end = 0, len(body)
     while pos < end:
         if pos + 4 > end:
             raise ValueError("truncated field length")
-        (size,) = LENGTH.unpack_from(body, pos)
+        (size,) = unpack(body, pos)
         pos += 4
         if pos + size > end:
             raise ValueError("truncated field")
