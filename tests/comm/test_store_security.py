@@ -534,6 +534,17 @@ def test_client_refuses_to_send_a_frame_over_the_limit(master: TCPStore) -> None
     assert len(master.get("fits")) == 1 << 20   # the connection was not touched
 
 
+def test_a_reply_over_the_limit_is_an_error_and_the_connection_serves_on(master: TCPStore,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wire, "MAX_FRAME", 1 << 20)   # each value fits in a request, the two together do not
+    half = b"\0" * (600 << 10)
+    master.set("a", half)
+    master.set("b", half)
+    with pytest.raises(StoreError, match=r"the reply would be \d+ bytes, over the store's limit .* fewer keys"):
+        master.multi_get(["a", "b"])
+    assert master.multi_get(["a"]) == [half]
+
+
 def test_unread_replies_apply_back_pressure_not_unbounded_buffers(master: TCPStore,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(wire, "MAX_BUFFERED_REPLY", 8 << 20)
