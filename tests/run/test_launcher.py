@@ -222,7 +222,8 @@ def test_helpers_that_outlive_a_successful_worker_are_stopped_with_its_group(tmp
 
 
 def test_a_slow_reader_gets_every_line_and_the_exit_code(tmp_path: Path) -> None:
-    # The worker exits with some of its 100 kB still in the pipes, which the reader needs seconds more to read.
+    # The worker exits with its 100 kB still in the pipes, which the reader needs seconds more to read: twice the
+    # 2 s the agent once gave its output at exit.
     worker = script(tmp_path, "w.py", """
         for i in range(1000):
             print(f"line {i} " + "x" * 90)
@@ -233,9 +234,9 @@ def test_a_slow_reader_gets_every_line_and_the_exit_code(tmp_path: Path) -> None
     assert popen.stdout is not None
     received = bytearray()
     try:
-        while chunk := popen.stdout.read1(100):
+        while chunk := popen.stdout.read1(250):
             received += chunk
-            time.sleep(0.01)  # the slow reader itself (about 10 kB/s: about 10 s in all), not synchronisation
+            time.sleep(0.01)  # the slow reader itself (about 25 kB/s: about 4 s in all), not synchronisation
         assert popen.wait(timeout=30) == 0
     finally:
         popen.kill()
