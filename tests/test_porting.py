@@ -27,27 +27,44 @@ def port(source: str) -> str:
     return source.replace("torch.distributed", "spmd")
 
 
-def _launch(launcher: str, script: pathlib.Path, out: pathlib.Path) -> None:
+TUTORIALS = ["ddp_tutorial.py", "collectives_tutorial.py", "fsdp2_tutorial.py"]
+# One job per launcher runs the tutorials one after another in the same worker processes, each as its own
+# `__main__` with its output prefix as argv[1], so the 2 x 3 launches' start-up and torch imports are paid twice.
+IN_TURN = """import runpy
+import sys
+
+for script, out in zip(sys.argv[1::2], sys.argv[2::2]):
+    sys.argv = [script, out]
+    runpy.run_path(script, run_name="__main__")
+"""
+
+
+def _launch(launcher: str, directory: pathlib.Path) -> None:
     src = str(pathlib.Path(__file__).parents[1] / "src")
     env = {**os.environ, **CPU_ONLY, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", str(script), str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=script.parent)
+    (directory / "in_turn.py").write_text(IN_TURN)
+    scripts = [str(arg) for name in TUTORIALS for arg in (directory / name, directory / f"{name}.out")]
+    command = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", "in_turn.py", *scripts]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=directory)
     assert result.returncode == 0, f"{launcher} failed:\n{result.stdout}\n{result.stderr}"
 
 
-def _run_both(name: str, tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
-    """Launch the script under torch's launcher and its port under spmdrun; returns their output prefixes."""
-    source = (SCRIPTS / name).read_text()
-    ported = port(source)
-    assert "torch.distributed" not in ported and "torch.nn.parallel" not in ported
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "spmd").mkdir()
-    original, swapped = tmp_path / "torch" / name, tmp_path / "spmd" / name
-    original.write_text(source)
-    swapped.write_text(ported)
-    _launch("torch.distributed.run", original, tmp_path / "torch" / "out")
-    _launch("spmd.run", swapped, tmp_path / "spmd" / "out")
-    return tmp_path / "torch" / "out", tmp_path / "spmd" / "out"
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[pathlib.Path, pathlib.Path]]:
+    """Every tutorial run under torch's launcher and its port under spmdrun: {tutorial: (torch's output prefix,
+    spmd's)}."""
+    root = tmp_path_factory.mktemp("porting")
+    for side in ("torch", "spmd"):
+        (root / side).mkdir()
+    for name in TUTORIALS:
+        source = (SCRIPTS / name).read_text()
+        ported = port(source)
+        assert "torch.distributed" not in ported and "torch.nn.parallel" not in ported
+        (root / "torch" / name).write_text(source)
+        (root / "spmd" / name).write_text(ported)
+    _launch("torch.distributed.run", root / "torch")
+    _launch("spmd.run", root / "spmd")
+    return {name: (root / "torch" / f"{name}.out", root / "spmd" / f"{name}.out") for name in TUTORIALS}
 
 
 def test_port_swaps_the_imports() -> None:
@@ -58,9 +75,9 @@ def test_port_swaps_the_imports() -> None:
                       "from spmd import DistributedDataParallel as DDP\nm = spmd.DistributedDataParallel(m)\n")
 
 
-@pytest.mark.timeout(400)
-def test_ddp_tutorial_trains_the_same_weights_as_under_torch(tmp_path: pathlib.Path) -> None:
-    torch_out, spmd_out = _run_both("ddp_tutorial.py", tmp_path)
+@pytest.mark.timeout(600)
+def test_ddp_tutorial_trains_the_same_weights_as_under_torch(launched: dict) -> None:
+    torch_out, spmd_out = launched["ddp_tutorial.py"]
     expected, got = torch.load(torch_out), torch.load(spmd_out)
     assert expected["backend"] == got["backend"] == "gloo"
     assert expected["state"].keys() == got["state"].keys()
@@ -68,9 +85,9 @@ def test_ddp_tutorial_trains_the_same_weights_as_under_torch(tmp_path: pathlib.P
         torch.testing.assert_close(got["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)
 
 
-@pytest.mark.timeout(400)
-def test_collectives_tutorial_receives_what_torch_receives(tmp_path: pathlib.Path) -> None:
-    torch_out, spmd_out = _run_both("collectives_tutorial.py", tmp_path)
+@pytest.mark.timeout(600)
+def test_collectives_tutorial_receives_what_torch_receives(launched: dict) -> None:
+    torch_out, spmd_out = launched["collectives_tutorial.py"]
     for rank in range(2):
         expected = torch.load(f"{torch_out}{rank}", weights_only=False)
         got = torch.load(f"{spmd_out}{rank}", weights_only=False)
@@ -82,9 +99,9 @@ def test_collectives_tutorial_receives_what_torch_receives(tmp_path: pathlib.Pat
                 assert got[key] == value, (rank, key)
 
 
-@pytest.mark.timeout(400)
-def test_fsdp2_tutorial_trains_the_same_weights_as_under_torch(tmp_path: pathlib.Path) -> None:
-    torch_out, spmd_out = _run_both("fsdp2_tutorial.py", tmp_path)
+@pytest.mark.timeout(600)
+def test_fsdp2_tutorial_trains_the_same_weights_as_under_torch(launched: dict) -> None:
+    torch_out, spmd_out = launched["fsdp2_tutorial.py"]
     expected, got = torch.load(torch_out), torch.load(spmd_out)
     torch.testing.assert_close(got["local"], expected["local"])
     torch.testing.assert_close(got["replicated"], expected["replicated"])
