@@ -380,7 +380,7 @@ def test_flood_of_silent_strangers_is_capped_and_lets_ranks_in(master: TCPStore)
              for _ in range(wire.MAX_UNAUTHENTICATED + 44)]
     try:
         _until(lambda: len(server._conns) >= wire.MAX_UNAUTHENTICATED)
-        assert len(server._unauthed) <= wire.MAX_UNAUTHENTICATED
+        assert server.unauthenticated() <= wire.MAX_UNAUTHENTICATED
         assert flood[0].recv(1) == b""   # the oldest strangers made room for the newest
         start = time.monotonic()
         client = TCPStore("127.0.0.1", master.port, timeout=10, token=TOKEN)
@@ -412,9 +412,46 @@ def test_flood_of_strangers_that_leave_pauses_accepting_and_loses_no_rank(master
         client.set(f"k{i}", str(i))
         assert client.get(f"k{i}") == str(i).encode()
     client.close()
-    _until(lambda: not server._unauthed)
+    _until(lambda: not server.unauthenticated())
     assert server.admission_pauses >= 1
 
+
+
+def test_a_flood_on_the_tcp_port_does_not_hold_up_clients_of_the_local_socket(master: TCPStore) -> None:
+    """Each listening socket has its own admissions: while strangers keep the TCP port's admissions spent, a
+    client on this machine connects over the token-named local socket at once and is served (they used to share
+    one pause, and the TCP port, always ready, went first: local ranks waited as long as the flood lasted)."""
+    if sys.platform != "linux":
+        pytest.skip("abstract Unix sockets are Linux's")
+    server = master._server
+    stop = threading.Event()
+
+    def flood() -> None:
+        while not stop.is_set():
+            try:
+                socket.create_connection(("127.0.0.1", master.port), timeout=0.5).close()
+            except OSError:
+                pass
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    client = None
+    try:
+        _until(lambda: server.admission_pauses >= 3)
+        pauses = server.admission_pauses
+        start = time.monotonic()
+        client = TCPStore("127.0.0.1", master.port, timeout=5, token=TOKEN)
+        for i in range(20):
+            client.set(f"k{i}", str(i))
+            assert client.get(f"k{i}") == str(i).encode()
+        assert time.monotonic() - start < 3.0
+        assert client._client._sock.family == socket.AF_UNIX
+        _until(lambda: server.admission_pauses > pauses)   # and the flood still spends the TCP port's admissions
+    finally:
+        stop.set()
+        flooder.join(timeout=10)
+        if client is not None:
+            client.close()
 
 
 def test_strangers_that_stay_silent_spend_admissions_too(master: TCPStore) -> None:
@@ -425,7 +462,7 @@ def test_strangers_that_stay_silent_spend_admissions_too(master: TCPStore) -> No
     flood = [socket.create_connection(("127.0.0.1", master.port), timeout=10)
              for _ in range(4 * tcp_server._ADMITTED_PER_WINDOW)]
     try:
-        _until(lambda: len(server._unauthed) == len(flood))
+        _until(lambda: server.unauthenticated() == len(flood))
         assert server.admission_pauses >= 1
         client.set("k", "v")
         assert client.get("k") == b"v"
@@ -456,7 +493,7 @@ def test_ranks_handshaking_at_once_give_their_admissions_back(master: TCPStore) 
         thread.join(timeout=30)
     assert not errors
     assert all(master.get(f"rank{rank}") == str(rank).encode() for rank in range(ranks))
-    assert master._server._admitted < tcp_server._ADMITTED_PER_WINDOW
+    assert all(listener.admitted < tcp_server._ADMITTED_PER_WINDOW for listener in master._server._listeners)
 
 
 _LOW_FD_SERVER = textwrap.dedent("""

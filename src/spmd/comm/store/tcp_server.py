@@ -6,7 +6,8 @@ client costs nothing and never delays the others. Strangers are kept cheap: a co
 pieces until it completes the challenge-response handshake, at most MAX_UNAUTHENTICATED of them are kept
 (the oldest goes first), at most _ADMITTED_PER_WINDOW unauthenticated connections are accepted per window
 (each one that authenticates gives its place back), and running out of file descriptors pauses accepting
-instead of spinning.
+instead of spinning. Each listening socket keeps these counts for itself, so a flood on the TCP port, which
+anyone may reach, cannot starve the token-named local socket that this machine's ranks connect to.
 """
 
 from __future__ import annotations
@@ -86,14 +87,29 @@ class _Pause(enum.Enum):
     DESCRIPTORS = "out of file descriptors"
 
 
-class _Conn:
-    """The server's state for one client connection."""
+class _Listener:
+    """A listening socket and its admissions: the connections it accepted that have not authenticated, the
+    current window's admission count, and whether accepting on it is paused."""
 
-    __slots__ = ("authed", "client_nonce", "closing", "events", "held", "inbuf", "outbuf", "server_nonce", "sock",
-                 "waiter")
+    __slots__ = ("admitted", "paused", "paused_until", "sock", "unauthed", "window")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.unauthed: dict[_Conn, float] = {}   # connection -> hello deadline, oldest first
+        self.paused: _Pause | None = None        # accepting paused, and why
+        self.paused_until = 0.0                   # ... until then
+        self.window, self.admitted = 0.0, 0       # the current window's start, its unauthenticated admissions
+
+
+class _Conn:
+    """The server's state for one client connection, accepted on `listener`."""
+
+    __slots__ = ("authed", "client_nonce", "closing", "events", "held", "inbuf", "listener", "outbuf",
+                 "server_nonce", "sock", "waiter")
+
+    def __init__(self, sock: socket.socket, listener: _Listener) -> None:
+        self.sock = sock
+        self.listener = listener
         self.inbuf = bytearray()
         self.outbuf = bytearray()
         self.authed = False
@@ -134,17 +150,14 @@ class StoreServer:
         self._seq = itertools.count()
         self._conns: set[_Conn] = set()
         self._resume: list[_Conn] = []
-        self._unauthed: dict[_Conn, float] = {}   # connection -> hello deadline, oldest first
-        self._paused: _Pause | None = None          # accepting paused, and why
-        self._paused_until = 0.0                     # ... until then
         self._warned_fds = False
-        self._admit_window, self._admitted = 0.0, 0  # the current window's start, its unauthenticated admissions
         self.admission_pauses = 0    # how often spent admissions paused accepting
         self._stopping = False
         self._pid = os.getpid()
-        self._listeners, self.local_host = self._bind(host, port)
-        self.port: int = self._listeners[0].getsockname()[1]
-        self.addresses = [sock.getsockname()[0] for sock in self._listeners]
+        sockets, self.local_host = self._bind(host, port)
+        self._listeners = [_Listener(sock) for sock in sockets]
+        self.port: int = sockets[0].getsockname()[1]
+        self.addresses = [sock.getsockname()[0] for sock in sockets]
         if sys.platform == "linux" and self._token is not None and any(
                 _is_loopback(address) or ipaddress.ip_address(address).is_unspecified for address in self.addresses):
             self._listen_local(wire.local_name(self.port, self._token))   # reachable on loopback: faster there
@@ -153,7 +166,7 @@ class StoreServer:
         self._wake_r.setblocking(False)
         self._selector = selectors.DefaultSelector()
         for listener in self._listeners:
-            self._selector.register(listener, selectors.EVENT_READ, None)
+            self._selector.register(listener.sock, selectors.EVENT_READ, listener)
         self._selector.register(self._wake_r, selectors.EVENT_READ, self._wake_r)
         self._handshake = {wire.HELLO: self._hello, wire.AUTH: self._auth}
         self._handlers = {
@@ -231,7 +244,7 @@ class StoreServer:
             _log.debug("TCPStore: no local socket for port %d: %s", self.port, error)
             return
         listener.setblocking(False)
-        self._listeners.append(listener)
+        self._listeners.append(_Listener(listener))
 
     def stop(self) -> None:
         """Close every connection and the listening sockets; clients see their connection end."""
@@ -251,8 +264,8 @@ class StoreServer:
         try:
             while not self._stopping:
                 for key, mask in self._selector.select(self._next_deadline_in()):
-                    if key.data is None:
-                        self._accept(key.fileobj)
+                    if type(key.data) is _Listener:
+                        self._accept(key.data)
                     elif key.data is self._wake_r:
                         self._drain_wake()
                     else:
@@ -271,7 +284,7 @@ class StoreServer:
                 self._drop(conn)
             self._selector.close()
             for listener in self._listeners:
-                listener.close()
+                listener.sock.close()
             self._wake_r.close()
             self._wake_w.close()
 
@@ -279,10 +292,11 @@ class StoreServer:
         while self._deadlines and self._deadlines[0][2].done:
             heapq.heappop(self._deadlines)
         times = [self._deadlines[0][0]] if self._deadlines else []
-        if self._unauthed:
-            times.append(next(iter(self._unauthed.values())))
-        if self._paused is not None:
-            times.append(self._paused_until)
+        for listener in self._listeners:
+            if listener.unauthed:
+                times.append(next(iter(listener.unauthed.values())))
+            if listener.paused is not None:
+                times.append(listener.paused_until)
         return min(_MAX_SELECT_S, max(0.0, min(times) - time.monotonic())) if times else _MAX_SELECT_S
 
     def _drain_wake(self) -> None:
@@ -292,12 +306,12 @@ class StoreServer:
         except OSError:
             pass
 
-    def _accept(self, listener: socket.socket) -> None:
+    def _accept(self, listener: _Listener) -> None:
         for attempt in range(_ACCEPTS_PER_WAKE):
-            if self._paused is not None:
+            if listener.paused is not None:
                 return     # admissions spent, or a stranger's descriptor could not be had, in this very loop
             try:
-                sock, _ = listener.accept()
+                sock, _ = listener.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as error:
@@ -305,60 +319,65 @@ class StoreServer:
                     continue   # e.g. ECONNABORTED: that one connection is gone, the next may be fine
                 if attempt:
                     return     # accept fails so even with nobody queued; the selector says if anyone is
-                if self._unauthed:
-                    self._drop(next(iter(self._unauthed)))   # a stranger's descriptor for a newcomer
+                stranger = next(iter(listener.unauthed), None) or next(
+                    (conn for other in self._listeners for conn in other.unauthed), None)
+                if stranger is not None:
+                    self._drop(stranger)   # a stranger's descriptor for a newcomer (this listener's first)
                     continue
-                self._out_of_descriptors()
+                self._out_of_descriptors(listener)
                 return
             sock.setblocking(False)
             if sock.family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if len(self._unauthed) >= _MAX_UNAUTHENTICATED:
-                self._drop(next(iter(self._unauthed)))   # the oldest stranger goes; a newcomer may be a rank
-            conn = _Conn(sock)
+            if len(listener.unauthed) >= _MAX_UNAUTHENTICATED:
+                self._drop(next(iter(listener.unauthed)))   # the oldest stranger goes; a newcomer may be a rank
+            conn = _Conn(sock, listener)
             self._conns.add(conn)
-            self._unauthed[conn] = time.monotonic() + _HELLO_TIMEOUT_S
+            listener.unauthed[conn] = time.monotonic() + _HELLO_TIMEOUT_S
             self._selector.register(sock, selectors.EVENT_READ, conn)
-            self._admit()
+            self._admit(listener)
 
-    def _admit(self) -> None:
-        """Count one unauthenticated connection against the window's admissions; when they are spent, accepting
-        pauses until the window ends or one of them authenticates. A flood of strangers then costs the server's
-        thread a bounded share whatever the strangers do, and its clients keep their latency; ranks that connect
-        at once are slowed only to _ADMITTED_PER_WINDOW handshakes in flight."""
+    def _admit(self, listener: _Listener) -> None:
+        """Count one unauthenticated connection against the listener's window of admissions; when they are spent,
+        accepting on it pauses until the window ends or one of them authenticates. A flood of strangers then
+        costs the server's thread a bounded share whatever the strangers do, and its clients keep their latency;
+        ranks that connect at once are slowed only to _ADMITTED_PER_WINDOW handshakes in flight."""
         now = time.monotonic()
-        if now - self._admit_window >= _ADMIT_WINDOW_S:
-            self._admit_window, self._admitted = now, 0
-        self._admitted += 1
-        if self._admitted >= _ADMITTED_PER_WINDOW and self._paused is None:
+        if now - listener.window >= _ADMIT_WINDOW_S:
+            listener.window, listener.admitted = now, 0
+        listener.admitted += 1
+        if listener.admitted >= _ADMITTED_PER_WINDOW and listener.paused is None:
             self.admission_pauses += 1
-            self._pause_accepting(_Pause.ADMISSIONS, self._admit_window + _ADMIT_WINDOW_S)
+            self._pause_accepting(listener, _Pause.ADMISSIONS, listener.window + _ADMIT_WINDOW_S)
 
-    def _authenticated(self) -> None:
-        """A connection authenticated: its admission is given back, and accepting resumes if it waited for one."""
-        self._admitted = max(0, self._admitted - 1)
-        if self._paused is _Pause.ADMISSIONS:
-            self._resume_accepting()
+    def _authenticated(self, listener: _Listener) -> None:
+        """A connection accepted on `listener` authenticated: its admission is given back, and accepting resumes
+        if it waited for one."""
+        listener.admitted = max(0, listener.admitted - 1)
+        if listener.paused is _Pause.ADMISSIONS:
+            self._resume_accepting(listener)
 
-    def _pause_accepting(self, reason: _Pause, until: float) -> None:
-        """Stop selecting on the listeners until `until` (the kernel queues connections meanwhile)."""
-        if self._paused is None:
-            for listener in self._listeners:
-                self._selector.unregister(listener)
-            self._paused, self._paused_until = reason, until
+    def _pause_accepting(self, listener: _Listener, reason: _Pause, until: float) -> None:
+        """Stop selecting on `listener` until `until` (the kernel queues its connections meanwhile)."""
+        if listener.paused is None:
+            self._selector.unregister(listener.sock)
+            listener.paused, listener.paused_until = reason, until
 
-    def _out_of_descriptors(self) -> None:
-        """Out of file descriptors and no stranger to drop: pause accepting for a moment."""
+    def _out_of_descriptors(self, listener: _Listener) -> None:
+        """Out of file descriptors and no stranger to drop: pause accepting on `listener` for a moment."""
         if not self._warned_fds:
             self._warned_fds = True
             _log.warning("TCPStore server on port %d: out of file descriptors; accepts pause until some are free "
                          "(raise `ulimit -n` if clients fail to connect)", self.port)
-        self._pause_accepting(_Pause.DESCRIPTORS, time.monotonic() + _ACCEPT_PAUSE_S)
+        self._pause_accepting(listener, _Pause.DESCRIPTORS, time.monotonic() + _ACCEPT_PAUSE_S)
 
-    def _resume_accepting(self) -> None:
-        self._paused = None
-        for listener in self._listeners:
-            self._selector.register(listener, selectors.EVENT_READ, None)
+    def _resume_accepting(self, listener: _Listener) -> None:
+        listener.paused = None
+        self._selector.register(listener.sock, selectors.EVENT_READ, listener)
+
+    def unauthenticated(self) -> int:
+        """How many connections have not completed the handshake (on every listener)."""
+        return sum(len(listener.unauthed) for listener in self._listeners)
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -479,7 +498,7 @@ class StoreServer:
         if conn not in self._conns:
             return
         self._conns.discard(conn)
-        self._unauthed.pop(conn, None)
+        conn.listener.unauthed.pop(conn, None)
         if conn.waiter is not None:
             self._unpark(conn.waiter)
         try:
@@ -560,13 +579,14 @@ class StoreServer:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        while self._unauthed:
-            conn, deadline = next(iter(self._unauthed.items()))
-            if deadline > now:
-                break
-            self._drop(conn)
-        if self._paused is not None and self._paused_until <= now:
-            self._resume_accepting()
+        for listener in self._listeners:
+            while listener.unauthed:
+                conn, deadline = next(iter(listener.unauthed.items()))
+                if deadline > now:
+                    break
+                self._drop(conn)
+            if listener.paused is not None and listener.paused_until <= now:
+                self._resume_accepting(listener)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, waiter = heapq.heappop(self._deadlines)
             if not waiter.done:
@@ -625,8 +645,8 @@ class StoreServer:
             self._refuse(conn, b"wrong token")
             return
         conn.authed = True
-        del self._unauthed[conn]
-        self._authenticated()
+        del conn.listener.unauthed[conn]
+        self._authenticated(conn.listener)
         self._reply(conn, wire.OK, [wire.proof(token, wire.SERVER_SIDE, *nonces)])
 
     def _refuse(self, conn: _Conn, reason: bytes) -> None:

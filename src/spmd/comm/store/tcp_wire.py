@@ -27,8 +27,9 @@ TCP serves every other client, and any client where the name cannot be used.
 Note: limits (a stranger or a careless caller cannot make the server spin or buffer without bound)
     MAX_HELLO            4 KiB   the largest frame accepted before the handshake completes
     MAX_FRAME           64 MiB   the largest request or reply body; clients refuse to send a bigger one
-    MAX_UNAUTHENTICATED    256   connections that have not completed the handshake; a new one over the cap
-                                 drops the oldest of them (a flood cannot lock legitimate clients out)
+    MAX_UNAUTHENTICATED    256   connections that have not completed the handshake, per listening socket; a
+                                 new one over the cap drops the oldest of them (a flood cannot lock legitimate
+                                 clients out)
     MAX_BUFFERED_REPLY  64 MiB   reply bytes a connection may leave unread before the server stops reading
                                  its requests (back-pressure; the connection is kept)
     HELLO_TIMEOUT_S        5 s   how long a connection may take to complete the handshake
