@@ -24,6 +24,7 @@ from spmd.comm.transports.tcp.transport import TcpTransport
 def no_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SPMD_SOCKET_ADDR", raising=False)
     monkeypatch.delenv("SPMD_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("SPMD_SOCKET_ADDR_FROM", raising=False)
 
 
 def test_the_loopback_interface_is_found_by_name() -> None:
@@ -62,6 +63,9 @@ def test_the_overrides_come_first_and_a_name_is_resolved_once(monkeypatch: pytes
     assert address.choose_address("store-host") == address.AddressChoice("127.0.0.1", "SPMD_SOCKET_IFNAME=lo")
     monkeypatch.setenv("SPMD_SOCKET_ADDR", "localhost")          # wins over the interface; published resolved
     assert address.choose_address("store-host") == address.AddressChoice("127.0.0.1", "SPMD_SOCKET_ADDR")
+    monkeypatch.setenv("SPMD_SOCKET_ADDR_FROM", "spmdrun --local-addr localhost")   # spmdrun says why
+    assert address.choose_address("store-host").source == "spmdrun --local-addr localhost"
+    monkeypatch.delenv("SPMD_SOCKET_ADDR_FROM")
 
 
 def test_an_override_that_names_nothing_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -75,17 +75,21 @@ def test_bad_flags_exit_2_with_the_reason(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_the_node_address_is_local_addr_resolved_else_the_route_to_the_endpoint(monkeypatch) -> None:
+    from spmd.comm.transports.tcp.address import AddressChoice
     from spmd.run.agent import LaunchError, node_address
     from spmd.run.config import LaunchConfig
 
     monkeypatch.delenv("SPMD_SOCKET_ADDR", raising=False)
     monkeypatch.delenv("SPMD_SOCKET_IFNAME", raising=False)
     multi = {"entrypoint": "x.py", "min_nodes": 2, "max_nodes": 2, "rdzv_host": "127.0.0.1"}
-    assert node_address(LaunchConfig(**multi, local_addr="localhost")) == "127.0.0.1"   # what workers publish
-    assert node_address(LaunchConfig(**multi)) == "127.0.0.1"          # the route to a loopback endpoint
+    given = node_address(LaunchConfig(**multi, local_addr="localhost"))
+    assert given == AddressChoice("127.0.0.1", "spmdrun --local-addr localhost")   # what workers publish, and why
+    assert node_address(LaunchConfig(**multi)) == AddressChoice(   # the route to a loopback endpoint
+        "127.0.0.1", "spmdrun's choice (the route to the store at 127.0.0.1)")
     monkeypatch.setenv("SPMD_SOCKET_IFNAME", "lo")
-    assert node_address(LaunchConfig(**{**multi, "rdzv_host": "192.0.2.1"})) == "127.0.0.1"
-    assert node_address(LaunchConfig(entrypoint="x.py")) == "127.0.0.1"
+    assert node_address(LaunchConfig(**{**multi, "rdzv_host": "192.0.2.1"})) == AddressChoice(
+        "127.0.0.1", "spmdrun's choice (SPMD_SOCKET_IFNAME=lo)")
+    assert node_address(LaunchConfig(entrypoint="x.py")).address == "127.0.0.1"
     with pytest.raises(LaunchError, match=r"--local-addr 'no-such-node.invalid' is not an address"):
         node_address(LaunchConfig(**multi, local_addr="no-such-node.invalid"))
     monkeypatch.setenv("SPMD_SOCKET_IFNAME", "no-such-if0")

@@ -243,8 +243,8 @@ def test_a_published_address_that_does_not_reach_fails_in_seconds_naming_both_ho
     root = summary.splitlines()[1]
     assert "root cause at" in root and f"on host {names[1]}" in root and "PeerUnreachableError" in root, summary
     assert f"on {names[1]} can't reach rank 0 on {names[0]} at 10.200.0.99:" in root, summary
-    assert f"{names[0]} chose that address from SPMD_SOCKET_ADDR. On {names[0]}, give an address of it that " \
-           f"{names[1]} can reach: SPMD_SOCKET_ADDR=<address>" in root
+    assert f"{names[0]} chose that address from spmdrun --local-addr 10.200.0.99. On {names[0]}, give an " \
+           f"address of it that {names[1]} can reach: SPMD_SOCKET_ADDR=<address>" in root
 
 
 def test_an_elastic_job_grows_when_the_second_host_joins_late(hosts: netns.TwoHosts, tmp_path: Path) -> None:

@@ -58,6 +58,12 @@ def socket_address() -> str | None:
     return optional_str("SPMD_SOCKET_ADDR")
 
 
+def socket_address_source() -> str | None:
+    """Where SPMD_SOCKET_ADDR came from, when spmdrun set it (SPMD_SOCKET_ADDR_FROM: its --local-addr, or the
+    route it chose), so a worker's error names what its user wrote."""
+    return optional_str("SPMD_SOCKET_ADDR_FROM")
+
+
 def socket_ifname() -> str | None:
     """The interface whose IPv4 address this process's tcp transport publishes (SPMD_SOCKET_IFNAME), unless
     SPMD_SOCKET_ADDR names the address itself."""

@@ -29,7 +29,7 @@ import types
 from spmd._core.errors import StoreAuthError, StoreError
 from spmd.comm.store.base import HashStore, Store
 from spmd.comm.transports.shm.names import remove_orphan_segments
-from spmd.comm.transports.tcp.address import choose_address
+from spmd.comm.transports.tcp.address import AddressChoice, choose_address
 from spmd.run.config import LaunchConfig, Std
 from spmd.run.failure import WorkerFailure, format_summary, root_cause
 from spmd.run.process import Console, Watchdog, WorkerGroup, WorkerSpec
@@ -92,21 +92,23 @@ def is_local_host(host: str) -> bool:
     return False
 
 
-def node_address(config: LaunchConfig) -> str:
-    """The address other nodes reach this one at: --local-addr, else (SPMD_SOCKET_ADDR, SPMD_SOCKET_IFNAME, or
-    the local address of the route towards the rendezvous endpoint); loopback for a one-node job."""
+def node_address(config: LaunchConfig) -> AddressChoice:
+    """The address other nodes reach this one at, and where it came from: --local-addr, else (SPMD_SOCKET_ADDR,
+    SPMD_SOCKET_IFNAME, or the local address of the route towards the rendezvous endpoint); loopback for a
+    one-node job."""
     if config.local_addr is not None:
-        try:
-            return socket.gethostbyname(config.local_addr)   # resolved here once: workers publish an address
+        try:   # resolved here once: workers publish an address
+            return AddressChoice(socket.gethostbyname(config.local_addr), f"spmdrun --local-addr {config.local_addr}")
         except OSError as error:
             raise LaunchError(f"spmdrun: --local-addr {config.local_addr!r} is not an address and does not resolve "
                               f"on {socket.gethostname()} ({error}); give an IPv4 address of this node") from None
     if not config.is_multinode:
-        return "127.0.0.1"
+        return AddressChoice("127.0.0.1", "one node")
     try:
-        return choose_address(config.rdzv_host).address
+        choice = choose_address(config.rdzv_host)
     except ValueError as error:
         raise LaunchError(str(error)) from None
+    return AddressChoice(choice.address, f"spmdrun's choice ({choice.source})")
 
 
 class Agent:
@@ -121,6 +123,7 @@ class Agent:
         self.heartbeat: Heartbeat | None = None
         self.client: RendezvousClient | None = None
         self.me: NodeInfo | None = None
+        self.address_source = ""   # where self.me's address came from, for the workers' errors
         self.workers: WorkerGroup | None = None
         self.watchdog: Watchdog | None = None
         self._raise_on_signal = True
@@ -174,9 +177,10 @@ class Agent:
             self.coordinator = Coordinator(store.clone(), config.rdzv_id, config.min_nodes, config.max_nodes,
                                            config.max_restarts, config.timeouts, now=time.monotonic())
             self.coordinator.start()
-        addr = node_address(config)
+        address = node_address(config)
+        self.address_source = address.source
         self.client = RendezvousClient(store, config.rdzv_id)
-        self.me = self.client.join(addr, self.hostname, config.nproc_per_node, config.node_rank, os.getpid())
+        self.me = self.client.join(address.address, self.hostname, config.nproc_per_node, config.node_rank, os.getpid())
         self.heartbeat = Heartbeat(store.clone(), config.rdzv_id, self.me.node_id, config.timeouts.heartbeat_interval)
         self.heartbeat.start()
 
@@ -326,6 +330,7 @@ class Agent:
             })
             if config.is_multinode:  # its workers publish the address it chose (spmd.comm.transports.tcp.address)
                 env["SPMD_SOCKET_ADDR"] = self.me.addr
+                env["SPMD_SOCKET_ADDR_FROM"] = self.address_source
             redirect, tee = config.redirects.for_rank(local_rank), config.tee.for_rank(local_rank)
             to_file = redirect | tee
             shown = config.local_ranks_filter is None or local_rank in config.local_ranks_filter

@@ -36,7 +36,7 @@ def choose_address(toward: str | None) -> AddressChoice:
     """
     given = env.socket_address()
     if given is not None:
-        return AddressChoice(_resolve(given, "SPMD_SOCKET_ADDR"), "SPMD_SOCKET_ADDR")
+        return AddressChoice(_resolve(given, "SPMD_SOCKET_ADDR"), env.socket_address_source() or "SPMD_SOCKET_ADDR")
     ifname = env.socket_ifname()
     if ifname is not None:
         address = interface_address(ifname)
