@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from spmd.device_mesh import init_device_mesh
 from spmd.fsdp import fully_shard
 from spmd.tensor import DTensor, Replicate, Shard, record_fallbacks
-from spmd.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+from spmd.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 from spmd.testing import run_ranks
 from tests.tensor.parallel.plans import CONTEXT, VOCAB, Layout, build, parallelize
 
@@ -205,3 +205,39 @@ def test_a_shared_input_is_converted_again_when_it_changed() -> None:
         torch.testing.assert_close(b(x), ref_b(ref_x * 2), rtol=RTOL, atol=ATOL)
 
     run_ranks(body, 2, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_a_hidden_width_the_ranks_do_not_divide_trains_as_one_process(world_size: int) -> None:
+    """ColwiseParallel into RowwiseParallel with 10 hidden features on 3 or 4 ranks (shards of 4, 4, 2 and 3, 3,
+    3, 1): the column layer's local output is laid out with the row layer's in_features as its width, not the
+    local width times the ranks, so losses and the full weights after SGD steps agree with one process."""
+    def make() -> nn.Module:
+        with _BUILD_LOCK, torch.random.fork_rng():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 5))
+
+    def run(model: nn.Module) -> tuple[list[float], dict[str, Tensor]]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(STEPS):
+            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, {name: full(p).detach() for name, p in model.named_parameters()}
+
+    want_losses, want_params = run(make())
+
+    def body(rank: int, size: int) -> tuple[list[float], dict[str, Tensor]]:
+        mesh = init_device_mesh("cpu", (size,))
+        model = parallelize_module(make(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        assert model[0].weight.to_local().shape[0] == torch.arange(10).chunk(size)[rank].numel()
+        return run(model)
+
+    for losses, params in run_ranks(body, world_size, timeout=TIMEOUT):
+        torch.testing.assert_close(losses, want_losses, rtol=RTOL, atol=ATOL)
+        for name, value in params.items():
+            torch.testing.assert_close(value, want_params[name], rtol=RTOL, atol=ATOL, msg=name)

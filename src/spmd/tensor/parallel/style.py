@@ -74,15 +74,18 @@ class _SharedInputs(threading.local):
 _shared_inputs = _SharedInputs()
 
 
-def _as_dtensor(value: Any, mesh: DeviceMesh, layout: Placement, what: str) -> DTensor:
+def _as_dtensor(value: Any, mesh: DeviceMesh, layout: Placement, what: str,
+                global_shape: Callable[[Tensor], tuple[int, ...] | None] | None = None) -> DTensor:
     """A module input: a DTensor is kept; a plain tensor is this rank's piece of a DTensor laid out as `layout`,
-    the same DTensor for every module it enters (Note: one DTensor per shared input)."""
+    the same DTensor for every module it enters (Note: one DTensor per shared input). `global_shape(local)` is
+    the whole tensor's shape where the module knows it (uneven shards), None to assume even ones."""
     if isinstance(value, DTensor):
         return value
     if not isinstance(value, Tensor):
         raise TypeError(f"{what}: expected a tensor, got {type(value).__name__}")
     entries = _shared_inputs.entries
-    state = (value._version, value.requires_grad, torch.is_grad_enabled())
+    shape = None if global_shape is None else global_shape(value)
+    state = (value._version, value.requires_grad, torch.is_grad_enabled(), shape)
     entry = entries.get(id(value))
     if entry is not None:
         source, entry_state, entry_mesh, entry_layout, made = entry
@@ -90,12 +93,36 @@ def _as_dtensor(value: Any, mesh: DeviceMesh, layout: Placement, what: str) -> D
         if (source() is value and entry_state == state and entry_mesh == mesh and entry_layout == layout
                 and dt is not None):
             return dt
-    dt = DTensor.from_local(value, mesh, (layout,), run_check=False)
+    dt = DTensor.from_local(value, mesh, (layout,), run_check=False, shape=shape,
+                            stride=None if shape is None else _contiguous_strides(shape))
     if len(entries) > 64:
         for key in [key for key, item in entries.items() if item[0]() is None or item[4]() is None]:
             del entries[key]
     entries[id(value)] = (weakref.ref(value), state, mesh, layout, weakref.ref(dt))
     return dt
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= max(extent, 1)
+    return tuple(reversed(strides))
+
+
+def _linear_input_shape(module: nn.Module, layout: Placement) -> Callable[[Tensor], tuple[int, ...] | None] | None:
+    """For an nn.Linear whose input arrives sharded along its features (Shard(-1)), the input's whole shape: the
+    features are the layer's in_features, however unevenly they split (a ColwiseParallel layer's local output
+    feeding a RowwiseParallel one, when the tensor-parallel degree does not divide the width)."""
+    if not isinstance(module, nn.Linear) or not isinstance(layout, Shard):
+        return None
+
+    def shape(local: Tensor) -> tuple[int, ...] | None:
+        if layout.dim not in (-1, local.ndim - 1):
+            return None
+        return (*local.shape[:-1], module.in_features)
+
+    return shape
 
 
 def _distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement],
@@ -148,6 +175,7 @@ class _LinearStyle(ParallelStyle):
         placements = self._parameters[kind]
         desired = (self._desired_input[kind],)
         what = f"{self._name} input of {_describe(module, fqn)}"
+        input_shape = _linear_input_shape(module, self.input_layouts[0])
 
         def partition(name: str, submodule: nn.Module, mesh: DeviceMesh) -> None:
             if submodule is module:
@@ -156,7 +184,7 @@ class _LinearStyle(ParallelStyle):
         def prepare_input(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
             if not inputs:
                 raise TypeError(f"{what}: the module was called without a positional input")
-            dt = _as_dtensor(inputs[0], mesh, self.input_layouts[0], what)
+            dt = _as_dtensor(inputs[0], mesh, self.input_layouts[0], what, input_shape)
             if dt.placements != desired:
                 dt = dt.redistribute(placements=desired)
             return (dt, *inputs[1:])
