@@ -62,6 +62,22 @@ def test_torch_compatibility_arguments_are_accepted_and_ignored() -> None:
         spmd.destroy_process_group()
 
 
+@pytest.mark.parametrize("backend", ["threads", "tcp"])
+def test_a_group_made_after_another_was_destroyed_gets_a_fresh_name(backend: str) -> None:
+    """Group names count the new_group calls, not the groups alive: a name taken from the live count was
+    reused after a destroy, and the new group's set-up read the keys of the live group of that name."""
+    def body(rank: int, size: int) -> tuple[list[str], list[float]]:
+        first, second = spmd.new_group([0, 1]), spmd.new_group([0, 1])
+        spmd.destroy_process_group(first)
+        third = spmd.new_group([0, 1])
+        t = torch.ones(2)
+        spmd.all_reduce(t, group=second)
+        spmd.all_reduce(t, group=third)
+        return [first.group_name, second.group_name, third.group_name], t.tolist()
+
+    assert run_ranks(body, 2, timeout=60, backend=backend) == [(["1", "2", "3"], [4.0, 4.0])] * 2
+
+
 @pytest.mark.parametrize("backend", ["threads", "shm", "tcp"])
 def test_finished_ops_do_not_keep_their_tensors_alive(backend: str) -> None:
     # FSDP frees an all-gather's buffers as soon as it drops them; a transport or executor still holding the

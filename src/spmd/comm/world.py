@@ -52,6 +52,7 @@ class World:
         self.owns_store = owns_store
         self.recorder = FlightRecorder()
         self.groups: list[AnyGroup] = []
+        self.groups_made = 0    # new_group calls so far: names the next group (never reused after a destroy)
         self.observers = CollectiveObservers()      # told of every collective on this rank's groups
         # Every init over one long-lived store gets fresh keys: ranks re-initialize in lockstep, so the
         # count of this rank's inits names the same generation on every rank.
@@ -308,7 +309,8 @@ def new_group(ranks: list[int] | None = None, timeout: float | datetime.timedelt
     same order, including ranks not in `ranks`, which get a NonMemberGroup they can't communicate on."""
     world = current_world()
     members = sorted(range(world.world_size) if ranks is None else _check_members(ranks, world))
-    name = str(sum(1 for _ in world.groups))
+    world.groups_made += 1
+    name = str(world.groups_made)
     return world.create_group(members, as_seconds(timeout, world.timeout), backend or world.backend, name)
 
 
