@@ -11,7 +11,7 @@ import torch
 import spmd
 from spmd._core.errors import CommError, GroupAbortedError
 from spmd.comm.debug import Fingerprint
-from spmd.comm.group import GroupState, ProcessGroup
+from spmd.comm.group import GroupState, NonMemberGroup, ProcessGroup
 from spmd.comm.world import current_world
 from spmd.testing import run_ranks
 
@@ -76,6 +76,28 @@ def test_a_group_made_after_another_was_destroyed_gets_a_fresh_name(backend: str
         return [first.group_name, second.group_name, third.group_name], t.tolist()
 
     assert run_ranks(body, 2, timeout=60, backend=backend) == [(["1", "2", "3"], [4.0, 4.0])] * 2
+
+
+@pytest.mark.parametrize("backend", ["threads", "shm", "tcp"])
+def test_a_group_with_local_synchronization_is_made_by_its_members_alone(backend: str) -> None:
+    """new_group(use_local_synchronization=True), as torch's: ranks 0-1 and 2-3 each make a group of their own
+    (twice, so a member set's count names them apart) without the other pair calling; a world-wide new_group
+    after them is named and served as if they had not been made."""
+    def body(rank: int, size: int) -> tuple[list[float], list[float], str, bool]:
+        pair = [0, 1] if rank < 2 else [2, 3]
+        first = spmd.new_group(pair, use_local_synchronization=True)
+        second = spmd.new_group(pair, use_local_synchronization=True)
+        outsider = spmd.new_group([2] if rank < 2 else [0], use_local_synchronization=True)   # not a member
+        everyone = spmd.new_group(group_desc="all of them")
+        t = torch.full((2,), float(rank))
+        spmd.all_reduce(t, group=first)
+        spmd.all_reduce(t, group=second)
+        u = torch.ones(2)
+        spmd.all_reduce(u, group=everyone)
+        return t.tolist(), u.tolist(), everyone.group_name, isinstance(outsider, NonMemberGroup)
+
+    results = run_ranks(body, 4, timeout=60, backend=backend)
+    assert results == [([2.0, 2.0], [4.0, 4.0], "1", True)] * 2 + [([10.0, 10.0], [4.0, 4.0], "1", True)] * 2
 
 
 @pytest.mark.parametrize("backend", ["threads", "shm", "tcp"])

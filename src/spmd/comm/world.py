@@ -53,6 +53,7 @@ class World:
         self.recorder = FlightRecorder()
         self.groups: list[AnyGroup] = []
         self.groups_made = 0    # new_group calls so far: names the next group (never reused after a destroy)
+        self.local_groups_made: collections.Counter[tuple[int, ...]] = collections.Counter()   # per member set
         self.observers = CollectiveObservers()      # told of every collective on this rank's groups
         # Every init over one long-lived store gets fresh keys: ranks re-initialize in lockstep, so the
         # count of this rank's inits names the same generation on every rank.
@@ -75,7 +76,8 @@ class World:
         return self.store.compare_set(f"{self.prefix}/transport_token", "", secrets.token_hex(16))
 
     def create_group(self, ranks: list[int], timeout: float, backend: str, name: str) -> AnyGroup:
-        """Collective over the whole world (every rank calls it, in the same order, members or not).
+        """Set up a group: its members together, through the store; a non-member gets a NonMemberGroup. `name`
+        is the same on every member and never used twice in the world (see new_group).
 
         `backend` is a name as users write it (see spmd.comm.backend), translated here to a transport."""
         transport_name = transport_for(backend)
@@ -304,13 +306,25 @@ def default_group() -> ProcessGroup:
 
 
 def new_group(ranks: list[int] | None = None, timeout: float | datetime.timedelta | None = None,
-              backend: str | None = None) -> AnyGroup:
+              backend: str | None = None, pg_options: object = None, use_local_synchronization: bool = False,
+              group_desc: str | None = None, device_id: object = None) -> AnyGroup:
     """Create a group of `ranks` (all ranks if None). Collective: every rank of the world calls it, in the
-    same order, including ranks not in `ranks`, which get a NonMemberGroup they can't communicate on."""
+    same order, including ranks not in `ranks`, which get a NonMemberGroup they can't communicate on.
+
+    With `use_local_synchronization=True` (as torch's), only the members call it, in the same order among
+    themselves; a non-member that calls it gets a NonMemberGroup and nothing else happens. `pg_options`,
+    `group_desc` and `device_id` are accepted for torch's signature and not used."""
     world = current_world()
     members = sorted(range(world.world_size) if ranks is None else _check_members(ranks, world))
-    world.groups_made += 1
-    name = str(world.groups_made)
+    if use_local_synchronization:
+        if world.rank not in members:
+            return NonMemberGroup(f"local:{members}", members, world.rank)
+        key = tuple(members)
+        world.local_groups_made[key] += 1   # names it the same on every member, never on anyone else
+        name = f"local/{'-'.join(map(str, key))}/{world.local_groups_made[key]}"
+    else:
+        world.groups_made += 1
+        name = str(world.groups_made)
     return world.create_group(members, as_seconds(timeout, world.timeout), backend or world.backend, name)
 
 
