@@ -290,6 +290,32 @@ def test_async_save_returns_after_staging_and_writes_what_was_there_then(tmp_pat
     run_ranks(body, world_size=2, timeout=TIMEOUT)
 
 
+def test_async_save_on_a_subgroup_saves_what_its_members_hold(tmp_path) -> None:
+    """Two pipeline-stage-like halves of 4 ranks each save their own shards asynchronously over their own group
+    (the background group is made by its members alone); the world's other groups are unaffected."""
+    import spmd
+
+    def body(rank: int, world_size: int) -> list[float]:
+        halves = [spmd.new_group([0, 1]), spmd.new_group([2, 3])]
+        half = halves[rank // 2]
+        path = str(tmp_path / f"half{rank // 2}")
+        local = torch.arange(5.0) + 10 * rank
+        future = dcp.async_save({"w": local.clone(), "stage": rank // 2}, checkpoint_id=path, process_group=half)
+        local.add_(100)
+        future.result(timeout=TIMEOUT)
+        dcp.async_save({"w": local.clone()}, checkpoint_id=path + "-again", process_group=half).result(
+            timeout=TIMEOUT)                                # the half's background group is reused
+        spmd.all_reduce(total := torch.ones(1))            # the default group still serves every rank
+        state = {"w": torch.zeros(5), "stage": -1}
+        dcp.load(state, checkpoint_id=path, process_group=half)
+        assert state["stage"] == rank // 2 and total.item() == 4
+        return state["w"].tolist()
+
+    results = run_ranks(body, world_size=4, timeout=TIMEOUT)
+    # a plain tensor is taken as replicated over the group: the half's first rank's values are the checkpoint's
+    assert results == [[0.0, 1.0, 2.0, 3.0, 4.0]] * 2 + [[20.0, 21.0, 22.0, 23.0, 24.0]] * 2
+
+
 def test_a_dtensor_with_a_partial_placement_is_refused(tmp_path) -> None:
     from spmd.tensor import Partial
 

@@ -46,7 +46,7 @@ from spmd.checkpoint.planner import Box, LocalTensor, Path, covered, flatten, is
 from spmd.checkpoint.storage import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
 from spmd.comm.group import ProcessGroup
 from spmd.comm.objects import all_gather_bytes
-from spmd.comm.world import AnyGroup, current_world, is_initialized, new_group, resolve_group
+from spmd.comm.world import AnyGroup, is_initialized, new_group, resolve_group
 
 
 @runtime_checkable
@@ -146,20 +146,18 @@ class _AsyncSaver:
 
     @classmethod
     def of(cls, group: ProcessGroup | None) -> _AsyncSaver:
+        """The saver of `group`'s async saves; its first one makes the background group, with the members alone
+        (they all call async_save, in the same order), so any group may save asynchronously."""
         if group is None:
             return _ALONE
-        world = current_world()
-        if group is not world.default_group:
-            raise CheckpointError("async_save: only the world's default group is supported as process_group (its "
-                                  "background exchanges need a group of their own, which every rank must create)")
         with _SAVERS_LOCK:
-            saver = _SAVERS.get(world)
+            saver = _SAVERS.get(group)
         if saver is None:
-            background = new_group(list(group.ranks))
+            background = new_group(list(group.ranks), use_local_synchronization=True)
             assert isinstance(background, ProcessGroup)
             saver = cls(background)
             with _SAVERS_LOCK:
-                _SAVERS[world] = saver
+                _SAVERS[group] = saver
         return saver
 
     def stage(self, writes: dict[str, LocalTensor]) -> dict[str, LocalTensor]:
@@ -180,7 +178,7 @@ class _AsyncSaver:
         return staged
 
 
-_SAVERS: weakref.WeakKeyDictionary[Any, _AsyncSaver] = weakref.WeakKeyDictionary()   # world -> its saver
+_SAVERS: weakref.WeakKeyDictionary[ProcessGroup, _AsyncSaver] = weakref.WeakKeyDictionary()   # group -> its saver
 _ALONE = _AsyncSaver(None)      # a process saving by itself
 
 def _writer(checkpoint_id: str | os.PathLike[str] | None, storage_writer: StorageWriter | None) -> StorageWriter:
