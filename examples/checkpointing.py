@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import pathlib
 import re
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -53,15 +54,18 @@ def complete_checkpoints(directory: str | pathlib.Path) -> list[tuple[int, pathl
 
 
 class Checkpointer:
-    """Saves and restores one run's state in `directory`, every `every` steps (0: at the run's end only). `model`
-    gives the module whose state to save, with the plain model's parameter names (asked at each save and
-    restore: ParallelGPT.state_module reshards FSDP's parameters there)."""
+    """Saves and restores one run's state in `directory`, every `every` steps (0: at the run's end only), keeping
+    the newest `keep` complete checkpoints (0: all). `model` gives the module whose state to save, with the plain
+    model's parameter names (asked at each save and restore: ParallelGPT.state_module reshards FSDP's parameters
+    there)."""
 
     def __init__(self, directory: str | pathlib.Path, every: int, model: Callable[[], nn.Module],
-                 optimizer: torch.optim.Optimizer, describe_layout: str, global_batch: int) -> None:
+                 optimizer: torch.optim.Optimizer, describe_layout: str, global_batch: int, keep: int = 0) -> None:
         if every < 0:
             raise ValueError(f"--checkpoint-every must be >= 0, got {every}")
-        self.directory, self.every = pathlib.Path(directory), every
+        if keep < 0:
+            raise ValueError(f"--keep-checkpoints must be >= 0, got {keep}")
+        self.directory, self.every, self.keep = pathlib.Path(directory), every, keep
         self.model, self.optimizer, self.layout, self.global_batch = model, optimizer, describe_layout, global_batch
         self.pending: concurrent.futures.Future[dcp.Metadata] | None = None
         self.saved_steps: list[int] = []
@@ -88,10 +92,26 @@ class Checkpointer:
         self.saved_steps.append(steps_done)
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is committed; raises its error."""
+        """Block until the save in flight (if any) is committed; raises its error. Then rank 0 removes what the
+        retention leaves out (see prune)."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
             pending.result()
+            if self.keep and spmd.get_rank() == 0:
+                self.prune()
+
+    def prune(self) -> None:
+        """Remove every complete checkpoint but the newest `keep`, and the half-written directories older than the
+        newest complete one (a killed job's); only once a newer save is committed, so a resume always finds one."""
+        complete = complete_checkpoints(self.directory)
+        if not complete:
+            return
+        newest = complete[-1][0]
+        doomed = [path for _, path in complete[:-self.keep]]
+        doomed += [path for path in self.directory.iterdir() if (match := STEP_DIR.fullmatch(path.name))
+                   and int(match.group(1)) < newest and not (path / METADATA).is_file()]
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)   # a shared directory: another job's rank may be at it too
 
     def resume(self) -> dict[str, Any] | None:
         """Restore the newest complete checkpoint; its "trainer" entry (steps done, and the world size, layout

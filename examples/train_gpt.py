@@ -101,6 +101,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ckpt.add_argument("--checkpoint-dir", default="", help="where to save checkpoints (step-<N> directories)")
     ckpt.add_argument("--checkpoint-every", type=int, default=0,
                       help="save every K steps, in the background (0: only at the end of the run)")
+    ckpt.add_argument("--keep-checkpoints", type=int, default=0,
+                      help="keep only the newest K complete checkpoints, removing older ones once a newer one is "
+                           "written (0: keep all)")
     ckpt.add_argument("--resume", action="store_true",
                       help="continue from the newest complete checkpoint in --checkpoint-dir, under any layout "
                            "(none there: start afresh, so a restarted job can pass the same flags)")
@@ -206,7 +209,8 @@ class Trainer:
                                            weight_decay=args.weight_decay)
         self.global_batch = self.layout.dp * self.batch * args.grad_accum
         self.checkpointer = (Checkpointer(args.checkpoint_dir, args.checkpoint_every, self.model.state_module,
-                                          self.optimizer, self.layout.describe(), self.global_batch)
+                                          self.optimizer, self.layout.describe(), self.global_batch,
+                                          keep=args.keep_checkpoints)
                              if args.checkpoint_dir else None)
         self.tokens_per_step = self.global_batch * args.context
         self.flops_per_token = flops_per_token(self.config)

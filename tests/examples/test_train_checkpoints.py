@@ -82,6 +82,18 @@ def test_resume_passes_over_a_half_written_checkpoint(tmp_path: pathlib.Path,
     assert "resumed from" in capsys.readouterr().out
 
 
+def test_keep_checkpoints_leaves_the_newest_and_the_leftovers_go(tmp_path: pathlib.Path) -> None:
+    """--keep-checkpoints 2 with a save every step: once each save is committed, all but the newest two complete
+    checkpoints are removed, and so is a half-written directory older than them (a killed job's)."""
+    leftover = tmp_path / "step-000000"
+    leftover.mkdir()
+    (leftover / "__0_0.safetensors.partial").write_bytes(b"\0" * 64)
+    run(2, tmp_path, "--steps", "4", "--checkpoint-every", "1", "--keep-checkpoints", "2")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-000003", "step-000004"]
+    resumed = run(2, tmp_path, "--steps", "4", "--resume")
+    assert resumed["step"] == []                       # the newest kept is the run's end: nothing left to do
+
+
 def test_resume_without_a_checkpoint_starts_afresh(tmp_path: pathlib.Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     history = run(2, tmp_path / "none-yet", "--resume")
