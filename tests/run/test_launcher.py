@@ -49,9 +49,10 @@ PID_WRITER = """
 """
 
 
-def read_pids(pid_dir: Path, nproc: int) -> list[int]:
+def read_pids(pid_dir: Path, nproc: int, per_worker: int = 2) -> list[int]:
     wait_until(lambda: len(list(pid_dir.iterdir())) == nproc, 60, "every worker to write its pid")
-    wait_until(lambda: all(len(path.read_text().split()) == 2 for path in pid_dir.iterdir()), 10, "whole pid files")
+    wait_until(lambda: all(len(path.read_text().split()) == per_worker for path in pid_dir.iterdir()), 10,
+               "whole pid files")
     return [int(pid) for path in pid_dir.iterdir() for pid in path.read_text().split()]
 
 
@@ -176,8 +177,9 @@ def test_sigint_to_the_launcher_stops_every_worker_and_helper(tmp_path: Path) ->
 
 
 def test_sigkill_to_the_agent_takes_its_workers_their_children_and_their_shm_names_down(tmp_path: Path) -> None:
-    """Workers die through their parent-death signal; the processes they started and the /dev/shm names they
-    made are the agent's watchdog's to remove (the worker fakes a segment file named as the shm transport does)."""
+    """Workers die through their parent-death signal; the processes they started, in their group or in a session
+    of their own (setsid), and the /dev/shm names they made are the agent's watchdog's to remove (the worker fakes
+    a segment file named as the shm transport does)."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     tag = f"{os.getpid()}{time.monotonic_ns()}"
@@ -186,14 +188,15 @@ def test_sigkill_to_the_agent_takes_its_workers_their_children_and_their_shm_nam
         from spmd.comm.transports.shm.names import new_segment_name
         open("/dev/shm/" + new_segment_name().rsplit("-", 1)[0] + "-{tag}", "wb").close()
         child = subprocess.Popen(["sleep", "300"])
+        escaped = subprocess.Popen(["sleep", "301"], start_new_session=True)
         with open(os.path.join(sys.argv[1], os.environ["RANK"]), "w") as f:
-            f.write(f"{{os.getpid()}} {{child.pid}}")
+            f.write(f"{{os.getpid()}} {{child.pid}} {{escaped.pid}}")
         signal.pause()
     """)
     launcher = Launcher("--nproc-per-node", "2", worker, str(pid_dir))
     pids: list[int] = []
     try:
-        pids = read_pids(pid_dir, 2)
+        pids = read_pids(pid_dir, 2, per_worker=3)
         launcher.popen.kill()
         launcher.finish(timeout=30)
         wait_until(lambda: not any(is_alive(pid) for pid in pids), 5, f"workers and their children {pids} to die")
@@ -209,16 +212,24 @@ def test_sigkill_to_the_agent_takes_its_workers_their_children_and_their_shm_nam
 
 
 def test_helpers_that_outlive_a_successful_worker_are_stopped_with_its_group(tmp_path: Path) -> None:
+    """A helper in the worker's group is stopped with it; one in a session of its own (setsid) by the watchdog,
+    through the mark in its environment, when the agent is done."""
     pid_file = tmp_path / "child"
     worker = script(tmp_path, "w.py", f"""
         import subprocess
         child = subprocess.Popen(["sleep", "300"])
-        open({str(pid_file)!r}, "w").write(str(child.pid))
+        escaped = subprocess.Popen(["sleep", "302"], start_new_session=True)
+        open({str(pid_file)!r}, "w").write(f"{{child.pid}} {{escaped.pid}}")
     """)
     code, _, err = run_agent("--nproc-per-node", "1", worker)
     assert code == 0, err
-    child = int(pid_file.read_text())
-    wait_until(lambda: not is_alive(child), 5, f"the worker's child {child} to die")
+    helpers = [int(pid) for pid in pid_file.read_text().split()]
+    try:
+        wait_until(lambda: not any(is_alive(pid) for pid in helpers), 5, f"the worker's helpers {helpers} to die")
+    finally:
+        for pid in helpers:
+            if is_alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_slow_reader_gets_every_line_and_the_exit_code(tmp_path: Path) -> None:

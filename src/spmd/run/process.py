@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import secrets
 import select
 import signal
 import subprocess
@@ -35,6 +36,7 @@ IDLE_FLUSH_S = 0.1  # a partial line followed by this much silence is forwarded 
 DRAIN_SILENCE_S = 1.0  # once the workers are dead, a pipe silent this long is held open by a process that escaped
 _LINE_ENDS = re.compile(rb"(\r\n|\r|\n)")
 WATCHDOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "watchdog.py")
+WATCHDOG_MARK = "SPMD_WATCHDOG_MARK"   # in every worker's environment: the watchdog finds their descendants by it
 
 
 class Console:
@@ -193,13 +195,17 @@ class Watchdog:
     watchdog (spmd/run/watchdog.py, started once per agent, before any worker, in a session of its own and without
     a parent-death signal) reads a pipe whose write end only the agent holds: `+PGID` and `-PGID` lines track the
     running groups, and end of file, which comes however the agent ends, even by SIGKILL, makes it kill every group
-    still tracked. A subreaper would not do: it adopts orphans, but dies with the agent.
+    still tracked. A subreaper would not do: it adopts orphans, but dies with the agent. Workers carry `mark` in
+    their environment as SPMD_WATCHDOG_MARK, and so does what they start: the watchdog also kills every process
+    that has it, which finds those that left their group (setsid, a daemon's double fork).
     """
 
     def __init__(self, python: str = sys.executable) -> None:
+        self.mark = secrets.token_hex(8)
         read_end, self._pipe = os.pipe()
         try:
-            self.popen = subprocess.Popen([python, WATCHDOG, str(read_end)], pass_fds=(read_end,),
+            self.popen = subprocess.Popen([python, WATCHDOG, str(read_end), f"{WATCHDOG_MARK}={self.mark}"],
+                                          pass_fds=(read_end,),
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL, start_new_session=True)
         except BaseException:
@@ -239,7 +245,8 @@ class Worker:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
         if os.path.exists(spec.error_file):
             os.remove(spec.error_file)
-        self.popen = subprocess.Popen(list(spec.argv), env=spec.env, stdin=subprocess.DEVNULL,
+        env = spec.env if watchdog is None else {**spec.env, WATCHDOG_MARK: watchdog.mark}
+        self.popen = subprocess.Popen(list(spec.argv), env=env, stdin=subprocess.DEVNULL,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         self.watchdog = watchdog
         if watchdog is not None:

@@ -1,10 +1,12 @@
 """The agent's watchdog: when the agent dies, even by SIGKILL, kill its workers' process groups and sweep /dev/shm.
 
-Layer: run. Started by spmd.run.process.Watchdog as `python .../spmd/run/watchdog.py FD` (a file, like bootstrap,
-so it starts in milliseconds); FD is the read end of a pipe whose write end only the agent holds. The agent writes
-`+PGID` when a worker starts and `-PGID` once that worker's group is dead. End of file means the agent is gone or
-done: every group still tracked gets SIGKILL, then, once they are empty (or after GROUP_EXIT_S), the shared-memory
-names their processes left are removed, and the watchdog exits.
+Layer: run. Started by spmd.run.process.Watchdog as `python .../spmd/run/watchdog.py FD MARK` (a file, like
+bootstrap, so it starts in milliseconds); FD is the read end of a pipe whose write end only the agent holds, MARK
+the `NAME=value` entry every worker has in its environment. The agent writes `+PGID` when a worker starts and
+`-PGID` once that worker's group is dead. End of file means the agent is gone or done: every group still tracked
+gets SIGKILL, and so does every process whose environment holds MARK (the workers' descendants that left their
+group: setsid, a daemon's double fork; not those that cleared their environment); once they are gone (or after
+GROUP_EXIT_S), the shared-memory names their processes left are removed, and the watchdog exits.
 """
 
 import sys
@@ -54,6 +56,35 @@ def kill_groups(groups: set[int]) -> None:
             time.sleep(0.02)  # polling processes this process did not start: nothing to wait on
 
 
+def marked_processes(mark: bytes) -> list[int]:
+    """The live processes (other than this one) whose environment holds the entry `mark`."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as environ:
+                entries = environ.read().split(b"\0")
+        except OSError:   # gone meanwhile, or not ours to read
+            continue
+        if mark in entries:   # a zombie's environment reads empty: the dead are not found again
+            found.append(int(name))
+    return found
+
+
+def kill_marked(mark: bytes) -> None:
+    """SIGKILL every process holding `mark` until a scan finds none (what they fork meanwhile is found by the
+    next), for at most GROUP_EXIT_S."""
+    deadline = time.monotonic() + GROUP_EXIT_S
+    while (found := marked_processes(mark)) and time.monotonic() < deadline:
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.02)   # let the kills land before the next scan
+
+
 def sweep_shared_memory() -> None:
     """Remove the /dev/shm names whose creators are dead (spmd.comm.transports.shm.names)."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -65,6 +96,8 @@ def sweep_shared_memory() -> None:
 def main() -> None:
     groups = tracked_groups(int(sys.argv[1]))
     kill_groups(groups)
+    if sys.platform == "linux":
+        kill_marked(os.fsencode(sys.argv[2]))
     sweep_shared_memory()
 
 
