@@ -3,13 +3,16 @@ errors a user meets first (no init, double init, non-member groups, bad argument
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 
 import pytest
 import torch
 
 import spmd
 from spmd._core.errors import CollectiveMismatchError, CommTimeoutError, GroupAbortedError
+from spmd.comm.world import current_world
 from spmd.testing import run_ranks
 
 
@@ -209,3 +212,44 @@ def test_reinitialize_over_the_same_store(backend: str) -> None:
         thread.join(timeout=60)
     assert not errors and not any(t.is_alive() for t in threads)
     assert results == [2.0] * 6
+
+
+def test_a_rank_that_rejoins_before_rank_0_has_left_keeps_its_connection() -> None:
+    """tcp:// init, destroy, init again: rank 1 re-joins through rank 0's store server while rank 0 is still in
+    the first world. Rank 0 keeps the server across its destroy (Note: rank 0 keeps its store server), so rank 1's
+    rendezvous is not cut off (it lost its connection mid-rendezvous when rank 0's destroy stopped the server)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    init = f"tcp://127.0.0.1:{port}"
+    results: list[float] = []
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            spmd.init_process_group("tcp", init_method=init, rank=rank, world_size=2, timeout=30,
+                                    torch_default_group=False)
+            spmd.all_reduce(torch.ones(1))
+            if rank == 0:     # stay in the first world until rank 1 has counted its second init on the server
+                store = current_world().store
+                deadline = time.monotonic() + 30
+                while not (store.check(["spmd/inits/rank1"]) and store.get("spmd/inits/rank1") == b"2"):
+                    assert time.monotonic() < deadline, "rank 1 did not re-join"
+                    time.sleep(0.001)
+            spmd.destroy_process_group()
+            spmd.init_process_group("tcp", init_method=init, rank=rank, world_size=2, timeout=30,
+                                    torch_default_group=False)
+            t = torch.ones(2)
+            spmd.all_reduce(t)
+            results.append(t[0].item())
+            spmd.destroy_process_group()
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=rank_main, args=(rank,), daemon=True) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+    assert results == [2.0, 2.0]

@@ -12,6 +12,7 @@ import collections
 import contextvars
 import datetime
 import json
+import os
 import secrets
 import socket
 import threading
@@ -264,9 +265,39 @@ def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> 
         raise ValueError(f"spmd: init_method {init_method!r} must start with env://, tcp:// or file://")
     if rank < 0 or world_size <= 0:
         raise ValueError(missing)
-    store = TCPStore(host, port, world_size=world_size, is_master=rank == 0, timeout=timeout,
-                     token=env.store_token())
+    token = env.store_token()
+    if rank != 0 or port == 0:
+        store: Store = TCPStore(host, port, world_size=world_size, is_master=rank == 0, timeout=timeout, token=token)
+    else:
+        store = _kept_master(host, port, world_size, timeout, token)
     return store, rank, world_size
+
+
+# Note: rank 0 keeps its store server
+# With env:// or tcp://, rank 0 hosts the job's TCPStore. destroy_process_group() then init_process_group() in one
+# job (a notebook, tutorials run in turn) must not close that server: another rank may already be re-joining
+# through it (it reached the old server before rank 0 destroyed), and would lose its connection mid-rendezvous.
+# So rank 0 keeps the server for the life of its process, keyed by address, port and token, and each world gets a
+# client of it; a re-init finds it there. Every init counts itself per rank in the store (World.prefix), so the
+# worlds over one server never read each other's keys.
+_kept_masters: dict[tuple[int, str, int, str | None], Store] = {}
+_kept_masters_lock = threading.Lock()
+
+
+def _kept_master(host: str, port: int, world_size: int, timeout: float, token: str | None) -> Store:
+    """A client of the TCPStore server rank 0 hosts at host:port, started by the first init that needs it (Note:
+    rank 0 keeps its store server)."""
+    from spmd.comm.store.tcp import TCPStore
+
+    key = (os.getpid(), host, port, token)
+    with _kept_masters_lock:
+        master = _kept_masters.get(key)
+        if master is None:
+            master = TCPStore(host, port, world_size=world_size, is_master=True, timeout=timeout, token=token)
+            _kept_masters[key] = master
+    client = master.clone()
+    client.set_timeout(timeout)
+    return client
 
 
 def _query_int(query: dict[str, list[str]], name: str, default: int, init_method: str) -> int:
