@@ -28,8 +28,10 @@ def port(source: str) -> str:
 
 
 TUTORIALS = ["ddp_tutorial.py", "collectives_tutorial.py", "fsdp2_tutorial.py"]
-# One job per launcher runs the tutorials one after another in the same worker processes, each as its own
-# `__main__` with its output prefix as argv[1], so the 2 x 3 launches' start-up and torch imports are paid twice.
+# spmdrun runs the three ports in one job, one after another in the same workers, each as its own `__main__` with
+# its output prefix as argv[1] (each destroys its world and the next initializes a new one), so their launch and
+# imports are paid once. torch's launcher gets a job per tutorial: under one torchrun store, gloo's next default
+# group can read the addresses its destroyed predecessor left there and wait on them for good.
 IN_TURN = """import runpy
 import sys
 
@@ -39,11 +41,11 @@ for script, out in zip(sys.argv[1::2], sys.argv[2::2]):
 """
 
 
-def _launch(launcher: str, directory: pathlib.Path) -> None:
+def _launch(launcher: str, directory: pathlib.Path, names: list[str]) -> None:
     src = str(pathlib.Path(__file__).parents[1] / "src")
     env = {**os.environ, **CPU_ONLY, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
     (directory / "in_turn.py").write_text(IN_TURN)
-    scripts = [str(arg) for name in TUTORIALS for arg in (directory / name, directory / f"{name}.out")]
+    scripts = [str(arg) for name in names for arg in (directory / name, directory / f"{name}.out")]
     command = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", "in_turn.py", *scripts]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=directory)
     assert result.returncode == 0, f"{launcher} failed:\n{result.stdout}\n{result.stderr}"
@@ -62,8 +64,9 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[pathli
         assert "torch.distributed" not in ported and "torch.nn.parallel" not in ported
         (root / "torch" / name).write_text(source)
         (root / "spmd" / name).write_text(ported)
-    _launch("torch.distributed.run", root / "torch")
-    _launch("spmd.run", root / "spmd")
+    for name in TUTORIALS:
+        _launch("torch.distributed.run", root / "torch", [name])
+    _launch("spmd.run", root / "spmd", TUTORIALS)
     return {name: (root / "torch" / f"{name}.out", root / "spmd" / f"{name}.out") for name in TUTORIALS}
 
 
