@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from spmd._core import env
 from spmd._core.errors import PeerUnreachableError
 from spmd.comm.store.base import HashStore, PrefixStore
 from spmd.comm.store.tcp import TCPStore
@@ -87,7 +88,7 @@ def test_stores_name_their_server_host() -> None:
 
 
 def test_an_unreachable_peer_address_fails_within_seconds_naming_both_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(connect, "REACH_S", 1.0)
+    monkeypatch.setenv("SPMD_CONNECT_RETRY_S", "1")    # instead of connect.REACH_S, 10 s
     with socket.socket() as closed:                      # a port nobody listens on: connections are refused
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
@@ -105,3 +106,11 @@ def test_an_unreachable_peer_address_fails_within_seconds_naming_both_hosts(monk
     assert "hostA chose that address from the route to the store at 10.9.9.9" in message
     assert message.endswith("On hostA, give an address of it that hostB can reach: SPMD_SOCKET_ADDR=<address> or "
                             "SPMD_SOCKET_IFNAME=<interface> (spmdrun: --local-addr <address>)")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "soon"])
+def test_a_connect_retry_that_is_not_a_positive_number_of_seconds_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                                             value: str) -> None:
+    monkeypatch.setenv("SPMD_CONNECT_RETRY_S", value)
+    with pytest.raises(ValueError, match=rf"SPMD_CONNECT_RETRY_S={value!r} is not a positive number of seconds"):
+        env.connect_retry_seconds(connect.REACH_S)

@@ -5,6 +5,7 @@ Layer: core. Environment variables are read here and passed on as arguments, nev
 
 from __future__ import annotations
 
+import math
 import os
 
 
@@ -62,6 +63,23 @@ def socket_address_source() -> str | None:
     """Where SPMD_SOCKET_ADDR came from, when spmdrun set it (SPMD_SOCKET_ADDR_FROM: its --local-addr, or the
     route it chose), so a worker's error names what its user wrote."""
     return optional_str("SPMD_SOCKET_ADDR_FROM")
+
+
+def connect_retry_seconds(default: float) -> float:
+    """How long the tcp transport retries a peer's published address that refuses or drops connections before it
+    calls the address wrong (SPMD_CONNECT_RETRY_S, seconds; NCCL's NCCL_SOCKET_RETRY_* play this part); `default`
+    when unset."""
+    value = optional_str("SPMD_CONNECT_RETRY_S")
+    if value is None:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if math.isnan(seconds) or seconds <= 0:   # inf: retry until the group's own timeout
+        raise ValueError(f"spmd: environment variable SPMD_CONNECT_RETRY_S={value!r} is not a positive number of "
+                         f"seconds")
+    return seconds
 
 
 def socket_ifname() -> str | None:

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from spmd._core import env
 from spmd._core.deadline import Deadline
 from spmd._core.errors import CommError, CommTimeoutError, PeerLostError, PeerUnreachableError, StoreTimeoutError
 from spmd.comm.transports.base import TransportSpec
@@ -24,6 +25,7 @@ SOCKET_BUFFER = 4 << 20           # bytes; large buffers keep a ring step's piec
 SEND_POLL_S = 0.5                 # a blocked send wakes this often to check for failure and its deadline
 HANDSHAKE_S = 10.0                # at most this long for one connection's handshake
 REACH_S = 10.0                    # a peer's published address that refuses or drops connections this long is wrong
+                                  # (SPMD_CONNECT_RETRY_S overrides it)
 CONNECT_ATTEMPT_S = 3.0           # one connection attempt (a dropped SYN is retried by the next one)
 
 
@@ -93,7 +95,8 @@ class Connector:
                 f"{deadline.timeout:.1f}s (it never created this group)") from None
         host, port = self.spec.store.get(key).decode().rsplit(":", 1)
         hello = wire.hello_frame(self.group_rank, self.spec.group_name, secrets.token_bytes(wire.NONCE_BYTES))
-        reach_by = time.monotonic() + REACH_S
+        reach_s = env.connect_retry_seconds(REACH_S)
+        reach_by = time.monotonic() + reach_s
         while True:
             try:
                 sock = socket.create_connection((host, int(port)),
@@ -105,7 +108,7 @@ class Connector:
                         f"tcp transport of {self._desc}, {me}: can't connect to {them} at {host}:{port} within "
                         f"{deadline.timeout:.1f}s ({error})") from None
                 if time.monotonic() >= reach_by:
-                    raise PeerUnreachableError(self._unreachable(peer, f"{host}:{port}", error)) from None
+                    raise PeerUnreachableError(self._unreachable(peer, f"{host}:{port}", error, reach_s)) from None
                 time.sleep(0.05)
         try:
             sock.settimeout(max(0.01, min(deadline.remaining(), HANDSHAKE_S)))
@@ -123,7 +126,7 @@ class Connector:
                                 f"failed ({error})") from None
         self._register(peer, sock)
 
-    def _unreachable(self, peer: int, target: str, error: OSError) -> str:
+    def _unreachable(self, peer: int, target: str, error: OSError, reach_s: float) -> str:
         """Why `peer`'s published address can't be used from here, and the override that fixes it."""
         source_key = f"tcp/source/{peer}"
         source = self.spec.store.get(source_key).decode() if self.spec.store.check([source_key]) else "unknown"
@@ -131,7 +134,7 @@ class Connector:
         their_host = names[peer] if names else "its host"
         my_host = names[self.group_rank] if names else "this host"
         return (f"tcp transport of {self._desc}: {self.spec.where(self.group_rank)} can't reach "
-                f"{self.spec.where(peer)} at {target} within {REACH_S:g}s ({error}); {their_host} chose that "
+                f"{self.spec.where(peer)} at {target} within {reach_s:g}s ({error}); {their_host} chose that "
                 f"address from {source}. On {their_host}, give an address of it that {my_host} can reach: "
                 f"{address.OVERRIDES}")
 
