@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -188,29 +189,41 @@ def test_run_ranks_reraises_first_failure_with_rank() -> None:
     assert any("rank 2 of 3" in note for note in info.value.__notes__)
 
 
+def _in_rank_threads(rank_main: Callable[[int], None], world_size: int = 2, timeout: float = 60.0) -> None:
+    """Run rank_main(rank) in a thread per rank, each initializing its own world (unlike run_ranks, which
+    initializes them); re-raise the first rank's error."""
+    errors: list[BaseException] = []
+
+    def body(rank: int) -> None:
+        try:
+            rank_main(rank)
+        except BaseException as error:   # re-raised below, in the test's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=body, args=(rank,), daemon=True) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout)
+    assert not any(thread.is_alive() for thread in threads), "a rank did not finish"
+    if errors:
+        raise errors[0]
+
+
 @pytest.mark.parametrize("backend", ["threads", "tcp"])
 def test_reinitialize_over_the_same_store(backend: str) -> None:
     store = spmd.HashStore(timeout=30)
     results: list[float] = []
-    errors: list[BaseException] = []
 
     def rank_main(rank: int) -> None:
-        try:
-            for _ in range(3):   # destroy, then init again: fresh keys, no stale addresses
-                spmd.init_process_group(backend, store=store, rank=rank, world_size=2, timeout=30)
-                t = torch.ones(3)
-                spmd.all_reduce(t)
-                results.append(t[0].item())
-                spmd.destroy_process_group()
-        except BaseException as error:
-            errors.append(error)
+        for _ in range(3):   # destroy, then init again: fresh keys, no stale addresses
+            spmd.init_process_group(backend, store=store, rank=rank, world_size=2, timeout=30)
+            t = torch.ones(3)
+            spmd.all_reduce(t)
+            results.append(t[0].item())
+            spmd.destroy_process_group()
 
-    threads = [threading.Thread(target=rank_main, args=(rank,), daemon=True) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not errors and not any(t.is_alive() for t in threads)
+    _in_rank_threads(rank_main)
     assert results == [2.0] * 6
 
 
@@ -223,33 +236,24 @@ def test_a_rank_that_rejoins_before_rank_0_has_left_keeps_its_connection() -> No
         port = probe.getsockname()[1]
     init = f"tcp://127.0.0.1:{port}"
     results: list[float] = []
-    errors: list[BaseException] = []
 
     def rank_main(rank: int) -> None:
-        try:
-            spmd.init_process_group("tcp", init_method=init, rank=rank, world_size=2, timeout=30,
-                                    torch_default_group=False)
-            spmd.all_reduce(torch.ones(1))
-            if rank == 0:     # stay in the first world until rank 1 has counted its second init on the server
-                store = current_world().store
-                deadline = time.monotonic() + 30
-                while not (store.check(["spmd/inits/rank1"]) and store.get("spmd/inits/rank1") == b"2"):
-                    assert time.monotonic() < deadline, "rank 1 did not re-join"
-                    time.sleep(0.001)
-            spmd.destroy_process_group()
-            spmd.init_process_group("tcp", init_method=init, rank=rank, world_size=2, timeout=30,
-                                    torch_default_group=False)
-            t = torch.ones(2)
-            spmd.all_reduce(t)
-            results.append(t[0].item())
-            spmd.destroy_process_group()
-        except BaseException as error:
-            errors.append(error)
+        spmd.init_process_group("tcp", init_method=init, rank=rank, world_size=2, timeout=30,
+                                torch_default_group=False)
+        spmd.all_reduce(torch.ones(1))
+        if rank == 0:     # stay in the first world until rank 1 has counted its second init on the server
+            store = current_world().store
+            deadline = time.monotonic() + 30
+            while not (store.check(["spmd/inits/rank1"]) and store.get("spmd/inits/rank1") == b"2"):
+                assert time.monotonic() < deadline, "rank 1 did not re-join"
+                time.sleep(0.001)
+        spmd.destroy_process_group()
+        spmd.init_process_group("tcp", init_method=init, rank=rank, world_size=2, timeout=30,
+                                torch_default_group=False)
+        t = torch.ones(2)
+        spmd.all_reduce(t)
+        results.append(t[0].item())
+        spmd.destroy_process_group()
 
-    threads = [threading.Thread(target=rank_main, args=(rank,), daemon=True) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not errors, errors
+    _in_rank_threads(rank_main)
     assert results == [2.0, 2.0]
