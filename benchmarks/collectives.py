@@ -1,6 +1,7 @@
 """Collective bandwidth and latency: spmd's transports and torch gloo side by side, columns as nccl-tests.
 
     python benchmarks/collectives.py [--world-size 2] [--transports tcp,shm] [--max-size 256M] [--ops ...] [--runs 3]
+                                     [--hosts 1]
 
 Every rank is a process with one compute thread (torch.set_num_threads(1)) that joins both an spmd world
 per transport and a torch.distributed gloo world, so each size is measured on every backend in the same
@@ -12,7 +13,8 @@ reduce_scatter, all_to_all (n-1)/n; broadcast 1), where size is the largest buff
 reduce_scatter's input). "vs gloo" is gloo's time / spmd's time: above 1 means spmd is faster. send/recv
 is a ping-pong between ranks 0 and 1, reported as one-way latency. With --runs N the whole measurement runs N
 times in fresh processes, and a last table gives the median of every time over the runs, and of every ratio
-with its range: the figures the README quotes.
+with its range: the figures the README quotes. --hosts H splits the ranks into H fake hosts of consecutive
+ranks (SPMD_HOST_ID), so "shm" runs hierarchically: shared memory inside each, tcp between their leaders.
 """
 
 from __future__ import annotations
@@ -118,9 +120,11 @@ def iterations(nbytes: int) -> tuple[int, int]:
 
 
 def worker(rank: int, world_size: int, queue: Any, ports: dict[str, int], transports: list[str], ops: list[str],
-           sizes: list[int]) -> None:
+           sizes: list[int], hosts: int) -> None:
     try:
         torch.set_num_threads(1)
+        if hosts > 1:
+            os.environ["SPMD_HOST_ID"] = f"fake-host-{rank * hosts // world_size}"   # read by init_process_group
         warnings.filterwarnings("ignore", category=FutureWarning)   # gloo's *_into_tensor/_tensor renames
         timeout = datetime.timedelta(seconds=300)
         tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports['gloo']}", rank=rank,
@@ -214,20 +218,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=1,
                         help="whole measurements, each in fresh processes; with more than one, a last table gives "
                              "the medians over the runs (what the README quotes)")
+    parser.add_argument("--hosts", type=int, default=1,
+                        help="fake hosts of consecutive ranks: 'shm' then runs hierarchically across them")
     args = parser.parse_args(argv)
+    if not 1 <= args.hosts <= args.world_size:
+        parser.error(f"--hosts must be between 1 and --world-size ({args.world_size}), not {args.hosts}")
     transports = [t for t in args.transports.split(",") if t]
     ops = [op for op in args.ops.split(",") if op]
     unknown = sorted(set(ops) - set(OPS))
     if unknown:
         parser.error(f"unknown ops {unknown}; choose from {OPS}")
     sizes = [s for s in sizes_up_to(parse_size(args.max_size)) if s >= parse_size(args.min_size)]
-    print(f"# spmd collectives benchmark: {args.world_size} ranks, 1 thread per rank; {machine_line()}")
+    on_hosts = f" on {args.hosts} fake hosts" if args.hosts > 1 else ""
+    print(f"# spmd collectives benchmark: {args.world_size} ranks{on_hosts}, 1 thread per rank; {machine_line()}")
     print(f"# single-thread memcpy bandwidth (the limit for one copy): {memcpy_bandwidth() / 1e9:.2f} GB/s")
     names = [f"spmd-{t}" for t in transports] + ["gloo"]
     runs = []
     for run in range(args.runs):
         ports = {"gloo": free_port(), "spmd": free_port()}
-        per_rank = run_processes(worker, args.world_size, (ports, transports, ops, sizes), args.timeout)
+        per_rank = run_processes(worker, args.world_size, (ports, transports, ops, sizes, args.hosts), args.timeout)
         if args.runs > 1:
             print(f"\n# run {run + 1} of {args.runs} (load average {os.getloadavg()[0]:.1f})")
         print_tables(per_rank[0], args.world_size, names)

@@ -607,9 +607,10 @@ def _ctx(op: str, seq: int, tensor: torch.Tensor, reduce_op: spmd.ReduceOp | Non
     return OpContext(fingerprint, Deadline(30.0), "test group")
 
 
-@pytest.mark.parametrize("hosts", [("a", "a", "b", "b"), ("a", "b", "a", "b"), ("a", "a", "a", "b")])
+@pytest.mark.parametrize("hosts", [("a", "a", "b", "b"), ("a", "b", "a", "b"), ("a", "a", "a", "b"),
+                                   ("a", "b", "b", "c", "a")])
 def test_hierarchical_collectives_equal_the_flat_algorithm(hosts: tuple[str, ...], small_slots: None) -> None:
-    n = 3001
+    n, size = 3001, len(hosts)
 
     def body(transport: Transport, rank: int) -> list[torch.Tensor]:
         assert isinstance(transport, HierarchicalTransport if len(set(hosts)) > 1 else LocalShmTransport)
@@ -624,9 +625,20 @@ def test_hierarchical_collectives_equal_the_flat_algorithm(hosts: tuple[str, ...
             transport.broadcast(t, root, _ctx("broadcast", 10 + root, t, root=root))
             results.append(t)
         transport.barrier(_ctx("barrier", 20, torch.empty(0)))
-        out = torch.empty(4 * 5, dtype=torch.int32)
+        out = torch.empty(size * 5, dtype=torch.int32)
         transport.all_gather(out, torch.full((5,), rank, dtype=torch.int32), _ctx("all_gather", 21, out))
         results.append(out)
+        mine = _inputs(rank, n, torch.float64) * (rank + 1)
+        out = torch.empty(size * n, dtype=torch.float64)
+        transport.all_gather(out, mine, _ctx("all_gather", 22, out))
+        results.append(out)
+        for seq, op in enumerate((spmd.ReduceOp.SUM, spmd.ReduceOp.AVG, spmd.ReduceOp.MAX), start=23):
+            full = torch.cat([_inputs(rank + block, n, torch.float64) * (block + 1) for block in range(size)])
+            kept = full.clone()
+            out = torch.empty(n, dtype=torch.float64)
+            transport.reduce_scatter(out, full, op, _ctx("reduce_scatter", seq, full, op))
+            assert torch.equal(full, kept), "reduce_scatter changed its input"
+            results.append(out)
         works = []
         for peer in range(len(hosts)):      # to every peer, on this host (shm) or another (tcp)
             work = Work(f"isend to {peer}")
@@ -649,8 +661,12 @@ def test_hierarchical_collectives_equal_the_flat_algorithm(hosts: tuple[str, ...
             assert torch.equal(got, want), rank
     assert torch.equal(flat[0][0], sum(_inputs(r, n, torch.float64) * (r + 1) for r in range(len(hosts))))
     assert flat[2][5].tolist() == [2.0] * n                                       # broadcast from rank 2
-    assert flat[1][7].tolist() == [0] * 5 + [1] * 5 + [2] * 5 + [3] * 5              # all_gather
-    assert flat[2][-1].tolist() == [32.0] * 700                                   # rank 3 sent 3*10+2
+    assert flat[1][size + 3].tolist() == [r for r in range(size) for _ in range(5)]   # all_gather
+    assert torch.equal(flat[1][size + 4], torch.cat([_inputs(r, n, torch.float64) * (r + 1) for r in range(size)]))
+    for rank in range(size):                                       # reduce_scatter SUM: rank's block summed
+        want = sum(_inputs(r + rank, n, torch.float64) * (rank + 1) for r in range(size))
+        assert torch.equal(flat[rank][size + 5], want), rank
+    assert flat[2][-1].tolist() == [(size - 1) * 10.0 + 2] * 700                  # the last rank sent to rank 2
 
 
 def _two_host_worker(rank: int, world_size: int, results: Any, store_path: str) -> None:
@@ -665,8 +681,11 @@ def _two_host_worker(rank: int, world_size: int, results: Any, store_path: str) 
         spmd.broadcast(b, src=3)
         out = torch.empty(4 * 10)
         spmd.all_gather_into_tensor(out, torch.full((10,), float(rank)))
+        summed, blocks = torch.empty(100_000, dtype=torch.float64), torch.arange(400_000, dtype=torch.float64)
+        spmd.reduce_scatter_tensor(summed, blocks * (rank + 1))
         results.send((rank, engine, spmd.get_backend(), torch.equal(t, torch.arange(300_000, dtype=torch.float64) * 10)
-                     and b[0].item() == 3.0 and torch.equal(out, torch.arange(4.0).repeat_interleave(10))))
+                     and b[0].item() == 3.0 and torch.equal(out, torch.arange(4.0).repeat_interleave(10))
+                     and torch.equal(summed, blocks[rank * 100_000:(rank + 1) * 100_000] * 10)))
     finally:
         spmd.destroy_process_group()
 

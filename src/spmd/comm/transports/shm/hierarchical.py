@@ -9,14 +9,23 @@ bandwidth-heavy collectives whose hierarchical form is cheap run in three steps:
     broadcast    1. (root's host)  broadcast from the root through shared memory (the leader gets it)
                  2. (leaders)      broadcast from the root's host leader over tcp
                  3. (other hosts)  broadcast from the leader through shared memory
+    all_gather   1. (every host)   gather to the leader through shared memory, into the host's block
+                 2. (leaders)      all_gather of the host blocks over tcp, then blocks to rank order
+                 3. (every host)   broadcast of the whole output from the leader through shared memory
+    reduce_scatter
+                 1. (every host)   reduce of the whole input to the leader through shared memory
+                 2. (leaders)      reduce_scatter over tcp of the input in host order, a host block each
+                 3. (every host)   scatter of the host block from the leader through shared memory
     barrier      local barrier, leaders' barrier, local barrier
 
 so each byte crosses the network once per host instead of once per rank. The leader of a host is its
-lowest group rank. Every other operation (all_gather, reduce_scatter, reduce, gather, scatter, all_to_all)
-runs on a tcp transport over the whole group, and point-to-point messages go through shared memory to a
-peer on the same host and over tcp to a peer elsewhere (each peer always on one route, so messages of a
-(peer, tag) stay in order). Every step gets the caller's OpContext, so fingerprints are checked inside each
-host and between leaders, and all steps share the op's deadline.
+lowest group rank. A host block holds the blocks of that host's ranks in rank order, padded to the largest
+host's rank count when hosts have different counts (the leaders' collectives need equal blocks). Every
+other operation (reduce, gather, scatter, all_to_all) runs on a tcp transport over the whole group, and
+point-to-point messages go through shared memory to a peer on the same host and over tcp to a peer elsewhere
+(each peer always on one route, so messages of a (peer, tag) stay in order). Every step gets the caller's
+OpContext, so fingerprints are checked inside each host and between leaders, and all steps share the op's
+deadline.
 """
 
 from __future__ import annotations
@@ -45,6 +54,11 @@ class HierarchicalTransport(Transport):
         self.local_ranks = [r for r in range(self.group_size) if self.host_of[r] == self.host_index]
         self.leaders = [self.host_of.index(h) for h in range(len(host_order))]
         self.is_leader = self.group_rank == self.leaders[self.host_index]
+        self.host_ranks = [[r for r in range(self.group_size) if self.host_of[r] == h] for h in range(len(host_order))]
+        self.host_width = max(len(ranks) for ranks in self.host_ranks)   # rank blocks in a (padded) host block
+        in_host_order = [rank for ranks in self.host_ranks for rank in ranks]
+        self.blocks_in_rank_order = (self.host_width * len(host_order) == self.group_size
+                                     and in_host_order == list(range(self.group_size)))
         self._transports: list[Transport] = []
         try:
             self.local = self._add(LocalShmTransport(self._subspec(
@@ -95,16 +109,56 @@ class HierarchicalTransport(Transport):
             self.leader_group.barrier(ctx)
         self.local.barrier(ctx)
 
+    def all_gather(self, output: Tensor, input: Tensor, ctx: OpContext) -> None:
+        if self.leader_group is not None:
+            m = input.numel()
+            host_block = self.host_width * m
+            hosts = output if self.blocks_in_rank_order else output.new_zeros(len(self.host_ranks) * host_block)
+            mine = hosts[self.host_index * host_block:(self.host_index + 1) * host_block]
+            self.local.gather(mine[:len(self.local_ranks) * m], input, 0, ctx)
+            self.leader_group.all_gather(hosts, mine.clone(), ctx)
+            if not self.blocks_in_rank_order:
+                self._host_order_to_rank_order(hosts, output, m)
+        else:
+            self.local.gather(None, input, 0, ctx)
+        self.local.broadcast(output, 0, ctx)
+
+    def reduce_scatter(self, output: Tensor, input: Tensor, op: ReduceOp, ctx: OpContext) -> None:
+        partial = partial_op(op)                  # AVG: sum inside hosts and across them, divide once at the end
+        my_host_block: Tensor | None = None
+        if self.leader_group is not None:
+            m = output.numel()
+            host_sum = input.clone()
+            self.local.reduce(host_sum, 0, partial, ctx)
+            hosts = host_sum if self.blocks_in_rank_order else self._rank_order_to_host_order(host_sum, m)
+            padded = output.new_empty(self.host_width * m)
+            self.leader_group.reduce_scatter(padded, hosts, partial, ctx)
+            finish_average(padded, op, self.group_size)
+            my_host_block = padded[:len(self.local_ranks) * m]
+        else:
+            self.local.reduce(input, 0, partial, ctx)            # a non-root's tensor is left as it was
+        self.local.scatter(output, my_host_block, 0, ctx)
+
+    def _host_order_to_rank_order(self, hosts: Tensor, output: Tensor, m: int) -> None:
+        """Copy each rank's block from its (padded) host block in `hosts` to its place in `output`."""
+        for host, ranks in enumerate(self.host_ranks):
+            for slot, rank in enumerate(ranks):
+                start = (host * self.host_width + slot) * m
+                output[rank * m:(rank + 1) * m].copy_(hosts[start:start + m])
+
+    def _rank_order_to_host_order(self, blocks: Tensor, m: int) -> Tensor:
+        """`blocks` (one block per rank, in rank order) rearranged into padded host blocks, zeros as padding."""
+        hosts = blocks.new_zeros(len(self.host_ranks) * self.host_width * m)
+        for host, ranks in enumerate(self.host_ranks):
+            for slot, rank in enumerate(ranks):
+                start = (host * self.host_width + slot) * m
+                hosts[start:start + m].copy_(blocks[rank * m:(rank + 1) * m])
+        return hosts
+
     # -- flat over tcp --------------------------------------------------------------------------------------
 
     def reduce(self, tensor: Tensor, root: int, op: ReduceOp, ctx: OpContext) -> None:
         self.flat.reduce(tensor, root, op, ctx)
-
-    def all_gather(self, output: Tensor, input: Tensor, ctx: OpContext) -> None:
-        self.flat.all_gather(output, input, ctx)
-
-    def reduce_scatter(self, output: Tensor, input: Tensor, op: ReduceOp, ctx: OpContext) -> None:
-        self.flat.reduce_scatter(output, input, op, ctx)
 
     def gather(self, output: Tensor | None, input: Tensor, root: int, ctx: OpContext) -> None:
         self.flat.gather(output, input, root, ctx)
