@@ -8,6 +8,8 @@ and on 4 ranks the last MLP layer's 3 output rows leave one rank an empty shard.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -82,6 +84,20 @@ def test_gradient_accumulation_reduces_once() -> None:
     for result in results:
         # three forwards and backwards, one reduce-scatter per group (the last micro-batch's)
         assert result["counts"][0][0] == {"all_gather": 3 * (2 * blocks + 1), "reduce_scatter": blocks + 1}
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["fsdp", "hsdp"])
+def test_gradients_accumulated_with_sync_off_are_reduced_by_reduce_accumulated_gradients(
+        mesh_shape: tuple[int, ...]) -> None:
+    """What a pipeline's weight half needs: backwards that reduce nothing, then one explicit reduction per group."""
+    world_size = math.prod(mesh_shape)
+    results = run_ranks(lambda rank, size: fsdp_train(
+        "gpt", rank, size, mesh_shape=mesh_shape, setup=lambda model: model.set_requires_gradient_sync(False),
+        before_step=lambda model: model.reduce_accumulated_gradients()), world_size, timeout=TIMEOUT)
+    assert_parity(results, reference("gpt", world_size))
+    blocks = len(blocks_of(build("gpt")))
+    for result in results:
+        assert result["counts"][0][len(mesh_shape) - 1]["reduce_scatter"] == blocks + 1
 
 
 def test_hsdp_on_a_2x2_mesh() -> None:

@@ -16,10 +16,13 @@ import contextlib
 import copy
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from spmd.comm.debug import Fingerprint
 from spmd.comm.world import current_world
@@ -27,17 +30,24 @@ from spmd.ddp import DistributedDataParallel
 from spmd.device_mesh import DeviceMesh, init_device_mesh
 from spmd.fsdp import fully_shard
 from spmd.pipelining import (
+    Action,
+    ActionKind,
     PipelineStage,
     PipeliningMetadataError,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleZBVZeroBubble,
+    read_csv,
     stage_to_rank,
+    write_csv,
 )
+from spmd.pipelining.runtime import Runtime
 from spmd.tensor import DTensor
 from spmd.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from spmd.testing import run_ranks
 from tests.pipelining.test_runtime import ATOL, RTOL, STEPS, GPTPart, batch, gpt, loss_fn, reference
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
 TIMEOUT = 60.0
 N_MICROBATCHES = 2
@@ -85,10 +95,12 @@ def _full(value: Tensor) -> Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def train(cls: type, wrap: Wrap, other: str, per_rank: int = 1,
-          style: str = "loop") -> list[tuple[list[float], dict[str, Tensor], list[dict[str, int]]]]:
+def train(cls: type, wrap: Wrap, other: str, per_rank: int = 1, style: str = "loop",
+          edit: Callable[[Any, int], None] | None = None,
+          ) -> list[tuple[list[float], dict[str, Tensor], list[dict[str, int]]]]:
     """Each rank's step losses (the last stage's mean over its microbatches), its parameters after the last step
-    (full values, by the model's names) and the collectives of each step."""
+    (full values, by the model's names) and the collectives of each step. `edit(schedule, rank)` runs before
+    the first step."""
     num_stages = 2 * per_rank
     model = gpt(layers=num_stages)
     placement = stage_to_rank(2, num_stages, style)   # type: ignore[arg-type]
@@ -104,6 +116,8 @@ def train(cls: type, wrap: Wrap, other: str, per_rank: int = 1,
                   for s, part in parts.items()]
         owned = {id(p) for part in parts.values() for p in part.parameters()}
         schedule = cls(stages[0] if per_rank == 1 else stages, N_MICROBATCHES * per_rank, loss_fn=loss_fn)
+        if edit is not None:
+            edit(schedule, rank)
         opt = torch.optim.SGD([p for stage in stages for p in stage.submod.parameters()], lr=0.5, momentum=0.9)
         chunk = mesh.get_local_rank("dp") if other == "dp" else None
         has_first, has_last = 0 in parts, num_stages - 1 in parts
@@ -184,8 +198,8 @@ def test_a_stage_that_outputs_a_dtensor_is_refused() -> None:
 @pytest.mark.parametrize("wrap, reductions", [(_ddp, "all_reduce"), (_fsdp, "reduce_scatter")],
                          ids=["DDP", "FSDP"])
 def test_zero_bubble_over_data_parallel_matches_one_process(wrap: Wrap, reductions: str) -> None:
-    """ZB-V, two stages per rank: a DDP stage reduces in its last W; an FSDP stage runs each I as its whole
-    backward (data_parallel.py, Note: data-parallel stages)."""
+    """ZB-V, two stages per rank: a DDP stage reduces in its last W, an FSDP stage after it (data_parallel.py,
+    Note: data-parallel stages)."""
     results = train(ScheduleZBVZeroBubble, wrap, "dp", per_rank=2, style="v")
     _assert_matches_one_process(results, data_parallel=True, layers=4)
     # pp rank 0 holds stages 0 and 3, pp rank 1 stages 1 and 2: one DDP bucket per stage; one FSDP group per block
@@ -193,3 +207,61 @@ def test_zero_bubble_over_data_parallel_matches_one_process(wrap: Wrap, reductio
     want = [2, 2] if wrap is _ddp else [4, 2]
     for rank, (_, _, comms) in enumerate(results):
         assert [step[reductions] for step in comms] == [want[rank // 2]] * STEPS   # once per step
+
+
+class _CountingMatmuls(TorchDispatchMode):
+    """Counts the matrix products run meanwhile on this thread (the mode stack is per thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in _MATMULS
+        return func(*args, **(kwargs or {}))
+
+
+def test_zero_bubble_splits_an_fsdp_stage_backward_between_i_and_w(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each I of an FSDP stage computes only the input half and its W the weight half: W runs matrix products,
+    and every rank's I and W together run as many as one process's backwards of the same microbatches."""
+    products: collections.Counter[ActionKind] = collections.Counter()
+    lock = threading.Lock()
+    backward_action = Runtime._backward_action
+
+    def counted(self: Runtime, stage: PipelineStage, kind: ActionKind, mb: int, data_parallel: object) -> None:
+        with _CountingMatmuls() as counter:
+            backward_action(self, stage, kind, mb, data_parallel)
+        with lock:
+            products[kind] += counter.count
+
+    monkeypatch.setattr(Runtime, "_backward_action", counted)
+    results = train(ScheduleZBVZeroBubble, _fsdp, "dp", per_rank=2, style="v")
+    _assert_matches_one_process(results, data_parallel=True, layers=4)
+
+    model, (tokens, targets) = gpt(layers=4), batch(0)
+    microbatch = 8 // 2 // (N_MICROBATCHES * 2)                # the batch, by dp chunk, by microbatch
+    loss = loss_fn(model(tokens[:microbatch]), targets[:microbatch])
+    with _CountingMatmuls() as one_backward:
+        loss.backward()
+    inputs, weights = products[ActionKind.BACKWARD_INPUT], products[ActionKind.BACKWARD_WEIGHT]
+    assert inputs > 0 and weights > 0, products
+    runs = STEPS * 2 * N_MICROBATCHES * 2                      # steps x dp ranks x microbatches per dp rank
+    assert inputs + weights + products[ActionKind.FULL_BACKWARD] == runs * one_backward.count, products
+
+
+def test_an_fsdp_stage_resharded_between_its_i_and_w_gathers_again_for_the_w(tmp_path: Path) -> None:
+    """A program (here ZB-V's, edited through CSV as a user would) that frees a stage's parameters after each I:
+    the W gathers them again, since the graph it runs saved the gathered parameters."""
+    def reshard_after_each_input_half(schedule: Any, rank: int) -> None:
+        path = tmp_path / f"rank{rank}.csv"
+        schedule.dump_csv(path)
+        program = read_csv(path)
+        edited = {r: [step for action in actions for step in
+                      ([action, Action(action.stage, ActionKind.RESHARD)]
+                       if action is not None and action.kind is ActionKind.BACKWARD_INPUT else [action])]
+                  for r, actions in program.items()}
+        write_csv(edited, path)
+        schedule.load_csv(path, format="compute_comms")
+
+    results = train(ScheduleZBVZeroBubble, _fsdp, "dp", per_rank=2, style="v", edit=reshard_after_each_input_half)
+    _assert_matches_one_process(results, data_parallel=True, layers=4)

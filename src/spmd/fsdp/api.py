@@ -121,6 +121,15 @@ class FSDPModule:
             if state.group is not None:
                 state.group.requires_gradient_sync = requires_gradient_sync
 
+    def reduce_accumulated_gradients(self, *, recurse: bool = True) -> None:
+        """Reduce-scatter now the unsharded gradients that backwards accumulated (with gradient sync off, or
+        without FSDP's backward hooks, as a pipeline's weight half runs), add them into the sharded `.grad`s and
+        reshard (when resharding after backward). Collective over the shard group; a group with no gradients
+        only reshards."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.reduce_accumulated()
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         for state in self._fsdp_states(recurse):
             if not state.is_root:

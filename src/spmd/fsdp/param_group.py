@@ -209,17 +209,27 @@ class FSDPParamGroup:
         if not self._awaiting_grads and self.backward_state is BackwardState.COMPUTING:
             self.post_backward()
 
-    def post_backward(self) -> None:
-        """Every gradient of the group is accumulated: reduce-scatter them (one collective, finished later) unless
-        gradient sync is off, then reshard. Collective when it reduces."""
+    def post_backward(self, reduce: bool | None = None) -> None:
+        """Every gradient of the group is accumulated: reduce-scatter them (one collective, finished later) if
+        `reduce` (by default: unless gradient sync is off), then reshard. Collective when it reduces."""
+        if reduce is None:
+            reduce = self.requires_gradient_sync
         if self.reshard_after_backward:
             self.reshard()                   # first: the reduction needs the gradients, not the parameters
-        if self.requires_gradient_sync and any(param.unsharded_grad() is not None for param in self.grad_params):
+        if reduce and any(param.unsharded_grad() is not None for param in self.grad_params):
             self.reductions.finish_all()     # bounds memory: at most one group's reduction stays in flight
             reduction = start_reduce_scatter(self.grad_params, self.reduce_dtype, self.device, self.shard_group)
             self.reductions.push(self, reduction)
         self._late_grads = False
         self.backward_state = BackwardState.REDUCED
+
+    def reduce_accumulated(self) -> None:
+        """Post-backward now, reducing even with gradient sync off: for gradients accumulated where no hook of
+        FSDP's ran (a pipeline's weight half) or with sync off. Then expect the next backward. Collective when
+        it reduces."""
+        self.post_backward(reduce=True)
+        self.reductions.finish_all()
+        self.backward_state = BackwardState.IDLE
 
     def finish_backward(self) -> None:
         """The backward pass ended: reduce what no hook reduced (parameters it never reached, gradients a nested

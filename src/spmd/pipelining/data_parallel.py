@@ -17,10 +17,12 @@ backwards and tells the wrapper before each one whether it is the last (`before_
   last backward too.
 - FSDP: every FSDP module of the stage gets `set_requires_gradient_sync(last)`, `set_reshard_after_backward(last)`
   and `set_is_last_backward(last)`: the earlier backwards accumulate unsharded gradients and keep the parameters
-  gathered for the next microbatch, the last one reduce-scatters the sums once and reshards. FSDP runs its
-  gradient reduction from hooks of the backward that starts at the stage's outputs, which a W (starting inside
-  the graph) never is: an FSDP stage runs each I as its whole backward and each W as nothing, so zero-bubble
-  schedules are correct there but don't split its backward.
+  gathered for the next microbatch, the last one reduce-scatters the sums once and reshards. A B reduces from
+  FSDP's own hooks, as its backward starts at the stage's outputs. A W starts inside the graph, where none of
+  FSDP's hooks runs: the W that is last calls `reduce_accumulated_gradients()` after its backward (what torch's
+  pipelining does for every FSDP stage). Every I runs with sync and resharding off: it computes no weight
+  gradient, and the W after it needs the gathered parameters the graph saved (a RESHARD between them is undone
+  by gathering again before the W).
 The program's actions for these stages (programs.add_data_parallel, as torch lowers its programs): UNSHARD starts
 the all-gather of every FSDP module of the stage (waited before the stage's next computation; nothing before
 the stage's first forward, where FSDP initialises, so the first step gathers in the forward), RESHARD frees the
@@ -38,13 +40,11 @@ from typing import Any
 from torch import nn
 
 _FSDP_METHODS = ("unshard", "reshard", "set_requires_gradient_sync", "set_reshard_after_backward",
-                 "set_is_last_backward")
+                 "set_is_last_backward", "reduce_accumulated_gradients")
 
 
 class DataParallel:
     """A plain stage module: nothing to drive."""
-
-    splits_backward = True      # whether W runs apart from I (see Note: data-parallel stages)
 
     @staticmethod
     def of(module: nn.Module) -> DataParallel:
@@ -59,8 +59,18 @@ class DataParallel:
         """The context of each forward."""
         yield
 
+    def before_input_backward(self) -> None:
+        """An I (the input half of a backward, no weight gradients) is about to run."""
+
     def before_backward(self, last: bool) -> None:
-        """A backward that computes weight gradients is about to run; `last`: the stage's last in the step."""
+        """A B (a whole backward) is about to run; `last`: the stage's last weight-computing backward in the step."""
+
+    def before_weight_backward(self, last: bool) -> None:
+        """A W (the weight half of a backward) is about to run; `last` as for before_backward."""
+        self.before_backward(last)
+
+    def after_weight_backward(self, last: bool) -> None:
+        """A W has run; `last` as for before_backward."""
 
     def unshard(self) -> None:
         """UNSHARD: start gathering the parameters."""
@@ -93,8 +103,6 @@ class _DistributedDataParallel(DataParallel):
 
 
 class _FullyShardedDataParallel(DataParallel):
-    splits_backward = False
-
     def __init__(self, modules: list[Any]) -> None:
         self.modules = modules
         self._handles: list[Any] = []
@@ -105,11 +113,24 @@ class _FullyShardedDataParallel(DataParallel):
         yield
         self._initialised = True
 
+    def before_input_backward(self) -> None:
+        self.before_backward(last=False)
+
     def before_backward(self, last: bool) -> None:
         for module in self.modules:
             module.set_requires_gradient_sync(last, recurse=False)
             module.set_reshard_after_backward(last, recurse=False)
             module.set_is_last_backward(last)
+
+    def before_weight_backward(self, last: bool) -> None:
+        self.unshard()                      # no-op for modules still gathered since their I
+        self.wait_unsharded()
+        self.before_backward(last)
+
+    def after_weight_backward(self, last: bool) -> None:
+        if last:
+            for module in self.modules:
+                module.reduce_accumulated_gradients(recurse=False)
 
     def unshard(self) -> None:
         if not self._initialised:

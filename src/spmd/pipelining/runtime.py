@@ -199,19 +199,20 @@ class Runtime:
     # -- computations -------------------------------------------------------------------------------------------
 
     def _backward_action(self, stage: PipelineStage, kind: ActionKind, mb: int, data_parallel: DataParallel) -> None:
-        """B, I or W; before the ones that compute weight gradients, tell the stage's wrapper whether it is the
-        stage's last in the step (data_parallel.py, Note: data-parallel stages, also for an FSDP stage's I)."""
-        split = data_parallel.splits_backward
-        if kind is I and split:
+        """B, I or W, each between the stage's wrapper's hooks; B and W are told whether they are the stage's last
+        weight-computing backward in the step (data_parallel.py, Note: data-parallel stages)."""
+        if kind is I:
+            data_parallel.before_input_backward()
             self._backward(stage, mb, full=False)
             return
-        if kind is W and not split:
-            return                                 # its I ran the whole backward
         self._backwards[stage.stage_index] += 1
-        data_parallel.before_backward(self._backwards[stage.stage_index] == self._step.num_microbatches)
+        last = self._backwards[stage.stage_index] == self._step.num_microbatches
         if kind is W:
+            data_parallel.before_weight_backward(last)
             stage.backward_weight_one_chunk(mb)
+            data_parallel.after_weight_backward(last)
         else:
+            data_parallel.before_backward(last)
             self._backward(stage, mb, full=True)
 
     def _forward(self, stage: PipelineStage, mb: int) -> None:
