@@ -90,8 +90,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run = parser.add_argument_group("run")
     run.add_argument("--backend", default="auto", help="spmd transport: auto (shm on one host), tcp, shm")
     run.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)")
-    run.add_argument("--log-every", type=int, default=10)
-    run.add_argument("--eval-every", type=int, default=50)
+    run.add_argument("--log-every", type=int, default=10, help="log every K steps, and at the end")
+    run.add_argument("--eval-every", type=int, default=50,
+                     help="validate every K steps (0: only at the end of the run)")
     run.add_argument("--eval-batches", type=int, default=8, help="validation batches (each one global batch)")
     run.add_argument("--sample-tokens", type=int, default=300, help="length of the final sample (0: none)")
     run.add_argument("--prompt", default="def ")
@@ -108,8 +109,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="continue from the newest complete checkpoint in --checkpoint-dir, under any layout "
                            "(none there: start afresh, so a restarted job can pass the same flags)")
     args = parser.parse_args(argv)
-    if args.stop_after < 0:
-        parser.error(f"--stop-after must be >= 0, got {args.stop_after}")
+    for flag, least in (("log_every", 1), ("eval_batches", 1), ("stop_after", 0), ("eval_every", 0),
+                        ("checkpoint_every", 0), ("keep_checkpoints", 0), ("sample_tokens", 0), ("microbatches", 0)):
+        if getattr(args, flag) < least:
+            parser.error(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(args, flag)}")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         parser.error("--checkpoint-every and --resume need --checkpoint-dir")
     if args.parallel is not None:
@@ -266,7 +269,7 @@ class Trainer:
                 self.record(step=step + 1, loss=mean_loss, grad_norm=grad_norm, lr=lr, tokens_per_s=tokens_per_s,
                             flops_fraction=self.flops_fraction(tokens_per_s), peak_rss_bytes=rss)
                 window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
-            if (step + 1) % args.eval_every == 0 or step + 1 == last:
+            if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == last:
                 val = self.validation_loss()
                 history["val"].append(val)
                 self.say(f"  validation loss {val:.3f} (perplexity {math.exp(val):.1f} per byte)", flush=True)

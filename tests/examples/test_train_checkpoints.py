@@ -21,7 +21,7 @@ from spmd.testing import run_ranks
 
 from .test_train_gpt import RTOL, TIMEOUT, TINY, load_script
 
-STEPS = ["--steps", "6", "--eval-every", "100"]
+STEPS = ["--steps", "6", "--eval-every", "0"]
 
 
 def run(world_size: int, directory: pathlib.Path, *flags: str) -> dict[str, list[float]]:
@@ -105,6 +105,20 @@ def test_checkpoint_flags_need_a_directory() -> None:
     train_gpt = load_script()
     with pytest.raises(SystemExit):
         train_gpt.parse_args(["--resume"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--log-every", "0"], "--log-every must be >= 1, got 0"),
+    (["--eval-batches", "0"], "--eval-batches must be >= 1, got 0"),
+    (["--eval-every", "-1"], "--eval-every must be >= 0, got -1"),
+    (["--keep-checkpoints", "-2"], "--keep-checkpoints must be >= 0, got -2"),
+])
+def test_counts_out_of_range_are_refused_naming_the_flag(flags: list[str], message: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    train_gpt = load_script()
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(flags)
+    assert message in capsys.readouterr().err
 
 
 def test_a_run_in_pieces_equals_one_run(tmp_path: pathlib.Path) -> None:
