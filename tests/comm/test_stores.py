@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from spmd._core.errors import StoreError, StoreTimeoutError
+from spmd.comm.store import file as file_store
 from spmd.comm.store import tcp_server as tcp_store_server
 from spmd.comm.store import tcp_wire as wire
 from spmd.comm.store.base import HashStore, PrefixStore, Store
@@ -495,8 +496,10 @@ _MASTER_SCRIPT = _LIGHT_IMPORT + textwrap.dedent("""
 
 _WORKER_SCRIPT = _LIGHT_IMPORT + textwrap.dedent("""
     import sys
+    from spmd.comm.store import file as file_store
     from spmd.comm.store.file import FileStore
     from spmd.comm.store.tcp import TCPStore
+    file_store.COMPACT_MIN_BYTES = 4096
     port, path, count, name = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
     tcp, file = TCPStore("127.0.0.1", port, timeout=60), FileStore(path, timeout=60)
     tcp.set("ready/" + name, "1")
@@ -523,7 +526,9 @@ def _stop(procs: list[subprocess.Popen[str]]) -> None:
         proc.stderr.close()   # type: ignore[union-attr]
 
 
-def test_processes_adding_to_tcp_and_file_stores_lose_nothing(tmp_path: os.PathLike[str]) -> None:
+def test_processes_adding_to_tcp_and_file_stores_lose_nothing(tmp_path: os.PathLike[str],
+                                                              small_compactions: None) -> None:
+    """Also across the FileStore's compactions (the workers compact from 4 KiB too: about 36 KiB are added)."""
     master = _master(timeout=60)
     path = os.path.join(tmp_path, "store")
     checker = FileStore(path, timeout=60)
@@ -536,6 +541,7 @@ def test_processes_adding_to_tcp_and_file_stores_lose_nothing(tmp_path: os.PathL
             assert proc.returncode == 0, err
         assert master.get("counter") == b"1200"
         assert checker.get("counter") == b"1200"
+        assert os.path.getsize(path) < 3 * 4096
     finally:
         _stop(procs)
         checker.close()
@@ -645,6 +651,59 @@ def test_file_store_kept_when_world_size_unknown(tmp_path: os.PathLike[str]) -> 
     reopened = FileStore(path, timeout=1)
     assert reopened.get("k") == b"v"
     reopened.close()
+
+
+@pytest.fixture
+def small_compactions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compact FileStore logs from 4 KiB (see file.py, Note: compaction)."""
+    monkeypatch.setattr(file_store, "COMPACT_MIN_BYTES", 4096)
+
+
+def test_a_file_store_log_is_compacted_and_every_instance_follows(tmp_path: os.PathLike[str],
+                                                                  small_compactions: None) -> None:
+    path = os.path.join(tmp_path, "store")
+    first, second = FileStore(path, world_size=2, timeout=5), FileStore(path, world_size=2, timeout=5)
+    clone = second.clone()
+    first.set("gone", "x")
+    first.delete_key("gone")
+    largest = 0
+    for i in range(3000):                       # about 90 KiB of records without compaction
+        (first if i % 2 else second).add("counter", 1)
+        if i % 100 == 0:
+            clone.set(f"key/{i}", str(i))
+        largest = max(largest, os.path.getsize(path))
+    assert largest < 3 * 4096, largest
+    for store in (first, second, clone):
+        assert store.get("counter") == b"3000"
+        assert store.get("key/2900") == b"2900" and not store.check(["gone"])
+        assert store.num_keys() == 1 + 1 + 30   # users, counter, the keys ("gone" stays deleted)
+    assert os.listdir(tmp_path) == ["store"]   # no temporary file left beside it
+    clone.close()
+    first.close()
+    second.close()
+    assert not os.path.exists(path)             # the users' count survived the compactions
+
+
+def test_a_compaction_that_fails_leaves_the_log_whole(tmp_path: os.PathLike[str], small_compactions: None,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    attempts = []
+
+    def refuse(source: str, target: str) -> None:
+        attempts.append(source)
+        raise OSError(28, "No space left on device")
+
+    path = os.path.join(tmp_path, "store")
+    store = FileStore(path, timeout=5)
+    monkeypatch.setattr(file_store.os, "rename", refuse)
+    for _ in range(500):
+        store.add("counter", 1)
+    assert os.path.getsize(path) > 4096         # not compacted
+    assert 1 <= len(attempts) <= 3, attempts    # tried again only once the log doubled
+    assert os.listdir(tmp_path) == ["store"]
+    reader = FileStore(path, timeout=5)
+    assert reader.get("counter") == b"500"
+    reader.close()
+    store.close()
 
 
 def test_file_store_bad_arguments(tmp_path: os.PathLike[str]) -> None:

@@ -7,12 +7,25 @@ A blocking `get`/`wait` polls the file with a short backoff. Each instance joini
 each closing adds 1 to a done counter; when `world_size` users (and any late joiner) have closed, the last one
 deletes the file.
 Like torch's, a fresh store holds one key (the user counter), so `num_keys()` starts at 1.
+
+Note: compaction
+A log that only grows would take every `add` to a counter (a barrier's, a rendezvous round's) as one more record
+for the life of the job. When a writer's append leaves the log over COMPACT_MIN_BYTES and over COMPACT_RATIO
+times the size of one record per live key, the writer, still holding the exclusive lock, writes those records
+to a new file beside it, appends a "moved" record to the old log and renames the new file over the path. An
+instance reading a moved record (it always reads the tail once it holds the lock, and a poll sees the file grow)
+opens the file the path names and replays it from the start. Nobody reads the moved record before the rename:
+the compactor holds the exclusive lock throughout. A compactor killed before the rename leaves the old log whole
+with a moved record in it that readers ignore, since the path still names that file; killed after it, every
+reader follows the record. Only the holder of the lock on the file the path names compacts, so nothing is
+appended to a file already replaced.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import enum
 import fcntl
 import os
 import struct
@@ -26,11 +39,21 @@ from spmd._core.errors import StoreError
 from spmd.comm.store.base import Store, Value, missing_keys_error, to_bytes
 
 _RECORD = struct.Struct("!BII")   # kind, key length, value length
-_SET, _DELETE = 1, 2
+_SET, _DELETE, _MOVED = 1, 2, 3    # _MOVED: the log continues in the file now at the path (Note: compaction)
 _USERS_KEY = "spmd_filestore/users"
 _DONE_KEY = "spmd_filestore/done"
 _POLL_FIRST_S = 0.001
 _POLL_MAX_S = 0.02
+COMPACT_MIN_BYTES = 1 << 20     # see Note: compaction
+COMPACT_RATIO = 4
+
+
+class _Tail(enum.Enum):
+    """What reading a log's tail found."""
+
+    APPLIED = enum.auto()      # complete records, all applied
+    INCOMPLETE = enum.auto()   # no complete record (a writer's append is still arriving)
+    MOVED = enum.auto()        # a moved record: the log continues in the file that replaced this one
 
 
 def _record(kind: int, key: bytes, value: bytes = b"") -> bytes:
@@ -58,25 +81,39 @@ class FileStore(Store):
     def _open(self, counted: bool) -> None:
         self._counted = counted
         self._closed = False
-        self._data: dict[bytes, bytes] = {}
-        self._offset = 0
+        self._lock = threading.Lock()      # flock does not exclude threads sharing one descriptor
         self._open_descriptor()
 
     def _open_descriptor(self) -> None:
+        """Open the file the path names now, to be read from its start."""
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         except OSError as error:
             raise StoreError(f"FileStore: cannot open {self.path!r}: {error}") from error
+        self._data: dict[bytes, bytes] = {}
+        self._offset = 0
+        self._compact_at = COMPACT_MIN_BYTES
         self._pid = os.getpid()
-        self._lock = threading.Lock()      # flock does not exclude threads sharing one descriptor
         self._finalizer = weakref.finalize(self, os.close, self._fd)
+
+    def _replaced(self) -> bool:
+        """Whether a compaction renamed a new file over the path (a deleted path is not replaced)."""
+        try:
+            return os.stat(self.path).st_ino != os.fstat(self._fd).st_ino
+        except FileNotFoundError:
+            return False
+
+    def _reopen(self) -> None:
+        """Move to the file that replaced ours (see Note: compaction)."""
+        self._finalizer()
+        self._open_descriptor()
 
     def _own_descriptor(self) -> None:
         """In a forked child, trade the parent's descriptor (whose flock the two would share) for a new one."""
         if os.getpid() != self._pid and not self._closed:
-            self._finalizer()
             self._counted = False   # the parent's instance is the counted user
-            self._open_descriptor()
+            self._lock = threading.Lock()
+            self._reopen()
 
     def __repr__(self) -> str:
         return f"FileStore({self.path!r}, world_size={self.world_size})"
@@ -99,7 +136,7 @@ class FileStore(Store):
         self._own_descriptor()
         try:
             if self._counted:
-                with self._locked(exclusive=True):
+                with self._locked(exclusive=True, may_compact=False):   # it may delete the file
                     done = int(self._data.get(_DONE_KEY.encode(), b"0")) + 1
                     self._append(_record(_SET, _DONE_KEY.encode(), str(done).encode()))
                     users = int(self._data.get(_USERS_KEY.encode(), b"0"))
@@ -113,26 +150,66 @@ class FileStore(Store):
     # The log.
 
     @contextlib.contextmanager
-    def _locked(self, exclusive: bool) -> Iterator[None]:
+    def _locked(self, exclusive: bool, may_compact: bool = True) -> Iterator[None]:
         self._own_descriptor()
         with self._lock:
             if self._closed:
                 raise StoreError(f"FileStore {self.path!r}: used after close()")
-            fcntl.flock(self._fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            self._lock_current(fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             try:
-                self._read_tail()
                 yield
+                if exclusive and may_compact and self._offset >= self._compact_at:
+                    self._compact()
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
-    def _read_tail(self) -> None:
+    def _lock_current(self, mode: int) -> None:
+        """flock the log and apply its tail, moving to the file that replaced ours first if it was compacted."""
+        while True:
+            fcntl.flock(self._fd, mode)
+            if self._read_tail() is not _Tail.MOVED:
+                return
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._reopen()
+
+    def _compact(self) -> None:
+        """Rewrite the log as one record per live key if it is much longer (see Note: compaction). The caller
+        holds the exclusive lock; afterwards this instance has the new file open, unlocked."""
+        live = b"".join(_record(_SET, key, value) for key, value in self._data.items())
+        self._compact_at = max(COMPACT_MIN_BYTES, COMPACT_RATIO * len(live))
+        if self._offset < self._compact_at:
+            return
+        temporary = f"{self.path}.compact-{os.getpid()}-{threading.get_ident()}"
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                view = memoryview(live)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            self._append(_record(_MOVED, b""))
+            os.rename(temporary, self.path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            self._compact_at = 2 * self._offset   # a full disk or a read-only directory: the log stays whole;
+            return                                # try again once it has doubled
+        data, compact_at = self._data, self._compact_at
+        self._reopen()             # closing the old file releases its lock
+        self._data, self._offset, self._compact_at = data, len(live), compact_at
+
+    def _read_tail(self) -> _Tail:
         """Apply the records appended since the last read (the caller holds the file lock)."""
         size = os.fstat(self._fd).st_size
-        while self._offset < size and self._apply(os.pread(self._fd, size - self._offset, self._offset)):
-            pass
+        while self._offset < size:
+            tail = self._apply(os.pread(self._fd, size - self._offset, self._offset))
+            if tail is not _Tail.APPLIED:
+                return tail
+        return _Tail.APPLIED
 
-    def _apply(self, tail: bytes) -> bool:
-        """Apply the complete records at the start of `tail`; False if there was none."""
+    def _apply(self, tail: bytes) -> _Tail:
+        """Apply the complete records at the start of `tail`, up to a moved record that holds."""
         pos, data = 0, self._data
         while pos + _RECORD.size <= len(tail):
             kind, key_len, value_len = _RECORD.unpack_from(tail, pos)
@@ -142,11 +219,13 @@ class FileStore(Store):
             key = tail[pos + _RECORD.size:pos + _RECORD.size + key_len]
             if kind == _SET:
                 data[key] = tail[pos + _RECORD.size + key_len:end]
-            else:
+            elif kind == _DELETE:
                 data.pop(key, None)
+            elif self._replaced():             # _MOVED, and the rename after it happened
+                return _Tail.MOVED
             pos = end
         self._offset += pos
-        return pos > 0
+        return _Tail.APPLIED if pos > 0 else _Tail.INCOMPLETE
 
     def _append(self, records: bytes) -> None:
         """Append `records` (the caller holds the exclusive lock and has read the tail) and apply them."""
@@ -162,7 +241,7 @@ class FileStore(Store):
             if self._closed:
                 raise StoreError(f"FileStore {self.path!r}: used after close()")
             if os.fstat(self._fd).st_size != self._offset:
-                fcntl.flock(self._fd, fcntl.LOCK_SH)
+                self._lock_current(fcntl.LOCK_SH)
                 try:
                     self._read_tail()
                 finally:
