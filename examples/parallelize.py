@@ -8,7 +8,8 @@ exists). `parallelize` applies, in this order (TorchTitan's, and for the same re
   2. tensor parallelism on mesh["tp"], per block: q, k, v, up colwise, proj and down rowwise (+ the norms
      sequence parallel, the head colwise with vocab-sharded logits for the loss-parallel cross-entropy);
   3. activation checkpointing, then torch.compile, per block (both wrap the block's own forward: FSDP's hooks
-     on the block stay outside, parameter names unchanged; compile is refused with TP, see Layout.check);
+     on the block stay outside, parameter names unchanged; under TP the DTensor ops run eagerly between the
+     compiled plain-tensor pieces: spmd.tensor.api, Note: DTensors under torch.compile);
   4. data parallelism last, on the already tensor-parallel parameters: fully_shard per block and then the root
      (the stage module under PP) over mesh["dp_shard"] (FSDP) or mesh["dp_replicate", "dp_shard"] (HSDP; also
      pure replication composed with TP, as HSDP with one shard, so that one fully_shard reduces the DTensor
@@ -114,10 +115,6 @@ class Layout:
             raise ValueError("--sequence-parallel and --loss-parallel need tensor parallelism: add --tp N (N > 1)")
         if self.sequence_parallel and config.context % self.tp:
             raise ValueError(f"--sequence-parallel: --tp {self.tp} must divide --context {config.context}")
-        if self.compile and self.tp > 1:
-            raise ValueError("--compile with --tp: torch.compile of a block traces through spmd's tensor-parallel "
-                             "hooks and loses their autograd (the blocks' weights get no gradients, the losses "
-                             "drift from eager); drop --compile or --tp")
         if self.mixed_precision not in ("none", "bf16"):
             raise ValueError(f"--mixed-precision {self.mixed_precision}: choose none or bf16")
         if self.pp == 1:

@@ -17,17 +17,28 @@ the logical (global) tensor. The conversions are autograd functions with adjoint
 A parameter's gradient may come out Partial (e.g. a Replicate weight times Shard(0) activations). It is never
 read as if it were reduced: every rule that needs its value (optimizer foreach ops, norms, full_tensor)
 reduces it first, and `.placements` shows it.
+
+Note: DTensors under torch.compile
+Dynamo can't trace spmd's DTensor code: its dispatch is Python that runs collectives, and tracing the
+conversions' autograd functions loses their autograd (a compiled tensor-parallel block's weights got no
+gradients). So every way into it is opaque to dynamo (`eager_under_compile`): __torch_dispatch__, the
+conversions, distribute_tensor and the hooks of distribute_module and the parallel styles run eagerly, a
+compiled function graph-breaks at each, and dynamo compiles the plain-tensor code between them. In eager mode
+the price is one wrapper call per DTensor op, asking whether a compiled function is running (torch.compiler.
+disable itself would cost about 5 us per op, and importing torch._dynamo 2.4 s per process).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.utils._foreach_utils
 from torch import Tensor, nn
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch._ops import OpOverload
 
 from spmd.comm.collectives import broadcast
@@ -36,6 +47,45 @@ from spmd.tensor.dispatch import dispatch
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard, normalize_placements
 from spmd.tensor.redistribute import run_plan
 from spmd.tensor.spec import DTensorSpec, Placements, contiguous_stride
+
+_Fn = Callable[..., Any]
+
+
+def eager_under_compile(fn: _Fn) -> _Fn:
+    """`fn`, run eagerly when torch.compile reaches it (see Note: DTensors under torch.compile)."""
+    disabled: _Fn | None = None
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        nonlocal disabled
+        if not _under_compile():
+            return fn(*args, **kwargs)
+        if disabled is None:
+            disabled = _keep_dynamo_out(fn, run)
+        return disabled(*args, **kwargs)
+
+    run._torchdynamo_disable = True   # type: ignore[attr-defined]   # dynamo's mark: call it, never inline it
+    return run
+
+
+def _under_compile() -> bool:
+    """Whether dynamo is tracing, or a compiled function is running (its frames between graphs are eager, but
+    dynamo would compile every Python frame they enter). Dynamo reads the first answer as a constant, so it never
+    meets the builtin."""
+    return torch.compiler.is_compiling() or get_eval_frame_callback() is not None
+
+
+def _keep_dynamo_out(fn: _Fn, wrapper: _Fn) -> _Fn:
+    """`fn` with dynamo off inside it (torch.compiler.disable), and dynamo told to skip `wrapper`'s frames. Only
+    once compile runs: importing torch._dynamo costs seconds."""
+    from torch._dynamo.eval_frame import skip_code
+
+    for code in (wrapper.__code__, *_CHECKING_FRAMES):
+        skip_code(code)
+    return torch.compiler.disable(fn)
+
+
+_keep_dynamo_out._torchdynamo_disable = True   # type: ignore[attr-defined]
 
 
 class DTensor(torch.Tensor):
@@ -66,6 +116,8 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: OpOverload, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if _under_compile():                             # see eager_under_compile
+            return _dispatch_under_compile(cls, func, types, args, kwargs)
         return dispatch(cls, func, types, args, kwargs)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:   # torch passes tensor_contents to subclasses
@@ -96,6 +148,7 @@ class DTensor(torch.Tensor):
     # -- conversions ----------------------------------------------------------------------------------------
 
     @staticmethod
+    @eager_under_compile
     def from_local(local_tensor: Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None,
                    *, run_check: bool = False, shape: torch.Size | Sequence[int] | None = None,
                    stride: Sequence[int] | None = None,
@@ -120,6 +173,7 @@ class DTensor(torch.Tensor):
             return DTensor(local_tensor.detach(), spec)
         return _FromLocal.apply(local_tensor, spec, grad)
 
+    @eager_under_compile
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> Tensor:
         """This rank's local tensor (no communication). Differentiable (see Note: DTensor autograd)."""
         grad = None if grad_placements is None else normalize_placements(
@@ -128,6 +182,7 @@ class DTensor(torch.Tensor):
             return self._local_tensor
         return _ToLocal.apply(self, grad)
 
+    @eager_under_compile
     def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
                      *, async_op: bool = False) -> DTensor:
         """This DTensor laid out with `placements` on the same mesh, with the cheapest collectives.
@@ -148,6 +203,7 @@ class DTensor(torch.Tensor):
             return DTensor(_redistributed(self, target), source.with_placements(target))
         return _Redistribute.apply(self, target)
 
+    @eager_under_compile
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> Tensor:
         """The whole global value as a plain tensor on every rank (collective: gathers and reduces as needed)."""
         replicated = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
@@ -159,6 +215,10 @@ class DTensor(torch.Tensor):
 # for the whole parameter list instead of one per parameter.
 if DTensor not in torch.utils._foreach_utils._foreach_supported_types:
     torch.utils._foreach_utils._foreach_supported_types.append(DTensor)
+
+
+_dispatch_under_compile = eager_under_compile(dispatch)   # DTensor.__torch_dispatch__ checks first: no wrapper
+_CHECKING_FRAMES = [DTensor.__torch_dispatch__.__func__.__code__]   # asking as eager_under_compile's wrapper does
 
 
 def _from_local_spec(local: Tensor, mesh: DeviceMesh, placements: Placements, shape: Sequence[int] | None,
@@ -265,6 +325,7 @@ class _Redistribute(torch.autograd.Function):
         return _Redistribute.apply(grad, target), None
 
 
+@eager_under_compile
 def distribute_tensor(tensor: Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None, *,
                       src_data_rank: int | None = 0) -> DTensor:
     """Lay out the full `tensor` over `device_mesh` with `placements` (default all Replicate); a new leaf.
@@ -319,8 +380,9 @@ def distribute_module(module: nn.Module, device_mesh: DeviceMesh, partition_fn: 
             if buffer is not None and not isinstance(buffer, DTensor):
                 submodule._buffers[buffer_name] = distribute_tensor(buffer, device_mesh, replicate)
     if input_fn is not None:
-        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+        module.register_forward_pre_hook(eager_under_compile(lambda mod, inputs: input_fn(mod, inputs, device_mesh)))
     if output_fn is not None:
-        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
+        module.register_forward_hook(eager_under_compile(lambda mod, inputs, outputs: output_fn(mod, outputs,
+                                                                                                device_mesh)))
     module._spmd_distributed = True
     return module

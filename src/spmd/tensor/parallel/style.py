@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from spmd.device_mesh import DeviceMesh
-from spmd.tensor.api import DTensor, distribute_module, distribute_tensor
+from spmd.tensor.api import DTensor, distribute_module, distribute_tensor, eager_under_compile
 from spmd.tensor.placement import Placement, Replicate, Shard
 
 __all__ = ["ColwiseParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput",
@@ -332,9 +332,10 @@ class PrepareModuleInput(ParallelStyle):
                                            f"keyword input {name!r} of {where}")
                             for name, value in kwargs.items()}
                 return self._prepare_args(args, device_mesh, where), prepared
-            module.register_forward_pre_hook(hook_with_kwargs, with_kwargs=True)
+            module.register_forward_pre_hook(eager_under_compile(hook_with_kwargs), with_kwargs=True)
         else:
-            module.register_forward_pre_hook(lambda mod, args: self._prepare_args(args, device_mesh, where))
+            module.register_forward_pre_hook(eager_under_compile(
+                lambda mod, args: self._prepare_args(args, device_mesh, where)))
         return module
 
     def __repr__(self) -> str:
@@ -373,7 +374,8 @@ class PrepareModuleOutput(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh, fqn: str = "") -> nn.Module:
         _check_mesh(device_mesh, self, module, fqn)
         where = _describe(module, fqn)
-        module.register_forward_hook(lambda mod, args, outputs: self._prepare_outputs(outputs, device_mesh, where))
+        module.register_forward_hook(eager_under_compile(
+            lambda mod, args, outputs: self._prepare_outputs(outputs, device_mesh, where)))
         return module
 
     def __repr__(self) -> str:
