@@ -103,14 +103,14 @@ def test_tensor_parallel_matches_one_process(kind: str, layout: Layout, world_si
             torch.testing.assert_close(value, ref_params[name], rtol=RTOL, atol=ATOL, msg=name)
 
 
-@pytest.mark.parametrize("layout", [Layout.TP, Layout.TP_SP], ids=lambda layout: layout.value)
-def test_compiled_tensor_parallel_blocks_train_as_one_process(layout: Layout) -> None:
-    """torch.compile of each block's forward (as the trainer's --compile): the DTensor code runs eagerly between
-    the compiled pieces, so every weight still gets its gradient (spmd.tensor.api, Note: DTensors under
-    torch.compile). Without that, the blocks' weights got none and the losses drifted from eager."""
+def test_compiled_tensor_parallel_blocks_train_as_one_process() -> None:
+    """torch.compile of each block's forward (as the trainer's --compile), TP with sequence parallelism (so both
+    the styles' hooks and PrepareModuleInput's run): the DTensor code runs eagerly between the compiled pieces,
+    so every weight still gets its gradient (spmd.tensor.api, Note: DTensors under torch.compile). Without that,
+    the blocks' weights got none and the losses drifted from eager."""
     def body(rank: int, size: int) -> tuple[list[float], dict[str, Tensor]]:
         mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))
-        model = parallelize("gpt", fresh("gpt"), mesh["tp"], layout)
+        model = parallelize("gpt", fresh("gpt"), mesh["tp"], Layout.TP_SP)
         for block in model.blocks:
             block.forward = torch.compile(block.forward, backend="aot_eager")
         return train(model)
