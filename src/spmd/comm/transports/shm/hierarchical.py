@@ -51,14 +51,16 @@ class HierarchicalTransport(Transport):
         host_order = list(dict.fromkeys(spec.hosts))                    # hosts in order of their first rank
         self.host_index = host_order.index(spec.hosts[self.group_rank])
         self.host_of = [host_order.index(host) for host in spec.hosts]
-        self.local_ranks = [r for r in range(self.group_size) if self.host_of[r] == self.host_index]
-        self.leaders = [self.host_of.index(h) for h in range(len(host_order))]
-        self.is_leader = self.group_rank == self.leaders[self.host_index]
         self.host_ranks = [[r for r in range(self.group_size) if self.host_of[r] == h] for h in range(len(host_order))]
+        self.local_ranks = self.host_ranks[self.host_index]
+        self.leaders = [ranks[0] for ranks in self.host_ranks]
+        self.is_leader = self.group_rank == self.leaders[self.host_index]
         self.host_width = max(len(ranks) for ranks in self.host_ranks)   # rank blocks in a (padded) host block
-        in_host_order = [rank for ranks in self.host_ranks for rank in ranks]
+        # (rank, the index of its block in the padded host blocks): the leaders' collectives' layout
+        self.host_slots = [(rank, host * self.host_width + slot) for host, ranks in enumerate(self.host_ranks)
+                           for slot, rank in enumerate(ranks)]
         self.blocks_in_rank_order = (self.host_width * len(host_order) == self.group_size
-                                     and in_host_order == list(range(self.group_size)))
+                                     and all(rank == slot for rank, slot in self.host_slots))
         self._transports: list[Transport] = []
         try:
             self.local = self._add(LocalShmTransport(self._subspec(
@@ -113,7 +115,7 @@ class HierarchicalTransport(Transport):
         if self.leader_group is not None:
             m = input.numel()
             host_block = self.host_width * m
-            hosts = output if self.blocks_in_rank_order else output.new_zeros(len(self.host_ranks) * host_block)
+            hosts = output if self.blocks_in_rank_order else output.new_empty(len(self.host_ranks) * host_block)
             mine = hosts[self.host_index * host_block:(self.host_index + 1) * host_block]
             self.local.gather(mine[:len(self.local_ranks) * m], input, 0, ctx)
             self.leader_group.all_gather(hosts, mine.clone(), ctx)
@@ -141,18 +143,14 @@ class HierarchicalTransport(Transport):
 
     def _host_order_to_rank_order(self, hosts: Tensor, output: Tensor, m: int) -> None:
         """Copy each rank's block from its (padded) host block in `hosts` to its place in `output`."""
-        for host, ranks in enumerate(self.host_ranks):
-            for slot, rank in enumerate(ranks):
-                start = (host * self.host_width + slot) * m
-                output[rank * m:(rank + 1) * m].copy_(hosts[start:start + m])
+        for rank, slot in self.host_slots:
+            output[rank * m:(rank + 1) * m].copy_(hosts[slot * m:(slot + 1) * m])
 
     def _rank_order_to_host_order(self, blocks: Tensor, m: int) -> Tensor:
         """`blocks` (one block per rank, in rank order) rearranged into padded host blocks, zeros as padding."""
         hosts = blocks.new_zeros(len(self.host_ranks) * self.host_width * m)
-        for host, ranks in enumerate(self.host_ranks):
-            for slot, rank in enumerate(ranks):
-                start = (host * self.host_width + slot) * m
-                hosts[start:start + m].copy_(blocks[rank * m:(rank + 1) * m])
+        for rank, slot in self.host_slots:
+            hosts[slot * m:(slot + 1) * m].copy_(blocks[rank * m:(rank + 1) * m])
         return hosts
 
     # -- flat over tcp --------------------------------------------------------------------------------------
