@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import re
 import secrets
+import signal
 import socket
+import subprocess
+import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -280,3 +283,16 @@ def test_an_elastic_job_grows_when_the_second_host_joins_late(hosts: netns.TwoHo
     assert codes == [0, 0], outputs
     grown = sorted(line.split("grown ", 1)[1] for line in outputs.splitlines() if "grown " in line)
     assert grown == [f"{rank} 4.0 shm+tcp" for rank in range(4)], outputs
+
+
+def test_namespaces_left_by_a_killed_run_are_removed_by_the_next(can_make_hosts: None) -> None:
+    maker = subprocess.run(
+        [sys.executable, "-c", "import os, signal\nfrom tests.run import netns\nmade = netns.TwoHosts()\n"
+         "made.start()\nprint(*made.namespaces, flush=True)\nos.kill(os.getpid(), signal.SIGKILL)"],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2])
+    assert maker.returncode == -signal.SIGKILL, maker.stderr
+    left = maker.stdout.split()
+    assert len(left) == 2 and set(left) <= set(netns.listed())
+    removed = netns.remove_stale()
+    assert set(left) <= set(removed)
+    assert not set(left) & set(netns.listed())
