@@ -7,8 +7,9 @@ runs `spmdrun --nnodes 2 --nproc-per-node N` on both hosts, with hostnames that 
 set by hand for spmd (gloo is given GLOO_SOCKET_IFNAME, which it needs there). Every worker joins an spmd world
 (auto: shm+tcp with two ranks per host, tcp with one), a flat tcp group over the same ranks, and a torch gloo
 world; repetitions alternate between them (benchmarks/_common.interleaved_medians). --size is the largest
-buffer of an op (all_gather's output, reduce_scatter's input), as nccl-tests counts it. Times are the slowest
-rank's median; "vs gloo" is gloo's time / spmd's time (above 1: spmd is faster).
+buffer of an op (all_gather's and gather's output, reduce_scatter's and scatter's input), as nccl-tests counts
+it; reduce, gather and scatter have rank 0 as their root. Times are the slowest rank's median; "vs gloo" is
+gloo's time / spmd's time (above 1: spmd is faster).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Callable
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce", "gather", "scatter")
 
 
 def worker(size: int, iters: int, reps: int, ops: list[str]) -> None:
@@ -66,8 +67,15 @@ def _candidates(op: str, numel: int, world: int, flat: object) -> dict[str, tupl
 
     import spmd
 
-    if op == "all_reduce":
-        args: tuple[torch.Tensor, ...] = (torch.ones(numel),)
+    root = spmd.get_rank() == 0
+    block, blocks = torch.ones(numel // world), [torch.ones(numel // world) for _ in range(world)]
+    rooted: dict[str, tuple[object, ...]] = {"reduce": (torch.ones(numel), 0),
+                                             "gather": (block, blocks if root else None, 0),
+                                             "scatter": (block, blocks if root else None, 0)}
+    if op in rooted:
+        args: tuple[object, ...] = rooted[op]
+    elif op == "all_reduce":
+        args = (torch.ones(numel),)
     elif op == "all_gather_into_tensor":
         args = (torch.empty(numel), torch.ones(numel // world))
     else:

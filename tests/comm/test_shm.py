@@ -10,6 +10,7 @@ Small staging slots and rings (monkeypatched) make modest tensors span many chun
 from __future__ import annotations
 
 import atexit
+import functools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -601,6 +602,10 @@ def _on_fake_hosts(hosts: tuple[str, ...], fn: Callable[[Transport, int], Any], 
     return results
 
 
+def _refuse(op: str, *args: object) -> None:
+    raise AssertionError(f"{op} went over the flat tcp transport, not the hierarchical algorithm")
+
+
 def _ctx(op: str, seq: int, tensor: torch.Tensor, reduce_op: spmd.ReduceOp | None = None,
          root: int | None = None) -> OpContext:
     fingerprint = Fingerprint(op, seq, tuple(tensor.shape), str(tensor.dtype), reduce_op and reduce_op.name, root)
@@ -615,6 +620,9 @@ def test_hierarchical_collectives_equal_the_flat_algorithm(hosts: tuple[str, ...
     def body(transport: Transport, rank: int) -> list[torch.Tensor]:
         assert isinstance(transport, HierarchicalTransport if len(set(hosts)) > 1 else LocalShmTransport)
         assert transport.name == ("shm+tcp" if len(set(hosts)) > 1 else SHM)
+        if isinstance(transport, HierarchicalTransport):        # these never take the flat route
+            for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"):
+                setattr(transport.flat, name, functools.partial(_refuse, name))
         results = []
         for seq, op in enumerate((spmd.ReduceOp.SUM, spmd.ReduceOp.AVG, spmd.ReduceOp.MAX)):
             t = _inputs(rank, n, torch.float64) * (rank + 1)
@@ -639,6 +647,21 @@ def test_hierarchical_collectives_equal_the_flat_algorithm(hosts: tuple[str, ...
             transport.reduce_scatter(out, full, op, _ctx("reduce_scatter", seq, full, op))
             assert torch.equal(full, kept), "reduce_scatter changed its input"
             results.append(out)
+        for root in range(size):             # (flat over tcp) the root on every host, as its leader or not
+            for seq, op in enumerate((spmd.ReduceOp.SUM, spmd.ReduceOp.AVG), start=30 + 4 * root):
+                t = _inputs(rank, n, torch.float64) * (rank + 1)
+                kept = t.clone()
+                transport.reduce(t, root, op, _ctx("reduce", seq, t, op, root))
+                assert rank == root or torch.equal(t, kept), "reduce changed a non-root's tensor"
+                results.append(t)
+            mine = _inputs(rank, n, torch.float64) * (rank + 1)
+            out = torch.empty(size * n, dtype=torch.float64) if rank == root else None
+            transport.gather(out, mine, root, _ctx("gather", 32 + 4 * root, mine, root=root))
+            results.append(out)
+            full = torch.cat([_inputs(block, n, torch.float64) * (block + 1) for block in range(size)]) + root
+            out = torch.empty(n, dtype=torch.float64)
+            transport.scatter(out, full if rank == root else None, root, _ctx("scatter", 33 + 4 * root, out, root=root))
+            results.append(out)
         works = []
         for peer in range(len(hosts)):      # to every peer, on this host (shm) or another (tcp)
             work = Work(f"isend to {peer}")
@@ -657,8 +680,9 @@ def test_hierarchical_collectives_equal_the_flat_algorithm(hosts: tuple[str, ...
     hosts = ("a",) * len(hosts)
     flat = _on_fake_hosts(hosts, body)
     for rank, (mine, reference) in enumerate(zip(hierarchical, flat)):
+        assert len(mine) == len(reference)
         for got, want in zip(mine, reference):
-            assert torch.equal(got, want), rank
+            assert (got is None and want is None) or torch.equal(got, want), rank
     assert torch.equal(flat[0][0], sum(_inputs(r, n, torch.float64) * (r + 1) for r in range(len(hosts))))
     assert flat[2][5].tolist() == [2.0] * n                                       # broadcast from rank 2
     assert flat[1][size + 3].tolist() == [r for r in range(size) for _ in range(5)]   # all_gather
@@ -667,6 +691,11 @@ def test_hierarchical_collectives_equal_the_flat_algorithm(hosts: tuple[str, ...
         want = sum(_inputs(r + rank, n, torch.float64) * (rank + 1) for r in range(size))
         assert torch.equal(flat[rank][size + 5], want), rank
     assert flat[2][-1].tolist() == [(size - 1) * 10.0 + 2] * 700                  # the last rank sent to rank 2
+    everyone = [_inputs(r, n, torch.float64) * (r + 1) for r in range(size)]
+    first = size + 8                                                      # rank 1's reduce, gather, scatter
+    assert torch.equal(flat[1][first + 4], sum(everyone)) and torch.equal(flat[1][first + 5], sum(everyone) / size)
+    assert torch.equal(flat[1][first + 6], torch.cat(everyone)) and flat[0][first + 6] is None
+    assert torch.equal(flat[3][first + 7], everyone[3] + 1)
 
 
 def _two_host_worker(rank: int, world_size: int, results: Any, store_path: str) -> None:
@@ -683,9 +712,18 @@ def _two_host_worker(rank: int, world_size: int, results: Any, store_path: str) 
         spmd.all_gather_into_tensor(out, torch.full((10,), float(rank)))
         summed, blocks = torch.empty(100_000, dtype=torch.float64), torch.arange(400_000, dtype=torch.float64)
         spmd.reduce_scatter_tensor(summed, blocks * (rank + 1))
+        reduced = torch.full((1000,), float(rank))
+        spmd.reduce(reduced, dst=3)                       # roots that are not their host's leader
+        gathered = [torch.empty(10) for _ in range(4)] if rank == 1 else None
+        spmd.gather(torch.full((10,), float(rank)), gathered, dst=1)
+        scattered = torch.empty(10)
+        spmd.scatter(scattered, [torch.full((10,), r * 2.0) for r in range(4)] if rank == 3 else None, src=3)
         results.send((rank, engine, spmd.get_backend(), torch.equal(t, torch.arange(300_000, dtype=torch.float64) * 10)
                      and b[0].item() == 3.0 and torch.equal(out, torch.arange(4.0).repeat_interleave(10))
-                     and torch.equal(summed, blocks[rank * 100_000:(rank + 1) * 100_000] * 10)))
+                     and torch.equal(summed, blocks[rank * 100_000:(rank + 1) * 100_000] * 10)
+                     and (rank != 3 or reduced.tolist() == [6.0] * 1000)
+                     and (rank != 1 or torch.equal(torch.cat(gathered), torch.arange(4.0).repeat_interleave(10)))
+                     and scattered.tolist() == [rank * 2.0] * 10))
     finally:
         spmd.destroy_process_group()
 
