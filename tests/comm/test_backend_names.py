@@ -16,7 +16,7 @@ NCCL_USABLE = torch.cuda.is_available() and torch_dist.is_nccl_available()
 
 
 def test_backend_constants_match_torch() -> None:
-    for name in ("GLOO", "NCCL", "MPI", "UCC", "UNDEFINED"):
+    for name in ("GLOO", "NCCL", "MPI", "UCC", "FAKE", "UNDEFINED"):
         assert getattr(spmd.Backend, name) == getattr(torch_dist.Backend, name)
     assert spmd.Backend("GLOO") == torch_dist.Backend("GLOO") == "gloo"
     assert spmd.Backend("cpu:gloo,cuda:nccl") == torch_dist.Backend("cpu:gloo,cuda:nccl")

@@ -32,7 +32,8 @@ class Backend(str):
     TCP = "tcp"
     SHM = "shm"
     THREADS = "threads"
-    backend_list: ClassVar[list[str]] = [UNDEFINED, GLOO, NCCL, UCC, MPI, XCCL, AUTO, TCP, SHM, THREADS]
+    FAKE = "fake"
+    backend_list: ClassVar[list[str]] = [UNDEFINED, GLOO, NCCL, UCC, MPI, XCCL, FAKE, AUTO, TCP, SHM, THREADS]
     default_device_backend_map: ClassVar[dict[str, str]] = {"cpu": GLOO, "cuda": NCCL, "xpu": XCCL}
 
     def __new__(cls, name: str) -> str:  # type: ignore[misc]

@@ -26,10 +26,11 @@ from spmd.comm.backend import torch_style_name, transport_for
 from spmd.comm.debug import FlightRecorder, StatusService
 from spmd.comm.group import CollectiveObservers, NonMemberGroup, ProcessGroup
 from spmd.comm.host import host_identity
-from spmd.comm.store.base import PrefixStore, Store
+from spmd.comm.store.base import HashStore, PrefixStore, Store
 from spmd.comm.transports.base import TransportSpec, create_transport
 
 DEFAULT_TIMEOUT = 600.0
+SIMULATED = "fake"       # the transport of a world whose other ranks are simulated (transports/fake.py)
 
 AnyGroup = ProcessGroup | NonMemberGroup
 
@@ -59,7 +60,8 @@ class World:
         # Every init over one long-lived store gets fresh keys: ranks re-initialize in lockstep, so the
         # count of this rank's inits names the same generation on every rank.
         self.prefix = f"spmd/{store.add(f'spmd/inits/rank{rank}', 1)}"
-        self.hosts, self.host_names = self._exchange_hosts()
+        self.simulated = transport_for(backend) == SIMULATED    # the other ranks exist only in this process
+        self.hosts, self.host_names = self._simulated_hosts() if self.simulated else self._exchange_hosts()
         self.token = self._agree_token()
         status_store = store.clone()
         self.status_service = StatusService(status_store, rank, self.recorder, owns_store=status_store is not store)
@@ -73,6 +75,10 @@ class World:
             [f"{self.prefix}/host/{rank}" for rank in range(self.world_size)])]
         return tuple(key for key, _ in pairs), tuple(name for _, name in pairs)
 
+    def _simulated_hosts(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """A simulated world's ranks all live on this host."""
+        return (host_identity(),) * self.world_size, (socket.gethostname(),) * self.world_size
+
     def _agree_token(self) -> bytes:
         return self.store.compare_set(f"{self.prefix}/transport_token", "", secrets.token_hex(16))
 
@@ -82,6 +88,10 @@ class World:
 
         `backend` is a name as users write it (see spmd.comm.backend), translated here to a transport."""
         transport_name = transport_for(backend)
+        if self.simulated and transport_name != SIMULATED:
+            raise ValueError(f"spmd: this world was initialised with backend 'fake', so its other ranks exist only "
+                             f"in this process and can't connect over {backend!r}; make its groups with "
+                             f"backend='fake' (or none: they inherit it)")
         if self.rank not in ranks:
             group: AnyGroup = NonMemberGroup(name, ranks, self.rank)
         else:
@@ -145,9 +155,11 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     Collective: every rank of the job calls it. With no arguments it reads RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT (as set by `spmdrun`). `backend` is "auto" (the default: shared memory inside a host, tcp
     across hosts), "tcp", "shm" or "threads" (ranks are threads of one process; pass the shared `store`), or
-    a torch name: "gloo" (= "auto"), "nccl" (CUDA over torch's NCCL), a device map "cpu:gloo,cuda:nccl"; any
-    case. `device_id` binds this rank to one device (a CUDA one becomes the current device). `group_name` is
-    accepted for torch compatibility and ignored, as torch ignores it (the default group is always "default").
+    a torch name: "gloo" (= "auto"), "nccl" (CUDA over torch's NCCL), a device map "cpu:gloo,cuda:nccl",
+    "fake" (this process is rank `rank` of a `world_size` job whose other ranks are simulated: no store, no
+    launcher, nothing sent; transports/fake.py); any case. `device_id` binds this rank to one device (a CUDA
+    one becomes the current device). `group_name` is accepted for torch compatibility and ignored, as torch
+    ignores it (the default group is always "default").
     `torch_default_group`: also initialise torch's default group over this world (the "spmd" backend) when this
     rank rendezvoused by itself (no `store` given), so torch's own utilities see its rank and world size
     (torch_backend.py, Note: torch's default group over spmd); pass False where the process must initialise
@@ -170,6 +182,13 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         if rank < 0 or world_size <= 0:
             raise ValueError(f"spmd.init_process_group: with an explicit store, rank and world_size are required "
                              f"(got rank={rank}, world_size={world_size}); pass both")
+    elif transport == SIMULATED:
+        if init_method is not None or rank < 0 or world_size <= 0:
+            given = f"rank={rank}, world_size={world_size}" + (f", init_method={init_method!r}" if init_method else "")
+            raise ValueError(f"spmd.init_process_group: backend 'fake' simulates the other ranks in this process, "
+                             f"so there is nothing to rendezvous with: pass rank= and world_size= and no "
+                             f"init_method (got {given})")
+        store = HashStore(timeout=seconds)
     else:
         if transport == "threads":
             raise ValueError("spmd: the threads backend needs the store its threads share; use "

@@ -149,6 +149,7 @@ _TRANSPORTS: dict[str, str] = {            # backend -> "module:class", imported
     "shm": "spmd.comm.transports.shm.local:LocalShmTransport",
     "torch:gloo": "spmd.comm.transports.torch_pg:TorchGlooTransport",
     "torch:nccl": "spmd.comm.transports.torch_pg:TorchNcclTransport",
+    "fake": "spmd.comm.transports.fake:FakeTransport",
 }
 _ACROSS_HOSTS: dict[str, str] = {          # what a backend builds instead for a group whose ranks span hosts
     "shm": "spmd.comm.transports.shm.hierarchical:HierarchicalTransport",
