@@ -12,26 +12,34 @@ from typing import Any
 
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "spmd.comm.collectives": (
-        "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all", "all_to_all_single", "barrier",
-        "broadcast", "gather", "monitored_barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+        "all_gather", "all_gather_coalesced", "all_gather_into_tensor", "all_gather_single", "all_reduce",
+        "all_reduce_coalesced", "all_to_all", "all_to_all_single", "barrier", "broadcast", "gather",
+        "monitored_barrier", "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor",
+        "scatter",
     ),
     "spmd.comm.backend": (
-        "Backend", "get_default_backend_for_device", "is_available", "is_gloo_available", "is_mpi_available",
-        "is_nccl_available", "is_torchelastic_launched",
+        "Backend", "get_default_backend_for_device", "is_available", "is_backend_available", "is_gloo_available",
+        "is_mpi_available", "is_nccl_available", "is_torchelastic_launched", "is_ucc_available",
+        "is_xccl_available",
     ),
+    "spmd._core.errors": ("DistBackendError", "DistError", "DistStoreError"),
     "spmd.comm.group": ("NonMemberGroup", "ProcessGroup"),
-    "spmd.comm.objects": ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"),
+    "spmd.comm.objects": ("all_gather_object", "broadcast_object_list", "gather_object", "recv_object_list",
+                          "scatter_object_list", "send_object_list"),
     "spmd.comm.p2p": ("P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"),
-    "spmd.comm.reduce_op": ("ReduceOp",),
+    "spmd.comm.reduce_op": ("ReduceOp", "supports_complex"),
     "spmd.comm.store.base": ("HashStore", "PrefixStore", "Store"),
     "spmd.comm.store.tcp": ("TCPStore",),
     "spmd.comm.store.file": ("FileStore",),
     "spmd.comm.work": ("Work",),
     "spmd.comm.world": (
-        "destroy_process_group", "get_backend", "get_global_rank", "get_group_rank", "get_process_group_ranks",
-        "get_rank", "get_world_size", "init_process_group", "is_initialized", "new_group", "new_subgroups",
+        "GroupMember", "default_pg_timeout", "destroy_process_group", "get_backend", "get_global_rank",
+        "get_group_rank", "get_node_local_rank", "get_pg_count", "get_process_group_ranks", "get_rank",
+        "get_world_size", "group", "init_process_group", "is_initialized", "new_group", "new_subgroups",
+        "new_subgroups_by_enumeration",
     ),
-    "spmd.ddp": ("DistributedDataParallel",),
+    "spmd.device_mesh": ("DeviceMesh", "init_device_mesh"),
+    "spmd.ddp": ("DistributedDataParallel", "GradBucket"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 

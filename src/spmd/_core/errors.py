@@ -83,3 +83,9 @@ def parse_abort_text(text: str) -> tuple[str | None, str]:
     """(who saw the failure first, its reason) of an abort_text; (None, text) for text of another form."""
     seen_by, sep, reason = text.partition("\0")
     return (seen_by, reason) if sep else (None, text)
+
+
+# torch.distributed's names for the same kinds of error, so `except dist.DistBackendError` ports unchanged.
+DistError = SpmdError
+DistBackendError = CommError
+DistStoreError = StoreError

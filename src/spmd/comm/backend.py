@@ -126,6 +126,25 @@ def is_mpi_available() -> bool:
     return False
 
 
+def is_ucc_available() -> bool:
+    """Always False: spmd has no UCC transport."""
+    return False
+
+
+def is_xccl_available() -> bool:
+    """Always False: spmd has no XCCL (Intel GPU) transport."""
+    return False
+
+
+def is_backend_available(backend: str) -> bool:
+    """Whether init_process_group / new_group can build `backend` (a name, or a device map) on this machine."""
+    try:
+        transport_for(backend)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
 def is_torchelastic_launched() -> bool:
     """Whether this process was started by an elastic launcher (spmdrun or torchrun set TORCHELASTIC_RUN_ID)."""
     return env.optional_str("TORCHELASTIC_RUN_ID") is not None

@@ -114,6 +114,66 @@ def all_reduce(tensor: Tensor, op: ReduceOp = ReduceOp.SUM, group: AnyGroup | No
     return _run(pg, "all_reduce", tensor, tuple(tensor.shape), body, [tensor], async_op, reduce_op=op)
 
 
+def all_reduce_coalesced(tensors: list[Tensor], op: ReduceOp = ReduceOp.SUM, group: AnyGroup | None = None,
+                         async_op: bool = False) -> Work | None:
+    """Reduce every tensor of `tensors` (one dtype, one device) in place, as one collective over a flat buffer."""
+    pg = resolve_group(group, "all_reduce_coalesced")
+    inputs = _check_coalesced(tensors, "tensors", "all_reduce_coalesced", pg)
+    check_reduce_op(op, inputs[0].dtype, _where("all_reduce_coalesced", pg))
+
+    def body(ctx: OpContext) -> None:
+        flat = torch.cat([_flat(t) for t in inputs])
+        pg.transport.all_reduce(flat, op, ctx)
+        for tensor, piece in zip(inputs, flat.split([_flat(t).numel() for t in inputs]), strict=True):
+            _flat(tensor).copy_(piece)
+            increment_version(tensor)
+
+    shape = (sum(t.numel() for t in inputs),)
+    return _run(pg, "all_reduce", inputs[0], shape, body, inputs, async_op, reduce_op=op)
+
+
+def all_gather_coalesced(output_tensor_lists: list[list[Tensor]], input_tensor_list: list[Tensor],
+                         group: AnyGroup | None = None, async_op: bool = False) -> Work | None:
+    """output_tensor_lists[i][j] <- rank i's input_tensor_list[j], as one all_gather of a flat buffer; inputs
+    of one dtype and device, each the same shape on every rank."""
+    pg = resolve_group(group, "all_gather_coalesced")
+    op = "all_gather_coalesced"
+    inputs = _check_coalesced(input_tensor_list, "input_tensor_list", op, pg)
+    if not isinstance(output_tensor_lists, (list, tuple)) or len(output_tensor_lists) != pg.size():
+        raise ValueError(f"{_where(op, pg)}: output_tensor_lists must hold a list per rank ({pg.size()})")
+    outputs = list(output_tensor_lists)
+    for rank, row in enumerate(outputs):
+        if not isinstance(row, (list, tuple)) or len(row) != len(inputs):
+            raise ValueError(f"{_where(op, pg)}: output_tensor_lists[{rank}] must hold {len(inputs)} tensors, "
+                             f"one per input")
+        for index, (out, like) in enumerate(zip(row, inputs)):
+            check_tensor(out, f"output_tensor_lists[{rank}][{index}]", op, pg)
+            _check_same(out, like, f"output_tensor_lists[{rank}][{index}]", op, pg)
+    sizes = [t.numel() for t in inputs]
+
+    def body(ctx: OpContext) -> None:
+        flat = torch.cat([_flat(t) for t in inputs])
+        gathered = flat.new_empty(pg.size() * flat.numel())
+        pg.transport.all_gather(gathered, flat, ctx)
+        for row, block in zip(outputs, gathered.view(pg.size(), -1), strict=True):
+            for out, piece in zip(row, block.split(sizes), strict=True):
+                _flat(out).copy_(piece)
+                increment_version(out)
+
+    flat_outputs = [out for row in outputs for out in row]
+    return _run(pg, "all_gather", inputs[0], (sum(sizes),), body, flat_outputs, async_op)
+
+
+def _check_coalesced(tensors: object, name: str, op: str, group: ProcessGroup) -> list[Tensor]:
+    """A coalesced op's non-empty list of tensors of one dtype and device."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ValueError(f"{_where(op, group)}: {name} must be a non-empty list of tensors")
+    for index, tensor in enumerate(tensors):
+        check_tensor(tensor, f"{name}[{index}]", op, group)
+        _check_same(tensor, tensors[0], f"{name}[{index}]", op, group, numel=tensor.numel())
+    return list(tensors)
+
+
 def broadcast(tensor: Tensor, src: int | None = None, group: AnyGroup | None = None, async_op: bool = False,
               group_src: int | None = None) -> Work | None:
     """Copy `src`'s tensor into `tensor` on every rank."""
@@ -160,6 +220,9 @@ def all_gather_into_tensor(output_tensor: Tensor, input_tensor: Tensor, group: A
     return _run(pg, "all_gather", input_tensor, tuple(input_tensor.shape), body, [output_tensor], async_op)
 
 
+all_gather_single = all_gather_into_tensor     # torch 2.13's name for it (torch deprecates the older one)
+
+
 def all_gather(tensor_list: list[Tensor], tensor: Tensor, group: AnyGroup | None = None,
                async_op: bool = False) -> Work | None:
     """tensor_list[i] <- rank i's tensor, on every rank."""
@@ -192,6 +255,9 @@ def reduce_scatter_tensor(output: Tensor, input: Tensor, op: ReduceOp = ReduceOp
         increment_version(output)
 
     return _run(pg, "reduce_scatter", output, tuple(output.shape), body, [output], async_op, reduce_op=op)
+
+
+reduce_scatter_single = reduce_scatter_tensor  # torch 2.13's name for it (torch deprecates the older one)
 
 
 def reduce_scatter(output: Tensor, input_list: list[Tensor], op: ReduceOp = ReduceOp.SUM,

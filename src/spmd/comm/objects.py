@@ -1,4 +1,4 @@
-"""Collectives of picklable Python objects; the only module that pickles.
+"""Collectives and point-to-point messages of picklable Python objects; the only module that pickles.
 
 Layer: comm. Objects travel as pickled bytes in uint8 tensors: their lengths are exchanged first, then one
 padded buffer. Unpickling runs code chosen by the sender: use these only between ranks of one job.
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from spmd.comm import collectives
+from spmd.comm import collectives, p2p
 from spmd.comm.group import ProcessGroup
 from spmd.comm.world import AnyGroup, resolve_group
 
@@ -121,3 +121,35 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
                          f"{pg.size()} objects")
     broadcast_object_list(everything, src=src, group=pg)
     scatter_object_output_list[0] = everything[0][pg.group_rank]
+
+
+def send_object_list(object_list: list[Any], dst: int | None = None, group: AnyGroup | None = None,
+                     device: torch.device | None = None, group_dst: int | None = None) -> None:
+    """Send `object_list` to rank `dst`, whose recv_object_list takes it into a list of the same length: the
+    lengths first, then the pickled bytes (on `device` when given, as in torch)."""
+    pg = resolve_group(group, "send_object_list")
+    staging = _staging_device(pg, device)
+    parts = [_to_tensor(obj, staging) for obj in object_list]
+    p2p.send(torch.tensor([p.numel() for p in parts], dtype=torch.int64, device=staging), dst, pg,
+             group_dst=group_dst)
+    p2p.send(torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=staging), dst, pg,
+             group_dst=group_dst)
+
+
+def recv_object_list(object_list: list[Any], src: int | None = None, group: AnyGroup | None = None,
+                     device: torch.device | None = None, group_src: int | None = None) -> int:
+    """object_list <- the list rank `src` sent with send_object_list (of the same length), in place; returns
+    `src`'s global rank. Unpickling runs code the sender chose: use it only between ranks of one job."""
+    pg = resolve_group(group, "recv_object_list")
+    staging = _staging_device(pg, device)
+    lengths = torch.empty(len(object_list), dtype=torch.int64, device=staging)
+    sender = p2p.recv(lengths, src, pg, group_src=group_src)
+    host_lengths = lengths.tolist()
+    payload = torch.empty(sum(host_lengths), dtype=torch.uint8, device=staging)
+    p2p.recv(payload, src, pg, group_src=group_src)
+    host_payload = payload.cpu()
+    offset = 0
+    for index, length in enumerate(host_lengths):
+        object_list[index] = _from_tensor(host_payload[offset:offset + length], length)
+        offset += length
+    return sender

@@ -410,6 +410,60 @@ def new_subgroups(group_size: int) -> tuple[AnyGroup, list[AnyGroup]]:
     return groups[world.rank // group_size], groups
 
 
+def new_subgroups_by_enumeration(ranks_per_subgroup_list: list[list[int]], timeout: float | datetime.timedelta |
+                                 None = None, backend: str | None = None) -> tuple[AnyGroup | None, list[AnyGroup]]:
+    """A group per list of ranks (the lists disjoint); returns (this rank's group or None, all of them).
+    Collective: every rank calls it with the same lists."""
+    world = current_world()
+    seen: set[int] = set()
+    for ranks in ranks_per_subgroup_list:
+        members = _check_members(ranks, world)
+        if seen & set(members):
+            raise ValueError(f"spmd.new_subgroups_by_enumeration on rank {world.rank}: rank(s) "
+                             f"{sorted(seen & set(members))} are in more than one of {ranks_per_subgroup_list}")
+        seen |= set(members)
+    groups = [new_group(ranks, timeout=timeout, backend=backend) for ranks in ranks_per_subgroup_list]
+    mine = [g for g in groups if world.rank in g.ranks]
+    return (mine[0] if mine else None), groups
+
+
+def get_pg_count() -> int:
+    """How many groups this rank's world holds now (the default group included), as torch counts them."""
+    return len(current_world().groups)
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """This process's rank on its node, from LOCAL_RANK (spmdrun and torchrun set it), else `fallback_rank`."""
+    local = env.optional_str("LOCAL_RANK")
+    if local is not None:
+        return int(local)
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise RuntimeError("spmd.get_node_local_rank: LOCAL_RANK is not set (spmdrun sets it); pass fallback_rank= "
+                       "for a process started without a launcher")
+
+
+class _WorldGroupMeta(type):
+    @property
+    def WORLD(cls) -> ProcessGroup | None:
+        """This rank's default group, None before init_process_group."""
+        world = _visible_world()
+        return None if world is None else world.default_group
+
+
+class group(metaclass=_WorldGroupMeta):
+    """torch's `group.WORLD`: this rank's default group (None before init_process_group), for `group=` args."""
+
+
+class GroupMember(metaclass=_WorldGroupMeta):
+    """torch's GroupMember: `WORLD` as in `group`, and `NON_GROUP_MEMBER`, torch's rank of a non-member."""
+
+    NON_GROUP_MEMBER = -100
+
+
+default_pg_timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT)   # spmd's default (torch's is 30 minutes)
+
+
 def resolve_group(group: AnyGroup | None, op: str) -> ProcessGroup:
     """The group an operation runs on: `group`, or the default group; ValueError for a non-member."""
     if group is None:

@@ -1,0 +1,120 @@
+"""torch.distributed's public names under `spmd`: every one torch 2.13 serves is served, or listed here with
+why not, so a script that swaps the import finds each name it uses (or a test says which it won't)."""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+
+import spmd
+from spmd.testing import run_ranks
+
+NOT_SERVED = {   # torch name -> why spmd has none
+    **dict.fromkeys(["AllToAllOptions", "AllreduceCoalescedOptions", "AllreduceOptions", "BarrierOptions",
+                     "BroadcastOptions", "GatherOptions", "ReduceOptions", "ReduceScatterOptions", "ScatterOptions",
+                     "BackendConfig", "get_backend_config", "ProcessGroupGloo", "Reducer", "Logger",
+                     "BuiltinCommHookType"],
+                    "an object of torch's C++ c10d backends; spmd's groups and DDP take no options objects"),
+    **dict.fromkeys(["DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env"],
+                    "spmd's checks (mismatched collectives, the flight recorder) are always on: no level to set"),
+    "DistNetworkError": "network failures raise PeerLostError / PeerUnreachableError (DistBackendError) or a "
+                        "StoreError (DistStoreError)",
+    "QueueEmptyError": "spmd's stores have no queue API",
+    "breakpoint": "it hands one rank the terminal, and spmdrun does not forward stdin to the workers",
+    "record_comm": "a profiling name for torch's Work; spmd's flight recorder names every op with its call site",
+    "register_rendezvous_handler": "init_method takes env://, tcp:// and file:// only",
+    "rendezvous": "init_method takes env://, tcp:// and file:// only",
+    **dict.fromkeys(["split_group", "shrink_group"], "not yet; new_group and new_subgroups_by_enumeration make "
+                                                     "the same groups"),
+    **dict.fromkeys(["GroupName", "RankType", "log", "reduce_op", "timedelta"],
+                    "not API: type aliases, torch's logger, the long-deprecated reduce_op, datetime's class"),
+}
+
+
+def _torch_public_names() -> list[str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)        # reading reduce_op warns
+        return [name for name in dir(torch_dist)
+                if not name.startswith("_") and not inspect.ismodule(getattr(torch_dist, name))]
+
+
+def test_every_public_torch_distributed_name_is_served_or_listed_with_why_not() -> None:
+    names = _torch_public_names()
+    missing = [name for name in names if name not in NOT_SERVED and not hasattr(spmd, name)]
+    assert not missing, f"torch.distributed names spmd neither serves nor lists in NOT_SERVED: {missing}"
+    stale = [name for name in NOT_SERVED if name not in names or hasattr(spmd, name)]
+    assert not stale, f"NOT_SERVED lists names torch lacks or spmd serves: {stale}"
+
+
+def test_the_names_torch_213_prefers_are_the_same_ops() -> None:
+    assert spmd.all_gather_single is spmd.all_gather_into_tensor
+    assert spmd.reduce_scatter_single is spmd.reduce_scatter_tensor
+    assert spmd.init_device_mesh is spmd.device_mesh.init_device_mesh and spmd.DeviceMesh is spmd.device_mesh.DeviceMesh
+    assert spmd.GradBucket is spmd.ddp.GradBucket
+    assert issubclass(spmd.DistBackendError, spmd.DistError) and issubclass(spmd.DistStoreError, spmd.DistError)
+    assert issubclass(spmd.DistError, RuntimeError)
+    assert spmd.default_pg_timeout == datetime.timedelta(seconds=600)
+    assert [spmd.supports_complex(op) for op in (spmd.ReduceOp.SUM, spmd.ReduceOp.AVG, spmd.ReduceOp.MAX)] == \
+        [torch_dist.supports_complex(op) for op in (torch_dist.ReduceOp.SUM, torch_dist.ReduceOp.AVG,
+                                                     torch_dist.ReduceOp.MAX)]
+    assert spmd.is_backend_available("gloo") and spmd.is_backend_available("cpu:gloo,cuda:gloo")
+    assert not spmd.is_backend_available("mpi") and not spmd.is_backend_available("bogus")
+    assert not spmd.is_ucc_available() and not spmd.is_xccl_available()
+    assert spmd.GroupMember.NON_GROUP_MEMBER == torch_dist.GroupMember.NON_GROUP_MEMBER
+    assert spmd.group.WORLD is None and not spmd.is_initialized()
+
+
+def test_node_local_rank_reads_the_launchers_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert spmd.get_node_local_rank() == 3
+    monkeypatch.delenv("LOCAL_RANK")
+    assert spmd.get_node_local_rank(fallback_rank=1) == 1
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK is not set.*fallback_rank="):
+        spmd.get_node_local_rank()
+
+
+def test_groups_coalesced_ops_and_object_messages() -> None:
+    def body(rank: int, size: int) -> dict:
+        assert spmd.group.WORLD is spmd.GroupMember.WORLD
+        spmd.all_reduce(t := torch.ones(2), group=spmd.group.WORLD)
+        count = spmd.get_pg_count()
+        mine, groups = spmd.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+        assert [g.ranks for g in groups] == [[0, 2], [1, 3]]
+        assert spmd.get_pg_count() == count + 2 and spmd.get_process_group_ranks(mine) == [rank % 2, rank % 2 + 2]
+        with pytest.raises(ValueError, match=r"rank\(s\) \[2\] are in more than one"):
+            spmd.new_subgroups_by_enumeration([[0, 2], [2, 3]])
+        tensors = [torch.full((2, 3), float(rank)), torch.full((4,), rank * 10.0)]
+        spmd.all_reduce_coalesced(tensors, group=mine)
+        rows = [[torch.empty(2, 3), torch.empty(4)] for _ in range(size)]
+        spmd.all_gather_coalesced(rows, [torch.full((2, 3), float(rank)), torch.full((4,), -float(rank))])
+        received: list[object] = [None, None]
+        if rank == 0:
+            spmd.send_object_list([{"from": 0}, [1, 2]], dst=3)
+        elif rank == 3:
+            assert spmd.recv_object_list(received, src=0) == 0
+        return {"sums": [tensors[0][0, 0].item(), tensors[1][0].item()], "ones": t.tolist(),
+                "gathered": [[row[0][1, 2].item(), row[1][3].item()] for row in rows], "received": received}
+
+    results = run_ranks(body, 4, timeout=60)
+    for rank, result in enumerate(results):
+        pair = [rank % 2, rank % 2 + 2]
+        assert result["sums"] == [float(sum(pair)), 10.0 * sum(pair)] and result["ones"] == [4.0, 4.0]
+        assert result["gathered"] == [[float(r), -float(r)] for r in range(4)]
+    assert results[3]["received"] == [{"from": 0}, [1, 2]]
+
+
+def test_coalesced_ops_refuse_mixed_dtypes_and_wrong_output_lists() -> None:
+    def body(rank: int, size: int) -> None:
+        with pytest.raises(ValueError, match=r"all_reduce_coalesced.*tensors\[1\] has dtype torch.float64"):
+            spmd.all_reduce_coalesced([torch.ones(2), torch.ones(2, dtype=torch.float64)])
+        with pytest.raises(ValueError, match="non-empty list"):
+            spmd.all_reduce_coalesced([])
+        with pytest.raises(ValueError, match=r"output_tensor_lists\[1\] must hold 2 tensors"):
+            spmd.all_gather_coalesced([[torch.ones(1), torch.ones(1)], [torch.ones(1)]], [torch.ones(1)] * 2)
+
+    run_ranks(body, 2, timeout=60)
