@@ -54,7 +54,7 @@ TORCH_PATHS: dict[str, tuple[str, ...]] = {
                          "_get_default_group"),
     "device_mesh": ("DeviceMesh", "init_device_mesh"),
     "tensor": ("DTensor", "Shard", "Replicate", "Partial", "distribute_tensor", "distribute_module",
-               "init_device_mesh", "DeviceMesh"),
+               "init_device_mesh", "DeviceMesh", "zeros", "ones", "empty", "full", "rand", "randn"),
     "tensor.device_mesh": ("DeviceMesh", "init_device_mesh"),
     "tensor.placement_types": ("Shard", "Replicate", "Partial", "Placement"),
     "tensor.parallel": ("parallelize_module", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",

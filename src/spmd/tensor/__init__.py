@@ -8,8 +8,10 @@ Layer: tensor (may import _core, comm, device_mesh). Importing it registers ever
 from spmd.device_mesh import DeviceMesh, init_device_mesh
 from spmd.tensor import ops as _ops  # noqa: F401  (registers the sharding rules)
 from spmd.tensor.api import DTensor, distribute_module, distribute_tensor
+from spmd.tensor.factories import empty, full, ones, rand, randn, zeros
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 from spmd.tensor.rules import record_fallbacks
 
 __all__ = ["DTensor", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "distribute_module",
-           "distribute_tensor", "init_device_mesh", "record_fallbacks"]
+           "distribute_tensor", "empty", "full", "init_device_mesh", "ones", "rand", "randn", "record_fallbacks",
+           "zeros"]
