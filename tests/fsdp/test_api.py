@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from spmd.device_mesh import DeviceMesh, init_device_mesh
-from spmd.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+from spmd.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard, register_fsdp_forward_method
 from spmd.tensor import DTensor, Replicate, Shard, distribute_tensor
 from spmd.testing import run_ranks
 from tests.fsdp.harness import TIMEOUT, assert_parity, fsdp_train, reference, shard_blocks_then_root
@@ -267,3 +267,44 @@ def test_mixed_precision_casts_inputs_and_root_outputs() -> None:
         return seen[0], out.dtype, no_cast(torch.randn(2, 7)).dtype
 
     assert run_ranks(body, 2, timeout=TIMEOUT) == [(torch.bfloat16, torch.float16, torch.float32)] * 2
+
+
+class _Scorer(nn.Module):
+    """A model with a method run instead of forward that reads its own (root-held) parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(4, 4)
+        self.head = nn.Parameter(torch.randn(6, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x) @ self.head.T
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.block(x) @ self.head.T).logsumexp(-1)
+
+
+def test_a_registered_forward_method_gathers_the_parameters_and_trains_like_one_process() -> None:
+    torch.manual_seed(0)
+    ref = _Scorer()
+    x = torch.randn(4, 4)
+    ref.score(x).sum().backward()
+
+    def body(rank: int, size: int) -> list[torch.Tensor]:
+        model = _Scorer()
+        model.load_state_dict(ref.state_dict())                # rank threads share torch's generator
+        register_fsdp_forward_method(model, "score")          # not fully_shard'ed yet: a no-op
+        assert "score" not in vars(model)
+        mesh = init_device_mesh("cpu", (size,))
+        fully_shard(model.block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with pytest.raises(ValueError, match="has no method 'sample'"):
+            register_fsdp_forward_method(model, "sample")
+        register_fsdp_forward_method(model, "score")
+        model.score(x.chunk(size)[rank]).sum().backward()
+        assert isinstance(model.head, DTensor) and model.head.to_local().shape == (6 // size, 4)  # resharded
+        return [p.grad.full_tensor() for p in model.parameters()]
+
+    for grads in run_ranks(body, 2, timeout=TIMEOUT):
+        for got, want in zip(grads, ref.parameters(), strict=True):
+            torch.testing.assert_close(got, want.grad / 2)

@@ -5,6 +5,7 @@ Layer: fsdp (may import _core, _autograd, comm, device_mesh, tensor).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any, overload
 
@@ -178,6 +179,25 @@ class FSDPModule:
                 for param in state.group.params:
                     param.reset_sharded_param()
         return result
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make `module.<method_name>` (a `generate`, an `encode`: a method run instead of forward) gather the
+    parameters before it and reshard them after, as forward does. A no-op for a module fully_shard has not
+    wrapped, as in torch, so one script serves both."""
+    if not isinstance(module, FSDPModule):
+        return
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+    state = module._fsdp_state()
+
+    @functools.wraps(method)
+    def as_forward(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        return state._post_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, as_forward)
 
 
 def _state_for_prefetch(module: object, method: str) -> FSDPState:
