@@ -34,10 +34,14 @@ from spmd.ddp import (
     PowerSGDState,
     allreduce_hook,
     bf16_compress_hook,
+    bf16_compress_wrapper,
     fp16_compress_hook,
+    fp16_compress_wrapper,
     powerSGD_hook,
 )
 from spmd.ddp.api import _device_ids
+from spmd.ddp.bucket import GradBucket
+from spmd.ddp.comm_hooks import _compress_wrapper
 from spmd.ddp.powersgd import _split
 from spmd.testing import run_ranks
 from tests.parity.models import MLP, batch, build, loss_fn
@@ -305,6 +309,37 @@ def test_comm_hooks(hook: Callable, tolerance: dict[str, float]) -> None:
     assert_parity(results, reference("gpt", 2), **tolerance)
     for result in results:
         assert result["counts"] == {"all_reduce": STEPS * result["buckets"]}
+
+
+@pytest.mark.parametrize(("wrapper", "atol"), [(fp16_compress_wrapper, 3e-4), (bf16_compress_wrapper, 2e-3)])
+def test_compress_wrappers_run_a_hook_on_a_low_precision_bucket(wrapper: Callable, atol: float) -> None:
+    seen: list[torch.dtype] = []
+
+    def spy(state: object, bucket: GradBucket) -> torch.futures.Future:
+        seen.append(bucket.buffer().dtype)
+        assert all(g.dtype == bucket.buffer().dtype for g in bucket.gradients())
+        return allreduce_hook(state, bucket)
+
+    results = run_ranks(lambda rank, size: ddp_train(
+        "gpt", rank, size, bucket_cap_mb=0.01, setup=lambda m: m.register_comm_hook(None, wrapper(spy))), 2,
+        timeout=TIMEOUT)
+    assert_parity(results, reference("gpt", 2), rtol=0.0, atol=atol)
+    assert set(seen) == {torch.float16 if wrapper is fp16_compress_wrapper else torch.bfloat16}
+
+
+def test_a_wrapped_powersgd_sees_the_buckets_gradients_as_views_of_the_cast_copy() -> None:
+    # Cast to the bucket's own dtype, the wrapper must change nothing: PowerSGD splits the bucket through
+    # gradients(), so views of the wrong part of the copy would show as different weights.
+    def train(hook: Callable) -> list[Tensor]:
+        def setup(model: spmd.DistributedDataParallel) -> None:
+            state = PowerSGDState(None, matrix_approximation_rank=2, min_compression_rate=0.0, start_powerSGD_iter=1)
+            model.register_comm_hook(state, hook)
+
+        return run_ranks(lambda rank, size: ddp_train("gpt", rank, size, steps=4, bucket_cap_mb=0.01, setup=setup),
+                         2, timeout=TIMEOUT)[0]["params"]
+
+    plain, wrapped = train(powerSGD_hook), train(_compress_wrapper(powerSGD_hook, torch.float32, "identity"))
+    assert all(torch.equal(p, q) for p, q in zip(plain, wrapped, strict=True))
 
 
 def test_powersgd_full_rank_is_exact() -> None:

@@ -6,8 +6,14 @@
 
 from spmd.ddp.api import DistributedDataParallel
 from spmd.ddp.bucket import GradBucket
-from spmd.ddp.comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from spmd.ddp.comm_hooks import (
+    allreduce_hook,
+    bf16_compress_hook,
+    bf16_compress_wrapper,
+    fp16_compress_hook,
+    fp16_compress_wrapper,
+)
 from spmd.ddp.powersgd import PowerSGDState, powerSGD_hook
 
 __all__ = ["DistributedDataParallel", "GradBucket", "PowerSGDState", "allreduce_hook", "bf16_compress_hook",
-           "fp16_compress_hook", "powerSGD_hook"]
+           "bf16_compress_wrapper", "fp16_compress_hook", "fp16_compress_wrapper", "powerSGD_hook"]
