@@ -1,9 +1,11 @@
-"""torch.distributed's public names under `spmd`: every one torch 2.13 serves is served, or listed here with
-why not, so a script that swaps the import finds each name it uses (or a test says which it won't)."""
+"""torch.distributed's public names under `spmd`: every one torch 2.13 serves, at the top level and in each
+module path scripts import, is served at the same path, or listed here with why not, so a script that swaps
+the import finds each name it uses (or this file says which it won't)."""
 
 from __future__ import annotations
 
 import datetime
+import importlib
 import inspect
 import warnings
 
@@ -49,6 +51,62 @@ def test_every_public_torch_distributed_name_is_served_or_listed_with_why_not() 
     assert not missing, f"torch.distributed names spmd neither serves nor lists in NOT_SERVED: {missing}"
     stale = [name for name in NOT_SERVED if name not in names or hasattr(spmd, name)]
     assert not stale, f"NOT_SERVED lists names torch lacks or spmd serves: {stale}"
+
+
+FSDP1 = "FSDP1's API (FullyShardedDataParallel and its configs): spmd implements FSDP2 (fully_shard), as torch advises"
+PLANNING = "DCP's planner and storage-metadata classes: spmd plans reads and writes itself (DefaultSave/LoadPlanner)"
+MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name: why spmd's has none}
+    "fsdp": {
+        **dict.fromkeys(["BackwardPrefetch", "CPUOffload", "FullOptimStateDictConfig", "FullStateDictConfig",
+                         "FullyShardedDataParallel", "LocalOptimStateDictConfig", "LocalStateDictConfig",
+                         "MixedPrecision", "OptimStateDictConfig", "OptimStateKeyType", "ShardedOptimStateDictConfig",
+                         "ShardedStateDictConfig", "ShardingStrategy", "StateDictConfig", "StateDictSettings",
+                         "StateDictType"], FSDP1),
+        "DataParallelMeshDims": "not yet: for a (dp, tp) mesh, fully_shard(m, mesh=mesh['dp']) does the same",
+        "share_comm_ctx": "not yet: a CUDA stream-sharing knob for pipeline stages' FSDP roots",
+    },
+    "pipelining": dict.fromkeys(["Pipe", "pipe_split", "SplitPoint", "pipeline", "build_stage"],
+                                "not yet: the tracing front end that splits one model into stages; build each "
+                                "stage's module and wrap it in PipelineStage"),
+    "checkpoint": {
+        **dict.fromkeys(["BytesStorageMetadata", "ChunkStorageMetadata", "TensorStorageMetadata", "LoadPlan",
+                         "LoadPlanner", "SavePlan", "SavePlanner", "ReadItem", "WriteItem"], PLANNING),
+        **dict.fromkeys(["HuggingFaceStorageReader", "HuggingFaceStorageWriter", "QuantizedHuggingFaceStorageReader"],
+                        "spmd's checkpoints are safetensors already; python -m spmd.checkpoint.convert makes one file"),
+        "CheckpointException": "spmd raises CheckpointError",
+        **dict.fromkeys(["load_sharded_optimizer_state_dict", "load_state_dict", "save_state_dict"],
+                        "long-deprecated in torch: use load / save and checkpoint.state_dict"),
+    },
+    "checkpoint.state_dict": dict.fromkeys(["FQNS_T", "PrimitiveType", "DictValueType", "ListDictValueType"],
+                                           "type aliases"),
+    "checkpoint.stateful": {"StatefulT": "a type variable"},
+    "algorithms.ddp_comm_hooks.powerSGD_hook": {"batched_powerSGD_hook": "not yet: powerSGD_hook compresses "
+                                                                         "each matrix of the bucket"},
+    "elastic.multiprocessing.errors": dict.fromkeys(["ProcessFailure", "ErrorHandler", "get_error_handler"],
+                                                    "torchelastic's error files: spmdrun reports a worker's "
+                                                    "traceback itself"),
+    "_tensor": dict.fromkeys(["full_module_name", "import_module", "submodule", "submodules"],
+                             "not API: torch's lazy-import helpers"),
+    "distributed_c10d": {name: why for name, why in NOT_SERVED.items()},
+}
+TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_types", "device_mesh", "fsdp",
+                 "pipelining", "pipelining.schedules", "checkpoint", "checkpoint.state_dict", "checkpoint.stateful",
+                 "algorithms.ddp_comm_hooks.default_hooks", "algorithms.ddp_comm_hooks.powerSGD_hook",
+                 "elastic.multiprocessing.errors", "_tensor", "_composable.fsdp", "distributed_c10d"]
+
+
+@pytest.mark.parametrize("path", TORCH_MODULES)
+def test_every_name_of_torchs_module_is_served_at_the_same_path_or_listed(path: str) -> None:
+    theirs, ours = importlib.import_module(f"torch.distributed.{path}"), importlib.import_module(f"spmd.{path}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        names = getattr(theirs, "__all__", None) or [
+            name for name in dir(theirs) if not name.startswith("_") and not inspect.ismodule(getattr(theirs, name))]
+    listed = MODULES_NOT_SERVED.get(path, {})
+    missing = [name for name in names if name not in listed and not hasattr(ours, name)]
+    assert not missing, f"torch.distributed.{path} names spmd.{path} neither serves nor lists: {missing}"
+    stale = [name for name in listed if name in names and hasattr(ours, name)]
+    assert not stale, f"spmd.{path} serves names still listed as not served: {stale}"
 
 
 def test_the_names_torch_213_prefers_are_the_same_ops() -> None:

@@ -10,8 +10,14 @@ from spmd.tensor import (
     Shard,
     distribute_module,
     distribute_tensor,
+    empty,
+    full,
     init_device_mesh,
+    ones,
+    rand,
+    randn,
+    zeros,
 )
 
 __all__ = ["DTensor", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard", "distribute_module",
-           "distribute_tensor", "init_device_mesh"]
+           "distribute_tensor", "empty", "full", "init_device_mesh", "ones", "rand", "randn", "zeros"]
