@@ -89,6 +89,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="deprecated: data parallelism is the default layout")
     run = parser.add_argument_group("run")
     run.add_argument("--backend", default="auto", help="spmd transport: auto (shm on one host), tcp, shm")
+    run.add_argument("--simulate", type=int, default=0, metavar="N",
+                     help="play one rank of an N-rank job in this process (backend 'fake': nothing is sent and "
+                          "collectives give stand-in values), to see the layout's memory per rank at a size this "
+                          "machine can't run; the losses are not the job's")
+    run.add_argument("--simulate-rank", type=int, default=0, help="the rank --simulate plays")
     run.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)")
     run.add_argument("--log-every", type=int, default=10, help="log every K steps, and at the end")
     run.add_argument("--eval-every", type=int, default=50,
@@ -115,6 +120,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(args, flag)}")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         parser.error("--checkpoint-every and --resume need --checkpoint-dir")
+    if args.simulate < 0 or not 0 <= args.simulate_rank < max(1, args.simulate):
+        parser.error(f"--simulate {args.simulate} --simulate-rank {args.simulate_rank}: the rank must be one of "
+                     f"the N >= 1 simulated ones")
+    if args.simulate and args.pp > 1:
+        parser.error("--simulate can't run --pp: a stage learns its input's shape from the previous stage's real "
+                     "messages; simulate the layout without pipelining")
+    if args.simulate and args.checkpoint_dir:
+        parser.error("--simulate writes no checkpoints (the other ranks' shards don't exist); drop --checkpoint-dir")
     if args.parallel is not None:
         warnings.warn("--parallel ddp is deprecated: data parallelism is the default layout; drop the flag",
                       FutureWarning, stacklevel=2)
@@ -155,11 +168,15 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def init_distributed(backend: str) -> None:
-    """Join the job started by spmdrun; a plain `python train_gpt.py` becomes a one-rank world."""
+def init_distributed(args: argparse.Namespace) -> None:
+    """Join the job started by spmdrun; a plain `python train_gpt.py` becomes a one-rank world, and with
+    --simulate one rank of a simulated one."""
+    backend = args.backend
     if spmd.is_initialized():
         return   # already set up by the caller (spmd.testing.run_ranks, a notebook)
-    if "RANK" in os.environ:
+    if args.simulate:
+        spmd.init_process_group("fake", rank=args.simulate_rank, world_size=args.simulate)
+    elif "RANK" in os.environ:
         spmd.init_process_group(backend)
     else:
         spmd.init_process_group("threads", store=spmd.HashStore(), rank=0, world_size=1)
@@ -196,7 +213,8 @@ class Trainer:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.rank, world_size = spmd.get_rank(), spmd.get_world_size()
-        self.say = print if self.rank == 0 else (lambda *a, **k: None)
+        simulated = spmd.get_backend() == "fake"
+        self.say = print if self.rank == 0 or simulated else (lambda *a, **k: None)
         self.layout = make_layout(args, world_size)
         self.batch = dp_batch_size(args, self.layout)
         self.config = GPTConfig(vocab=256, context=args.context, layers=args.layers, width=args.width,
@@ -231,8 +249,10 @@ class Trainer:
         self.say(f"GPT {parameters / 1e6:.2f}M parameters, {world_size} rank(s) of {torch.get_num_threads()} "
                  f"thread(s), {self.layout.describe()} over {spmd.get_backend()}; corpus "
                  f"{len(self.corpus.splits['train']) / 1e6:.1f}M train bytes; global batch {self.layout.dp} x "
-                 f"{self.batch} x {args.grad_accum} x {args.context} tokens\n"
-                 f"predicted memory (rank 0): {self.predicted_memory.describe()}\n"
+                 f"{self.batch} x {args.grad_accum} x {args.context} tokens"
+                 + (f"; simulated: this process is rank {self.rank} (collectives give stand-in values, so the "
+                    f"losses and speeds are not the job's)" if simulated else "") + "\n"
+                 f"predicted memory (rank {self.rank}): {self.predicted_memory.describe()}\n"
                  f"{self.flops_per_token / 1e6:.1f} MFLOP per token; matmul peak {self.peak_flops / 1e9:.1f} "
                  f"GFLOP/s over the {world_size} rank(s)", flush=True)
 
@@ -323,14 +343,14 @@ class Trainer:
         """Rank 0's account of the run: memory predicted against measured, and where the steps' time went."""
         lines = ["--- summary ---", f"memory, predicted: {self.predicted_memory.describe()}"]
         if self.measured_memory is not None:
-            lines.append(f"memory, measured (peak live tensors, rank 0, second step): "
+            lines.append(f"memory, measured (peak live tensors, rank {self.rank}, second step): "
                          f"{self.measured_memory.describe()}; "
                          f"{self.measured_memory.peak / max(1, self.predicted_memory.total):.2f}x the prediction")
         lines.append(f"peak RSS {self.peak_rss() / MiB:.0f} MiB per process")
         times = self.times
         if times.steps:
             tokens_per_s = self.tokens_per_step * times.steps / times.seconds
-            lines.append(f"time (rank 0, {times.steps} timed steps, {times.seconds:.1f} s): compute "
+            lines.append(f"time (rank {self.rank}, {times.steps} timed steps, {times.seconds:.1f} s): compute "
                          f"{times.seconds - times.exposed:.1f} s ({1 - times.exposed / times.seconds:.0%}), exposed "
                          f"communication {times.exposed:.1f} s ({times.exposed / times.seconds:.0%}); "
                          f"{tokens_per_s:,.0f} tok/s, {self.flops_fraction(tokens_per_s):.1%} of the matmul peak")
@@ -391,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     args = parse_args(argv)
     configure_threads(args.threads)
     owns_world = not spmd.is_initialized()
-    init_distributed(args.backend)
+    init_distributed(args)
     try:
         return Trainer(args).train()
     finally:

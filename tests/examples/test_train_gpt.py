@@ -178,3 +178,32 @@ def test_predicted_memory_is_within_a_fifth_of_the_measured_peak(world_size: int
     out = capsys.readouterr().out
     assert "predicted memory (rank 0)" in out and "memory, measured" in out and "exposed communication" in out
     assert "of peak" in out and "MFLOP per token" in out
+
+
+def test_simulate_plays_one_rank_of_a_large_job_and_measures_its_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    train_gpt = load_script()
+    flags = [*TINY, "--width", "64", "--layers", "4", "--heads", "2", "--global-batch", "64"]
+    threads = torch.get_num_threads()
+    try:
+        memory = {world: train_gpt.main([*flags, "--simulate", str(world), "--simulate-rank", "1",
+                                          "--dp-shard", str(world)])["memory"] for world in (2, 32)}
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "FSDP 32 over fake" in out and "simulated: this process is rank 1" in out
+    for predicted, measured in memory.values():
+        assert 0.7 < measured / predicted < 1.4, (predicted, measured)
+    assert memory[32][1] < memory[2][1] / 2         # state sharded 32 ways, a 16th of the batch per rank
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--simulate", "4", "--simulate-rank", "4"], "must be one of the N >= 1 simulated ones"),
+    (["--simulate", "4", "--pp", "2"], "can't run --pp"),
+    (["--simulate", "4", "--checkpoint-dir", "x"], "writes no checkpoints"),
+])
+def test_simulate_refuses_what_it_cannot_do(flags: list[str], message: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        load_script().parse_args(flags)
+    assert message in capsys.readouterr().err
