@@ -15,8 +15,13 @@ import torch
 import torch.distributed as dist
 
 import spmd
+from spmd._core.deadline import Deadline
+from spmd._core.errors import PeerLostError
+from spmd.comm.debug import Fingerprint
 from spmd.comm.store.base import HashStore, PrefixStore
+from spmd.comm.transports.base import OpContext
 from spmd.comm.transports.torch_pg import SpmdStoreAdapter
+from spmd.comm.world import default_group
 from spmd.device_mesh import init_device_mesh
 from spmd.testing import run_ranks
 from tests.comm.test_matrix import FAMILIES, SUBGROUPS
@@ -96,3 +101,42 @@ def test_torch_nccl_without_nccl_says_so() -> None:
     with pytest.raises(Exception, match="has no NCCL"):
         spmd.init_process_group("torch:nccl", store=HashStore(timeout=10), rank=0, world_size=1, timeout=10)
     assert not spmd.is_initialized()
+
+
+class _EndsAsTheSliceRunsOut:
+    """A torch Work whose timed wait gives up just as the op ends: the slice's timeout, then completed."""
+
+    def __init__(self, outcome: Exception | None) -> None:
+        self.outcome, self.waits = outcome, []
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self.waits.append(timeout)
+        if timeout is not None and len(self.waits) == 1:
+            raise RuntimeError("[gloo] Timed out waiting 100ms for the op to complete")
+        if self.outcome is not None:
+            raise self.outcome
+        return True
+
+    def is_completed(self) -> bool:
+        return len(self.waits) >= 1
+
+
+@pytest.mark.parametrize("outcome", [None, RuntimeError("[gloo] Connection closed by peer")])
+def test_an_op_that_ends_as_a_wait_slice_runs_out_has_its_own_outcome(outcome: Exception | None) -> None:
+    def body(rank: int, size: int) -> str:
+        transport = default_group().transport
+        ctx = OpContext(Fingerprint("all_reduce", 1, (1,), "float32", "SUM", None), Deadline(60.0), "test group")
+        work = _EndsAsTheSliceRunsOut(outcome)
+        try:
+            transport._wait(work, ctx)
+        except PeerLostError as error:            # the op's own failure, not a timeout
+            return f"failed: {error}"
+        finally:
+            assert len(work.waits) == 2 and work.waits[1] is None
+        return "completed"
+
+    [result] = run_ranks(body, 1, timeout=60, backend="torch:gloo")
+    if outcome is None:
+        assert result == "completed"
+    else:
+        assert result.startswith("failed") and "a peer was lost" in result and "Connection closed" in result

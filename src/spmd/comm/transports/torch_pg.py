@@ -384,20 +384,27 @@ class TorchGlooTransport(TorchProcessGroupTransport):
     def _wait(self, work: dist.Work, ctx: OpContext) -> None:
         """Wait in slices of _ABORT_POLL_S until ctx.deadline, looking for a peer's abort between slices (gloo
         has no way to be interrupted: a peer's abort only reaches this rank through the store)."""
+        what = f"{ctx.fingerprint.op} #{ctx.fingerprint.seq}"
         while True:
             remaining = ctx.deadline.remaining()
             try:
                 work.wait(datetime.timedelta(seconds=max(min(remaining, _ABORT_POLL_S), 1e-3)))
                 return
             except Exception as error:
-                what = f"{ctx.fingerprint.op} #{ctx.fingerprint.seq}"
-                translated: CommError | None = self._peer_abort(what)
-                if translated is None:
-                    if not work.is_completed() and remaining > _ABORT_POLL_S:
-                        continue
-                    translated = self._translate(error, what, ctx.deadline.timeout)
-                self._fail_group(translated)
-                raise translated from error
+                failure = error
+            if work.is_completed():
+                try:
+                    work.wait()     # it ended as the slice ran out: its own outcome counts, not the slice's
+                    return
+                except Exception as error:
+                    failure = error
+            translated: CommError | None = self._peer_abort(what)
+            if translated is None:
+                if not work.is_completed() and remaining > _ABORT_POLL_S:
+                    continue
+                translated = self._translate(failure, what, ctx.deadline.timeout)
+            self._fail_group(translated)
+            raise translated from failure
 
 
 class TorchNcclTransport(TorchProcessGroupTransport):
