@@ -63,7 +63,6 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
                          "ShardedStateDictConfig", "ShardingStrategy", "StateDictConfig", "StateDictSettings",
                          "StateDictType"], FSDP1),
         "DataParallelMeshDims": "not yet: for a (dp, tp) mesh, fully_shard(m, mesh=mesh['dp']) does the same",
-        "share_comm_ctx": "not yet: a CUDA stream-sharing knob for pipeline stages' FSDP roots",
     },
     "pipelining": dict.fromkeys(["Pipe", "pipe_split", "SplitPoint", "pipeline", "build_stage"],
                                 "not yet: the tracing front end that splits one model into stages; build each "
@@ -80,8 +79,6 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
     "checkpoint.state_dict": dict.fromkeys(["FQNS_T", "PrimitiveType", "DictValueType", "ListDictValueType"],
                                            "type aliases"),
     "checkpoint.stateful": {"StatefulT": "a type variable"},
-    "algorithms.ddp_comm_hooks.powerSGD_hook": {"batched_powerSGD_hook": "not yet: powerSGD_hook compresses "
-                                                                         "each matrix of the bucket"},
     "elastic.multiprocessing.errors": dict.fromkeys(["ProcessFailure", "ErrorHandler", "get_error_handler"],
                                                     "torchelastic's error files: spmdrun reports a worker's "
                                                     "traceback itself"),

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from spmd.device_mesh import DeviceMesh, init_device_mesh
-from spmd.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard, register_fsdp_forward_method
+from spmd.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from spmd.tensor import DTensor, Replicate, Shard, distribute_tensor
 from spmd.testing import run_ranks
 from tests.fsdp.harness import TIMEOUT, assert_parity, fsdp_train, reference, shard_blocks_then_root
@@ -308,3 +308,14 @@ def test_a_registered_forward_method_gathers_the_parameters_and_trains_like_one_
     for grads in run_ranks(body, 2, timeout=TIMEOUT):
         for got, want in zip(grads, ref.parameters(), strict=True):
             torch.testing.assert_close(got, want.grad / 2)
+
+
+def test_share_comm_ctx_takes_fsdp_modules_only() -> None:
+    def body(rank: int, size: int) -> None:
+        mesh = init_device_mesh("cpu", (size,))
+        stages = [fully_shard(nn.Linear(4, 4), mesh=mesh) for _ in range(2)]
+        share_comm_ctx(stages)                       # spmd's FSDP communicates on the caller's stream: shared
+        with pytest.raises(ValueError, match=r"modules\[1\] is a Linear, not a module fully_shard wrapped"):
+            share_comm_ctx([stages[0], nn.Linear(2, 2)])
+
+    run_ranks(body, 2, timeout=TIMEOUT)

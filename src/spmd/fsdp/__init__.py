@@ -5,8 +5,8 @@ Layer: fsdp (L4; may import _core, _autograd, comm, device_mesh, tensor). Ported
 torch's fsdp package for `spmd.fsdp`.
 """
 
-from spmd.fsdp.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from spmd.fsdp.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from spmd.fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard",
-           "register_fsdp_forward_method"]
+           "register_fsdp_forward_method", "share_comm_ctx"]

@@ -200,6 +200,16 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     setattr(module, method_name, as_forward)
 
 
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """torch's: make these FSDP roots (a pipeline rank's stages) share their communication streams. spmd's
+    FSDP has no streams of its own (a collective is ordered on the caller's current stream: Note: streams in
+    spmd.comm.group), so they share them already; this checks each is an FSDP module."""
+    for index, module in enumerate(modules):
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"share_comm_ctx: modules[{index}] is a {type(module).__name__}, not a module "
+                             f"fully_shard wrapped")
+
+
 def _state_for_prefetch(module: object, method: str) -> FSDPState:
     state = state_of(module) if isinstance(module, nn.Module) else None
     if state is None:
