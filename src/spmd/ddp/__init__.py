@@ -13,7 +13,8 @@ from spmd.ddp.comm_hooks import (
     fp16_compress_hook,
     fp16_compress_wrapper,
 )
-from spmd.ddp.powersgd import PowerSGDState, powerSGD_hook
+from spmd.ddp.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 
-__all__ = ["DistributedDataParallel", "GradBucket", "PowerSGDState", "allreduce_hook", "bf16_compress_hook",
-           "bf16_compress_wrapper", "fp16_compress_hook", "fp16_compress_wrapper", "powerSGD_hook"]
+__all__ = ["DistributedDataParallel", "GradBucket", "PowerSGDState", "allreduce_hook", "batched_powerSGD_hook",
+           "bf16_compress_hook", "bf16_compress_wrapper", "fp16_compress_hook", "fp16_compress_wrapper",
+           "powerSGD_hook"]

@@ -1,4 +1,5 @@
-"""PowerSGD gradient compression for DistributedDataParallel (Vogels et al., 2019), with error feedback.
+"""PowerSGD gradient compression for DistributedDataParallel (Vogels et al., 2019), with error feedback:
+per matrix of the bucket (powerSGD_hook), or of the whole bucket as one square matrix (batched_powerSGD_hook).
 
 Layer: ddp.
 
@@ -26,6 +27,7 @@ Q all-reduces happen at its end.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -79,7 +81,8 @@ class _Phase:
 
     bucket: GradBucket
     group: ProcessGroup
-    matrices: list[Tensor]          # views (n, m) into the bucket buffer (this rank's M)
+    flat: Tensor                    # what the matrices view: the bucket buffer, or batched's padded copy
+    matrices: list[Tensor]          # views (n, m) into `flat` (this rank's M)
     ps: list[Tensor]                # views into p_flat
     qs: list[Tensor]
     p_flat: Tensor
@@ -113,12 +116,46 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
     for matrix, q, p in zip(matrices, qs, ps):
         torch.matmul(matrix, q, out=p)
     p_work = all_reduce(p_flat, ReduceOp.SUM, group=group, async_op=True) if matrices else None
-    phase = _Phase(bucket, group, matrices, ps, qs, p_flat, p_work, finish_uncompressed, input_copy,
+    phase = _Phase(bucket, group, buffer, matrices, ps, qs, p_flat, p_work, finish_uncompressed, input_copy,
                    torch.futures.Future())
+    return _queue(state, phase)
+
+
+def batched_powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Future:
+    """PowerSGD of the whole bucket at once: its gradient, zero-padded to a square s x s matrix (s the ceiling
+    of the square root of its length), approximated at rank r; every tensor, vectors too, goes through the
+    approximation (torch's batched_powerSGD_hook). Cheaper than powerSGD_hook, much less accurate above r = 1
+    (the padded square has no low-rank structure to keep); error feedback and warm start as there."""
+    group = state.process_group if state.process_group is not None else bucket.process_group()
+    if state.iter < state.start_powerSGD_iter:
+        if bucket.is_last():
+            state.iter += 1
+        return allreduce_hook(group, bucket)
+    buffer, index = bucket.buffer(), bucket.index()
+    side = math.isqrt(buffer.numel() - 1) + 1 if buffer.numel() else 0
+    padded = buffer.new_zeros(side * side)
+    padded[:buffer.numel()] = buffer
+    input_copy: Tensor | None = None
+    if state.use_error_feedback:
+        if index in state.error_dict:
+            padded.add_(state.error_dict[index])
+        input_copy = padded.clone()
+    matrix = padded.view(side, side)
+    qs = _initial_qs(state, index, [matrix])
+    p = matrix @ qs[0]
+    phase = _Phase(bucket, group, padded, [matrix], [p], qs, p.view(-1),
+                   all_reduce(p, ReduceOp.SUM, group=group, async_op=True), lambda: None, input_copy,
+                   torch.futures.Future())
+    return _queue(state, phase)
+
+
+def _queue(state: PowerSGDState, phase: _Phase) -> torch.futures.Future:
+    """Keep `phase` for the second phase, which the last bucket runs for every bucket in bucket order (see Note:
+    PowerSGD collective order); returns the bucket's future."""
     state._pending.append(phase)
-    if bucket.is_last():
+    if phase.bucket.is_last():
         pending, state._pending = state._pending, []
-        for earlier in pending:   # see Note: PowerSGD collective order
+        for earlier in pending:
             _second_phase(state, earlier)
         state.iter += 1
     return phase.result
@@ -201,9 +238,11 @@ def _finish(state: PowerSGDState, phase: _Phase, qs: list[Tensor]) -> None:
             torch.matmul(p, q.t(), out=matrix)
             matrix.div_(ranks)
         phase.finish_uncompressed()
-        buffer = phase.bucket.buffer()
         if phase.input_copy is not None:
-            state.error_dict[phase.bucket.index()] = phase.input_copy.sub_(buffer)
+            state.error_dict[phase.bucket.index()] = phase.input_copy.sub_(phase.flat)
+        buffer = phase.bucket.buffer()
+        if phase.flat is not buffer:                 # batched: the padding is dropped
+            buffer.copy_(phase.flat[:buffer.numel()])
         phase.result.set_result(buffer)
     except BaseException as error:   # the bucket's waiter re-raises it
         phase.result.set_exception(error)
