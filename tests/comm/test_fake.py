@@ -54,11 +54,11 @@ def _every_op(dist: object, rank: int) -> list[torch.Tensor | None]:
         t = mine.clone()
         run(dist.reduce, t, t, dst=root)
     t = torch.zeros(6 * WORLD)
-    run(dist.all_gather_into_tensor, t, t, mine)
+    run(dist.all_gather_single, t, t, mine)
     blocks = [torch.zeros(6) for _ in range(WORLD)]
     run(dist.all_gather, blocks, blocks, mine)
     t, full = torch.zeros(6), torch.arange(6.0 * WORLD)
-    run(dist.reduce_scatter_tensor, t, t, full)
+    run(dist.reduce_scatter_single, t, t, full)
     t = torch.zeros(6)
     run(dist.reduce_scatter, t, t, list(full.chunk(WORLD)))
     for root in (0, rank):
