@@ -23,6 +23,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "is_xccl_available",
     ),
     "spmd._core.errors": ("DistBackendError", "DistError", "DistStoreError"),
+    "spmd.comm.breakpoint": ("breakpoint",),
     "spmd.comm.group": ("NonMemberGroup", "ProcessGroup"),
     "spmd.comm.objects": ("all_gather_object", "broadcast_object_list", "gather_object", "recv_object_list",
                           "scatter_object_list", "send_object_list"),

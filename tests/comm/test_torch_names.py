@@ -27,7 +27,6 @@ NOT_SERVED = {   # torch name -> why spmd has none
     "DistNetworkError": "network failures raise PeerLostError / PeerUnreachableError (DistBackendError) or a "
                         "StoreError (DistStoreError)",
     "QueueEmptyError": "spmd's stores have no queue API",
-    "breakpoint": "it hands one rank the terminal, and spmdrun does not forward stdin to the workers",
     "record_comm": "a profiling name for torch's Work; spmd's flight recorder names every op with its call site",
     "register_rendezvous_handler": "init_method takes env://, tcp:// and file:// only",
     "rendezvous": "init_method takes env://, tcp:// and file:// only",

@@ -246,8 +246,9 @@ class Worker:
         if os.path.exists(spec.error_file):
             os.remove(spec.error_file)
         env = spec.env if watchdog is None else {**spec.env, WATCHDOG_MARK: watchdog.mark}
-        self.popen = subprocess.Popen(list(spec.argv), env=env, stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        # stdin is spmdrun's, as under torchrun: spmd.breakpoint's pdb reads the terminal through it
+        self.popen = subprocess.Popen(list(spec.argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      start_new_session=True)
         self.watchdog = watchdog
         if watchdog is not None:
             watchdog.watch(self.popen.pid)  # its session id is its pid, and so is its process group's id
