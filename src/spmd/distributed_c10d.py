@@ -67,6 +67,7 @@ from spmd.comm.world import (
     new_group,
     new_subgroups,
     new_subgroups_by_enumeration,
+    split_group,
 )
 from spmd.comm.world import default_group as _get_default_group
 
@@ -82,5 +83,5 @@ __all__ = [
     "is_torchelastic_launched", "is_ucc_available", "is_xccl_available", "isend", "monitored_barrier", "new_group",
     "new_subgroups", "new_subgroups_by_enumeration", "recv", "recv_object_list", "reduce", "reduce_scatter",
     "reduce_scatter_single", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "send_object_list",
-    "supports_complex",
+    "split_group", "supports_complex",
 ]

@@ -30,8 +30,7 @@ NOT_SERVED = {   # torch name -> why spmd has none
     "record_comm": "a profiling name for torch's Work; spmd's flight recorder names every op with its call site",
     "register_rendezvous_handler": "init_method takes env://, tcp:// and file:// only",
     "rendezvous": "init_method takes env://, tcp:// and file:// only",
-    **dict.fromkeys(["split_group", "shrink_group"], "not yet; new_group and new_subgroups_by_enumeration make "
-                                                     "the same groups"),
+    "shrink_group": "not yet: a group without some of its ranks (new_group of the ranks left makes one)",
     **dict.fromkeys(["GroupName", "RankType", "log", "reduce_op", "timedelta"],
                     "not API: type aliases, torch's logger, the long-deprecated reduce_op, datetime's class"),
 }
@@ -172,3 +171,22 @@ def test_coalesced_ops_refuse_mixed_dtypes_and_wrong_output_lists() -> None:
             spmd.all_gather_coalesced([[torch.ones(1), torch.ones(1)], [torch.ones(1)]], [torch.ones(1)] * 2)
 
     run_ranks(body, 2, timeout=60)
+
+
+def test_split_group_splits_the_parent_by_its_group_ranks() -> None:
+    def body(rank: int, size: int) -> list[object]:
+        odds = spmd.new_group([1, 3])
+        if rank in (1, 3):
+            single = spmd.split_group(odds, [[1]])              # group rank 1 of odds: global rank 3
+            assert (single is None) == (rank == 1)
+        halves = spmd.split_group(split_ranks=[[0, 1], [2, 3]])
+        t = torch.full((1,), float(rank))
+        spmd.all_reduce(t, group=halves)
+        with pytest.raises(ValueError, match=r"appear more than once"):
+            spmd.split_group(split_ranks=[[0, 1], [1, 2]])
+        with pytest.raises(ValueError, match=r"split \[4\] must be a non-empty list of group ranks"):
+            spmd.split_group(split_ranks=[[4]])
+        return [halves.ranks, t.item(), spmd.get_backend(halves)]
+
+    results = run_ranks(body, 4, timeout=60, backend="tcp")
+    assert results == [[[0, 1], 1.0, "tcp"], [[0, 1], 1.0, "tcp"], [[2, 3], 5.0, "tcp"], [[2, 3], 5.0, "tcp"]]

@@ -50,6 +50,7 @@ class World:
         self.backend = backend
         self.device = device
         self.torch_backend_names: dict[str, str] = {}   # group name -> what torch's get_backend prints for it
+        self.requested_backends: dict[str, str] = {}    # group name -> the backend name it was created with
         self.timeout = timeout
         self.owns_store = owns_store
         self.recorder = FlightRecorder()
@@ -103,6 +104,7 @@ class World:
             transport = create_transport(transport_name, spec)
             group = ProcessGroup(name, ranks, ranks.index(self.rank), transport, group_store, self.store, timeout,
                                  self.recorder, transport.name, self.observers)
+        self.requested_backends[name] = backend
         torch_name = torch_style_name(backend)
         if torch_name is not None:
             self.torch_backend_names[name] = torch_name
@@ -425,6 +427,41 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: list[list[int]], timeo
     groups = [new_group(ranks, timeout=timeout, backend=backend) for ranks in ranks_per_subgroup_list]
     mine = [g for g in groups if world.rank in g.ranks]
     return (mine[0] if mine else None), groups
+
+
+def split_group(parent_pg: AnyGroup | None = None, split_ranks: list[list[int]] | None = None,
+                timeout: float | datetime.timedelta | None = None, pg_options: object = None,
+                group_desc: str | None = None, backend: str | None = None) -> ProcessGroup | None:
+    """Split `parent_pg` (default: the world) into disjoint groups of its group ranks, `split_ranks`; returns
+    this rank's group, or None if no split holds it. Collective over the parent only: every member calls it
+    with the same splits. The groups keep the parent's backend unless `backend` is given; `pg_options` and
+    `group_desc` are accepted for torch's signature and not used."""
+    world = current_world()
+    parent = resolve_group(parent_pg, "split_group")
+    where = f"spmd.split_group on rank {world.rank}"
+    if not isinstance(split_ranks, (list, tuple)) or not split_ranks:
+        raise ValueError(f"{where}: split_ranks must be a non-empty list of lists of the parent's group ranks, "
+                         f"got {split_ranks!r}")
+    seen: set[int] = set()
+    mine: list[int] | None = None
+    for split in split_ranks:
+        if not isinstance(split, (list, tuple)) or not split or any(
+                isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < parent.size() for r in split):
+            raise ValueError(f"{where}: split {split!r} must be a non-empty list of group ranks of the parent "
+                             f"(0..{parent.size() - 1})")
+        if seen & set(split) or len(set(split)) != len(split):
+            raise ValueError(f"{where}: group rank(s) {sorted(seen & set(split)) or split} appear more than once "
+                             f"in {split_ranks}; the splits must be disjoint")
+        seen |= set(split)
+        if parent.group_rank in split:
+            mine = sorted(split)
+    if mine is None:
+        return None
+    chosen = backend or world.requested_backends.get(parent.name, world.backend)
+    group = new_group([parent.ranks[r] for r in mine], timeout=timeout if timeout is not None else parent.timeout,
+                      backend=chosen, use_local_synchronization=True)
+    assert isinstance(group, ProcessGroup)
+    return group
 
 
 def get_pg_count() -> int:
