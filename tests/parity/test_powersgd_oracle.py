@@ -82,20 +82,26 @@ def oracle(world_size: int) -> list[tuple[Tensor, Tensor]]:
     return applied
 
 
+def _train(model: spmd.DistributedDataParallel, rank: int) -> list[tuple[Tensor, Tensor]]:
+    """STEPS of SGD on this rank's batches; the averaged (weight, bias) gradient the hook gave at each."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    applied = []
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        applied.append((model.module.weight.grad.clone(), model.module.bias.grad.clone()))
+        opt.step()
+    return applied
+
+
 def test_powersgd_low_rank_matches_the_arithmetic_by_hand() -> None:
     def body(rank: int, world_size: int) -> list[tuple[Tensor, Tensor]]:
         model = spmd.DistributedDataParallel(_model())
         state = PowerSGDState(None, matrix_approximation_rank=RANK_R, start_powerSGD_iter=1,
                               min_compression_rate=1.5, random_seed=SEED)
         model.register_comm_hook(state, powerSGD_hook)
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        applied = []
-        for step in range(STEPS):
-            x, y = _batch(rank, step)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            applied.append((model.module.weight.grad.clone(), model.module.bias.grad.clone()))
-            opt.step()
+        applied = _train(model, rank)
         assert state.q_memory, "the weight was not compressed: the test would not test PowerSGD"
         return applied
 
@@ -150,14 +156,7 @@ def test_batched_powersgd_matches_the_arithmetic_by_hand(rank_r: int) -> None:
         model = spmd.DistributedDataParallel(_model())
         state = PowerSGDState(None, matrix_approximation_rank=rank_r, start_powerSGD_iter=1, random_seed=SEED)
         model.register_comm_hook(state, batched_powerSGD_hook)
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        applied = []
-        for step in range(STEPS):
-            x, y = _batch(rank, step)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            applied.append((model.module.weight.grad.clone(), model.module.bias.grad.clone()))
-            opt.step()
+        applied = _train(model, rank)
         names = {id(p): name for name, p in model.module.named_parameters()}
         [bucket] = model.reducer.buckets
         assert [tuple(e.shape) for e in state.error_dict.values()] == [(64,)]
