@@ -60,7 +60,6 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
                          "MixedPrecision", "OptimStateDictConfig", "OptimStateKeyType", "ShardedOptimStateDictConfig",
                          "ShardedStateDictConfig", "ShardingStrategy", "StateDictConfig", "StateDictSettings",
                          "StateDictType"], FSDP1),
-        "DataParallelMeshDims": "not yet: for a (dp, tp) mesh, fully_shard(m, mesh=mesh['dp']) does the same",
     },
     "pipelining": dict.fromkeys(["Pipe", "pipe_split", "SplitPoint", "pipeline", "build_stage"],
                                 "not yet: the tracing front end that splits one model into stages; build each "

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spmd.device_mesh import DeviceMesh, init_device_mesh
-from spmd.fsdp import MixedPrecisionPolicy, fully_shard
+from spmd.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
 from spmd.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from spmd.tensor.placement import _StridedShard, chunk_range
 from spmd.tensor.random import manual_seed
@@ -316,6 +316,54 @@ def test_hybrid_sharding_over_tensor_parallelism() -> None:
         assert up.device_mesh == result["mesh"]
         assert up.placements == (Replicate(), _StridedShard(0, split_factor=TP), Shard(0))
         assert result["model"].proj.weight.placements == (Replicate(), Shard(0))
+
+
+def _on_the_whole_mesh(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Each tensor-parallel parameter as torch 2.13's SPMD form has it: a DTensor on the whole mesh, Replicate on
+    every dim but the last (tp)."""
+    for sub in model.modules():
+        for name, param in list(sub._parameters.items()):
+            if isinstance(param, DTensor):
+                placements = [Replicate()] * (mesh.ndim - 1) + [param.placements[0]]
+                setattr(sub, name, nn.Parameter(DTensor.from_local(param.to_local(), mesh, placements, run_check=False,
+                                                                   shape=param.shape, stride=param.stride())))
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_dp_mesh_dims_shard_parameters_already_on_the_whole_mesh_as_over_its_dp_slice(hybrid: bool) -> None:
+    """fully_shard(mesh=whole, dp_mesh_dims=...) of whole-mesh DTensors trains and lays out the parameters as
+    fully_shard(mesh=mesh["dp"]) of tensor-parallel ones (test_hybrid_sharding_over_tensor_parallelism)."""
+    dims = DataParallelMeshDims(shard="shard", replicate="rep") if hybrid else DataParallelMeshDims(shard="dp")
+
+    def shard(model: nn.Module, dp_mesh: DeviceMesh) -> None:
+        whole = dp_mesh._root
+        _on_the_whole_mesh(model, whole)
+        shard_blocks_then_root(model, whole, dp_mesh_dims=dims)
+
+    initial = build("lm", layers=1)
+    results = run_ranks(lambda rank, size: train("lm", copy.deepcopy(initial), "adamw", shard=shard, hybrid=hybrid),
+                        8 if hybrid else 4, timeout=TIMEOUT)
+    assert_parity(results, reference("lm", "adamw", dp=4 if hybrid else DP, layers=1))
+    for result in results:
+        up = result["model"].blocks[0].up.weight
+        assert up.device_mesh == result["mesh"]
+        assert up.placements == ((Replicate(),) if hybrid else ()) + (_StridedShard(0, split_factor=TP), Shard(0))
+
+
+def test_dp_mesh_dims_refuse_what_they_cannot_shard() -> None:
+    def body(rank: int, size: int) -> None:
+        mesh = mesh_2d()
+        for dims, message in [(DataParallelMeshDims(shard="pp"), "the mesh has no dim 'pp'"),
+                              (DataParallelMeshDims(replicate="dp"), "replicating only is DDP")]:
+            with pytest.raises(ValueError, match=message):
+                fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=dims)
+        linear = nn.Linear(4, 4)
+        linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Shard(0), Replicate()]))
+        with pytest.raises(ValueError, match=r"parameter weight is \[Shard\(0\), Replicate\(\)\].*Replicate on "
+                                             r"the data-parallel dims"):
+            fully_shard(linear, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+
+    run_ranks(body, 4, timeout=TIMEOUT)
 
 
 def test_fsdp_on_dim_1_strides_the_rowwise_weights() -> None:

@@ -5,8 +5,15 @@ Layer: fsdp (L4; may import _core, _autograd, comm, device_mesh, tensor). Ported
 torch's fsdp package for `spmd.fsdp`.
 """
 
-from spmd.fsdp.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
+from spmd.fsdp.api import (
+    DataParallelMeshDims,
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from spmd.fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard",
-           "register_fsdp_forward_method", "share_comm_ctx"]
+__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
+           "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]

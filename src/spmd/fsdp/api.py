@@ -5,6 +5,7 @@ Layer: fsdp (may import _core, _autograd, comm, device_mesh, tensor).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any, overload
@@ -22,6 +23,16 @@ from spmd.tensor import DTensor
 from spmd.tensor.placement import Replicate, Shard
 
 ShardPlacementFn = Callable[[nn.Parameter], Shard | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelMeshDims:
+    """torch's: the data-parallel dims of a full SPMD mesh, for fully_shard(module, mesh=full_mesh,
+    dp_mesh_dims=...) of parameters that are already DTensors on that mesh, Replicate on these dims. `shard`:
+    the dim(s) FSDP shards over (several are flattened into one); `replicate`: HSDP's replica dim(s)."""
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
 _NO_MIXED_PRECISION = MixedPrecisionPolicy()
 _NO_OFFLOAD = OffloadPolicy()
 
@@ -36,7 +47,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                 reshard_after_forward: bool | int = True, shard_placement_fn: ShardPlacementFn | None = None,
                 mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
                 offload_policy: OffloadPolicy = _NO_OFFLOAD,
-                ignored_params: set[nn.Parameter] | None = None) -> Any:
+                ignored_params: set[nn.Parameter] | None = None,
+                dp_mesh_dims: DataParallelMeshDims | None = None) -> Any:
     """Shard the parameters of `module` (or of a list of modules, sharded as one group) over `mesh`, in place.
 
     Apply it bottom-up: to each block, then to the root. Every parameter not already owned by a fully_shard call
@@ -46,10 +58,15 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     parent (dp, tp) mesh (see Note: FSDP over tensor parallelism in param.py). The call's parameters form one
     group: all-gathered in one collective before its forward (and again before backward when resharded),
     reduce-scattered in one after backward. The module's class becomes `FSDP<Class>`, a subclass of FSDPModule.
-    Collective over the world (mesh groups are created).
+    With `dp_mesh_dims`, `mesh` is the job's whole mesh and the parameters are DTensors on it, Replicate on
+    its data-parallel dims (torch 2.13's form): each becomes its tensor-parallel DTensor on the dim left (or a
+    plain tensor), then is sharded as above over the data-parallel dims. Collective over the world (mesh groups
+    are created).
     """
     modules = tuple(module) if isinstance(module, list) else (module,)
     mesh = mesh if mesh is not None else _default_mesh()
+    if dp_mesh_dims is not None:
+        mesh = _from_spmd_mesh(modules, mesh, dp_mesh_dims, ignored_params or set())
     shard_mesh = _check_mesh(mesh, modules)
     _check_not_initialised(modules)
     post_forward_mesh = _post_forward_mesh(reshard_after_forward, mesh, modules)
@@ -255,6 +272,56 @@ def _default_mesh() -> DeviceMesh:
     devices = world.default_group.transport.devices
     device_type = accelerator.type if accelerator is not None and accelerator.type in devices else "cpu"
     return init_device_mesh(device_type, (world.world_size,))
+
+
+def _from_spmd_mesh(modules: tuple[nn.Module, ...], mesh: DeviceMesh, dims: DataParallelMeshDims,
+                    ignored: set[nn.Parameter]) -> DeviceMesh:
+    """The data-parallel mesh `dims` names in the full `mesh`; the parameters that are DTensors on `mesh` are
+    replaced (in every slot: tied ones stay tied) by their DTensor on the one dim left, or by their local
+    tensor when no dim is left."""
+    where = f"fully_shard({', '.join(type(m).__name__ for m in modules)}, dp_mesh_dims={dims})"
+    names = mesh.mesh_dim_names or ()
+
+    def named(field: str | tuple[str, ...] | None) -> tuple[str, ...]:
+        chosen = (field,) if isinstance(field, str) else tuple(field or ())
+        for name in chosen:
+            if name not in names:
+                raise ValueError(f"{where}: the mesh has no dim {name!r}; its dims are {names}")
+        return chosen
+
+    shard, replicate = named(dims.shard), named(dims.replicate)
+    if not shard:
+        raise ValueError(f"{where}: name the dim(s) FSDP shards over (shard=...); replicating only is DDP "
+                         f"(spmd.DistributedDataParallel)")
+    if replicate and (len(shard) > 1 or len(replicate) > 1):
+        raise ValueError(f"{where}: HSDP takes one replicate dim and one shard dim; flatten several first "
+                         f"(mesh[...].flatten(name)) and name the flattened dims")
+    rest = [name for name in names if name not in (*shard, *replicate)]
+    if len(rest) > 1:
+        raise ValueError(f"{where}: the parameters' other dims {rest} are more than one; fully_shard composes "
+                         f"with tensor parallelism on one dim")
+    dp_dims = [names.index(name) for name in (*replicate, *shard)]
+    replaced: dict[int, nn.Parameter] = {}
+    for module in modules:
+        for prefix, sub in _unowned_modules(module):
+            for name, param in list(sub._parameters.items()):
+                if not isinstance(param, DTensor) or param in ignored or param.device_mesh != mesh:
+                    continue
+                if id(param) not in replaced:
+                    if any(not isinstance(param.placements[d], Replicate) for d in dp_dims):
+                        raise ValueError(f"{where}: parameter {prefix + '.' if prefix else ''}{name} is "
+                                         f"{list(param.placements)} on {names}: Replicate on the data-parallel "
+                                         f"dims is needed, FSDP shards those")
+                    local = param.to_local()
+                    if rest:
+                        tp = names.index(rest[0])
+                        local = DTensor.from_local(local, mesh[rest[0]], [param.placements[tp]], run_check=False,
+                                                   shape=param.shape, stride=param.stride())
+                    replaced[id(param)] = nn.Parameter(local.detach(), requires_grad=param.requires_grad)
+                setattr(sub, name, replaced[id(param)])
+    if len(shard) > 1:
+        return mesh[shard].flatten("_".join(shard))
+    return mesh[(*replicate, *shard)]
 
 
 def _check_mesh(mesh: DeviceMesh, modules: tuple[nn.Module, ...]) -> ShardMesh:
