@@ -1,4 +1,4 @@
-"""DTensor factories (torch's `torch.distributed.tensor.zeros`, `ones`, `empty`, `full`, `rand`, `randn`): a
+"""DTensor factories (torch's DTensor `zeros`, `ones`, `empty`, `full`, `rand`, `randn`): a
 DTensor of a global shape, laid out over a mesh, of which each rank allocates only its own piece.
 
 Layer: tensor. No communication. rand and randn draw the numbers the one-process run draws for the global
