@@ -61,9 +61,6 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
                          "ShardedStateDictConfig", "ShardingStrategy", "StateDictConfig", "StateDictSettings",
                          "StateDictType"], FSDP1),
     },
-    "pipelining": dict.fromkeys(["Pipe", "pipe_split", "SplitPoint", "pipeline", "build_stage"],
-                                "not yet: the tracing front end that splits one model into stages; build each "
-                                "stage's module and wrap it in PipelineStage"),
     "checkpoint": {
         **dict.fromkeys(["BytesStorageMetadata", "ChunkStorageMetadata", "TensorStorageMetadata", "LoadPlan",
                          "LoadPlanner", "SavePlan", "SavePlanner", "ReadItem", "WriteItem"], PLANNING),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import pathlib
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -112,15 +113,17 @@ def build_stages(model: GPT, rank: int, num_ranks: int, per_rank: int, style: st
     return stages, local
 
 
+BuildStages = Callable[[GPT, int, int, int, str], tuple[list[PipelineStage], nn.Module]]
 SCHEDULES = [(ScheduleGPipe, 1, "loop"), (Schedule1F1B, 1, "loop"), (ScheduleInterleaved1F1B, 2, "loop"),
              (ScheduleLoopedBFS, 2, "loop"), (ScheduleInterleavedZeroBubble, 2, "loop"),
              (ScheduleZBVZeroBubble, 2, "v"), (ScheduleDualPipeV, 2, "v")]
 
 
 def train_pipelined(cls: type[_PipelineSchedule], ranks: int, per_rank: int, style: str, model: GPT,
-                    n_microbatches: int, backend: str = "threads") -> list[tuple[list[float], dict[str, Tensor]]]:
+                    n_microbatches: int, backend: str = "threads",
+                    build: BuildStages = build_stages) -> list[tuple[list[float], dict[str, Tensor]]]:
     def body(rank: int, world_size: int) -> tuple[list[float], dict[str, Tensor]]:
-        stages, local = build_stages(model, rank, world_size, per_rank, style)
+        stages, local = build(model, rank, world_size, per_rank, style)
         arg = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
         schedule = cls(arg, n_microbatches, loss_fn=loss_fn)   # type: ignore[arg-type]
         params = [p for stage in stages for p in stage.submod.parameters()]
