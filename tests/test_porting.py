@@ -27,8 +27,9 @@ def port(source: str) -> str:
     return source.replace("torch.distributed", "spmd")
 
 
-TUTORIALS = ["ddp_tutorial.py", "collectives_tutorial.py", "fsdp2_tutorial.py"]
-# spmdrun runs the three ports in one job, one after another in the same workers, each as its own `__main__` with
+TUTORIALS = ["ddp_tutorial.py", "collectives_tutorial.py", "fsdp2_tutorial.py", "tp_tutorial.py",
+             "pipelining_tutorial.py"]
+# spmdrun runs the ports in one job, one after another in the same workers, each as its own `__main__` with
 # its output prefix as argv[1] (each destroys its world and the next initializes a new one), so their launch and
 # imports are paid once. torch's launcher gets a job per tutorial: under one torchrun store, gloo's next default
 # group can read the addresses its destroyed predecessor left there and wait on them for good.
@@ -111,3 +112,25 @@ def test_fsdp2_tutorial_trains_the_same_weights_as_under_torch(launched: dict) -
     assert expected["state"].keys() == got["state"].keys()
     for key, value in expected["state"].items():
         torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.timeout(600)
+def test_tensor_parallel_tutorial_trains_the_same_weights_as_under_torch(launched: dict) -> None:
+    torch_out, spmd_out = launched["tp_tutorial.py"]
+    expected, got = torch.load(torch_out), torch.load(spmd_out)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=1e-6)
+    assert expected["state"].keys() == got["state"].keys()
+    for key, value in expected["state"].items():
+        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.timeout(600)
+def test_pipelining_tutorial_cuts_and_trains_the_same_stages_as_under_torch(launched: dict) -> None:
+    torch_out, spmd_out = launched["pipelining_tutorial.py"]
+    for rank in range(2):
+        expected, got = torch.load(f"{torch_out}{rank}"), torch.load(f"{spmd_out}{rank}")
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]),
+                                   rtol=1e-5, atol=1e-6)
+        assert list(got["state"]) == list(expected["state"])           # the same cut, the model's names
+        for key, value in expected["state"].items():
+            torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=(rank, key))

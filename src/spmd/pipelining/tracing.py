@@ -250,8 +250,9 @@ def _cut(traced: fx.GraphModule) -> Pipe:
     for value in travelling:
         if not isinstance(value.meta.get("val"), torch.Tensor):
             raise ValueError(f"pipeline: {value.name} ({type(value.meta.get('val')).__name__}), made in "
-                             f"{_where(made_in[value])} and used in stage {used_last[value]}, would cross a cut between "
-                             f"stages, and only tensors travel between stages: move the cut or make it a tensor")
+                             f"{_where(made_in[value])} and used in stage {used_last[value]}, would cross a cut "
+                             f"between stages, and only tensors travel between stages: move the cut or make it a "
+                             f"tensor")
     for index, stage in enumerate(stages):
         stage.inputs = placeholders if index == 0 else [v for v in travelling if made_in[v] < index <= used_last[v]]
         stage.outputs = [v for v in travelling if made_in[v] <= index < used_last[v]]
