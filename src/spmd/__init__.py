@@ -37,7 +37,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "GroupMember", "default_pg_timeout", "destroy_process_group", "get_backend", "get_global_rank",
         "get_group_rank", "get_node_local_rank", "get_pg_count", "get_process_group_ranks", "get_rank",
         "get_world_size", "group", "init_process_group", "is_initialized", "new_group", "new_subgroups",
-        "new_subgroups_by_enumeration", "split_group",
+        "new_subgroups_by_enumeration", "shrink_group", "split_group",
     ),
     "spmd.device_mesh": ("DeviceMesh", "init_device_mesh"),
     "spmd.ddp": ("DistributedDataParallel", "GradBucket"),

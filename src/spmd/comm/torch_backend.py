@@ -183,11 +183,14 @@ def init_torch_default_group(rank: int, world_size: int, timeout: float) -> bool
     return True
 
 
-def destroy_torch_default_group() -> None:
-    """Destroy torch's default group if init_torch_default_group made it (and it is still torch's)."""
+def destroy_torch_default_group() -> bool:
+    """Destroy torch's default group if init_torch_default_group made it (and it is still torch's); True if it
+    did."""
     owned, _state["owned"] = _state["owned"], None
     if owned is not None and dist.is_initialized() and dist.group.WORLD is owned:
         dist.destroy_process_group()
+        return True
+    return False
 
 
 # -- what torch was built with: the facts behind spmd's backend names (backend.py) ------------------------------

@@ -22,6 +22,7 @@ import torch
 
 from spmd._core import env
 from spmd._core.deadline import as_seconds
+from spmd._core.errors import GroupAbortedError
 from spmd.comm.backend import torch_style_name, transport_for
 from spmd.comm.debug import FlightRecorder, StatusService
 from spmd.comm.group import CollectiveObservers, NonMemberGroup, ProcessGroup
@@ -43,7 +44,7 @@ class World:
     """
 
     def __init__(self, rank: int, world_size: int, store: Store, backend: str, timeout: float,
-                 owns_store: bool, device: torch.device | None = None) -> None:
+                 owns_store: bool, device: torch.device | None = None, prefix: str | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self.store = store
@@ -59,8 +60,8 @@ class World:
         self.local_groups_made: collections.Counter[tuple[int, ...]] = collections.Counter()   # per member set
         self.observers = CollectiveObservers()      # told of every collective on this rank's groups
         # Every init over one long-lived store gets fresh keys: ranks re-initialize in lockstep, so the
-        # count of this rank's inits names the same generation on every rank.
-        self.prefix = f"spmd/{store.add(f'spmd/inits/rank{rank}', 1)}"
+        # count of this rank's inits names the same generation on every rank (a shrunk world is given its own).
+        self.prefix = prefix if prefix is not None else f"spmd/{store.add(f'spmd/inits/rank{rank}', 1)}"
         self.simulated = transport_for(backend) == SIMULATED    # the other ranks exist only in this process
         self.hosts, self.host_names = self._simulated_hosts() if self.simulated else self._exchange_hosts()
         self.token = self._agree_token()
@@ -112,13 +113,17 @@ class World:
         return group
 
     def destroy(self) -> None:
+        self.retire()
+        if self.owns_store:
+            self.store.close()
+
+    def retire(self) -> None:
+        """Close every group of this world and its status service, keeping the store (for a world after it)."""
         self.status_service.stop()
         for group in reversed(self.groups):
             if isinstance(group, ProcessGroup):
                 group.close()
         self.groups.clear()
-        if self.owns_store:
-            self.store.close()
 
 
 _world: contextvars.ContextVar[World | None] = contextvars.ContextVar("spmd_world", default=None)
@@ -462,6 +467,75 @@ def split_group(parent_pg: AnyGroup | None = None, split_ranks: list[list[int]] 
                       backend=chosen, use_local_synchronization=True)
     assert isinstance(group, ProcessGroup)
     return group
+
+
+SHRINK_DEFAULT, SHRINK_ABORT = 0, 1     # torch's shrink_flags: close the group after its queued ops, or abort them
+
+
+def shrink_group(ranks_to_exclude: list[int], group: AnyGroup | None = None, shrink_flags: int = SHRINK_DEFAULT,
+                 pg_options: object = None) -> ProcessGroup:
+    """A group of `group`'s ranks but `ranks_to_exclude` (its group ranks; `group` defaults to the world), made
+    by the remaining ranks alone, so it works when the excluded ones are dead; `group` is destroyed. Shrinking
+    the world replaces it: the ranks are renumbered in order (get_rank and get_world_size change), every other
+    group is destroyed, and the returned group is the new default group. SHRINK_ABORT fails the old group's
+    queued operations instead of running them. `pg_options` is accepted for torch's signature and not used."""
+    world = current_world()
+    target = resolve_group(group, "shrink_group")
+    excluded = _check_shrink(ranks_to_exclude, target, shrink_flags, world.rank)
+    remaining = [rank for at, rank in enumerate(target.ranks) if at not in excluded]
+    if shrink_flags == SHRINK_ABORT:
+        target.abort(GroupAbortedError(f"spmd: rank {world.rank} shrank group {target.name!r} with SHRINK_ABORT, "
+                                       f"excluding its group rank(s) {sorted(excluded)}"))
+    if target is not world.default_group:
+        shrunk = new_group(remaining, timeout=target.timeout, use_local_synchronization=True,
+                           backend=world.requested_backends.get(target.name, world.backend))
+        destroy_process_group(target)
+        assert isinstance(shrunk, ProcessGroup)
+        return shrunk
+    return _shrink_world(world, remaining)
+
+
+def _check_shrink(ranks_to_exclude: object, target: ProcessGroup, shrink_flags: object, rank: int) -> set[int]:
+    """The group ranks to exclude, or an error naming the calling rank, before anything changes."""
+    where = f"spmd.shrink_group on rank {rank}"
+    if shrink_flags not in (SHRINK_DEFAULT, SHRINK_ABORT) or isinstance(shrink_flags, bool):
+        raise ValueError(f"{where}: shrink_flags must be SHRINK_DEFAULT ({SHRINK_DEFAULT}) or SHRINK_ABORT "
+                         f"({SHRINK_ABORT}), got {shrink_flags!r}")
+    if not isinstance(ranks_to_exclude, list) or not ranks_to_exclude:
+        raise ValueError(f"{where}: ranks_to_exclude must be a non-empty list of group ranks of {target.name!r} "
+                         f"(0..{target.size() - 1}), got {ranks_to_exclude!r}")
+    bad = [r for r in ranks_to_exclude if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < target.size()]
+    if bad:
+        raise ValueError(f"{where}: ranks_to_exclude {ranks_to_exclude} hold {bad}, not group ranks of "
+                         f"{target.name!r} (0..{target.size() - 1})")
+    excluded = set(ranks_to_exclude)
+    if len(excluded) != len(ranks_to_exclude):
+        raise ValueError(f"{where}: ranks_to_exclude {ranks_to_exclude} list a rank more than once")
+    if len(excluded) == target.size():
+        raise ValueError(f"{where}: ranks_to_exclude {ranks_to_exclude} exclude every rank of {target.name!r}; "
+                         f"at least one must remain")
+    if target.group_rank in excluded:
+        raise RuntimeError(f"{where}: this rank (group rank {target.group_rank} of {target.name!r}) is in "
+                           f"ranks_to_exclude {ranks_to_exclude}; only the remaining ranks call shrink_group")
+    return excluded
+
+
+def _shrink_world(world: World, remaining: list[int]) -> ProcessGroup:
+    """Replace `world` by one of its `remaining` ranks, renumbered, over the same store: the remaining ranks
+    name its keys alike (the old world's prefix and who remains), and no excluded rank is waited for."""
+    from spmd.comm import torch_backend
+
+    torch_owned = world.owns_store and torch_backend.destroy_torch_default_group()
+    world.retire()
+    rank = remaining.index(world.rank)
+    shrunk = World(rank, len(remaining), world.store, world.backend, world.timeout, world.owns_store, world.device,
+                   prefix=f"{world.prefix}/shrunk/{'-'.join(map(str, remaining))}")
+    _world.set(shrunk)
+    with _process_world_lock:
+        _process_worlds[:] = [shrunk if w is world else w for w in _process_worlds]
+    if torch_owned:
+        torch_backend.init_torch_default_group(rank, len(remaining), world.timeout)
+    return default_group()
 
 
 def get_pg_count() -> int:
