@@ -28,7 +28,7 @@ def port(source: str) -> str:
 
 
 TUTORIALS = ["ddp_tutorial.py", "collectives_tutorial.py", "fsdp2_tutorial.py", "tp_tutorial.py",
-             "pipelining_tutorial.py"]
+             "pipelining_tutorial.py", "zero_tutorial.py"]
 # spmdrun runs the ports in one job, one after another in the same workers, each as its own `__main__` with
 # its output prefix as argv[1] (each destroys its world and the next initializes a new one), so their launch and
 # imports are paid once. torch's launcher gets a job per tutorial: under one torchrun store, gloo's next default
@@ -134,3 +134,15 @@ def test_pipelining_tutorial_cuts_and_trains_the_same_stages_as_under_torch(laun
         assert list(got["state"]) == list(expected["state"])           # the same cut, the model's names
         for key, value in expected["state"].items():
             torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=(rank, key))
+
+
+@pytest.mark.timeout(600)
+def test_zero_tutorial_trains_the_same_weights_as_under_torch(launched: dict) -> None:
+    torch_out, spmd_out = launched["zero_tutorial.py"]
+    expected, got = torch.load(torch_out), torch.load(spmd_out)
+    for run in ("zero", "plain"):
+        assert expected[run].keys() == got[run].keys()
+        for key, value in expected[run].items():
+            torch.testing.assert_close(got[run][key], value, rtol=1e-5, atol=1e-6, msg=(run, key))
+    for key, value in got["plain"].items():                   # ZeRO changes where the state lives, not the result
+        torch.testing.assert_close(got["zero"][key], value, rtol=1e-5, atol=1e-6, msg=key)

@@ -75,13 +75,16 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
     "elastic.multiprocessing.errors": dict.fromkeys(["ProcessFailure", "ErrorHandler", "get_error_handler"],
                                                     "torchelastic's error files: spmdrun reports a worker's "
                                                     "traceback itself"),
+    "optim": {"DistributedOptimizer": "torch's RPC framework's optimizer: spmd has no RPC",
+              "PostLocalSGDOptimizer": "post-local SGD (model averaging every few steps) is not served",
+              "as_functional_optim": "torch's functional optimizers are internal to its DDP/ZeRO overlap"},
     "_tensor": dict.fromkeys(["full_module_name", "import_module", "submodule", "submodules"],
                              "not API: torch's lazy-import helpers"),
     "distributed_c10d": {name: why for name, why in NOT_SERVED.items()},
 }
 TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_types", "device_mesh", "fsdp",
                  "pipelining", "pipelining.schedules", "checkpoint", "checkpoint.state_dict", "checkpoint.stateful",
-                 "algorithms.ddp_comm_hooks.default_hooks", "algorithms.ddp_comm_hooks.powerSGD_hook",
+                 "algorithms.ddp_comm_hooks.default_hooks", "algorithms.ddp_comm_hooks.powerSGD_hook", "optim",
                  "elastic.multiprocessing.errors", "_tensor", "_composable.fsdp", "distributed_c10d"]
 
 
