@@ -15,6 +15,7 @@ import torch
 
 SCRIPTS = pathlib.Path(__file__).parent / "porting"
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+TORCH_LAUNCHER = "torch.distributed.run"
 
 
 def port(source: str) -> str:
@@ -28,7 +29,7 @@ def port(source: str) -> str:
 
 
 TUTORIALS = ["ddp_tutorial.py", "collectives_tutorial.py", "fsdp2_tutorial.py", "tp_tutorial.py",
-             "pipelining_tutorial.py", "zero_tutorial.py"]
+             "pipelining_tutorial.py", "zero_tutorial.py", "join_tutorial.py"]
 # spmdrun runs the ports in one job, one after another in the same workers, each as its own `__main__` with
 # its output prefix as argv[1] (each destroys its world and the next initializes a new one), so their launch and
 # imports are paid once. torch's launcher gets a job per tutorial: under one torchrun store, gloo's next default
@@ -49,6 +50,10 @@ def _launch(launcher: str, directory: pathlib.Path, names: list[str]) -> None:
     scripts = [str(arg) for name in names for arg in (directory / name, directory / f"{name}.out")]
     command = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", "in_turn.py", *scripts]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=directory)
+    if launcher == TORCH_LAUNCHER and "Signal 6 (SIGABRT)" in result.stderr:
+        # The oracle, not the code under test: once in about ten runs here a torch worker died of SIGABRT (not
+        # reproduced in 18 launches of the same scripts alone). One more launch; spmd's side gets no second one.
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=directory)
     assert result.returncode == 0, f"{launcher} failed:\n{result.stdout}\n{result.stderr}"
 
 
@@ -66,7 +71,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[pathli
         (root / "torch" / name).write_text(source)
         (root / "spmd" / name).write_text(ported)
     for name in TUTORIALS:
-        _launch("torch.distributed.run", root / "torch", [name])
+        _launch(TORCH_LAUNCHER, root / "torch", [name])
     _launch("spmd.run", root / "spmd", TUTORIALS)
     return {name: (root / "torch" / f"{name}.out", root / "spmd" / f"{name}.out") for name in TUTORIALS}
 
@@ -146,3 +151,18 @@ def test_zero_tutorial_trains_the_same_weights_as_under_torch(launched: dict) ->
             torch.testing.assert_close(got[run][key], value, rtol=1e-5, atol=1e-6, msg=(run, key))
     for key, value in got["plain"].items():                   # ZeRO changes where the state lives, not the result
         torch.testing.assert_close(got["zero"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.timeout(600)
+def test_join_tutorial_trains_and_counts_as_under_torch(launched: dict) -> None:
+    torch_out, spmd_out = launched["join_tutorial.py"]
+    expected, got = torch.load(torch_out), torch.load(spmd_out)
+    assert torch.equal(got["counts"], expected["counts"]), (got["counts"], expected["counts"])
+    for key, value in expected["plain"].items():
+        torch.testing.assert_close(got["plain"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    # Under Join, a rank out of inputs steps ZeRO on the gradients DDP's shadow reduction wrote (the others'
+    # average), so its parameters train as plain Adam's; torch's shadow reduction writes none and its joined rank
+    # steps on its last, stale gradients.
+    for key, value in got["plain"].items():
+        torch.testing.assert_close(got["zero"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert any(not torch.allclose(expected["zero"][key], value) for key, value in expected["plain"].items())

@@ -84,8 +84,9 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
 }
 TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_types", "device_mesh", "fsdp",
                  "pipelining", "pipelining.schedules", "checkpoint", "checkpoint.state_dict", "checkpoint.stateful",
-                 "algorithms.ddp_comm_hooks.default_hooks", "algorithms.ddp_comm_hooks.powerSGD_hook", "optim",
-                 "elastic.multiprocessing.errors", "_tensor", "_composable.fsdp", "distributed_c10d"]
+                 "algorithms.ddp_comm_hooks.default_hooks", "algorithms.ddp_comm_hooks.powerSGD_hook",
+                 "algorithms.join", "optim", "elastic.multiprocessing.errors", "_tensor", "_composable.fsdp",
+                 "distributed_c10d"]
 
 
 @pytest.mark.parametrize("path", TORCH_MODULES)

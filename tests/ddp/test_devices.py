@@ -28,9 +28,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 import spmd
+from spmd.comm.join import Join
 from spmd.ddp import PowerSGDState, bf16_compress_hook, fp16_compress_hook, powerSGD_hook
 from spmd.ddp.api import DistributedDataParallel
-from spmd.ddp.join import JoinProtocol
+from spmd.ddp.join import DDPJoinHook
 from spmd.ddp.reducer import Reducer
 from spmd.testing import run_ranks
 from tests.parity.models import MLP, batch, build, loss_fn
@@ -63,7 +64,7 @@ def default_device_is_meta() -> Iterator[DefaultDeviceTemporaries]:
 
 
 ENTRY_POINTS = [(DistributedDataParallel, "_pre_forward"), (Reducer, "_on_grad_ready"), (Reducer, "_finalize"),
-                (JoinProtocol, "keep_pace")]
+                (Join, "_keep_pace"), (DDPJoinHook, "main_hook"), (DDPJoinHook, "post_hook")]
 
 
 @pytest.fixture
@@ -81,8 +82,7 @@ def ddp_on_meta(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[str]]:
                         raise AssertionError(f"made on the default device: {recorder.found}") from error
                     raise
                 finally:
-                    group = self.process_group if isinstance(self, DistributedDataParallel) else self.group
-                    found[group.global_rank] += recorder.found
+                    found[spmd.get_rank()] += recorder.found
         return run
 
     for owner, name in ENTRY_POINTS:

@@ -1,1 +1,1 @@
-"""torch's `algorithms` package path; only `ddp_comm_hooks` is aliased here (to spmd.ddp's hooks)."""
+"""torch's `algorithms` package path: `ddp_comm_hooks` (spmd.ddp's hooks) and `join` (spmd.comm.join)."""

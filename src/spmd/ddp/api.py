@@ -20,17 +20,18 @@ import torch
 from torch import Tensor, nn
 
 from spmd.comm.group import NonMemberGroup, ProcessGroup
+from spmd.comm.join import Join, Joinable, JoinHook
 from spmd.comm.objects import all_gather_object
 from spmd.comm.world import resolve_group
 from spmd.ddp.bucket import FIRST_BUCKET_BYTES
-from spmd.ddp.join import JoinProtocol
+from spmd.ddp.join import DDPJoinHook, announce_sync
 from spmd.ddp.reducer import CommHook, Reducer
 from spmd.ddp.sync import broadcast_module_state
 
 _MIB = 1 << 20
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism: each rank runs `module` on its own batch; backward averages gradients over the group.
 
     Same constructor and behaviour as torch.nn.parallel.DistributedDataParallel for CPU training:
@@ -64,6 +65,7 @@ class DistributedDataParallel(nn.Module):
                  static_graph: bool = False, device_mesh: Any = None, *,
                  output_device: int | torch.device | None = None, dim: int = 0) -> None:
         super().__init__()
+        Joinable.__init__(self)
         self.module = module
         self.process_group = _resolve(process_group, device_mesh)
         self.dim = dim
@@ -78,7 +80,7 @@ class DistributedDataParallel(nn.Module):
         self._param_shapes = [param.shape for param in self._params]
         self.device = self._params[0].device
         self.device_ids, self.output_device = _device_ids(device_ids, output_device, self._params)
-        self._join: JoinProtocol | None = None   # the join() block this rank is inside, if any
+        self._divide_by_initial_world_size = True     # under Join: see join.py, Note: DDP under Join
         if init_sync and self.process_group.size() > 1:
             _check_same_parameters(named, self.process_group)
             broadcast_module_state(self.module, self.process_group, src=0, include_params=True)
@@ -106,8 +108,12 @@ class DistributedDataParallel(nn.Module):
         self._check_parameters_unchanged()
         if not torch.is_grad_enabled():
             return
-        if self._join is not None:
-            self._join.notify_forward(self.require_backward_grad_sync)
+        training = Join.notify_join_context(self)
+        if training is not None and not self._divide_by_initial_world_size:
+            training.wait()
+            self.reducer.set_divisor(int(training.result()[0].item()))
+        if self._join_config.enable:
+            announce_sync(self.process_group, self.reducer.device, self.require_backward_grad_sync)
         if self.broadcast_buffers and self.process_group.size() > 1:
             broadcast_module_state(self.module, self.process_group, src=0, include_params=False)
         if self.require_backward_grad_sync:
@@ -146,23 +152,23 @@ class DistributedDataParallel(nn.Module):
         self.reducer.comm_hook_state = state
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> contextlib.AbstractContextManager[None]:
-        """A context for training loops whose ranks have different numbers of batches (see join.py)."""
-        if not enable:
-            return contextlib.nullcontext()
-        return self._joining(JoinProtocol(self.module, self.process_group, self.reducer, self.broadcast_buffers,
-                                          divide_by_initial_world_size, throw_on_early_termination))
+             throw_on_early_termination: bool = False) -> Join:
+        """A context for training loops whose ranks have different numbers of batches: `Join([self], ...)`."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
 
-    @contextlib.contextmanager
-    def _joining(self, join: JoinProtocol) -> Iterator[None]:
-        if self._join is not None:
-            raise RuntimeError("DistributedDataParallel.join: already inside a join context for this module")
-        self._join = join
-        try:
-            yield
-        finally:
-            self._join = None
-        join.keep_pace()   # only when the block did not raise: a failing rank's group is aborted by the failure
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """What a joined rank runs for this module (join.py); takes `divide_by_initial_world_size` (True)."""
+        self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
+        return DDPJoinHook(self.module, self.process_group, self.reducer, self.broadcast_buffers)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.reducer.device
+
+    @property
+    def join_process_group(self) -> ProcessGroup:
+        return self.process_group
 
     # -- internals ------------------------------------------------------------------------------------------
 

@@ -275,19 +275,28 @@ class Reducer:
     def shadow_iteration(self) -> None:
         """Run the collectives of one iteration on zero gradients (a joined rank keeping pace; see join.py).
 
-        The buckets are zeroed, so with gradient_as_bucket_view the joined rank's .grad reads zero afterwards.
+        Afterwards the joined rank's .grad holds the averaged gradients the training ranks got (those of
+        parameters no rank used untouched), so a sharded optimizer's step on it updates its part as theirs do.
         """
         self._reset()
         for bucket in self.buckets:
             bucket.buffer.zero_()
             bucket.pending = 0
         self._launch_ready_buckets()
+        used_map = None
         if self._learning_static_graph() or (self.find_unused and self.expected_fires is None):
-            self._reduce_used_map(torch.zeros(len(self.params), dtype=torch.int32, device=self.device))
-        for _buffer, wait in self._in_flight:
-            wait()
-        self._in_flight = []
-        self.state = ReducerState.IDLE
+            used_map = self._reduce_used_map(torch.zeros(len(self.params), dtype=torch.int32, device=self.device))
+        try:
+            for buffer, wait in self._in_flight:
+                result = wait()
+                if buffer is not None and result is not buffer:
+                    buffer.copy_(result)
+            self._in_flight = []
+            unused = self.unused_everywhere if used_map is None else {
+                i for i, used in enumerate(used_map.tolist()) if used == 0}
+            self._write_back(unused)
+        finally:
+            self.state = ReducerState.IDLE
 
     def _fail(self, error: BaseException) -> None:
         """Raise `error`, aborting the group first so peers waiting on our buckets fail fast instead of hanging."""

@@ -27,13 +27,16 @@ from torch.optim import Optimizer
 
 from spmd.comm.collectives import broadcast
 from spmd.comm.group import ProcessGroup
+from spmd.comm.join import Join, Joinable, JoinHook
 from spmd.comm.objects import recv_object_list, send_object_list
 from spmd.comm.world import AnyGroup, resolve_group
 
 
-class ZeroRedundancyOptimizer(Optimizer):
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """`optimizer_class(params, **defaults)`, its state sharded over `process_group` (default: the world); see
-    Note: who owns what. Call `step` on every rank; `state_dict` needs `consolidate_state_dict` first."""
+    Note: who owns what. Call `step` on every rank; `state_dict` needs `consolidate_state_dict` first. A
+    Joinable: under `Join([ddp, optimizer])` a rank out of inputs keeps stepping (its gradients are the ones the
+    DDP hook's shadow reduction left), so every owner's update still reaches every rank."""
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], optimizer_class: type[Optimizer],
                  process_group: AnyGroup | None = None, parameters_as_bucket_view: bool = False,
@@ -48,6 +51,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._optimizer_class = optimizer_class
         self._ready = False
         super().__init__(_checked(params), defaults)
+        Joinable.__init__(self)
         self._owners = self._partition()
         local_groups = [self._local_group(group, index) for index, group in enumerate(self.param_groups)]
         self.optim: Optimizer = optimizer_class(local_groups, **defaults)
@@ -108,6 +112,7 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Update this rank's parameters, then every owner's go to the others. Collective."""
+        Join.notify_join_context(self)
         _copy_settings(self.param_groups, self.optim.param_groups)
         loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
         _copy_settings(self.optim.param_groups, self.param_groups)
@@ -132,6 +137,18 @@ class ZeroRedundancyOptimizer(Optimizer):
                 for param in params:
                     param.copy_(flat[offset:offset + param.numel()].view_as(param))
                     offset += param.numel()
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """A joined rank's step: its own parameters' update and the broadcasts every rank's step runs."""
+        return _StepWhenJoined(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return next(iter(self._owners)).device
+
+    @property
+    def join_process_group(self) -> ProcessGroup:
+        return self.process_group
 
     # -- state --------------------------------------------------------------------------------------------------
 
@@ -200,6 +217,14 @@ class ZeroRedundancyOptimizer(Optimizer):
         return (f"ZeroRedundancyOptimizer({self._optimizer_class.__name__}, rank {self.rank} of {self.world_size}, "
                 f"owning {sum(p.numel() for p in self._owned_by(self.rank))} of "
                 f"{sum(p.numel() for p in self._owners)} elements)")
+
+
+class _StepWhenJoined(JoinHook):
+    def __init__(self, optimizer: ZeroRedundancyOptimizer) -> None:
+        self.optimizer = optimizer
+
+    def main_hook(self) -> None:
+        self.optimizer.step()
 
 
 def _checked(params: Iterable[Tensor] | Iterable[dict[str, Any]]) -> list[Any]:
