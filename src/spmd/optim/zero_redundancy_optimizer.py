@@ -7,11 +7,12 @@ It composes with DistributedDataParallel (which reduces the gradients of every p
 Note: who owns what
 Parameters are assigned group by group, largest first, each to the rank owning the fewest elements so far (ties
 to the lowest rank): torch's sorted-greedy partition, so both put every parameter on the same rank and their
-consolidated state dicts agree. The owners' updates travel as one broadcast per owner and device and dtype: a
-flat copy of what it owns, or with parameters_as_bucket_view=True the buffer its parameters are views of (no
-copies). The state dict uses the indices a plain optimizer over all the parameters would: `state_dict()` returns
-it on the rank that `consolidate_state_dict(to)` gathered it to, and `load_state_dict` takes such a full state on
-every rank, each keeping its own parameters' part.
+consolidated state dicts agree. The owners' updates travel in place, all broadcasts in flight at once: one per
+parameter, or with parameters_as_bucket_view=True one per owner, device and dtype, of the buffer its parameters
+are views of (benchmarks/zero.py: flattening into a copy instead cost more than the broadcasts). The state dict
+uses the indices a plain optimizer over all the parameters would: `state_dict()` returns it on the rank that
+`consolidate_state_dict(to)` gathered it to, and `load_state_dict` takes such a full state on every rank, each
+keeping its own parameters' part.
 """
 
 from __future__ import annotations
@@ -120,23 +121,25 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return loss
 
     def _sync_params(self) -> None:
-        """Every owner's parameters to every rank, one broadcast per owner, device and dtype (Note: who owns
-        what). Collective."""
-        pending: list[tuple[Any, Tensor, list[Tensor]]] = []
+        """Every owner's parameters to every rank, all broadcasts in flight at once (Note: who owns what).
+        Collective."""
+        pending: list[tuple[Any, Tensor, Tensor | None]] = []
         for rank in range(self.world_size):
-            for (device, dtype), params in _by_kind(self._owned_by(rank)).items():
-                bucket = self._buckets.get((rank, device, dtype))
-                flat = bucket if bucket is not None else torch.cat([p.detach().reshape(-1) for p in params])
-                work = broadcast(flat, src=self.process_group.ranks[rank], group=self.process_group, async_op=True)
-                receives_copies = bucket is None and rank != self.rank
-                pending.append((work, flat, params if receives_copies else []))
-        for work, flat, params in pending:
+            src = self.process_group.ranks[rank]
+            if self.parameters_as_bucket_view:
+                for (device, dtype), _ in _by_kind(self._owned_by(rank)).items():
+                    bucket = self._buckets[rank, device, dtype]
+                    pending.append((broadcast(bucket, src=src, group=self.process_group, async_op=True), bucket, None))
+                continue
+            for param in self._owned_by(rank):
+                data = param.detach()
+                staged = data if data.is_contiguous() else data.contiguous()
+                work = broadcast(staged, src=src, group=self.process_group, async_op=True)
+                pending.append((work, staged, None if staged is data or rank == self.rank else data))
+        for work, staged, target in pending:
             work.wait()
-            offset = 0
-            with torch.no_grad():
-                for param in params:
-                    param.copy_(flat[offset:offset + param.numel()].view_as(param))
-                    offset += param.numel()
+            if target is not None:
+                target.copy_(staged)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """A joined rank's step: its own parameters' update and the broadcasts every rank's step runs."""
