@@ -58,6 +58,17 @@ def _shard(x: Tensor, rank: int, size: int) -> Tensor:
     return x.chunk(size)[rank]
 
 
+def _train(model: nn.Module, opt: torch.optim.Optimizer, scheduler: object, steps: range, rank: int,
+           size: int) -> None:
+    """The global batch of each step in `steps`, this rank's shard of it, one optimizer and scheduler step."""
+    for step in steps:
+        x, y = _batch(step)
+        _loss(model, _shard(x, rank, size), _shard(y, rank, size)).backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("bucket_view", [False, True], ids=["copies", "bucket-view"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -70,12 +81,7 @@ def test_ddp_with_zero_trains_as_one_process(ranks: int, name: str, bucket_view:
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, parameters_as_bucket_view=bucket_view,
                                       **defaults)
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-        for step in range(STEPS):
-            x, y = _batch(step)
-            _loss(model, _shard(x, rank, size), _shard(y, rank, size)).backward()
-            opt.step()
-            opt.zero_grad()
-            scheduler.step()
+        _train(model, opt, scheduler, range(STEPS), rank, size)
         opt.consolidate_state_dict(to=0)
         kept = sum(v.numel() for state in opt.optim.state.values() for v in state.values() if v.dim() > 0)
         owned = sum(p.numel() for group in opt.optim.param_groups for p in group["params"])
@@ -106,12 +112,7 @@ def test_a_consolidated_state_reloads_into_another_world_size_and_training_goes_
         model = spmd.DistributedDataParallel(_model())
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-        for step in range(2):
-            x, y = _batch(step)
-            _loss(model, _shard(x, rank, size), _shard(y, rank, size)).backward()
-            opt.step()
-            opt.zero_grad()
-            scheduler.step()
+        _train(model, opt, scheduler, range(2), rank, size)
         opt.consolidate_state_dict(to=1)
         if rank != 1:
             with pytest.raises(RuntimeError, match=r"state_dict on rank 0: the state has not been consolidated on "
@@ -129,12 +130,7 @@ def test_a_consolidated_state_reloads_into_another_world_size_and_training_goes_
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         opt.load_state_dict(copy.deepcopy(saved[0]))
         scheduler.load_state_dict(saved[1])
-        for step in range(2, 4):
-            x, y = _batch(step)
-            _loss(model, _shard(x, rank, size), _shard(y, rank, size)).backward()
-            opt.step()
-            opt.zero_grad()
-            scheduler.step()
+        _train(model, opt, scheduler, range(2, 4), rank, size)
         return {k: v.detach().clone() for k, v in model.module.named_parameters()}
 
     for params in run_ranks(second, 3, timeout=60):
