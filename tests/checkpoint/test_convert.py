@@ -68,3 +68,27 @@ def test_bad_paths_are_refused(tmp_path, sharded) -> None:
         convert.dcp_to_file(path, tmp_path / "model.bin")
     with pytest.raises(dcp.CheckpointError, match=r"nothing in .* lies under 'weights'"):
         convert.load_full(path, only="weights")
+
+
+def test_torchs_format_utils_names_convert_both_ways_into_a_checkpoint_that_reshards(tmp_path, sharded) -> None:
+    from spmd.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    path, full = sharded
+    saved = tmp_path / "state"                      # torch's functions take any file name
+    dcp_to_torch_save(path, saved)
+    state = torch.load(saved, weights_only=True)
+    assert state["step"] == 2 and state["model"].keys() == full.keys()
+    for key, value in full.items():
+        assert torch.equal(state["model"][key], value), key
+    again = str(tmp_path / "again")
+    torch_save_to_dcp(saved, again)
+
+    def load(rank: int, world_size: int) -> dict[str, torch.Tensor]:       # resharded: tensor parallel on 2
+        model, _, _ = parallelize("tp", build())
+        model_sd = get_model_state_dict(model)
+        dcp.load({"model": model_sd}, checkpoint_id=again)
+        model.load_state_dict(model_sd)
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+    for key, value in run_ranks(load, world_size=WORLD["tp"], timeout=60)[0].items():
+        assert torch.equal(value, full[key]), key

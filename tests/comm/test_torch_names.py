@@ -69,6 +69,10 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
         **dict.fromkeys(["load_sharded_optimizer_state_dict", "load_state_dict", "save_state_dict"],
                         "long-deprecated in torch: use load / save and checkpoint.state_dict"),
     },
+    "checkpoint.format_utils": dict.fromkeys(
+        ["BroadcastingTorchSaveReader", "DynamicMetaLoadPlanner"],
+        "DCP's reader and planner for loading a torch.save file in place: torch.load it on rank 0 and call "
+        "set_model_state_dict with StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)"),
     "checkpoint.state_dict": dict.fromkeys(["FQNS_T", "PrimitiveType", "DictValueType", "ListDictValueType"],
                                            "type aliases"),
     "checkpoint.stateful": {"StatefulT": "a type variable"},
@@ -84,6 +88,7 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
 }
 TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_types", "device_mesh", "fsdp",
                  "pipelining", "pipelining.schedules", "checkpoint", "checkpoint.state_dict", "checkpoint.stateful",
+                 "checkpoint.format_utils",
                  "algorithms.ddp_comm_hooks.default_hooks", "algorithms.ddp_comm_hooks.powerSGD_hook",
                  "algorithms.join", "optim", "elastic.multiprocessing.errors", "_tensor", "_composable.fsdp",
                  "distributed_c10d"]

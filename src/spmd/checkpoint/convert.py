@@ -99,12 +99,28 @@ def file_to_dcp(source: str | os.PathLike[str], checkpoint: str | os.PathLike[st
         state: dict[str, Any] = {key: file.tensor(key).clone() for key in file}
         state.update({key: decode_value(value) for key, value in json.loads(file.metadata.get(_VALUES, "{}")).items()})
     elif source.endswith((".pt", ".pth")):
-        state = torch.load(source, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict):
-            raise CheckpointError(f"convert: {source} holds a {type(state).__name__}, not a state dict")
+        state = _read_torch_save(source)
     else:
         raise CheckpointError(f"convert: can't tell the format of {source}; name it .safetensors, .pt or .pth")
     api.save(state, checkpoint_id=checkpoint, no_dist=True)
+
+
+def _read_torch_save(source: str | os.PathLike[str]) -> dict[str, Any]:
+    state = torch.load(source, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"convert: {os.fspath(source)} holds a {type(state).__name__}, not a state dict")
+    return state
+
+
+def dcp_to_torch_save(dcp_checkpoint_dir: str | os.PathLike[str], torch_save_path: str | os.PathLike[str]) -> None:
+    """torch's name: the checkpoint as one torch.save file of the nested state dict, whatever the file's name."""
+    state, metadata = load_full(dcp_checkpoint_dir)
+    torch.save(_nested(state, metadata), torch_save_path)
+
+
+def torch_save_to_dcp(torch_save_path: str | os.PathLike[str], dcp_checkpoint_dir: str | os.PathLike[str]) -> None:
+    """torch's name: a torch.save'd state dict (read with weights_only=True) as a checkpoint, to load resharded."""
+    api.save(_read_torch_save(torch_save_path), checkpoint_id=dcp_checkpoint_dir, no_dist=True)
 
 
 def main(argv: list[str] | None = None) -> None:
