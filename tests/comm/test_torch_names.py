@@ -69,6 +69,17 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
         **dict.fromkeys(["load_sharded_optimizer_state_dict", "load_state_dict", "save_state_dict"],
                         "long-deprecated in torch: use load / save and checkpoint.state_dict"),
     },
+    "checkpoint.default_planner": dict.fromkeys(
+        ["create_default_local_load_plan", "create_default_global_load_plan", "create_default_local_save_plan",
+         "create_default_global_save_plan"], PLANNING),
+    "checkpoint.filesystem": dict.fromkeys(["FileSystem", "FileSystemBase", "SerializationFormat"],
+                                           "torch's storage internals: spmd's format is safetensors files and a JSON "
+                                           "index, written by FileSystemWriter"),
+    "checkpoint.state_dict_saver": {"save_state_dict": "long-deprecated in torch: use save",
+                                    **dict.fromkeys(["AsyncCheckpointerType", "AsyncSaveResponse"],
+                                                    "async_save has one kind (a background thread) and returns "
+                                                    "a Future")},
+    "checkpoint.state_dict_loader": {"load_state_dict": "long-deprecated in torch: use load"},
     "checkpoint.format_utils": dict.fromkeys(
         ["BroadcastingTorchSaveReader", "DynamicMetaLoadPlanner"],
         "DCP's reader and planner for loading a torch.save file in place: torch.load it on rank 0 and call "
@@ -88,7 +99,8 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
 }
 TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_types", "device_mesh", "fsdp",
                  "pipelining", "pipelining.schedules", "checkpoint", "checkpoint.state_dict", "checkpoint.stateful",
-                 "checkpoint.format_utils",
+                 "checkpoint.format_utils", "checkpoint.default_planner", "checkpoint.filesystem",
+                 "checkpoint.state_dict_saver", "checkpoint.state_dict_loader",
                  "algorithms.ddp_comm_hooks.default_hooks", "algorithms.ddp_comm_hooks.powerSGD_hook",
                  "algorithms.join", "optim", "elastic.multiprocessing.errors", "_tensor", "_composable.fsdp",
                  "distributed_c10d"]
