@@ -25,6 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "pipelining": {"_core", "comm", "device_mesh", "tensor"},
     "amp": {"_core", "comm", "device_mesh", "tensor"},
     "optim": {"_core", "comm"},
+    "nn": {"_core", "comm"},
     "checkpoint": {"_core", "comm", "device_mesh", "tensor"},
     "run": {"_core", "comm"},
     "testing": {"_core", "_autograd", "comm", "device_mesh", "tensor", "tensor.parallel", "ddp", "fsdp",

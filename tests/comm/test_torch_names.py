@@ -90,6 +90,8 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
     "elastic.multiprocessing.errors": dict.fromkeys(["ProcessFailure", "ErrorHandler", "get_error_handler"],
                                                     "torchelastic's error files: spmdrun reports a worker's "
                                                     "traceback itself"),
+    "nn.functional": {"group": "not API: torch's group namespace, imported there for its defaults (spmd's "
+                               "functions default to the world with group=None)"},
     "optim": {"DistributedOptimizer": "torch's RPC framework's optimizer: spmd has no RPC",
               "PostLocalSGDOptimizer": "post-local SGD (model averaging every few steps) is not served",
               "as_functional_optim": "torch's functional optimizers are internal to its DDP/ZeRO overlap"},
@@ -102,8 +104,8 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "checkpoint.format_utils", "checkpoint.default_planner", "checkpoint.filesystem",
                  "checkpoint.state_dict_saver", "checkpoint.state_dict_loader",
                  "algorithms.ddp_comm_hooks.default_hooks", "algorithms.ddp_comm_hooks.powerSGD_hook",
-                 "algorithms.join", "optim", "elastic.multiprocessing.errors", "_tensor", "_composable.fsdp",
-                 "distributed_c10d"]
+                 "algorithms.join", "optim", "nn.functional", "elastic.multiprocessing.errors", "_tensor",
+                 "_composable.fsdp", "distributed_c10d"]
 
 
 @pytest.mark.parametrize("path", TORCH_MODULES)

@@ -1,0 +1,16 @@
+"""torch's `torch.distributed.nn` path: collectives autograd differentiates (functional.py)."""
+
+from spmd.nn.functional import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    all_to_all_single,
+    broadcast,
+    gather,
+    reduce,
+    reduce_scatter,
+    scatter,
+)
+
+__all__ = ["all_gather", "all_reduce", "all_to_all", "all_to_all_single", "broadcast", "gather", "reduce",
+           "reduce_scatter", "scatter"]
