@@ -1,4 +1,5 @@
-"""torch's `torch.distributed.checkpoint.default_planner` path: the planner options save and load take."""
+"""Alias at torch's module path `checkpoint.default_planner` (in torch's distributed package): the planner
+options save and load take."""
 
 from spmd.checkpoint.api import DefaultLoadPlanner, DefaultSavePlanner
 

@@ -1,4 +1,5 @@
-"""torch's `torch.distributed.checkpoint.filesystem` path: the directory storage save and load use."""
+"""Alias at torch's module path `checkpoint.filesystem` (in torch's distributed package): the directory
+storage save and load use."""
 
 from spmd.checkpoint.storage import FileSystemReader, FileSystemWriter
 

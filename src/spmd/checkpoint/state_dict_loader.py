@@ -1,4 +1,4 @@
-"""torch's `torch.distributed.checkpoint.state_dict_loader` path: load."""
+"""Alias at torch's module path `checkpoint.state_dict_loader` (in torch's distributed package): load."""
 
 from spmd.checkpoint.api import load
 

@@ -1,4 +1,5 @@
-"""torch's `torch.distributed.checkpoint.state_dict_saver` path: save and async_save."""
+"""Alias at torch's module path `checkpoint.state_dict_saver` (in torch's distributed package): save and
+async_save."""
 
 from spmd.checkpoint.api import async_save, save
 

@@ -1,4 +1,4 @@
-"""torch's `torch.distributed.nn` path: collectives autograd differentiates (functional.py)."""
+"""torch's `nn` module path of its distributed package: collectives autograd differentiates (functional.py)."""
 
 from spmd.nn.functional import (
     all_gather,

@@ -1,4 +1,4 @@
-"""Collectives autograd differentiates: torch's `torch.distributed.nn.functional`, on spmd's groups.
+"""Collectives autograd differentiates, on spmd's groups: torch's `nn.functional` of its distributed package.
 
 Layer: nn. Each returns new tensors (its inputs are left alone) and its backward runs the adjoint collective:
 broadcast <-> reduce to the root, gather <-> scatter, all_gather <-> reduce_scatter (sum), all_to_all <-> the

@@ -1,4 +1,4 @@
-"""Distributed optimizers: torch's `torch.distributed.optim` names on spmd's groups.
+"""Distributed optimizers on spmd's groups, under the names of torch's distributed `optim` package.
 
 Layer 4. `ZeroRedundancyOptimizer` shards any optimizer's state over the ranks (zero_redundancy_optimizer.py).
 """
