@@ -251,6 +251,20 @@ def register_strategy(*ops: OpOverload, kernel: KernelFactory | None = None, num
     return decorate
 
 
+def override_rule(op: OpOverload, rule: Rule) -> None:
+    """Make `rule` the rule of `op`, replacing its own or its family's (with their options): for user-registered
+    shardings (spmd.tensor.experimental.register_sharding). An op run by a handler is refused. Decisions
+    already cached for `op` are stale afterwards: the caller clears the dispatch caches."""
+    if not isinstance(op, OpOverload):
+        raise TypeError(f"register a sharding on an OpOverload such as torch.ops.aten.add.Tensor, got {op!r}")
+    if op in HANDLERS:
+        raise ValueError(f"{op} runs through a handler of spmd's own (not a sharding rule); it can't be given a "
+                         f"sharding")
+    RULES[op] = rule
+    OPTIONS.pop(op, None)
+    NUMBERS_BY_VALUE.clear()
+
+
 def register_handler(*ops: OpOverload) -> Callable[[Handler], Handler]:
     """Decorator: `fn(op, args, kwargs)` runs `ops` on DTensors itself (no caching, full control)."""
     def decorate(fn: Handler) -> Handler:
@@ -477,5 +491,6 @@ def note_fallback(op: OpOverload) -> None:
             return
         _warned.add(op)
     warnings.warn(f"spmd DTensor: {op} has no sharding rule; it ran as replicate-compute-reshard (every input "
-                  f"all-gathered to a full replica). Register a rule in spmd/tensor/ops/ to make it fast.",
+                  f"all-gathered to a full replica). Give it a sharding with "
+                  f"spmd.tensor.experimental.register_sharding to make it fast.",
                   stacklevel=3)

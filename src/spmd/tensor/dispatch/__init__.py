@@ -21,6 +21,7 @@ output; the GENERAL path adds the redistribution and a substitution through nest
 """
 
 from spmd.tensor.dispatch.keys import meta_form, schema_form
-from spmd.tensor.dispatch.run import MixedTensorError, dispatch, local_as
+from spmd.tensor.dispatch.run import MixedTensorError, dispatch, forget_decisions, implicit_replication, local_as
 
-__all__ = ["MixedTensorError", "dispatch", "local_as", "meta_form", "schema_form"]
+__all__ = ["MixedTensorError", "dispatch", "forget_decisions", "implicit_replication", "local_as", "meta_form",
+           "schema_form"]

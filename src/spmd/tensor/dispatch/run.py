@@ -6,6 +6,10 @@ Layer: tensor. Collective only through redistribution (redistribute.run_plan) an
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,6 +41,26 @@ class MixedTensorError(ValueError):
 # ops a plain tensor is taken as a Replicate DTensor (same value everywhere).
 _PLAIN_AS_REPLICATE = frozenset({torch.ops.aten.cat.default, torch.ops.aten.stack.default,
                                  torch.ops.aten.where.self})
+
+
+_implicitly_replicated: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_implicit_replication",
+                                                                            default=False)
+
+
+@contextlib.contextmanager
+def implicit_replication() -> Iterator[None]:
+    """Inside the block, a plain torch.Tensor meeting DTensors in an op is taken as a Replicate DTensor on their
+    mesh (torch's `implicit_replication`): for values the caller knows are equal on every rank.
+
+    Per rank: it applies to the ops this rank's thread runs in the block (thread ranks don't see each other's
+    blocks). A plain tensor that differs between ranks gives each rank a different "replica": wrong results,
+    as in torch, so use it only for values equal everywhere.
+    """
+    token = _implicitly_replicated.set(True)
+    try:
+        yield
+    finally:
+        _implicitly_replicated.reset(token)
 
 
 def _replicate_plain(cls: type, args: tuple, mesh: Any) -> tuple:
@@ -102,7 +126,7 @@ def _first_call(cls: type, op: OpOverload, types: tuple, args: tuple, kwargs: di
         functional = functional_of(op, out_args)
         if functional is not None:
             return _run_out_variant(cls, op, functional, args, kwargs, out_args)
-    if plain and op in _PLAIN_AS_REPLICATE:
+    if plain and (op in _PLAIN_AS_REPLICATE or _implicitly_replicated.get()):
         args = _replicate_plain(cls, args, dtensors[0]._spec.mesh)
         return dispatch(cls, op, types, args, kwargs)
     if op._schema.name.startswith("aten::_foreach_") and len({dt._spec.mesh for dt in dtensors}) > 1:
@@ -114,15 +138,28 @@ def _first_call(cls: type, op: OpOverload, types: tuple, args: tuple, kwargs: di
             raise MixedTensorError(
                 f"{where(op, tuple(dt._spec for dt in dtensors))}: got a plain torch.Tensor of shape "
                 f"{tuple(tensor.shape)} beside DTensors; its layout is ambiguous. Make it a DTensor first "
-                f"(distribute_tensor(t, mesh, placements) or DTensor.from_local(...)). Only one-element plain "
-                f"tensors are treated as replicated scalars.")
+                f"(distribute_tensor(t, mesh, placements) or DTensor.from_local(...)), or, for a value equal on "
+                f"every rank, run the op under spmd.tensor.experimental.implicit_replication(). Only "
+                f"one-element plain tensors are treated as replicated scalars.")
     compiled = compile_call(op, args, kwargs, dtensors, plain, cls)
     if key is not None:
-        cache = dtensors[0]._spec.mesh.dispatch_cache
+        mesh = dtensors[0]._spec.mesh
+        cache = mesh.dispatch_cache
         if len(cache) >= _CACHE_LIMIT:
             cache.clear()
         cache[key] = compiled
+        _MESHES_WITH_DECISIONS.add(mesh)
     return _execute(cls, args, kwargs, dtensors, plain, compiled)
+
+
+_MESHES_WITH_DECISIONS: weakref.WeakSet = weakref.WeakSet()
+
+
+def forget_decisions() -> None:
+    """Drop every cached decision of every live mesh: after a rule changed (rules.override_rule), so that the
+    next call of each op decides again."""
+    for mesh in list(_MESHES_WITH_DECISIONS):
+        mesh.dispatch_cache.clear()
 
 
 # Note: foreach ops over several meshes
