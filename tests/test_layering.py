@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "distributed_c10d": {"_core", "comm"},
     "_tensor": {"_core", "comm", "device_mesh", "tensor"},
     "_composable": {"_core", "_autograd", "comm", "device_mesh", "tensor", "fsdp"},
-    "algorithms": {"_core", "_autograd", "comm", "device_mesh", "ddp"},
+    "algorithms": {"_core", "_autograd", "comm", "device_mesh", "ddp", "fsdp"},
     "elastic": {"_core", "comm", "run"},
 }
 LAYER_4 = {"tensor.parallel", "ddp", "fsdp", "pipelining", "amp", "optim"}

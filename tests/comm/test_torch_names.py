@@ -98,6 +98,9 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
     "_tensor": dict.fromkeys(["full_module_name", "import_module", "submodule", "submodules"],
                              "not API: torch's lazy-import helpers"),
     "distributed_c10d": {name: why for name, why in NOT_SERVED.items()},
+    "algorithms._checkpoint.checkpoint_wrapper": dict.fromkeys(
+        ["ABC", "Enum", "abstractmethod", "auto", "copy_method_params", "partial", "torch_utils_checkpoint"],
+        "not API: names torch's module imports (it has no __all__)"),
 }
 TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_types", "device_mesh", "fsdp",
                  "pipelining", "pipelining.schedules", "checkpoint", "checkpoint.state_dict", "checkpoint.stateful",
@@ -105,7 +108,7 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "checkpoint.state_dict_saver", "checkpoint.state_dict_loader",
                  "algorithms.ddp_comm_hooks.default_hooks", "algorithms.ddp_comm_hooks.powerSGD_hook",
                  "algorithms.join", "optim", "nn.functional", "elastic.multiprocessing.errors", "_tensor",
-                 "_composable.fsdp", "distributed_c10d"]
+                 "_composable.fsdp", "distributed_c10d", "fsdp.wrap", "algorithms._checkpoint.checkpoint_wrapper"]
 
 
 @pytest.mark.parametrize("path", TORCH_MODULES)

@@ -6,13 +6,14 @@ parallelisms whose wrappers it sees through (ddp, fsdp).
 
 Note: state dict keys
 Every key is a canonical FQN: the name the parameter or buffer has in the plain model, as
-`model.named_parameters()` gives it before any parallelism. DistributedDataParallel's `module.` component and
-torch.compile's `_orig_mod.` are dropped; fully_shard and tensor parallelism keep the module tree, so their names
-already are the plain ones; a pipeline stage's module has the FQNs of its part of the model. An optimizer's
-state is keyed by those FQNs instead of parameter positions: {"state": {fqn: {"step": ..., "exp_avg": ...}},
-"param_groups": [{"params": [fqn, ...], "lr": ..., ...}]}; several optimizers of one model merge into one dict
-(their parameters must be distinct). flatten_optimizer_state_dict=True gives torch's flat form instead:
-{"state.<fqn>.<name>": value, "param_groups.<fqn>.<hyperparameter>": value}; set accepts either form.
+`model.named_parameters()` gives it before any parallelism. DistributedDataParallel's `module.` component,
+torch.compile's `_orig_mod.` and activation checkpointing's `_checkpoint_wrapped_module.` are dropped; fully_shard
+and tensor parallelism keep the module tree, so their names already are the plain ones; a pipeline stage's module
+has the FQNs of its part of the model. An optimizer's state is keyed by those FQNs instead of parameter positions:
+{"state": {fqn: {"step": ..., "exp_avg": ...}}, "param_groups": [{"params": [fqn, ...], "lr": ..., ...}]}; several
+optimizers of one model merge into one dict (their parameters must be distinct). flatten_optimizer_state_dict=True
+gives torch's flat form instead: {"state.<fqn>.<name>": value, "param_groups.<fqn>.<hyperparameter>": value}; set
+accepts either form.
 
 Note: layouts
 get returns values as the model holds them: a DTensor stays a DTensor (its local shard), so a checkpointer can
@@ -268,11 +269,16 @@ def _reshard_fsdp(model: nn.Module) -> None:
             module.reshard()
 
 
+_ACTIVATION_WRAPPED = "_checkpoint_wrapped_module"   # the child of an activation-checkpoint wrapper (spmd's or torch's)
+
+
 def _wrapper_child(module: nn.Module) -> str | None:
     """The child name a wrapper module adds to its wrapped module's keys (DDP's `module`, torch.compile's
-    `_orig_mod`), or None."""
+    `_orig_mod`, an activation-checkpoint wrapper's `_checkpoint_wrapped_module`), or None."""
     if isinstance(module, DistributedDataParallel):
         return "module"
+    if _ACTIVATION_WRAPPED in module._modules:
+        return _ACTIVATION_WRAPPED
     dynamo = sys.modules.get("torch._dynamo.eval_frame")     # loaded whenever a module was compiled
     if dynamo is not None and isinstance(module, dynamo.OptimizedModule):
         return "_orig_mod"

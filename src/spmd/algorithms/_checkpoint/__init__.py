@@ -1,0 +1,1 @@
+"""torch's `algorithms._checkpoint` package path: activation checkpointing and offloading wrappers."""
