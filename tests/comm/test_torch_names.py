@@ -93,11 +93,13 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
     "nn.functional": {"group": "not API: torch's group namespace, imported there for its defaults (spmd's "
                                "functions default to the world with group=None)"},
     "optim": {"DistributedOptimizer": "torch's RPC framework's optimizer: spmd has no RPC",
-              "PostLocalSGDOptimizer": "post-local SGD (model averaging every few steps) is not served",
               "as_functional_optim": "torch's functional optimizers are internal to its DDP/ZeRO overlap"},
     "_tensor": dict.fromkeys(["full_module_name", "import_module", "submodule", "submodules"],
                              "not API: torch's lazy-import helpers"),
     "distributed_c10d": {name: why for name, why in NOT_SERVED.items()},
+    "algorithms.ddp_comm_hooks.post_localSGD_hook": {"logger": "not API: torch's module logger"},
+    "algorithms.model_averaging.hierarchical_model_averager": dict.fromkeys(
+        ["logger", "Iterable", "OrderedDict"], "not API: torch's logger and names its module imports"),
     "algorithms._checkpoint.checkpoint_wrapper": dict.fromkeys(
         ["ABC", "Enum", "abstractmethod", "auto", "copy_method_params", "partial", "torch_utils_checkpoint"],
         "not API: names torch's module imports (it has no __all__)"),
@@ -108,7 +110,9 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "checkpoint.state_dict_saver", "checkpoint.state_dict_loader",
                  "algorithms.ddp_comm_hooks.default_hooks", "algorithms.ddp_comm_hooks.powerSGD_hook",
                  "algorithms.join", "optim", "nn.functional", "elastic.multiprocessing.errors", "_tensor",
-                 "_composable.fsdp", "distributed_c10d", "fsdp.wrap", "algorithms._checkpoint.checkpoint_wrapper"]
+                 "_composable.fsdp", "distributed_c10d", "fsdp.wrap", "algorithms._checkpoint.checkpoint_wrapper",
+                 "algorithms.ddp_comm_hooks.post_localSGD_hook", "algorithms.model_averaging.averagers",
+                 "algorithms.model_averaging.utils", "algorithms.model_averaging.hierarchical_model_averager"]
 
 
 @pytest.mark.parametrize("path", TORCH_MODULES)

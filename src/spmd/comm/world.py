@@ -407,14 +407,28 @@ def _check_members(ranks: object, world: World) -> list[int]:
     return members
 
 
-def new_subgroups(group_size: int) -> tuple[AnyGroup, list[AnyGroup]]:
-    """Split the world into contiguous groups of `group_size` ranks; returns (this rank's group, all groups)."""
+def new_subgroups(group_size: int | None = None, group: AnyGroup | None = None,
+                  timeout: float | datetime.timedelta | None = None, backend: str | None = None,
+                  pg_options: object = None, group_desc: str | None = None) -> tuple[AnyGroup | None, list[AnyGroup]]:
+    """Split `group` (default: the world) into contiguous groups of `group_size` of its ranks; returns (this rank's
+    group, or None outside `group`, and all of them). Without `group_size`, one group per host: torch's default
+    is one per machine's GPUs, and spmd's ranks per host are what it knows of the machine. Collective: every rank
+    of the world calls it. `pg_options` and `group_desc` are accepted for torch's signature and not used."""
     world = current_world()
-    if group_size <= 0 or world.world_size % group_size:
-        raise ValueError(f"spmd: new_subgroups group_size {group_size} must divide world_size {world.world_size}")
-    groups = [new_group(list(range(start, start + group_size)))
-              for start in range(0, world.world_size, group_size)]
-    return groups[world.rank // group_size], groups
+    ranks = list(range(world.world_size)) if group is None else list(group.ranks)   # a non-member knows them too
+    where = f"spmd.new_subgroups on rank {world.rank}"
+    if group_size is None:
+        per_host = collections.Counter(world.hosts[rank] for rank in ranks)
+        if len(set(per_host.values())) != 1:
+            raise ValueError(f"{where}: the hosts hold different numbers of the group's ranks "
+                             f"({sorted(per_host.values())}); pass group_size")
+        group_size = next(iter(per_host.values()))
+    if group_size <= 0 or len(ranks) % group_size:
+        raise ValueError(f"{where}: group_size {group_size} must divide the group's size {len(ranks)}")
+    groups = [new_group(ranks[start:start + group_size], timeout=timeout, backend=backend)
+              for start in range(0, len(ranks), group_size)]
+    mine = [g for g in groups if world.rank in g.ranks]
+    return (mine[0] if mine else None), groups
 
 
 def new_subgroups_by_enumeration(ranks_per_subgroup_list: list[list[int]], timeout: float | datetime.timedelta |

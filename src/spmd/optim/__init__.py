@@ -1,8 +1,10 @@
 """Distributed optimizers on spmd's groups, under the names of torch's distributed `optim` package.
 
-Layer 4. `ZeroRedundancyOptimizer` shards any optimizer's state over the ranks (zero_redundancy_optimizer.py).
+Layer 4. `ZeroRedundancyOptimizer` shards any optimizer's state over the ranks (zero_redundancy_optimizer.py);
+`PostLocalSGDOptimizer` averages the model replicas on a schedule after each step (post_local_sgd_optimizer.py).
 """
 
+from spmd.optim.post_local_sgd_optimizer import PostLocalSGDOptimizer
 from spmd.optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
-__all__ = ["ZeroRedundancyOptimizer"]
+__all__ = ["PostLocalSGDOptimizer", "ZeroRedundancyOptimizer"]
