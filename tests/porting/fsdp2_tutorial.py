@@ -1,14 +1,17 @@
 # FSDP2 as the tutorial writes it ("Getting Started with Fully Sharded Data Parallel (FSDP2)"), on a CPU mesh,
-# plus DTensor through torch's older `_tensor` path; rank 0 saves the full trained weights to argv[1].
+# with activation checkpointing and gradient scaling as TorchTitan-style trainers add them, plus DTensor through
+# torch's older `_tensor` path; rank 0 saves the full trained weights to argv[1].
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 
 class Block(nn.Module):
@@ -41,18 +44,21 @@ def main():
 
     torch.manual_seed(0)
     model = Model()
+    apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, Block))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     assert isinstance(model, FSDPModule)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**8)
 
     for step in range(3):
         torch.manual_seed(10 * step + rank)
         x = torch.randn(8, 16)
         loss = model(x).pow(2).mean()
-        loss.backward()
-        optim.step()
+        scaler.scale(loss).backward()
+        scaler.step(optim)
+        scaler.update()
         optim.zero_grad()
 
     full = {name: param.full_tensor() for name, param in model.state_dict().items()}
