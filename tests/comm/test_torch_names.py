@@ -106,7 +106,8 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "checkpoint.default_planner", "checkpoint.filesystem", "checkpoint.state_dict_saver",
                  "checkpoint.state_dict_loader", "algorithms.ddp_comm_hooks.default_hooks",
                  "algorithms.ddp_comm_hooks.powerSGD_hook", "algorithms.ddp_comm_hooks.post_localSGD_hook",
-                 "algorithms.model_averaging.averagers", "algorithms.model_averaging.utils",
+                 "algorithms.ddp_comm_hooks.debugging_hooks", "algorithms.model_averaging.averagers",
+                 "algorithms.model_averaging.utils",
                  "algorithms.model_averaging.hierarchical_model_averager", "algorithms._checkpoint.checkpoint_wrapper",
                  "algorithms.join", "optim", "nn.functional", "elastic.multiprocessing.errors", "_tensor",
                  "_composable.fsdp", "distributed_c10d"]

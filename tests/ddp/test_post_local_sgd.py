@@ -222,3 +222,20 @@ def test_bad_arguments_are_refused() -> None:
             opt.load_state_dict(state)
 
     run_ranks(body, 2, timeout=60)
+
+
+def test_noop_hook_leaves_each_ranks_own_gradient_and_sends_nothing() -> None:
+    from spmd.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+    def body(rank: int, size: int) -> bool:
+        model = spmd.DistributedDataParallel(_model())
+        model.register_comm_hook(None, noop_hook)
+        counts = count_collectives(model.process_group)
+        x, y = _batch(0, rank)
+        nn.functional.mse_loss(model(x), y).backward()
+        alone = _model()
+        nn.functional.mse_loss(alone(x), y).backward()
+        assert not counts
+        return all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), alone.parameters(), strict=True))
+
+    assert run_ranks(body, 2, timeout=60) == [True, True]

@@ -12,9 +12,10 @@ from spmd.ddp.comm_hooks import (
     bf16_compress_wrapper,
     fp16_compress_hook,
     fp16_compress_wrapper,
+    noop_hook,
 )
 from spmd.ddp.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 
 __all__ = ["DistributedDataParallel", "GradBucket", "PowerSGDState", "allreduce_hook", "batched_powerSGD_hook",
-           "bf16_compress_hook", "bf16_compress_wrapper", "fp16_compress_hook", "fp16_compress_wrapper",
+           "bf16_compress_hook", "bf16_compress_wrapper", "fp16_compress_hook", "fp16_compress_wrapper", "noop_hook",
            "powerSGD_hook"]

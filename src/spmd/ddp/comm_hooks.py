@@ -34,6 +34,14 @@ def allreduce_hook(process_group: ProcessGroup | None, bucket: GradBucket) -> to
     return work.get_future().then(lambda future: future.value()[0])
 
 
+def noop_hook(state: object, bucket: GradBucket) -> torch.futures.Future:
+    """Leave the bucket as this rank's own gradient, communicating nothing: to measure how much of a step the
+    all-reduce costs (headroom analysis), never to train."""
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
 def _compressed(dtype: torch.dtype, process_group: ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
     group = process_group if process_group is not None else bucket.process_group()
     buffer = bucket.buffer()

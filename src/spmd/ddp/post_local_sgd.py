@@ -14,6 +14,7 @@ from spmd.comm.collectives import all_reduce
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.world import AnyGroup, new_subgroups, resolve_group
 from spmd.ddp.bucket import GradBucket
+from spmd.ddp.comm_hooks import noop_hook
 
 
 class PostLocalSGDState:
@@ -57,7 +58,5 @@ def post_localSGD_hook(state: PostLocalSGDState, bucket: GradBucket) -> torch.fu
         state.maybe_increase_iter(bucket)
         return _average(state.process_group, bucket)
     if not state.post_local_gradient_allreduce:
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(bucket.buffer())
-        return future
+        return noop_hook(state, bucket)
     return _average(state.subgroup, bucket)
