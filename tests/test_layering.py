@@ -32,6 +32,7 @@ ALLOWED: dict[str, set[str]] = {
                 "pipelining", "amp", "optim", "checkpoint", "run"},
     # aliases at torch's module paths: each sits in the layer of what it re-exports
     "distributed_c10d": {"_core", "comm"},
+    "_functional_collectives": {"_core", "comm", "device_mesh", "nn"},
     "_tensor": {"_core", "comm", "device_mesh", "tensor"},
     "_composable": {"_core", "_autograd", "comm", "device_mesh", "tensor", "fsdp"},
     "algorithms": {"_core", "_autograd", "comm", "device_mesh", "ddp", "fsdp"},

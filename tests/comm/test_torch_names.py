@@ -97,6 +97,20 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
     "_tensor": dict.fromkeys(["full_module_name", "import_module", "submodule", "submodules"],
                              "not API: torch's lazy-import helpers"),
     "distributed_c10d": {name: why for name, why in NOT_SERVED.items()},
+    "_functional_collectives": {
+        **{f"{op}_{part}": "torch's autograd registration of its C++ functional op; spmd's *_autograd variants are "
+                           "autograd Functions" for part in ("backward", "setup_context")
+           for op in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_reduce",
+                      "all_reduce_coalesced", "all_to_all_single", "reduce_scatter_tensor",
+                      "reduce_scatter_tensor_coalesced", "wait_tensor")},
+        **dict.fromkeys(["legacy_all_gather", "legacy_all_gather_base", "legacy_all_to_all_single",
+                         "legacy_allgather", "legacy_allgather_single", "legacy_allreduce", "legacy_batch_p2p_ops",
+                         "legacy_irecv", "legacy_isend", "legacy_reduce_scatter_base", "legacy_reducescatter",
+                         "legacy_reducescatter_single", "backend_impl", "batch_p2p_ops_inplace", "irecv_inplace",
+                         "isend_inplace", "allow_inflight_collective_as_graph_input_ctx"],
+                        "torch.compile's lowering of traced collectives to its c10d_functional ops; spmd's "
+                        "collectives run eagerly (a graph break)"),
+    },
     "fsdp.sharded_grad_scaler": {"ProcessGroup": "not API: the type torch's module imports for its signature "
                                                  "(spmd.ProcessGroup is the top-level name)"},
 }
@@ -110,7 +124,7 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "algorithms.model_averaging.utils",
                  "algorithms.model_averaging.hierarchical_model_averager", "algorithms._checkpoint.checkpoint_wrapper",
                  "algorithms.join", "optim", "nn.functional", "elastic.multiprocessing.errors", "_tensor",
-                 "_composable.fsdp", "distributed_c10d"]
+                 "_composable.fsdp", "distributed_c10d", "_functional_collectives"]
 
 
 def _api_names(module: object) -> list[str]:

@@ -72,9 +72,18 @@ class SpmdProcessGroup(dist.ProcessGroup):
     def __init__(self, group: ProcessGroup) -> None:
         super().__init__(group.rank(), group.size())
         self.spmd_group = group
+        self._torch_group_name = ""
 
     def getBackendName(self) -> str:
         return BACKEND
+
+    # torch keeps a group's name in its backends, which a Python ProcessGroup has none of: without these, torch's
+    # functional collectives (and so its DTensor and FSDP2) fail with "ProcessGroup name not set"
+    def setGroupName(self, name: str) -> None:
+        self._torch_group_name = name
+
+    def getGroupName(self) -> str:
+        return self._torch_group_name
 
     def allreduce(self, tensors: list[Tensor], opts: Any = None) -> Any:
         op = _reduce_op(opts, "allreduce", self.spmd_group, tensors)
@@ -104,6 +113,12 @@ class SpmdProcessGroup(dist.ProcessGroup):
         work = collectives.all_gather_into_tensor(output, input, group=self.spmd_group, async_op=True)
         return _torch_work(work, [output])
 
+    def all_gather_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> Any:
+        """What torch's functional all_gather calls (its C++ can't reach all_gather_single of a Python group)."""
+        for output, tensor in zip(outputs, inputs, strict=True):
+            collectives.all_gather_into_tensor(output, tensor, group=self.spmd_group)
+        return _torch_work(None, outputs)
+
     def reduce_scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> Any:
         op = _reduce_op(opts, "reduce_scatter", self.spmd_group, outputs)
         for output, inputs in zip(outputs, input_lists, strict=True):
@@ -114,6 +129,12 @@ class SpmdProcessGroup(dist.ProcessGroup):
         op = _reduce_op(opts, "reduce_scatter_single", self.spmd_group, [input])
         work = collectives.reduce_scatter_tensor(output, input, op=op, group=self.spmd_group, async_op=True)
         return _torch_work(work, [output])
+
+    def reduce_scatter_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> Any:
+        op = _reduce_op(opts, "reduce_scatter_single_coalesced", self.spmd_group, inputs)
+        for output, tensor in zip(outputs, inputs, strict=True):
+            collectives.reduce_scatter_tensor(output, tensor, op=op, group=self.spmd_group)
+        return _torch_work(None, outputs)
 
     def all_to_all_single(self, output: Tensor, input: Tensor, output_splits: list[int] | None,
                           input_splits: list[int] | None, opts: Any = None) -> Any:
