@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import multiprocessing
-import os
 import types
 import weakref
 from collections.abc import Callable
@@ -45,6 +43,7 @@ from spmd.ddp.comm_hooks import _compress_wrapper
 from spmd.ddp.powersgd import _split
 from spmd.testing import run_ranks
 from tests.parity.models import MLP, batch, build, loss_fn
+from tests.procpool import ProcPool
 
 TIMEOUT = 60.0
 STEPS = 3
@@ -522,11 +521,10 @@ def test_buffers_follow_rank_zero_each_training_forward() -> None:
 
 # -- against torch's own DDP -------------------------------------------------------------------------------
 
-def _torch_ddp_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+def _torch_ddp_worker(rank: int, world_size: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         model = nn.parallel.DistributedDataParallel(build("gpt", seed=100 * rank), bucket_cap_mb=0.01)
         opt = optimizer(model.parameters())
@@ -538,37 +536,21 @@ def _torch_ddp_worker(rank: int, world_size: int, init_file: str, out_dir: str) 
             loss.backward()
             opt.step()
             losses.append(loss.item())
-        torch.save({"losses": losses, "params": [p.detach() for p in model.module.parameters()]},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        return {"losses": losses, "params": [p.detach().clone() for p in model.module.parameters()]}
     finally:
         dist.destroy_process_group()
 
 
-def test_matches_torch_ddp(tmp_path) -> None:
-    # Two processes, not two threads: two torch DDP ranks as threads of one process (each with its own gloo
-    # ProcessGroup) passed most runs but hung once, beyond pytest-timeout's reach (a C++ wait holding the GIL,
-    # most likely), so each torch rank gets its own process.
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_torch_ddp_worker, args=(rank, 2, str(tmp_path / "init"), str(tmp_path)))
-             for rank in range(2)]
-    for proc in procs:
-        proc.start()
+def test_matches_torch_ddp(procpool: ProcPool) -> None:
+    # torch's ranks run in the worker pool's processes, not as threads (two gloo groups in one process hung once,
+    # beyond pytest-timeout's reach) nor in freshly spawned ones (gloo's teardown at interpreter exit aborted
+    # one in a few runs with "terminate called without an active exception"; pool workers leave by os._exit).
     ours = run_ranks(lambda rank, size: ddp_train("gpt", rank, size, bucket_cap_mb=0.01), 2, timeout=TIMEOUT)
-    try:
-        for proc in procs:
-            proc.join(TIMEOUT)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    assert [proc.exitcode for proc in procs] == [0, 0]
+    theirs = procpool.run(_torch_ddp_worker, 2, timeout=TIMEOUT)
     for rank in range(2):
-        theirs = torch.load(tmp_path / f"rank{rank}.pt")
-        torch.testing.assert_close(torch.tensor(ours[rank]["losses"]), torch.tensor(theirs["losses"]),
+        torch.testing.assert_close(torch.tensor(ours[rank]["losses"]), torch.tensor(theirs[rank]["losses"]),
                                    rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(ours[rank]["params"], theirs["params"], rtol=1e-5, atol=1e-6)
-
+        torch.testing.assert_close(ours[rank]["params"], theirs[rank]["params"], rtol=1e-5, atol=1e-6)
 
 
 # -- lifetime ------------------------------------------------------------------------------------------------
