@@ -111,10 +111,21 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
                         "torch.compile's lowering of traced collectives to its c10d_functional ops; spmd's "
                         "collectives run eagerly (a graph break)"),
     },
+    "tensor.experimental._attention": {
+        **dict.fromkeys(["_CausalBehavior", "_is_causal_behavior", "_templated_ring_attention", "_ContextParallel",
+                         "_context_parallel_shard", "_enable_context_parallel_dispatcher",
+                         "_disable_context_parallel_dispatcher"],
+                        "internals of torch's ring attention and its DTensor dispatch; spmd's context_parallel "
+                        "gathers K and V once and needs neither"),
+        **dict.fromkeys(["_LoadBalancer", "_PerDocumentHeadTailLoadBalancer", "_PTRRLoadBalancer"],
+                        "torch's load balancers for flex attention's block masks; SDPA's deal is head-tail "
+                        "(_HeadTailLoadBalancer)"),
+    },
     "fsdp.sharded_grad_scaler": {"ProcessGroup": "not API: the type torch's module imports for its signature "
                                                  "(spmd.ProcessGroup is the top-level name)"},
 }
-TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_types", "device_mesh", "fsdp",
+TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_types", "tensor.experimental",
+                 "tensor.experimental._attention", "device_mesh", "fsdp",
                  "fsdp.wrap", "fsdp.sharded_grad_scaler", "pipelining", "pipelining.schedules", "checkpoint",
                  "checkpoint.state_dict", "checkpoint.stateful", "checkpoint.format_utils",
                  "checkpoint.default_planner", "checkpoint.filesystem", "checkpoint.state_dict_saver",

@@ -1,0 +1,265 @@
+"""Context parallelism (torch's `context_parallel`): split a long sequence across the ranks of a mesh, each rank
+holding a slice of every sequence-shaped buffer, while `scaled_dot_product_attention` still attends over the
+whole sequence.
+
+Layer: tensor. Inside the context, each call of `torch.nn.functional.scaled_dot_product_attention` on this rank
+gathers K and V from the mesh's ranks (one all-gather of both, whose backward reduce-scatters dK and dV) and
+attends this rank's queries to them; every other op runs on the local slice, as it should for a position-wise
+model. With a causal mask the sequence is dealt out head-tail (rank r holds chunks r and 2n-1-r of 2n), so
+each rank attends to about as many keys as every other, and each query chunk is computed against only the
+keys it can see.
+
+Note (the protocol): every rank of the mesh enters the context with the same buffers' shapes and calls the
+attention the same number of times in the same order, as for any collective; each call is one all-gather
+forward and one reduce-scatter backward over the mesh's group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import threading
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from spmd.comm.functional import all_gather_fwd_reduce_scatter_bwd, all_gathered
+from spmd.device_mesh import DeviceMesh
+from spmd.tensor.api import DTensor
+
+__all__ = ["context_parallel", "context_parallel_unshard", "set_rotate_method"]
+
+
+class _RotateMethod(enum.Enum):
+    """How K and V reach every rank: one all-gather (torch's default, the one spmd serves)."""
+
+    ALL_GATHER = "allgather"
+
+
+@dataclasses.dataclass
+class _ContextParallelOptions:
+    """Process-wide options, at torch's name (`_cp_options`): whether causal sequences are dealt out head-tail."""
+
+    enable_load_balance: bool = True
+    rotate_method: _RotateMethod = _RotateMethod.ALL_GATHER
+
+
+_cp_options = _ContextParallelOptions()
+
+
+def set_rotate_method(rotate_method: str) -> None:
+    """Choose how K and V travel between ranks. spmd gathers them in one all-gather ("allgather", torch's
+    default); torch's "alltoall" ring, which trades that for a step per rank, is not served."""
+    if rotate_method != _RotateMethod.ALL_GATHER.value:
+        raise NotImplementedError(f"spmd: context parallel rotate method {rotate_method!r} is not served; "
+                                  f"spmd gathers K and V once ('allgather', torch's default)")
+    _cp_options.rotate_method = _RotateMethod.ALL_GATHER
+
+
+class _HeadTailLoadBalancer:
+    """The head-tail deal of a sequence of `seq_length` over `world_size` ranks (torch's name and indices):
+    cut into 2 * world_size chunks, rank r holds chunk r followed by chunk 2 * world_size - 1 - r."""
+
+    def __init__(self, seq_length: int, world_size: int, device: str | torch.device) -> None:
+        if seq_length % (2 * world_size):
+            raise ValueError(f"spmd: a head-tail deal of {seq_length} positions over {world_size} ranks needs a "
+                             f"length divisible by {2 * world_size}")
+        self.seq_length, self.world_size, self.device = seq_length, world_size, device
+
+    def _generate_indices(self, restore: bool = False) -> Tensor:
+        """(1, seq_length) indices: `x[:, indices]` deals x out (restore=False) or puts a dealt x back in order."""
+        chunk = self.seq_length // (2 * self.world_size)
+        order = [c for rank in range(self.world_size) for c in (rank, 2 * self.world_size - 1 - rank)]
+        dealt = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in order])
+        indices = torch.argsort(dealt) if restore else dealt
+        return indices.unsqueeze(0).to(self.device)
+
+
+def _default_load_balancer(seq_length: int, world_size: int,
+                           device: str | torch.device) -> _HeadTailLoadBalancer | None:
+    """torch's rule: head-tail when load balancing is on and the length divides into 2 * world_size chunks."""
+    if _cp_options.enable_load_balance and seq_length % (2 * world_size) == 0:
+        return _HeadTailLoadBalancer(seq_length, world_size, device)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sharding:
+    """What the attention needs to know on this rank: the mesh and whether the sequence was dealt head-tail."""
+
+    mesh: DeviceMesh
+    head_tail: bool
+
+
+_active: ContextVar[_Sharding | None] = ContextVar("spmd_context_parallel", default=None)
+
+
+def _cp_attention(original: Callable[..., Tensor], sharding: _Sharding, query: Tensor, key: Tensor,
+                  value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                  scale: float | None = None, enable_gqa: bool = False) -> Tensor:
+    """`original` SDPA on this rank's queries against the whole sequence's keys and values."""
+    group = sharding.mesh.get_group()
+    rank, world_size = sharding.mesh.get_local_rank(), sharding.mesh.size()
+    where = f"spmd: context_parallel scaled_dot_product_attention on mesh rank {rank}"
+    if any(isinstance(t, DTensor) for t in (query, key, value)):
+        raise TypeError(f"{where}: takes local tensors (this rank's sequence slice), not DTensors")
+    if attn_mask is not None:
+        raise NotImplementedError(f"{where}: an explicit attn_mask is not served (it would have to be sharded "
+                                  f"like the sequence); use is_causal=True")
+    if not (query.shape[-2] == key.shape[-2] == value.shape[-2]) or key.shape[:-1] != value.shape[:-1]:
+        raise ValueError(f"{where}: query, key and value must hold the same slice of one sequence (seq dim -2); "
+                         f"got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    local = query.shape[-2]
+    key_dim = key.shape[-1]
+    kv = all_gather_fwd_reduce_scatter_bwd(torch.cat([key, value], dim=-1).contiguous(), key.dim() - 2, group)
+    keys, values = kv[..., :key_dim], kv[..., key_dim:]
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        return original(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+
+    if not is_causal:
+        return attend(query, keys, values, None)   # softmax over all keys: their order does not matter
+    seq = local * world_size
+    if sharding.head_tail:
+        restore = _HeadTailLoadBalancer(seq, world_size, kv.device)._generate_indices(restore=True)[0]
+        keys, values = keys.index_select(-2, restore), values.index_select(-2, restore)
+        chunk = local // 2
+        starts = [rank * chunk, (2 * world_size - 1 - rank) * chunk]
+        pieces = [query[..., :chunk, :], query[..., chunk:, :]]
+    else:
+        starts, pieces = [rank * local], [query]
+    outs = []
+    for start, piece in zip(starts, pieces, strict=True):
+        length = piece.shape[-2]
+        visible = torch.ones(length, start + length, dtype=torch.bool, device=query.device).tril(start)
+        outs.append(attend(piece, keys[..., :start + length, :], values[..., :start + length, :], visible))
+    return torch.cat(outs, dim=-2) if len(outs) > 1 else outs[0]
+
+
+class _SdpaPatch:
+    """`torch.nn.functional.scaled_dot_product_attention` replaced, while any rank of this process is inside
+    a context, by a function that runs the context-parallel attention for a caller inside one and the original
+    for everyone else.
+
+    Note (which context a call belongs to): a thread that entered a context finds it through a ContextVar, so
+    thread ranks each see their own. A thread that entered none (autograd's device threads, where activation
+    checkpointing recomputes the forward) belongs to the process's only active context, if there is exactly
+    one, as with one rank per process; otherwise it gets the original attention.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entered: list[tuple[int, _Sharding]] = []   # (thread ident, context), one per active entry
+        self._original: Callable[..., Tensor] | None = None
+
+    def _sharding(self) -> _Sharding | None:
+        sharding = _active.get()
+        if sharding is not None:
+            return sharding
+        entered = self._entered
+        if len(entered) == 1 and entered[0][0] != threading.get_ident():
+            return entered[0][1]
+        return None
+
+    def acquire(self, sharding: _Sharding) -> None:
+        with self._lock:
+            if not self._entered:
+                original = F.scaled_dot_product_attention
+
+                def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Tensor:
+                    sharding = self._sharding()
+                    if sharding is None:
+                        return original(*args, **kwargs)
+                    return _cp_attention(original, sharding, *args, **kwargs)
+
+                scaled_dot_product_attention.__doc__ = original.__doc__
+                self._original = original
+                F.scaled_dot_product_attention = scaled_dot_product_attention
+            self._entered = [*self._entered, (threading.get_ident(), sharding)]
+
+    def release(self, sharding: _Sharding) -> None:
+        with self._lock:
+            entered = list(self._entered)
+            entered.remove((threading.get_ident(), sharding))
+            self._entered = entered
+            if not entered:
+                F.scaled_dot_product_attention = self._original
+                self._original = None
+
+
+_patch = _SdpaPatch()
+
+
+def _check_buffers(buffers: list[Tensor], seq_dims: list[int], what: str) -> int:
+    """The common sequence length of `buffers` along their `seq_dims`, after checking the arguments agree."""
+    if len(buffers) != len(seq_dims):
+        raise ValueError(f"spmd: {what}: {len(buffers)} buffers but {len(seq_dims)} sequence dims")
+    lengths = {int(b.shape[d]) for b, d in zip(buffers, seq_dims, strict=True)}
+    if len(lengths) > 1:
+        raise ValueError(f"spmd: {what}: the buffers' sequence lengths differ ({sorted(lengths)}); they must "
+                         f"be slices of one sequence")
+    return lengths.pop() if lengths else 0
+
+
+@contextlib.contextmanager
+def context_parallel(mesh: DeviceMesh, *, buffers: list[Tensor] | None = None,
+                     buffer_seq_dims: list[int] | None = None,
+                     no_restore_buffers: set[Tensor] | None = None) -> Iterator[None]:
+    """Shard `buffers` in place along `buffer_seq_dims` over the 1-D `mesh` (this rank keeps its slice) and make
+    `scaled_dot_product_attention` attend over the whole sequence; on exit the buffers get their full contents
+    back (those in `no_restore_buffers` keep the slice). Buffers are the inputs, labels and position tables."""
+    buffers = [] if buffers is None else list(buffers)
+    seq_dims = [] if buffer_seq_dims is None else list(buffer_seq_dims)
+    keep_sliced = [] if no_restore_buffers is None else list(no_restore_buffers)
+    if mesh.ndim != 1:
+        raise ValueError(f"spmd: context_parallel takes a 1-D mesh (the context-parallel dimension, e.g. "
+                         f"mesh['cp']); got {mesh.ndim}-D {mesh.shape}")
+    seq = _check_buffers(buffers, seq_dims, "context_parallel")
+    if any(not any(b is buffer for buffer in buffers) for b in keep_sliced):
+        raise ValueError("spmd: context_parallel: no_restore_buffers must be a subset of buffers")
+    if any(isinstance(b, torch.nn.Parameter) for b in buffers):
+        raise ValueError("spmd: context_parallel shards buffers in place; a Parameter cannot be one")
+    world_size, rank = mesh.size(), mesh.get_local_rank()
+    if seq % world_size:
+        raise ValueError(f"spmd: context_parallel: a sequence of {seq} does not divide over {world_size} ranks")
+    balancer = _default_load_balancer(seq, world_size, buffers[0].device) if buffers else None
+    with torch.no_grad():
+        originals = [None if any(b is kept for kept in keep_sliced) else b.clone() for b in buffers]
+        for buffer, dim in zip(buffers, seq_dims, strict=True):
+            dealt = buffer if balancer is None else buffer.index_select(dim, balancer._generate_indices()[0])
+            piece = dealt.chunk(world_size, dim)[rank].clone()
+            buffer.resize_(piece.shape)
+            buffer.copy_(piece)
+    sharding = _Sharding(mesh, head_tail=balancer is not None)
+    token = _active.set(sharding)
+    _patch.acquire(sharding)
+    try:
+        yield
+    finally:
+        _patch.release(sharding)
+        _active.reset(token)
+        with torch.no_grad():
+            for buffer, original in zip(buffers, originals, strict=True):
+                if original is not None:
+                    buffer.resize_(original.shape)
+                    buffer.copy_(original)
+
+
+@torch.no_grad()
+def context_parallel_unshard(mesh: DeviceMesh, buffers: list[Tensor], seq_dims: list[int],
+                             load_balancer: _HeadTailLoadBalancer | None = None) -> list[Tensor]:
+    """The whole-sequence tensors whose slices `buffers` are (outputs, losses per token), gathered over `mesh`
+    and put back in sequence order; `load_balancer` defaults to the deal `context_parallel` used."""
+    local = _check_buffers(buffers, seq_dims, "context_parallel_unshard")
+    world_size, group = mesh.size(), mesh.get_group()
+    balancer = load_balancer or _default_load_balancer(local * world_size, world_size, buffers[0].device)
+    restore = None if balancer is None else balancer._generate_indices(restore=True)[0]
+    gathered = [all_gathered(b.contiguous(), dim, group) for b, dim in zip(buffers, seq_dims, strict=True)]
+    if restore is None:
+        return gathered
+    return [g.index_select(dim, restore.to(g.device)) for g, dim in zip(gathered, seq_dims, strict=True)]
