@@ -22,8 +22,8 @@ from spmd.pipelining.schedules import (
     ScheduleZBVZeroBubble,
     get_schedule_class,
 )
-from spmd.pipelining.stage import PipelineStage, PipeliningMetadataError
-from spmd.pipelining.tracing import Pipe, PipeInfo, SplitPoint, build_stage, pipe_split, pipeline
+from spmd.pipelining.stage import PipelineStage, PipeliningMetadataError, build_stage
+from spmd.pipelining.tracing import Pipe, PipeInfo, SplitPoint, pipe_split, pipeline
 from spmd.pipelining.validate import ScheduleReport, validate_program
 
 __all__ = [

@@ -18,15 +18,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 
 from spmd.comm.group import ProcessGroup
 from spmd.comm.world import AnyGroup, resolve_group
 from spmd.pipelining.backward import backward_input
 from spmd.tensor import DTensor
+
+if TYPE_CHECKING:
+    from spmd.pipelining.tracing import PipeInfo
 
 
 class PipeliningMetadataError(RuntimeError):
@@ -205,3 +208,21 @@ class PipelineStage:
 
 def _nothing() -> None:
     """The W of a microbatch whose stage outputs take no gradient."""
+
+
+def build_stage(stage_module: nn.Module, stage_index: int, pipe_info: PipeInfo, device: torch.device | str,
+                group: AnyGroup | None = None) -> PipelineStage:
+    """Wrap one of a Pipe's stage modules in a PipelineStage on `device`: the module moves there (unless its
+    parameters are on the meta device, to be materialised later), and so do the tensors its graph creates (export
+    writes the tracing device into ops such as `arange`)."""
+    device = torch.device(device)
+    if isinstance(stage_module, fx.GraphModule):
+        creating = [node for node in stage_module.graph.nodes
+                    if node.op == "call_function" and node.kwargs.get("device") not in (None, device)]
+        for node in creating:
+            node.update_kwarg("device", device)
+        if creating:
+            stage_module.recompile()
+    if not any(p.is_meta for p in stage_module.parameters()):
+        stage_module.to(device)
+    return PipelineStage(stage_module, stage_index, pipe_info.num_stages, device, group=group)

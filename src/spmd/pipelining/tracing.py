@@ -33,7 +33,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from spmd.comm.world import AnyGroup
-from spmd.pipelining.stage import PipelineStage
+from spmd.pipelining.stage import PipelineStage, build_stage
 
 _OPS = torch.library.Library("spmd_pipelining", "DEF")
 _OPS.define("pipe_split() -> ()")
@@ -105,24 +105,6 @@ class Pipe(nn.Module):
                     group: AnyGroup | None = None) -> PipelineStage:
         """The PipelineStage running stage `stage_index` on `device` in the pipeline group `group`."""
         return build_stage(self.get_stage_module(stage_index), stage_index, self.info(), device, group)
-
-
-def build_stage(stage_module: nn.Module, stage_index: int, pipe_info: PipeInfo, device: torch.device | str,
-                group: AnyGroup | None = None) -> PipelineStage:
-    """Wrap one of a Pipe's stage modules in a PipelineStage on `device`: the module moves there (unless its
-    parameters are on the meta device, to be materialised later), and so do the tensors its graph creates (export
-    writes the tracing device into ops such as `arange`)."""
-    device = torch.device(device)
-    if isinstance(stage_module, fx.GraphModule):
-        creating = [node for node in stage_module.graph.nodes
-                    if node.op == "call_function" and node.kwargs.get("device") not in (None, device)]
-        for node in creating:
-            node.update_kwarg("device", device)
-        if creating:
-            stage_module.recompile()
-    if not any(p.is_meta for p in stage_module.parameters()):
-        stage_module.to(device)
-    return PipelineStage(stage_module, stage_index, pipe_info.num_stages, device, group=group)
 
 
 def pipeline(module: nn.Module, mb_args: tuple[Any, ...], mb_kwargs: dict[str, Any] | None = None,
