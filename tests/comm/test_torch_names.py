@@ -126,7 +126,8 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
 }
 TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_types", "tensor.experimental",
                  "tensor.experimental._attention", "device_mesh", "fsdp",
-                 "fsdp.wrap", "fsdp.sharded_grad_scaler", "pipelining", "pipelining.schedules", "checkpoint",
+                 "fsdp.wrap", "fsdp.sharded_grad_scaler", "pipelining", "pipelining.schedules",
+                 "pipelining.stage", "pipelining.microbatch", "checkpoint",
                  "checkpoint.state_dict", "checkpoint.stateful", "checkpoint.format_utils",
                  "checkpoint.default_planner", "checkpoint.filesystem", "checkpoint.state_dict_saver",
                  "checkpoint.state_dict_loader", "algorithms.ddp_comm_hooks.default_hooks",
