@@ -524,27 +524,26 @@ def test_buffers_follow_rank_zero_each_training_forward() -> None:
 def _torch_ddp_worker(rank: int, world_size: int) -> dict[str, Any]:
     import torch.distributed as dist
 
+    # The gloo group is left for the pool to discard with the process (it replaces a worker that leaves
+    # torch.distributed initialized): gloo's teardown here, at destroy or at interpreter exit, hung or aborted
+    # one run in a few ("terminate called without an active exception").
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        model = nn.parallel.DistributedDataParallel(build("gpt", seed=100 * rank), bucket_cap_mb=0.01)
-        opt = optimizer(model.parameters())
-        losses = []
-        for step in range(STEPS):
-            x, y = batch("gpt", 4 * world_size, seed=step)
-            opt.zero_grad()
-            loss = loss_fn("gpt", model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return {"losses": losses, "params": [p.detach().clone() for p in model.module.parameters()]}
-    finally:
-        dist.destroy_process_group()
+    model = nn.parallel.DistributedDataParallel(build("gpt", seed=100 * rank), bucket_cap_mb=0.01)
+    opt = optimizer(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        x, y = batch("gpt", 4 * world_size, seed=step)
+        opt.zero_grad()
+        loss = loss_fn("gpt", model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": [p.detach().clone() for p in model.module.parameters()]}
 
 
 def test_matches_torch_ddp(procpool: ProcPool) -> None:
-    # torch's ranks run in the worker pool's processes, not as threads (two gloo groups in one process hung once,
-    # beyond pytest-timeout's reach) nor in freshly spawned ones (gloo's teardown at interpreter exit aborted
-    # one in a few runs with "terminate called without an active exception"; pool workers leave by os._exit).
+    # torch's ranks run in the worker pool's processes, not as threads: two gloo groups in one process hung once,
+    # beyond pytest-timeout's reach.
     ours = run_ranks(lambda rank, size: ddp_train("gpt", rank, size, bucket_cap_mb=0.01), 2, timeout=TIMEOUT)
     theirs = procpool.run(_torch_ddp_worker, 2, timeout=TIMEOUT)
     for rank in range(2):
