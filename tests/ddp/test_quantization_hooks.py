@@ -120,8 +120,10 @@ def test_the_quantized_mean_is_within_a_quantization_step_of_the_exact_one(hook)
 
 
 def _grads_after_one_step(register) -> list[Tensor]:
+    initial = _model()       # built here, not in the ranks: torch.manual_seed is global, and thread ranks race on it
+
     def body(rank: int, size: int) -> list[Tensor]:
-        model = spmd.DistributedDataParallel(_model())
+        model = spmd.DistributedDataParallel(copy.deepcopy(initial))
         register(model)
         x, y = _batch(0, rank)
         for _ in range(2):       # a second step: a hook's state (PowerSGD's error feedback) comes into play
