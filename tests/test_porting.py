@@ -28,7 +28,7 @@ def port(source: str) -> str:
     return source.replace("torch.distributed", "spmd")
 
 
-TUTORIALS = ["ddp_tutorial.py", "collectives_tutorial.py", "fsdp2_tutorial.py", "tp_tutorial.py",
+TUTORIALS = ["ddp_tutorial.py", "collectives_tutorial.py", "fsdp2_tutorial.py", "fsdp1_tutorial.py", "tp_tutorial.py",
              "pipelining_tutorial.py", "zero_tutorial.py", "join_tutorial.py"]
 # spmdrun runs the ports in one job, one after another in the same workers, each as its own `__main__` with
 # its output prefix as argv[1] (each destroys its world and the next initializes a new one), so their launch and
@@ -117,6 +117,19 @@ def test_fsdp2_tutorial_trains_the_same_weights_as_under_torch(launched: dict) -
     assert expected["state"].keys() == got["state"].keys()
     for key, value in expected["state"].items():
         torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.timeout(600)
+def test_fsdp1_tutorial_checkpoints_restarts_and_trains_as_under_torch(launched: dict) -> None:
+    torch_out, spmd_out = launched["fsdp1_tutorial.py"]
+    expected, got = torch.load(torch_out), torch.load(spmd_out)
+    assert got["wrapped"] == expected["wrapped"] == 3            # the root and the policy's two units
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=1e-6)
+    assert got["losses"][3:5] == got["losses"][5:]               # the restart trains on as the uninterrupted run
+    for part in ("state", "optim"):
+        assert list(got[part]) == list(expected[part])
+        for key, value in expected[part].items():
+            torch.testing.assert_close(got[part][key], value, rtol=1e-5, atol=1e-6, msg=(part, key))
 
 
 @pytest.mark.timeout(600)

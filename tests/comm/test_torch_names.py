@@ -50,16 +50,8 @@ def test_every_public_torch_distributed_name_is_served_or_listed_with_why_not() 
     assert not stale, f"NOT_SERVED lists names torch lacks or spmd serves: {stale}"
 
 
-FSDP1 = "FSDP1's API (FullyShardedDataParallel and its configs): spmd implements FSDP2 (fully_shard), as torch advises"
 PLANNING = "DCP's planner and storage-metadata classes: spmd plans reads and writes itself (DefaultSave/LoadPlanner)"
 MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name: why spmd's has none}
-    "fsdp": {
-        **dict.fromkeys(["BackwardPrefetch", "CPUOffload", "FullOptimStateDictConfig", "FullStateDictConfig",
-                         "FullyShardedDataParallel", "LocalOptimStateDictConfig", "LocalStateDictConfig",
-                         "MixedPrecision", "OptimStateDictConfig", "OptimStateKeyType", "ShardedOptimStateDictConfig",
-                         "ShardedStateDictConfig", "ShardingStrategy", "StateDictConfig", "StateDictSettings",
-                         "StateDictType"], FSDP1),
-    },
     "checkpoint": {
         **dict.fromkeys(["BytesStorageMetadata", "ChunkStorageMetadata", "TensorStorageMetadata", "LoadPlan",
                          "LoadPlanner", "SavePlan", "SavePlanner", "ReadItem", "WriteItem"], PLANNING),
@@ -126,8 +118,8 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
 }
 TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_types", "tensor.experimental",
                  "tensor.experimental._attention", "device_mesh", "fsdp",
-                 "fsdp.wrap", "fsdp.sharded_grad_scaler", "pipelining", "pipelining.schedules",
-                 "pipelining.stage", "pipelining.microbatch", "checkpoint",
+                 "fsdp.fully_sharded_data_parallel", "fsdp.wrap", "fsdp.sharded_grad_scaler", "pipelining",
+                 "pipelining.schedules", "pipelining.stage", "pipelining.microbatch", "checkpoint",
                  "checkpoint.state_dict", "checkpoint.stateful", "checkpoint.format_utils",
                  "checkpoint.default_planner", "checkpoint.filesystem", "checkpoint.state_dict_saver",
                  "checkpoint.state_dict_loader", "algorithms.ddp_comm_hooks", "algorithms.ddp_comm_hooks.default_hooks",

@@ -7,9 +7,10 @@ parallelisms whose wrappers it sees through (ddp, fsdp).
 Note: state dict keys
 Every key is a canonical FQN: the name the parameter or buffer has in the plain model, as
 `model.named_parameters()` gives it before any parallelism. DistributedDataParallel's `module.` component,
-torch.compile's `_orig_mod.` and activation checkpointing's `_checkpoint_wrapped_module.` are dropped; fully_shard
-and tensor parallelism keep the module tree, so their names already are the plain ones; a pipeline stage's module
-has the FQNs of its part of the model. An optimizer's state is keyed by those FQNs instead of parameter positions:
+FullyShardedDataParallel's `_fsdp_wrapped_module.`, torch.compile's `_orig_mod.` and activation checkpointing's
+`_checkpoint_wrapped_module.` are dropped; fully_shard and tensor parallelism keep the module tree, so their
+names already are the plain ones; a pipeline stage's module has the FQNs of its part of the model. An
+optimizer's state is keyed by those FQNs instead of parameter positions:
 {"state": {fqn: {"step": ..., "exp_avg": ...}}, "param_groups": [{"params": [fqn, ...], "lr": ..., ...}]}; several
 optimizers of one model merge into one dict (their parameters must be distinct). flatten_optimizer_state_dict=True
 gives torch's flat form instead: {"state.<fqn>.<name>": value, "param_groups.<fqn>.<hyperparameter>": value}; set
@@ -58,6 +59,7 @@ the other ranks pass anything (it is ignored, {} will do). Over the default grou
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -72,6 +74,8 @@ from spmd.comm.objects import broadcast_object_list
 from spmd.comm.world import current_world, get_rank, is_initialized
 from spmd.ddp import DistributedDataParallel
 from spmd.fsdp import FSDPModule
+from spmd.fsdp.fully_sharded_data_parallel import WRAPPED, FullyShardedDataParallel
+from spmd.fsdp.wrapper_config import StateDictType
 from spmd.tensor import DTensor, distribute_tensor
 
 __all__ = ["OptimizerStateType", "StateDictOptions", "ValueType", "get_model_state_dict", "get_optimizer_state_dict",
@@ -120,7 +124,7 @@ def get_model_state_dict(model: nn.Module, *, submodules: set[nn.Module] | None 
     """
     opts = _checked(options)
     _reshard_fsdp(model)
-    with torch.no_grad():
+    with torch.no_grad(), _sharded_wrappers(model):
         state = _canonical_model_state(model)
         if submodules:
             state = _under_submodules(model, state, submodules, opts.keep_submodule_prefixes)
@@ -166,7 +170,7 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, ValueType
     """
     opts = _checked(options)
     _reshard_fsdp(model)
-    with torch.no_grad():
+    with torch.no_grad(), _sharded_wrappers(model):
         own = model.state_dict()
         own_key = {_canonical_fqn(model, key): key for key in own}
         targets = {fqn: own[key] for fqn, key in own_key.items()}
@@ -269,6 +273,17 @@ def _reshard_fsdp(model: nn.Module) -> None:
             module.reshard()
 
 
+@contextlib.contextmanager
+def _sharded_wrappers(model: nn.Module) -> Iterator[None]:
+    """FullyShardedDataParallel wrappers (FSDP1's API) give and take DTensors inside the block, as fully_shard
+    modules do (their own default is full tensors)."""
+    if not FullyShardedDataParallel.fsdp_modules(model):
+        yield
+        return
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        yield
+
+
 _ACTIVATION_WRAPPED = "_checkpoint_wrapped_module"   # the child of an activation-checkpoint wrapper (spmd's or torch's)
 
 
@@ -277,6 +292,8 @@ def _wrapper_child(module: nn.Module) -> str | None:
     `_orig_mod`, an activation-checkpoint wrapper's `_checkpoint_wrapped_module`), or None."""
     if isinstance(module, DistributedDataParallel):
         return "module"
+    if isinstance(module, FullyShardedDataParallel):
+        return WRAPPED
     if _ACTIVATION_WRAPPED in module._modules:
         return _ACTIVATION_WRAPPED
     dynamo = sys.modules.get("torch._dynamo.eval_frame")     # loaded whenever a module was compiled
@@ -291,6 +308,8 @@ def _canonical_fqn(model: nn.Module, name: str) -> str:
     kept = []
     module: nn.Module | None = model
     for part in name.split("."):
+        while isinstance(module, FullyShardedDataParallel) and part != WRAPPED:
+            module = module.module     # its own names already leave it out
         if module is not None and part == _wrapper_child(module):
             module = module._modules[part]
             continue

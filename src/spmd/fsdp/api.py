@@ -239,12 +239,11 @@ _FSDP_CLASSES: dict[type, type] = {}
 
 def _become_fsdp_module(module: nn.Module) -> None:
     cls = type(module)
-    if issubclass(cls, FSDPModule):
-        return
-    fsdp_cls = _FSDP_CLASSES.get(cls)
-    if fsdp_cls is None:
-        fsdp_cls = _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    module.__class__ = fsdp_cls
+    if not issubclass(cls, FSDPModule):      # FullyShardedDataParallel already is one
+        fsdp_cls = _FSDP_CLASSES.get(cls)
+        if fsdp_cls is None:
+            fsdp_cls = _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        module.__class__ = fsdp_cls
     module.register_state_dict_pre_hook(_reshard_before_state_dict)
     module.register_load_state_dict_post_hook(_readopt_after_load)
 
