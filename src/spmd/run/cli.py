@@ -12,7 +12,7 @@ import argparse
 import os
 import stat
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from spmd.run import slurm
 from spmd.run.config import DEFAULT_RDZV_PORT, EntryKind, LaunchConfig, RendezvousTimeouts, StdPolicy
@@ -138,7 +138,11 @@ def rendezvous_token(flag: str | None, token_file: str | None, environ: Mapping[
 def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> LaunchConfig:
     """Turn `spmdrun` arguments into a LaunchConfig. Slurm's variables in `environ` fill in the node set when
     no rendezvous flag was given."""
-    ns = build_parser().parse_args(list(argv))
+    return config_from(build_parser().parse_args(list(argv)), environ)
+
+
+def config_from(ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchConfig:
+    """The LaunchConfig of parsed `spmdrun` arguments (see parse_args)."""
     environ = os.environ if environ is None else environ
     kind = EntryKind.MODULE if ns.module else EntryKind.BINARY if ns.no_python else EntryKind.SCRIPT
     if ns.module and ns.no_python:
@@ -177,12 +181,14 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
         omp_num_threads=1 if nproc > 1 else None, **extra)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """The `spmdrun` console script: exits with the job's status (0 when every worker succeeded)."""
+def main(argv: Sequence[str] | None = None,
+         parse: Callable[[Sequence[str]], LaunchConfig] = parse_args) -> None:
+    """The `spmdrun` console script: exits with the job's status (0 when every worker succeeded). `parse`
+    reads the arguments (spmd.launch passes torch.distributed.launch's)."""
     from spmd.run.agent import Agent  # after parsing, so `spmdrun --help` and argument errors are instant
 
     try:
-        config = parse_args(sys.argv[1:] if argv is None else argv)
+        config = parse(sys.argv[1:] if argv is None else argv)
         if config.kind is EntryKind.SCRIPT and not os.path.isfile(config.entrypoint):
             raise ValueError(f"spmdrun: the training script {config.entrypoint!r} does not exist (working "
                              f"directory {os.getcwd()}); use -m for a module or --no-python for a program")
