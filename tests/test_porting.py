@@ -179,3 +179,27 @@ def test_join_tutorial_trains_and_counts_as_under_torch(launched: dict) -> None:
     for key, value in got["plain"].items():
         torch.testing.assert_close(got["zero"][key], value, rtol=1e-5, atol=1e-6, msg=key)
     assert any(not torch.allclose(expected["zero"][key], value) for key, value in expected["plain"].items())
+
+
+@pytest.mark.timeout(600)
+def test_a_script_for_torchs_legacy_launcher_gets_its_local_rank_argument_under_spmd_launch(
+        tmp_path: pathlib.Path) -> None:
+    source = (SCRIPTS / "legacy_launch_tutorial.py").read_text()
+    src = str(pathlib.Path(__file__).parents[1] / "src")
+    env = {**os.environ, **CPU_ONLY, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    outputs = {}
+    for side, launcher, text in (("torch", "torch.distributed.launch", source),
+                                 ("spmd", port("torch.distributed.launch"), port(source))):
+        (tmp_path / side).mkdir()
+        script = tmp_path / side / "legacy_launch_tutorial.py"
+        script.write_text(text)
+        result = subprocess.run([sys.executable, "-m", launcher, "--standalone", "--nproc_per_node", "2",
+                                 str(script), str(tmp_path / side / "out")],
+                                capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path / side)
+        assert result.returncode == 0, f"{launcher} failed:\n{result.stdout}\n{result.stderr}"
+        assert "deprecated" in result.stderr
+        outputs[side] = torch.load(tmp_path / side / "out")
+    assert port("torch.distributed.launch") == "spmd.launch"
+    assert outputs["torch"]["local_ranks"] == outputs["spmd"]["local_ranks"] == [0, 1]
+    for key, value in outputs["torch"]["state"].items():
+        torch.testing.assert_close(outputs["spmd"]["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)

@@ -156,3 +156,17 @@ def test_rendezvous_token_comes_from_the_flag_the_environment_or_a_private_file(
         parse_args(args, environ={})
     with pytest.raises(ValueError, match="can't read --rdzv-token-file"):
         parse_args(["--rdzv-token-file", str(tmp_path / "missing"), "t.py"], environ={})
+
+
+def test_torchs_legacy_launcher_passes_local_rank_and_meets_at_the_master_address() -> None:
+    from spmd import launch
+
+    config = launch.parse_args(["--nproc_per_node=2", "train.py", "--lr", "1"], environ={})
+    assert config.local_rank_arg and config.args == ("--lr", "1") and not config.is_multinode
+    assert not launch.parse_args(["--use_env", "train.py"], environ={}).local_rank_arg
+    assert not parse_args(["train.py"], environ={}).local_rank_arg            # spmdrun: LOCAL_RANK only
+    multinode = launch.parse_args(["--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.5", "train.py"], environ={})
+    assert (multinode.rdzv_host, multinode.rdzv_port, multinode.node_rank) == ("10.0.0.5", 29500, 1)
+    assert multinode.master_addr is None and multinode.master_port is None    # the workers' store: a free port
+    with pytest.raises(ValueError, match="--no-python needs --use-env"):
+        launch.parse_args(["--no-python", "echo"], environ={})

@@ -306,11 +306,11 @@ class Agent:
         config = self.config
         offset = current.rank_offset(self.me.node_id)
         group_rank = current.group_rank(self.me.node_id)
-        target = [config.entrypoint, *config.args]
-        argv = (config.python, BOOTSTRAP, config.kind.value, *target)
         specs = []
         for local_rank in range(config.nproc_per_node):
             rank = offset + local_rank
+            local_rank_arg = [f"--local-rank={local_rank}"] if config.local_rank_arg else []
+            argv = (config.python, BOOTSTRAP, config.kind.value, config.entrypoint, *local_rank_arg, *config.args)
             attempt_dir = os.path.join(self._log_root, f"attempt_{current.number}", str(local_rank))
             env = dict(os.environ)
             env.setdefault("PYTHONUNBUFFERED", "1")  # prints reach the console when made, not at exit
