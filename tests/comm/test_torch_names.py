@@ -67,10 +67,7 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
     "checkpoint.filesystem": dict.fromkeys(["FileSystem", "FileSystemBase", "SerializationFormat"],
                                            "torch's storage internals: spmd's format is safetensors files and a JSON "
                                            "index, written by FileSystemWriter"),
-    "checkpoint.state_dict_saver": {"save_state_dict": "long-deprecated in torch: use save",
-                                    **dict.fromkeys(["AsyncCheckpointerType", "AsyncSaveResponse"],
-                                                    "async_save has one kind (a background thread) and returns "
-                                                    "a Future")},
+    "checkpoint.state_dict_saver": {"save_state_dict": "long-deprecated in torch: use save"},
     "checkpoint.state_dict_loader": {"load_state_dict": "long-deprecated in torch: use load"},
     "checkpoint.format_utils": dict.fromkeys(
         ["BroadcastingTorchSaveReader", "DynamicMetaLoadPlanner"],
@@ -120,7 +117,7 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "tensor.experimental._attention", "device_mesh", "fsdp",
                  "fsdp.fully_sharded_data_parallel", "fsdp.wrap", "fsdp.sharded_grad_scaler", "pipelining",
                  "pipelining.schedules", "pipelining.stage", "pipelining.microbatch", "checkpoint",
-                 "checkpoint.state_dict", "checkpoint.stateful", "checkpoint.format_utils",
+                 "checkpoint.state_dict", "checkpoint.stateful", "checkpoint.format_utils", "checkpoint.staging",
                  "checkpoint.default_planner", "checkpoint.filesystem", "checkpoint.state_dict_saver",
                  "checkpoint.state_dict_loader", "algorithms.ddp_comm_hooks", "algorithms.ddp_comm_hooks.default_hooks",
                  "algorithms.ddp_comm_hooks.quantization_hooks", "optim.post_localSGD_optimizer",

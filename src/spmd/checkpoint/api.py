@@ -21,13 +21,15 @@ written, and an earlier checkpoint in the same place stays what it was.
 
 async_save runs steps 1-2 and a copy of what this rank writes into host memory on the caller's thread (that
 copy is all it blocks for), then steps 3-6 on a thread of its own over a group of its own, created at the first
-async_save, so its exchanges never interleave with the training's collectives.
+async_save, so its exchanges never interleave with the training's collectives. With background staging
+(DefaultStager) all of it, steps 1-2 and the copy included, runs on that thread over that group.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import enum
 import json
 import os
 import secrets
@@ -43,6 +45,7 @@ from spmd._core.errors import CheckpointError
 from spmd.checkpoint import format as tensor_format
 from spmd.checkpoint.metadata import Chunk, Metadata, TensorEntry, decode_value, encode_value
 from spmd.checkpoint.planner import Box, LocalTensor, Path, covered, flatten, is_stateful, local_tensor
+from spmd.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager
 from spmd.checkpoint.storage import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
 from spmd.comm.group import ProcessGroup
 from spmd.comm.objects import all_gather_bytes
@@ -106,18 +109,59 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
     return _write_and_commit(plan, writer, plan.group)
 
 
+class AsyncCheckpointerType(enum.Enum):
+    """Where async_save writes: on a thread (spmd's, and torch's default) or in a process (torch's; not served)."""
+
+    THREAD = "thread"
+    PROCESS = "process"
+
+
+@dataclasses.dataclass
+class AsyncSaveResponse:
+    """What async_save returns when staging runs in the background: staging_completion is done when the copy of
+    what this rank saves is made (the tensors may change again), upload_completion when the checkpoint is
+    committed (its result the metadata)."""
+
+    staging_completion: concurrent.futures.Future[None]
+    upload_completion: concurrent.futures.Future[Metadata]
+
+
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
                storage_writer: StorageWriter | None = None, planner: DefaultSavePlanner | None = None,
-               process_group: AnyGroup | None = None, no_dist: bool = False) -> concurrent.futures.Future[Metadata]:
+               process_group: AnyGroup | None = None,
+               async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
+               async_stager: AsyncStager | None = None,
+               no_dist: bool = False) -> concurrent.futures.Future[Metadata] | AsyncSaveResponse:
     """save() that returns once what this rank writes is copied to host memory; the writing goes on in the
     background and the Future's result is the metadata (or its exception the save's error). Training may change
     the tensors meanwhile. Collective over `process_group`, like save (see Note: the save protocol). The host
-    buffers are kept for the next async_save, which first waits for this one to finish writing from them."""
+    buffers are kept for the next async_save, which first waits for this one to finish writing from them.
+
+    With a stager that stages in the background (DefaultStager(), or a stager of the user's whose stage returns
+    a Future), it returns at once an AsyncSaveResponse: wait for its staging_completion before changing the
+    tensors (the optimizer step), and for its upload_completion for the checkpoint.
+    """
+    if async_checkpointer_type is not AsyncCheckpointerType.THREAD:
+        raise ValueError("async_save: AsyncCheckpointerType.PROCESS is not served: spmd writes on a thread (the "
+                         "file writes release the GIL); leave async_checkpointer_type at THREAD")
     writer = _writer(checkpoint_id, storage_writer)
     group = _group(process_group, no_dist)
     saver = _AsyncSaver.of(group)
+    pin_memory, staged_by_user = True, False
+    if isinstance(async_stager, DefaultStager):
+        pin_memory = async_stager.config.use_pinned_memory
+        if async_stager.config.use_async_staging:
+            return _save_staging_in_background(_resolved(state_dict), writer, saver, None, pin_memory)
+    elif async_stager is not None and not isinstance(async_stager, BlockingAsyncStager):
+        staged = async_stager.stage(_resolved(state_dict))
+        if isinstance(staged, concurrent.futures.Future):
+            return _save_staging_in_background(staged, writer, saver, async_stager, pin_memory)
+        state_dict, staged_by_user = staged, True
     plan = _plan(state_dict, group)
-    plan.writes = saver.stage(plan.writes)
+    if saver.writing is not None:
+        concurrent.futures.wait([saver.writing])       # it still reads the buffers
+    if not staged_by_user:
+        plan.writes = saver.stage(plan.writes, pin_memory)
     future: concurrent.futures.Future[Metadata] = concurrent.futures.Future()
 
     def run() -> None:
@@ -128,7 +172,37 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
 
     saver.writing = future
     threading.Thread(target=run, name=f"spmd-async-save-rank{plan.rank}", daemon=True).start()
+    if async_stager is not None and async_stager.should_synchronize_after_execute:
+        async_stager.synchronize_staging()
     return future
+
+
+def _save_staging_in_background(state_dict: dict[str, Any] | concurrent.futures.Future[dict[str, Any]],
+                                writer: StorageWriter, saver: _AsyncSaver, stager: AsyncStager | None,
+                                pin_memory: bool) -> AsyncSaveResponse:
+    """async_save with every step on the saver's thread and group: wait for the previous save, plan, stage
+    (into the saver's buffers, unless `stager` staged `state_dict` itself), write and commit."""
+    staging: concurrent.futures.Future[None] = concurrent.futures.Future()
+    upload: concurrent.futures.Future[Metadata] = concurrent.futures.Future()
+    previous, saver.writing = saver.writing, upload
+
+    def run() -> None:
+        try:
+            if previous is not None:
+                concurrent.futures.wait([previous])
+            source = state_dict.result() if isinstance(state_dict, concurrent.futures.Future) else state_dict
+            plan = _plan(source, saver.group)
+            if stager is None:
+                plan.writes = saver.stage(plan.writes, pin_memory)
+            staging.set_result(None)
+            upload.set_result(_write_and_commit(plan, writer, saver.group))
+        except BaseException as error:     # the caller sees it through the futures
+            if not staging.done():
+                staging.set_exception(error)
+            upload.set_exception(error)
+
+    threading.Thread(target=run, name="spmd-async-save", daemon=True).start()
+    return AsyncSaveResponse(staging, upload)
 
 
 _SAVERS_LOCK = threading.Lock()
@@ -160,17 +234,17 @@ class _AsyncSaver:
                 _SAVERS[group] = saver
         return saver
 
-    def stage(self, writes: dict[str, LocalTensor]) -> dict[str, LocalTensor]:
+    def stage(self, writes: dict[str, LocalTensor], pin_memory: bool) -> dict[str, LocalTensor]:
         """`writes` with their data copied into this saver's host buffers (allocated at the first save, or when
-        a tensor's shape or dtype changed)."""
-        if self.writing is not None:
-            concurrent.futures.wait([self.writing])       # it still reads the buffers
+        a tensor's shape or dtype changed; page-locked for accelerator tensors with `pin_memory`). The save
+        that wrote from them must have finished."""
         kept, staged = {}, {}
         for key, item in writes.items():
             data = item.data.detach()
             buffer = self.buffers.get(key)
             if buffer is None or buffer.shape != data.shape or buffer.dtype != data.dtype:
-                buffer = torch.empty(data.shape, dtype=data.dtype, pin_memory=data.device.type == "cuda")
+                buffer = torch.empty(data.shape, dtype=data.dtype,
+                                     pin_memory=pin_memory and data.device.type == "cuda")
             buffer.copy_(data)
             kept[key] = buffer
             staged[key] = dataclasses.replace(item, data=buffer)
