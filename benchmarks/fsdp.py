@@ -18,6 +18,8 @@ every block and then the root. spmd on its default transport ("auto": shared mem
     step the rank that waits least (the other also waits for the slower rank's compute, not for bytes), with the
     other rank's wait beside it; total = the same step's collectives run back to back on their own;
     overlapped = total - exposed.
+With --fsdp1 both sides wrap the model in their FSDP1 FullyShardedDataParallel instead (ModuleWrapPolicy of the
+block class, device_id=cpu): throughput, tensor peaks and RSS as above, no communication breakdown.
 `--impls` picks the implementations (e.g. `--impls torch single` while spmd.fsdp is not there).
 With --scale: a GPT of about 1 B parameters built on the meta device, fully_shard over 4 ranks, to_empty, each
 rank initialising only its shards, then one forward/backward/SGD step; each rank's peak RSS beside the whole
@@ -85,11 +87,22 @@ class _TimedWaits:
         return lambda *args, **kwargs: Timed(issue(*args, **kwargs))
 
 
+def _fsdp1(name: str) -> tuple[Any, Any]:
+    """FullyShardedDataParallel and ModuleWrapPolicy of spmd or torch (--fsdp1)."""
+    if name == "spmd":
+        from spmd.fsdp import FullyShardedDataParallel
+        from spmd.fsdp.wrap import ModuleWrapPolicy
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    return FullyShardedDataParallel, ModuleWrapPolicy
+
+
 class _Impl:
     """One implementation's model, optimizer and data in this rank process: "spmd", "torch" or "single"."""
 
     def __init__(self, name: str, rank: int, world_size: int, args: argparse.Namespace, gloo_port: int) -> None:
-        self.name, self.rank, self.world_size = name, rank, world_size
+        self.name, self.rank, self.world_size, self.fsdp1 = name, rank, world_size, args.fsdp1
         if name == "spmd":
             import spmd
             from spmd.device_mesh import init_device_mesh
@@ -113,7 +126,11 @@ class _Impl:
             self.barrier = lambda: None
         self.baseline_rss = _max_rss()         # the process group is up, this model not built yet
         self.model = _gpt(args.layers, args.width, args.heads)
-        if name != "single":
+        if name != "single" and args.fsdp1:
+            wrapper, policy = _fsdp1(name)
+            self.model = wrapper(self.model, auto_wrap_policy=policy({type(self.model.blocks[0])}),
+                                 device_id=torch.device("cpu"))
+        elif name != "single":
             for block in self.model.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
@@ -132,7 +149,7 @@ class _Impl:
     def tensor_peak(self) -> tuple[int, dict[str, int]]:
         from spmd.testing.memory import TensorMemoryTracker, fsdp_categories
 
-        classify = fsdp_categories(self.model, self.opt) if self.name == "spmd" else None
+        classify = fsdp_categories(self.model, self.opt) if self.name == "spmd" and not self.fsdp1 else None
         with TensorMemoryTracker(classify=classify) as tracker:
             tracker.track([*self.model.parameters(), self.opt.state])
             self.step()
@@ -204,9 +221,11 @@ def _throughput_worker(names: list[str], rss_only: bool, rank: int, world_size: 
                 if impl.name == "spmd" and waits is not None:
                     exposed.append(waits.seconds - before)
         rss = _max_rss()
-        peaks = {} if rss_only else {impl.name: impl.tensor_peak() for impl in impls}
-        comm = {} if rss_only else {impl.name: impl.communication_seconds() for impl in impls
-                                    if impl.name != "single"}
+        # torch's FSDP1 FlatParameter fails under the dispatch-mode tracker (aten.detach has no handler)
+        peaks = {} if rss_only else {impl.name: impl.tensor_peak() for impl in impls
+                                     if not (args.fsdp1 and impl.name == "torch")}
+        comm = {} if rss_only or args.fsdp1 else {impl.name: impl.communication_seconds() for impl in impls
+                                                  if impl.name != "single"}
         params = sum(p.numel() for p in impls[0].model.parameters())
         torch.save({"steps": steps, "exposed": exposed, "peaks": peaks, "comm": comm, "rss": rss,
                     "baseline_rss": impls[0].baseline_rss, "params": params}, f"{out_file}.{rank}")
@@ -244,6 +263,8 @@ def _throughput(args: argparse.Namespace) -> None:
     if single:
         step_ms["single"] = statistics.median(single[0]["steps"]["single"])
     labels = {"spmd": "spmd fully_shard (shm)", "torch": "torch FSDP2 (gloo)", "single": "one process, 1 thread"}
+    if args.fsdp1:
+        labels.update(spmd="spmd FSDP1 wrapper (shm)", torch="torch FSDP1 (gloo)")
     print(f"\n{'':24}{'step ms':>10}{'tokens/s':>10}")
     for name, step in step_ms.items():
         print(f"{labels[name]:24}{step * 1e3:>10.0f}{tokens / step:>10.0f}")
@@ -253,13 +274,16 @@ def _throughput(args: argparse.Namespace) -> None:
         print(f"spmd / torch tokens/s: {step_ms['torch'] / step_ms['spmd']:.2f}x (launches: "
               f"{', '.join(f'{r:.2f}' for r in ratios)})")
 
-    def peak(name: str) -> int:
-        return max(r["peaks"][name][0] for r in (single if name == "single" else launches[0]))
+    def peak(name: str) -> str:
+        runs = single if name == "single" else launches[0]
+        if name not in runs[0]["peaks"]:
+            return "n/a"
+        return human_bytes(max(r["peaks"][name][0] for r in runs))
 
-    print("\ntensor peak per rank: " + ", ".join(f"{name} {human_bytes(peak(name))}" for name in step_ms))
+    print("\ntensor peak per rank: " + ", ".join(f"{name} {peak(name)}" for name in step_ms))
     print("peak RSS per rank (each alone; before the model): " + ", ".join(
         f"{name} {human_bytes(rss[name][0])} ({human_bytes(rss[name][1])})" for name in step_ms))
-    if "spmd" in distributed:
+    if "spmd" in distributed and not args.fsdp1:
         _spmd_breakdown(launches)
 
 
@@ -342,6 +366,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--impls", nargs="+", choices=("spmd", "torch", "single"), default=["spmd", "torch", "single"])
+    parser.add_argument("--fsdp1", action="store_true", help="FSDP1's FullyShardedDataParallel (a unit per block, "
+                        "then the root) in place of fully_shard, spmd's and torch's")
     parser.add_argument("--scale", action="store_true", help="the ~1 B parameter meta-device run instead")
     parser.add_argument("--scale-layers", type=int, default=20)
     parser.add_argument("--scale-width", type=int, default=2048)
