@@ -417,3 +417,33 @@ def test_bad_arguments_fail_before_sharding() -> None:
         assert BackwardPrefetch.BACKWARD_POST.value == 2
 
     run_ranks(body, 2, timeout=60)
+
+
+def test_explicit_process_groups_lay_out_no_shard_hybrid_and_full_shard() -> None:
+    """NO_SHARD and FULL_SHARD over one pair of ranks (each pair its own job), HYBRID_SHARD over
+    (intra-node pair, inter-node column) groups: the meshes, and gradients averaged over just those ranks."""
+    import spmd
+
+    base = nn.Linear(4, 4)
+
+    def body(rank: int, size: int) -> tuple[list, list[float]]:
+        pairs = [spmd.new_group([0, 1]), spmd.new_group([2, 3])]
+        columns = [spmd.new_group([0, 2]), spmd.new_group([1, 3])]
+        pair, column = pairs[rank // 2], columns[rank % 2]
+        models = [FSDP(copy.deepcopy(base), process_group=pair, sharding_strategy=ShardingStrategy.NO_SHARD),
+                  FSDP(copy.deepcopy(base), process_group=(pair, column),
+                       sharding_strategy=ShardingStrategy.HYBRID_SHARD),
+                  FSDP(copy.deepcopy(base), process_group=pair)]
+        for model in models:
+            model(torch.full((2, 4), float(rank))).sum().backward()     # weight gradient: 2 * rank everywhere
+        grads = []
+        for model in models:
+            with FSDP.summon_full_params(model, with_grads=True):
+                grads.append(model.module.weight.grad.unique().item())
+        return [m.module.weight.device_mesh.mesh.tolist() for m in models], grads
+
+    for rank, (meshes, grads) in enumerate(run_ranks(body, 4, timeout=60)):
+        mine = [0, 1] if rank < 2 else [2, 3]
+        assert meshes == [[[r] for r in mine], [[0, 1], [2, 3]], mine]
+        pair_mean = sum(2.0 * r for r in mine) / 2
+        assert grads == [pair_mean, 3.0, pair_mean]
