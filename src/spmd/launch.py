@@ -1,5 +1,5 @@
-"""`python -m spmd.launch`: torch.distributed.launch, the launcher older scripts and tutorials run
-(`python -m torch.distributed.launch --nproc_per_node=2 train.py`), as spmdrun with its two differences.
+"""`python -m spmd.launch`: torch's legacy launcher (its `distributed.launch` module), which older scripts and
+tutorials run with `--nproc_per_node=2 train.py`, as spmdrun with its two differences.
 
 Layer: run (an alias at torch's module path). Without --use-env each worker gets `--local-rank=<local rank>`
 after the script, as torch's passes it (the script's argparse reads `args.local_rank`); with --use-env it reads
@@ -19,11 +19,11 @@ from spmd.run.config import LaunchConfig
 
 __all__ = ["main", "parse_args"]
 
-LEGACY_MASTER_PORT = 29500     # torch.distributed.launch's default --master-port
+LEGACY_MASTER_PORT = 29500     # torch's legacy launcher's default --master-port
 
 
 def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> LaunchConfig:
-    """torch.distributed.launch's arguments (spmdrun's plus --use-env) as a LaunchConfig."""
+    """The legacy launcher's arguments (spmdrun's plus --use-env) as a LaunchConfig."""
     parser = cli.build_parser()
     parser.prog = "python -m spmd.launch"
     parser.add_argument("--use-env", "--use_env", action="store_true",
@@ -40,7 +40,7 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
 
 def main(argv: Sequence[str] | None = None) -> None:
     """The launcher: exits with the job's status, after torch's deprecation warning."""
-    warnings.warn("spmd.launch is torch.distributed.launch's port and deprecated as torch's is: use spmdrun "
+    warnings.warn("spmd.launch ports torch's legacy launcher and is deprecated as torch's is: use spmdrun "
                   "(python -m spmd.run); --use-env is its default, so read os.environ['LOCAL_RANK'] instead of "
                   "--local-rank", FutureWarning, stacklevel=2)
     cli.main(argv, parse=parse_args)

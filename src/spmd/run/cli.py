@@ -184,7 +184,7 @@ def config_from(ns: argparse.Namespace, environ: Mapping[str, str] | None = None
 def main(argv: Sequence[str] | None = None,
          parse: Callable[[Sequence[str]], LaunchConfig] = parse_args) -> None:
     """The `spmdrun` console script: exits with the job's status (0 when every worker succeeded). `parse`
-    reads the arguments (spmd.launch passes torch.distributed.launch's)."""
+    reads the arguments (spmd.launch passes the legacy launcher's)."""
     from spmd.run.agent import Agent  # after parsing, so `spmdrun --help` and argument errors are instant
 
     try:

@@ -129,7 +129,7 @@ class LaunchConfig:
     timeouts: RendezvousTimeouts = RendezvousTimeouts()
     python: str = "python"  # interpreter for SCRIPT and MODULE workers
     omp_num_threads: int | None = None  # OMP_NUM_THREADS to give workers when the user left it unset
-    local_rank_arg: bool = False  # pass --local-rank=<local rank> before the args (torch.distributed.launch's way)
+    local_rank_arg: bool = False  # pass --local-rank=<local rank> before the args (torch's legacy launcher's way)
 
     def __post_init__(self) -> None:
         if not self.entrypoint:
