@@ -48,13 +48,21 @@ def _launch(launcher: str, directory: pathlib.Path, names: list[str]) -> None:
     env = {**os.environ, **CPU_ONLY, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
     (directory / "in_turn.py").write_text(IN_TURN)
     scripts = [str(arg) for name in names for arg in (directory / name, directory / f"{name}.out")]
-    command = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", "in_turn.py", *scripts]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=directory)
-    if launcher == TORCH_LAUNCHER and "Signal 6 (SIGABRT)" in result.stderr:
-        # The oracle, not the code under test: once in about ten runs here a torch worker died of SIGABRT (not
-        # reproduced in 18 launches of the same scripts alone). One more launch; spmd's side gets no second one.
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=directory)
+    _run_launcher([sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", "in_turn.py", *scripts],
+                  launcher, env, directory)
+
+
+def _run_launcher(command: list[str], launcher: str, env: dict[str, str], cwd: pathlib.Path) -> None:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+    for _ in range(2):
+        if not (launcher.startswith("torch.") and "Signal 6 (SIGABRT)" in result.stderr):
+            break
+        # The oracle, not the code under test: in one run in six to ten here a torch worker dies of SIGABRT in
+        # gloo's teardown at exit ("terminate called without an active exception"; the FSDP1 tutorial's 1 in 6
+        # of its launches). Up to two more launches; spmd's side gets no second one.
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
     assert result.returncode == 0, f"{launcher} failed:\n{result.stdout}\n{result.stderr}"
+    assert launcher != "spmd.launch" or "deprecated" in result.stderr      # torch's warning, on both launchers
 
 
 @pytest.fixture(scope="module")
@@ -193,11 +201,8 @@ def test_a_script_for_torchs_legacy_launcher_gets_its_local_rank_argument_under_
         (tmp_path / side).mkdir()
         script = tmp_path / side / "legacy_launch_tutorial.py"
         script.write_text(text)
-        result = subprocess.run([sys.executable, "-m", launcher, "--standalone", "--nproc_per_node", "2",
-                                 str(script), str(tmp_path / side / "out")],
-                                capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path / side)
-        assert result.returncode == 0, f"{launcher} failed:\n{result.stdout}\n{result.stderr}"
-        assert "deprecated" in result.stderr
+        _run_launcher([sys.executable, "-m", launcher, "--standalone", "--nproc_per_node", "2", str(script),
+                       str(tmp_path / side / "out")], launcher, env, tmp_path / side)
         outputs[side] = torch.load(tmp_path / side / "out")
     assert port("torch.distributed.launch") == "spmd.launch"
     assert outputs["torch"]["local_ranks"] == outputs["spmd"]["local_ranks"] == [0, 1]
