@@ -1,7 +1,7 @@
 """Distributed checkpoints: `import spmd.checkpoint as dcp` where torch's DCP is imported as `dcp`.
 
 Layer: checkpoint (L5). save / load / async_save (api.py), the storage interface (storage.py), the format
-(format.py: safetensors files; metadata.py: the JSON index), the planning (planner.py) and, in state_dict.py,
+(format.py: safetensors files; metadata.py: the JSON index), the layout of each tensor (layout.py) and, in state_dict.py,
 state dicts of plain, DDP, FSDP2, tensor-parallel and pipeline-stage models.
 """
 

@@ -7,7 +7,7 @@ Note: the save protocol
   1. (all ranks)   flatten the state dict (Stateful values through their state_dict()), find the box of every
                    tensor this rank holds, and exchange what each rank has: keys, global shapes, dtypes (JSON
                    bytes through all_gather_bytes: nothing is unpickled).
-  2. (all ranks)   decide who writes what (planner, Note: who writes what); rank 0's random id names this save.
+  2. (all ranks)   decide who writes what (layout, Note: who writes what); rank 0's random id names this save.
   3. (each writer) write one data file, __<rank>_<id>.safetensors, streaming every box it writes straight from
                    the tensor's memory, a CRC-32 of each computed beside the writes; flush it (storage, Note:
                    never lose the last good checkpoint).
@@ -44,7 +44,7 @@ from torch import Tensor
 from spmd._core.errors import CheckpointError
 from spmd.checkpoint import format as tensor_format
 from spmd.checkpoint.metadata import Chunk, Metadata, TensorEntry, decode_value, encode_value
-from spmd.checkpoint.planner import Box, LocalTensor, Path, covered, flatten, is_stateful, local_tensor
+from spmd.checkpoint.layout import Box, LocalTensor, Path, covered, flatten, is_stateful, local_tensor
 from spmd.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager
 from spmd.checkpoint.storage import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
 from spmd.comm.group import ProcessGroup
@@ -64,7 +64,7 @@ class Stateful(Protocol):
 
 @dataclasses.dataclass
 class DefaultSavePlanner:
-    """How save plans (torch's name): every box once (planner, Note: who writes what). The format holds each box
+    """How save plans (torch's name): every box once (layout, Note: who writes what). The format holds each box
     once, so `dedup_replicated_tensors=False` (torch: write every replica) is refused."""
 
     dedup_replicated_tensors: bool = True
