@@ -88,7 +88,9 @@ def test_tensor_parallel_and_fsdp_x_tp_checkpoints_load_into_fsdp_and_one_proces
         _assert_identical(_load_into("plain", str(tmp_path / layout)), saved)
 
 
-def test_a_replicated_tensor_is_written_once_and_shards_once_each(tmp_path) -> None:
+@pytest.mark.parametrize("to_lowest_rank, plain_writer", [(False, 1), (True, 0)])
+def test_a_replicated_tensor_is_written_once_and_shards_once_each(tmp_path, to_lowest_rank: bool,
+                                                                  plain_writer: int) -> None:
     path = str(tmp_path / "ckpt")
     full = torch.arange(24.0).reshape(4, 6)
 
@@ -97,18 +99,23 @@ def test_a_replicated_tensor_is_written_once_and_shards_once_each(tmp_path) -> N
         dcp.save({"replicated": distribute_tensor(full, mesh, [Replicate(), Replicate()]),
                   "rows": distribute_tensor(full, mesh, [Shard(0), Replicate()]),
                   "grid": distribute_tensor(full, mesh, [Shard(0), Shard(1)]),
-                  "plain": full * 2, "count": 3}, checkpoint_id=path)
+                  "plain": full * 2, "count": 3}, checkpoint_id=path,
+                 planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=to_lowest_rank))
 
     run_ranks(body, world_size=4, timeout=TIMEOUT)
     metadata = json.loads((tmp_path / "ckpt" / METADATA_FILE).read_text())
     chunks = {key: [(c["file"], c["offsets"]) for c in entry["chunks"]] for key, entry in metadata["tensors"].items()}
-    assert chunks["replicated"] == [("__0_" + metadata["save_id"] + ".safetensors", [0, 0])]
+    file_of = {rank: f"__{rank}_{metadata['save_id']}.safetensors" for rank in range(4)}
+    assert chunks["replicated"] == [(file_of[0], [0, 0])]
     assert sorted(offsets for _, offsets in chunks["rows"]) == [[0, 0], [2, 0]]
-    assert len(chunks["grid"]) == 4 and len(chunks["plain"]) == 1 and metadata["values"] == {"count": 3}
-    files = sorted(os.listdir(path))    # ranks 0 and 2 hold rows; 1 and 3 only grid pieces; no temporary names
-    assert files == sorted([METADATA_FILE, *(f"__{r}_{metadata['save_id']}.safetensors" for r in range(4))])
-    one_file = safetensors.torch.load_file(os.path.join(path, f"__0_{metadata['save_id']}.safetensors"))
-    assert torch.equal(one_file["replicated"], full) and torch.equal(one_file["plain"], full * 2)
+    assert len(chunks["grid"]) == 4 and metadata["values"] == {"count": 3}
+    # balanced (torch's default): with 24 bytes of grid each, the 96-byte replicated tensor goes to rank 0 and the
+    # 96-byte plain one to rank 1, the first rows block to rank 0 (of 0 and 1, tied), the second to rank 2
+    assert chunks["plain"] == [(file_of[plain_writer], [0, 0])]
+    files = sorted(os.listdir(path))    # every rank holds a grid piece; no temporary names
+    assert files == sorted([METADATA_FILE, *file_of.values()])
+    assert torch.equal(safetensors.torch.load_file(os.path.join(path, file_of[0]))["replicated"], full)
+    assert torch.equal(safetensors.torch.load_file(os.path.join(path, file_of[plain_writer]))["plain"], full * 2)
 
 
 class _CountingReader(FileSystemReader):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 from typing import Any
 
 import pytest
@@ -71,8 +72,11 @@ class Net(nn.Module):
         return self.head(self.norm(x)) * self.scale
 
 
+_BUILD_LOCK = threading.Lock()     # thread ranks share torch's global RNG: one seeds and draws at a time
+
+
 def build(seed: int = 0) -> Net:
-    with torch.random.fork_rng():
+    with _BUILD_LOCK, torch.random.fork_rng():
         torch.manual_seed(seed)
         return Net()
 

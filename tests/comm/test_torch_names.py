@@ -50,20 +50,14 @@ def test_every_public_torch_distributed_name_is_served_or_listed_with_why_not() 
     assert not stale, f"NOT_SERVED lists names torch lacks or spmd serves: {stale}"
 
 
-PLANNING = "DCP's planner and storage-metadata classes: spmd plans reads and writes itself (DefaultSave/LoadPlanner)"
 MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name: why spmd's has none}
     "checkpoint": {
-        **dict.fromkeys(["BytesStorageMetadata", "ChunkStorageMetadata", "TensorStorageMetadata", "LoadPlan",
-                         "LoadPlanner", "SavePlan", "SavePlanner", "ReadItem", "WriteItem"], PLANNING),
         **dict.fromkeys(["HuggingFaceStorageReader", "HuggingFaceStorageWriter", "QuantizedHuggingFaceStorageReader"],
                         "spmd's checkpoints are safetensors already; python -m spmd.checkpoint.convert makes one file"),
         "CheckpointException": "spmd raises CheckpointError",
         **dict.fromkeys(["load_sharded_optimizer_state_dict", "load_state_dict", "save_state_dict"],
                         "long-deprecated in torch: use load / save and checkpoint.state_dict"),
     },
-    "checkpoint.default_planner": dict.fromkeys(
-        ["create_default_local_load_plan", "create_default_global_load_plan", "create_default_local_save_plan",
-         "create_default_global_save_plan"], PLANNING),
     "checkpoint.filesystem": dict.fromkeys(["FileSystem", "FileSystemBase", "SerializationFormat"],
                                            "torch's storage internals: spmd's format is safetensors files and a JSON "
                                            "index, written by FileSystemWriter"),
@@ -118,7 +112,8 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "fsdp.fully_sharded_data_parallel", "fsdp.wrap", "fsdp.sharded_grad_scaler", "pipelining",
                  "pipelining.schedules", "pipelining.stage", "pipelining.microbatch", "checkpoint",
                  "checkpoint.state_dict", "checkpoint.stateful", "checkpoint.format_utils", "checkpoint.staging",
-                 "checkpoint.default_planner", "checkpoint.filesystem", "checkpoint.state_dict_saver",
+                 "checkpoint.default_planner", "checkpoint.planner", "checkpoint.metadata", "checkpoint.filesystem",
+                 "checkpoint.state_dict_saver",
                  "checkpoint.state_dict_loader", "algorithms.ddp_comm_hooks", "algorithms.ddp_comm_hooks.default_hooks",
                  "algorithms.ddp_comm_hooks.quantization_hooks", "optim.post_localSGD_optimizer",
                  "algorithms.ddp_comm_hooks.powerSGD_hook", "algorithms.ddp_comm_hooks.post_localSGD_hook",

@@ -4,10 +4,11 @@ Layer: checkpoint. save and async_save are collective over the process group (de
 initialized; a single process needs none); load is not: each rank reads the byte ranges it needs by itself.
 
 Note: the save protocol
-  1. (all ranks)   flatten the state dict (Stateful values through their state_dict()), find the box of every
-                   tensor this rank holds, and exchange what each rank has: keys, global shapes, dtypes (JSON
-                   bytes through all_gather_bytes: nothing is unpickled).
-  2. (all ranks)   decide who writes what (layout, Note: who writes what); rank 0's random id names this save.
+  1. (all ranks)   the planner (Stateful values through their state_dict()) plans what this rank could write:
+                   every box it holds and every value; the plans are exchanged as JSON (all_gather_bytes:
+                   nothing is unpickled), with rank 0's random id, which names this save.
+  2. (coordinator) the planner's global plan decides who writes what (default_planner, Note: who writes what),
+                   sent back to every rank, whose planner finishes its plan and resolves each item's data.
   3. (each writer) write one data file, __<rank>_<id>.safetensors, streaming every box it writes straight from
                    the tensor's memory, a CRC-32 of each computed beside the writes; flush it (storage, Note:
                    never lose the last good checkpoint).
@@ -19,6 +20,9 @@ Note: the save protocol
 A rank killed during the save makes the others' exchange in step 4 or 6 fail (PeerLostError): no metadata is
 written, and an earlier checkpoint in the same place stays what it was.
 
+A planner that raises on one rank in steps 1-2 still lets it take part in the exchange, so every rank raises
+the same CheckpointError (planner, Note: a planner's calls).
+
 async_save runs steps 1-2 and a copy of what this rank writes into host memory on the caller's thread (that
 copy is all it blocks for), then steps 3-6 on a thread of its own over a group of its own, created at the first
 async_save, so its exchanges never interleave with the training's collectives. With background staging
@@ -27,9 +31,11 @@ async_save, so its exchanges never interleave with the training's collectives. W
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import dataclasses
 import enum
+import io
 import json
 import os
 import secrets
@@ -43,13 +49,35 @@ from torch import Tensor
 
 from spmd._core.errors import CheckpointError
 from spmd.checkpoint import format as tensor_format
-from spmd.checkpoint.metadata import Chunk, Metadata, TensorEntry, decode_value, encode_value
-from spmd.checkpoint.layout import Box, LocalTensor, Path, covered, flatten, is_stateful, local_tensor
+from spmd.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner, EncodedValue
+from spmd.checkpoint.layout import Box, covered, is_stateful
+from spmd.checkpoint.metadata import (
+    Chunk,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    decode_value,
+    encode_value,
+)
+from spmd.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from spmd.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager
 from spmd.checkpoint.storage import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
 from spmd.comm.group import ProcessGroup
 from spmd.comm.objects import all_gather_bytes
 from spmd.comm.world import AnyGroup, is_initialized, new_group, resolve_group
+from spmd.tensor.api import DTensor
 
 
 @runtime_checkable
@@ -62,28 +90,15 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
-@dataclasses.dataclass
-class DefaultSavePlanner:
-    """How save plans (torch's name): every box once (layout, Note: who writes what). The format holds each box
-    once, so `dedup_replicated_tensors=False` (torch: write every replica) is refused."""
-
-    dedup_replicated_tensors: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.dedup_replicated_tensors:
-            raise ValueError("DefaultSavePlanner: spmd's checkpoints hold each box of a tensor once; "
-                             "dedup_replicated_tensors=False is not supported")
-
-
-@dataclasses.dataclass
-class DefaultLoadPlanner:
-    """How load plans (torch's name). `allow_partial_load`: keys of the state dict the checkpoint lacks are left
-    as they are instead of raising."""
-
-    allow_partial_load: bool = False
-
-
 # -- save -----------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Write:
+    """One box this rank writes: its item and its data (resolve_data's)."""
+
+    item: WriteItem
+    data: Tensor
+
 
 @dataclasses.dataclass
 class _SavePlan:
@@ -92,20 +107,22 @@ class _SavePlan:
     group: ProcessGroup | None
     rank: int
     save_id: str
-    writes: dict[str, LocalTensor]          # the tensors this rank writes, by key
-    values: dict[str, Any]                  # the non-tensor values this rank writes
-    paths: dict[str, Path]                  # where each key of this rank sat in its nested state dict
-    shapes: dict[str, tuple[str, tuple[int, ...]]]   # every tensor key of any rank -> (dtype name, global shape)
+    writes: dict[str, _Write]               # the boxes this rank writes, by their name in its data file
+    values: dict[str, Any]                  # key -> the JSON encoding of a value this rank writes
+    blobs: dict[str, bytes]                 # key -> a custom planner's bytes for a value this rank writes
+    metadata: Metadata | None               # the coordinator's, from the global plan; None on the others
+    error: str | None                       # why this rank could not resolve its data (reported in step 4)
 
 
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
-         storage_writer: StorageWriter | None = None, planner: DefaultSavePlanner | None = None,
+         storage_writer: StorageWriter | None = None, planner: SavePlanner | None = None,
          process_group: AnyGroup | None = None, no_dist: bool = False) -> Metadata:
     """Write `state_dict` (tensors, DTensors of any layout, Stateful objects, JSON-able values) as a checkpoint at
-    `checkpoint_id` (a directory) or through `storage_writer`. Collective over `process_group` (see Note: the
-    save protocol); `no_dist`: this process alone writes everything. Returns the checkpoint's metadata."""
+    `checkpoint_id` (a directory) or through `storage_writer`, planned by `planner` (DefaultSavePlanner, or a
+    subclass's). Collective over `process_group` (see Note: the save protocol); `no_dist`: this process alone
+    writes everything. Returns the checkpoint's metadata."""
     writer = _writer(checkpoint_id, storage_writer)
-    plan = _plan(state_dict, _group(process_group, no_dist))
+    plan = _plan(state_dict, _group(process_group, no_dist), planner, checkpoint_id)
     return _write_and_commit(plan, writer, plan.group)
 
 
@@ -127,7 +144,7 @@ class AsyncSaveResponse:
 
 
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
-               storage_writer: StorageWriter | None = None, planner: DefaultSavePlanner | None = None,
+               storage_writer: StorageWriter | None = None, planner: SavePlanner | None = None,
                process_group: AnyGroup | None = None,
                async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
                async_stager: AsyncStager | None = None,
@@ -151,13 +168,15 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
     if isinstance(async_stager, DefaultStager):
         pin_memory = async_stager.config.use_pinned_memory
         if async_stager.config.use_async_staging:
-            return _save_staging_in_background(_resolved(state_dict), writer, saver, None, pin_memory)
+            return _save_staging_in_background(_resolved(state_dict), writer, saver, None, pin_memory, planner,
+                                               checkpoint_id)
     elif async_stager is not None and not isinstance(async_stager, BlockingAsyncStager):
         staged = async_stager.stage(_resolved(state_dict))
         if isinstance(staged, concurrent.futures.Future):
-            return _save_staging_in_background(staged, writer, saver, async_stager, pin_memory)
+            return _save_staging_in_background(staged, writer, saver, async_stager, pin_memory, planner,
+                                               checkpoint_id)
         state_dict, staged_by_user = staged, True
-    plan = _plan(state_dict, group)
+    plan = _plan(state_dict, group, planner, checkpoint_id)
     if saver.writing is not None:
         concurrent.futures.wait([saver.writing])       # it still reads the buffers
     if not staged_by_user:
@@ -179,7 +198,8 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
 
 def _save_staging_in_background(state_dict: dict[str, Any] | concurrent.futures.Future[dict[str, Any]],
                                 writer: StorageWriter, saver: _AsyncSaver, stager: AsyncStager | None,
-                                pin_memory: bool) -> AsyncSaveResponse:
+                                pin_memory: bool, planner: SavePlanner | None,
+                                checkpoint_id: str | os.PathLike[str] | None) -> AsyncSaveResponse:
     """async_save with every step on the saver's thread and group: wait for the previous save, plan, stage
     (into the saver's buffers, unless `stager` staged `state_dict` itself), write and commit."""
     staging: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -191,7 +211,7 @@ def _save_staging_in_background(state_dict: dict[str, Any] | concurrent.futures.
             if previous is not None:
                 concurrent.futures.wait([previous])
             source = state_dict.result() if isinstance(state_dict, concurrent.futures.Future) else state_dict
-            plan = _plan(source, saver.group)
+            plan = _plan(source, saver.group, planner, checkpoint_id)
             if stager is None:
                 plan.writes = saver.stage(plan.writes, pin_memory)
             staging.set_result(None)
@@ -234,7 +254,7 @@ class _AsyncSaver:
                 _SAVERS[group] = saver
         return saver
 
-    def stage(self, writes: dict[str, LocalTensor], pin_memory: bool) -> dict[str, LocalTensor]:
+    def stage(self, writes: dict[str, _Write], pin_memory: bool) -> dict[str, _Write]:
         """`writes` with their data copied into this saver's host buffers (allocated at the first save, or when
         a tensor's shape or dtype changed; page-locked for accelerator tensors with `pin_memory`). The save
         that wrote from them must have finished."""
@@ -282,66 +302,126 @@ def _exchange(group: ProcessGroup | None, mine: dict[str, Any]) -> list[dict[str
     return [json.loads(part) for part in all_gather_bytes(data, group=group)]
 
 
-def _plan(state_dict: Mapping[str, Any], group: ProcessGroup | None) -> _SavePlan:
+def _failed(save_id: str, error: str) -> CheckpointError:
+    return CheckpointError(f"save {save_id} failed: {error}; no checkpoint was written")
+
+
+def _plan(state_dict: Mapping[str, Any], group: ProcessGroup | None, planner: SavePlanner | None,
+          checkpoint_id: str | os.PathLike[str] | None) -> _SavePlan:
     """Steps 1-2 of the save protocol."""
+    planner = planner if planner is not None else DefaultSavePlanner()
     rank = 0 if group is None else group.group_rank
-    tensors: dict[str, LocalTensor] = {}
-    values: dict[str, Any] = {}
-    flat = flatten(_resolved(state_dict))
-    for key, (_, leaf) in flat.items():
-        if isinstance(leaf, Tensor):
-            tensors[key] = local_tensor(key, leaf)
-        else:
-            encode_value(leaf, key)          # raises now, on the rank that holds it, for what can't be saved
-            values[key] = leaf
-    described = _exchange(group, {
-        "id": secrets.token_hex(8),
-        "tensors": {key: [tensor_format.dtype_name(t.data.dtype), list(t.shape), t.distributed,
-                          list(t.box.offsets), list(t.box.sizes), t.writes] for key, t in tensors.items()},
-        "values": sorted(values)})
-    shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
-    writer_of: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}   # (key, box) -> the rank writing it
-    first_value: dict[str, int] = {}
-    for other, report in enumerate(described):
-        for key, (dtype, shape, distributed, offsets, sizes, may_write) in report["tensors"].items():
-            known = shapes.setdefault(key, (dtype, tuple(shape)))
-            if known != (dtype, tuple(shape)):
-                raise CheckpointError(f"save: ranks disagree about {key!r}: {known[0]} of shape {list(known[1])} "
-                                      f"on one, {dtype} of shape {shape} on rank {other}")
-            if may_write or not distributed:       # ranks on other submeshes may hold the same box: one writes
-                writer_of.setdefault((key, tuple(offsets), tuple(sizes)), other)
-        for key in report["values"]:
-            first_value.setdefault(key, other)
-    writes = {key: t for key, t in tensors.items()
-              if not t.box.empty and writer_of.get((key, t.box.offsets, t.box.sizes)) == rank}
-    return _SavePlan(group, rank, described[0]["id"], writes,
-                     {key: value for key, value in values.items() if first_value[key] == rank},
-                     {key: path for key, (path, _) in flat.items()}, shapes)
+    local, error = None, None
+    try:
+        planner.set_up_planner(_resolved(state_dict), StorageMeta(checkpoint_id), rank == 0)
+        local = _encode_save_plan(planner.create_local_plan())
+    except Exception as failure:          # exchanged, so every rank raises it
+        error = f"rank {rank}'s {type(planner).__name__} could not plan: {type(failure).__name__}: {failure}"
+    described = _exchange(group, {"id": secrets.token_hex(8), "plan": local, "error": error})
+    save_id = described[0]["id"]
+    errors = [report["error"] for report in described if report["error"]]
+    if errors:
+        raise _failed(save_id, errors[0])
+    decided: dict[str, Any] = {"plans": None, "error": None}
+    metadata = None
+    if rank == 0:
+        try:
+            plans, metadata = planner.create_global_plan([_decode_save_plan(r["plan"]) for r in described])
+            if len(plans) != len(described) or not isinstance(metadata, Metadata):
+                raise CheckpointError(f"create_global_plan must return one plan per rank ({len(described)}) and "
+                                      f"spmd's Metadata (DefaultSavePlanner.create_global_plan's)")
+            decided["plans"] = [_encode_save_plan(p) for p in plans]
+        except Exception as failure:
+            decided["error"] = (f"rank 0's {type(planner).__name__} could not make the global plan: "
+                                f"{type(failure).__name__}: {failure}")
+    decided = _exchange(group, decided)[0] if group is not None else decided
+    if decided["error"]:
+        raise _failed(save_id, decided["error"])
+    plan = _SavePlan(group, rank, save_id, {}, {}, {}, metadata, None)
+    try:
+        _resolve(planner, planner.finish_plan(_decode_save_plan(decided["plans"][rank])), plan)
+    except Exception as failure:          # reported in step 4
+        plan.error = f"rank {rank}'s {type(planner).__name__} could not resolve its data: " \
+                     f"{type(failure).__name__}: {failure}"
+    return plan
+
+
+def _resolve(planner: SavePlanner, finished: SavePlan, plan: _SavePlan) -> None:
+    """What this rank writes of each item of its finished plan, into `plan`."""
+    for item in finished.items:
+        fqn = item.index.fqn
+        data = planner.resolve_data(item)
+        if item.type is WriteItemType.BYTE_IO:
+            if isinstance(data, EncodedValue):
+                plan.values[fqn] = data.encoded
+            elif isinstance(data, io.BytesIO):
+                plan.blobs[fqn] = data.getvalue()
+            else:
+                raise CheckpointError(f"resolve_data gave a {type(data).__name__} for the value {fqn!r}; a value's "
+                                      f"data is a BytesIO")
+            continue
+        written = item.tensor_data
+        if not isinstance(data, Tensor) or isinstance(data, DTensor) or written is None:
+            raise CheckpointError(f"resolve_data gave a {type(data).__name__} for the tensor item {fqn!r}; a box's "
+                                  f"data is a plain tensor (a DTensor's local shard)")
+        if tuple(data.shape) != tuple(written.chunk.sizes) or data.dtype != written.properties.dtype:
+            raise CheckpointError(f"resolve_data gave {data.dtype} of shape {list(data.shape)} for {fqn!r}, whose "
+                                  f"item plans {written.properties.dtype} of shape {list(written.chunk.sizes)}")
+        if data.numel() == 0:
+            continue
+        name = fqn if fqn not in plan.writes else f"{fqn}@{','.join(map(str, written.chunk.offsets))}"
+        plan.writes[name] = _Write(item, data)
+
+
+def _encode_save_plan(plan: SavePlan) -> dict[str, Any]:
+    """A SavePlan as JSON (planner_data and storage_data must be JSON-able values: nothing is unpickled)."""
+    items = []
+    for item in plan.items:
+        tensor = item.tensor_data
+        items.append([item.index.fqn, None if item.index.offset is None else list(item.index.offset),
+                      item.index.index, item.type.name,
+                      None if tensor is None else [list(tensor.chunk.offsets), list(tensor.chunk.sizes),
+                                                   tensor_format.dtype_name(tensor.properties.dtype),
+                                                   list(tensor.size)]])
+    return {"items": items, "storage_data": encode_value(plan.storage_data, "SavePlan.storage_data"),
+            "planner_data": encode_value(plan.planner_data, "SavePlan.planner_data"), "usable": plan.usable}
+
+
+def _decode_save_plan(body: dict[str, Any]) -> SavePlan:
+    items = []
+    for fqn, offset, position, kind, tensor in body["items"]:
+        data = None
+        if tensor is not None:
+            offsets, sizes, dtype, size = tensor
+            data = TensorWriteData(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+                                   TensorProperties(tensor_format.dtype_of(dtype)), torch.Size(size))
+        items.append(WriteItem(MetadataIndex(fqn, offset, position), WriteItemType[kind], tensor_data=data))
+    return SavePlan(items, decode_value(body["storage_data"]), decode_value(body["planner_data"]), body["usable"])
 
 
 def _write_and_commit(plan: _SavePlan, writer: StorageWriter, group: ProcessGroup | None) -> Metadata:
     """Steps 3-6 of the save protocol."""
-    report: dict[str, Any] = {"error": None, "file": None, "size": 0, "chunks": {},
-                              "values": {key: encode_value(value, key) for key, value in plan.values.items()},
-                              "paths": {key: list(plan.paths[key]) for key in [*plan.writes, *plan.values]}}
+    report: dict[str, Any] = {"error": plan.error, "file": None, "size": 0, "chunks": {}, "values": plan.values,
+                              "blobs": {key: base64.b64encode(blob).decode() for key, blob in plan.blobs.items()}}
     try:
-        if plan.writes:
+        if plan.writes and plan.error is None:
             report.update(_write_file(plan, writer))
     except Exception as error:                # reported in step 4, so no rank waits for this one
         report["error"] = f"rank {plan.rank} could not write its data file: {type(error).__name__}: {error}"
     reports = _exchange(group, report)
-    outcome: dict[str, Any] = {"error": next((r["error"] for r in reports if r["error"]), None)}
-    metadata = None
+    outcome: dict[str, Any] = {"error": next((r["error"] for r in reports if r["error"]), None), "metadata": None}
     if plan.rank == 0 and outcome["error"] is None:
         try:
-            metadata = _metadata(plan, reports)
+            assert plan.metadata is not None     # the coordinator's, from step 2
+            metadata = _metadata(plan.metadata, plan.save_id, reports)
+            outcome["metadata"] = metadata.to_json().decode()
             writer.commit(metadata.to_json(), list(metadata.files))
         except Exception as error:
             outcome["error"] = f"rank 0 could not commit the checkpoint: {type(error).__name__}: {error}"
     final = _exchange(group, outcome)[0] if group is not None else outcome
     if final["error"] is not None:
-        raise CheckpointError(f"save {plan.save_id} failed: {final['error']}; no checkpoint was written")
-    return metadata if metadata is not None else _metadata(plan, reports)
+        raise _failed(plan.save_id, final["error"])
+    return Metadata.from_json(final["metadata"].encode(), f"save {plan.save_id}")
 
 
 def _write_file(plan: _SavePlan, writer: StorageWriter) -> dict[str, Any]:
@@ -354,8 +434,9 @@ def _write_file(plan: _SavePlan, writer: StorageWriter) -> dict[str, Any]:
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spmd-checkpoint-crc") as pool:
         crcs = {key: pool.submit(tensor_format.crc32, view) for key, view in views.items()}
         size = writer.write_file(name, [memoryview(header), *views.values()])
-        chunks = {key: [list(item.box.offsets), list(item.box.sizes), crcs[key].result()]
-                  for key, item in plan.writes.items()}
+        chunks = {key: [write.item.index.fqn, list(write.item.tensor_data.chunk.offsets),
+                        list(write.item.tensor_data.chunk.sizes), crcs[key].result()]
+                  for key, write in plan.writes.items() if write.item.tensor_data is not None}
     return {"file": name, "size": size, "chunks": chunks}
 
 
@@ -366,51 +447,56 @@ def _host_contiguous(data: Tensor) -> Tensor:
     return data.contiguous()
 
 
-def _metadata(plan: _SavePlan, reports: list[dict[str, Any]]) -> Metadata:
-    """Step 5: the index of what every rank wrote, checked to tile every tensor."""
-    tensors = {key: TensorEntry(dtype, shape) for key, (dtype, shape) in plan.shapes.items()}
-    values: dict[str, Any] = {}
-    files: dict[str, int] = {}
-    paths: dict[str, list[str | int]] = {}
+def _metadata(planned: Metadata, save_id: str, reports: list[dict[str, Any]]) -> Metadata:
+    """Step 5: the global plan's metadata with what every rank wrote, checked to tile every tensor."""
+    metadata = dataclasses.replace(planned, save_id=save_id, files={}, values={}, blobs={},
+                                   tensors={key: dataclasses.replace(entry, chunks=[])
+                                            for key, entry in planned.tensors.items()})
     for report in reports:
-        for key, path in report["paths"].items():
-            paths.setdefault(key, path)
         if report["file"] is not None:
-            files[report["file"]] = report["size"]
-        for key, (offsets, sizes, crc) in report["chunks"].items():
-            tensors[key].chunks.append(Chunk(report["file"], key, tuple(offsets), tuple(sizes), crc))
+            metadata.files[report["file"]] = report["size"]
+        for name, (fqn, offsets, sizes, crc) in report["chunks"].items():
+            metadata.tensors[fqn].chunks.append(Chunk(report["file"], name, tuple(offsets), tuple(sizes), crc))
         for key, value in report["values"].items():
-            values.setdefault(key, decode_value(value))
-    for key, entry in tensors.items():
+            metadata.values.setdefault(key, decode_value(value))
+        for key, blob in report["blobs"].items():
+            metadata.blobs.setdefault(key, base64.b64decode(blob))
+    for key, entry in metadata.tensors.items():
         if not covered(entry.shape, [Box(c.offsets, c.sizes) for c in entry.chunks]):
             raise CheckpointError(f"save: the shards written of {key!r} don't cover its global shape "
                                   f"{list(entry.shape)} (boxes {[(c.offsets, c.sizes) for c in entry.chunks]})")
-    return Metadata(plan.save_id, tensors, values, files, paths)
+    return metadata
 
 
 # -- load -----------------------------------------------------------------------------------------------------
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
-         storage_reader: StorageReader | None = None, planner: DefaultLoadPlanner | None = None,
+         storage_reader: StorageReader | None = None, planner: LoadPlanner | None = None,
          process_group: AnyGroup | None = None, no_dist: bool = False) -> None:
     """Fill `state_dict` in place from the checkpoint at `checkpoint_id` (or `storage_reader`), whatever layout it
     was saved under: every tensor and DTensor shard gets the values of its box, read from the byte ranges that
     overlap it; values are replaced; each top-level Stateful gets load_state_dict of its filled state_dict().
-    Not collective: each rank reads what it holds (process_group and no_dist are accepted for torch's
-    signature). Raises CheckpointError naming the key, file or mismatch."""
+    `planner`: DefaultLoadPlanner, or a subclass's (planner, Note: a planner's calls; keys its set_up_planner adds
+    to the state dict are added to `state_dict`). Not collective: each rank
+    reads what it holds (process_group and no_dist are accepted for torch's signature). Raises CheckpointError
+    naming the key, file or mismatch."""
+    planner = planner if planner is not None else DefaultLoadPlanner()
     reader = storage_reader if storage_reader is not None else FileSystemReader(_path(checkpoint_id))
     where = os.fspath(checkpoint_id) if checkpoint_id is not None else type(reader).__name__
+    group = _group(process_group, no_dist)
     try:
         metadata = Metadata.from_json(reader.read_metadata(), f"checkpoint {where}")
         resolved = _resolved(state_dict)
-        _Loader(reader, metadata, where, planner or DefaultLoadPlanner()).fill(resolved)
+        planner.set_up_planner(resolved, metadata, group is None or group.group_rank == 0)
+        plan = planner.finish_plan(planner.create_global_plan([planner.create_local_plan()])[0])
+        _Loader(reader, metadata, where).run(plan, planner)
     finally:
         reader.close()
-    for key, value in state_dict.items():
-        if is_stateful(value):
-            value.load_state_dict(resolved[key])
+    for key, value in resolved.items():
+        if is_stateful(state_dict.get(key)):
+            state_dict[key].load_state_dict(value)
         else:
-            state_dict[key] = resolved[key]
+            state_dict[key] = value
 
 
 def _path(checkpoint_id: str | os.PathLike[str] | None) -> str:
@@ -422,55 +508,47 @@ def _path(checkpoint_id: str | os.PathLike[str] | None) -> str:
 class _Loader:
     """One load: the metadata, the files opened so far, the boxes already checked."""
 
-    def __init__(self, reader: StorageReader, metadata: Metadata, where: str, planner: DefaultLoadPlanner) -> None:
-        self.reader, self.metadata, self.where, self.planner = reader, metadata, where, planner
+    def __init__(self, reader: StorageReader, metadata: Metadata, where: str) -> None:
+        self.reader, self.metadata, self.where = reader, metadata, where
         self._files: dict[str, tensor_format.TensorFile] = {}
         self._checked: set[tuple[str, str]] = set()
+        self._saved = {(key, chunk.offsets): chunk for key, entry in metadata.tensors.items() for chunk in entry.chunks}
 
-    def fill(self, state_dict: dict[str, Any]) -> None:
-        missing = []
-        for key, (path, leaf) in flatten(state_dict).items():
-            if isinstance(leaf, Tensor):
-                entry = self.metadata.tensors.get(key)
-                if entry is None:
-                    missing.append(key)
-                    continue
-                with torch.no_grad():
-                    self._fill_tensor(key, leaf, entry)
-            elif key in self.metadata.values:
-                _assign(state_dict, path, self.metadata.values[key])
-            elif key in self.metadata.tensors:
-                raise CheckpointError(f"checkpoint {self.where}: {key!r} is a tensor in the checkpoint but a "
-                                      f"{type(leaf).__name__} in the state dict loaded into")
-            else:
-                missing.append(key)
-        if missing and not self.planner.allow_partial_load:
-            raise CheckpointError(f"checkpoint {self.where} has no {', '.join(repr(k) for k in missing[:8])}"
-                                  f"{' ...' if len(missing) > 8 else ''} ({len(missing)} keys of the state dict; "
-                                  f"pass planner=DefaultLoadPlanner(allow_partial_load=True) to leave them be)")
-
-    def _fill_tensor(self, key: str, leaf: Tensor, entry: TensorEntry) -> None:
-        target = local_tensor(key, leaf)
-        dtype = tensor_format.dtype_of(entry.dtype)
-        if target.shape != entry.shape or target.data.dtype != dtype:
-            raise CheckpointError(f"checkpoint {self.where}: {key!r} was saved as {dtype} of shape "
-                                  f"{list(entry.shape)}, but the state dict holds {target.data.dtype} of shape "
-                                  f"{list(target.shape)}")
-        filled = 0
-        for chunk in entry.chunks:
-            saved = Box(chunk.offsets, chunk.sizes)
-            region = target.box.overlap(saved)
-            if region is None or region.empty:
+    def run(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Every item of the plan: a region of a saved box copied into resolve_tensor's tensor, then committed;
+        a value's bytes handed to load_bytes."""
+        for item in plan.items:
+            if item.type is LoadItemType.BYTE_IO:
+                planner.load_bytes(item, self._value(item.storage_index.fqn))
                 continue
-            if region == target.box == saved and _readable_into(target.data):
-                self._read_whole(chunk, target.data)
-            else:
-                source = self._chunk(chunk, dtype)
-                target.box.view(target.data, region).copy_(saved.view(source, region))
-            filled += region.volume
-        if filled != target.box.volume:
-            raise CheckpointError(f"checkpoint {self.where}: the saved boxes of {key!r} cover {filled} of the "
-                                  f"{target.box.volume} elements this rank holds")
+            with torch.no_grad():
+                target = planner.resolve_tensor(item)
+                self._fill(item, target)
+            planner.commit_tensor(item, target)
+
+    def _value(self, key: str) -> io.BytesIO:
+        if key in self.metadata.values:
+            return EncodedValue(self.metadata.values[key], key)
+        if key in self.metadata.blobs:
+            return io.BytesIO(self.metadata.blobs[key])
+        raise CheckpointError(f"checkpoint {self.where} has no value {key!r} (the load plan reads one)")
+
+    def _fill(self, item: ReadItem, target: Tensor) -> None:
+        key = item.storage_index.fqn
+        chunk = self._saved.get((key, tuple(item.storage_index.offset or ())))
+        if chunk is None:
+            raise CheckpointError(f"checkpoint {self.where} has no box of {key!r} at "
+                                  f"{list(item.storage_index.offset or ())} (the load plan reads one)")
+        if tuple(target.shape) != tuple(item.lengths):
+            raise CheckpointError(f"load: resolve_tensor gave a tensor of shape {list(target.shape)} for a region "
+                                  f"of {key!r} of shape {list(item.lengths)}")
+        dtype = tensor_format.dtype_of(self.metadata.tensors[key].dtype)
+        whole = tuple(item.lengths) == chunk.sizes and not any(item.storage_offsets)
+        if whole and target.dtype == dtype and _readable_into(target):
+            self._read_whole(chunk, target)
+            return
+        saved = Box((0,) * len(chunk.sizes), chunk.sizes)
+        target.copy_(saved.view(self._chunk(chunk, dtype), Box(tuple(item.storage_offsets), tuple(item.lengths))))
 
     def _read_whole(self, chunk: Chunk, data: Tensor) -> None:
         """Read a saved box straight into `data`, which is all of it (a load into the layout it was saved from),
@@ -523,13 +601,3 @@ class _Loader:
 def _readable_into(data: Tensor) -> bool:
     """Whether a storage can read bytes straight into `data`'s memory."""
     return data.device.type == "cpu" and data.is_contiguous() and data.numel() > 0
-
-
-def _assign(state_dict: dict[str, Any], path: Path, value: Any) -> None:
-    """Replace the leaf at `path` of the nested `state_dict` by `value`."""
-    parent: Any = state_dict
-    for step in path[:-1]:
-        parent = parent[step]
-    if isinstance(parent, tuple):
-        raise CheckpointError(f"load: can't replace {'.'.join(map(str, path))!r} inside a tuple; use a list")
-    parent[path[-1]] = value

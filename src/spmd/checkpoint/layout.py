@@ -1,16 +1,10 @@
-"""Pure planning: the flattened state dict, the box of every tensor a rank holds and whether it is the one that
-writes it, and the overlaps a load copies between saved boxes and the boxes this rank holds now.
+"""The layout of a state dict: its flattened keys, the box of every tensor a rank holds, and the overlaps a load
+copies between saved boxes and the boxes this rank holds now.
 
-Layer: checkpoint. No I/O, no communication.
-
-Note: who writes what
-A DTensor's local shard is one box of the global tensor (DTensorSpec.local_shape_and_offset; _StridedShard
-included). Ranks that differ only in their coordinate on a mesh dim the tensor is replicated over hold the same
-box, and so do ranks on other submeshes of a larger mesh (an FSDP parameter on the dp mesh of a (dp, tp) mesh is
-the same on every tp rank): of all the ranks holding a box at coordinate 0 on the tensor's replicated mesh dims,
-the lowest writes it, so a replicated tensor is written once. A plain tensor or a non-tensor value is taken to be
-the same on every rank that has it (as torch's DCP does): the lowest rank holding its key writes it. Keys only
-some ranks have (pipeline stages) are written by those ranks.
+Layer: checkpoint. No I/O, no communication. A DTensor's local shard is one box of the global tensor
+(DTensorSpec.local_shape_and_offset; _StridedShard included); a plain tensor is taken to be the whole, and the
+same on every rank that has it (as torch's DCP does). Which rank writes a box: default_planner, Note: who writes
+what.
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ from torch import Tensor
 
 from spmd._core.errors import CheckpointError
 from spmd.tensor.api import DTensor
-from spmd.tensor.placement import Partial, Shard
+from spmd.tensor.placement import Partial
 
 Path = tuple[Any, ...]
 
@@ -69,7 +63,6 @@ class LocalTensor:
     shape: tuple[int, ...]       # global
     box: Box
     distributed: bool            # a DTensor (its box is its shard) rather than a plain tensor (the whole)
-    writes: bool                 # this rank writes its box, as far as the tensor itself says (see Note)
 
 
 def is_stateful(value: Any) -> bool:
@@ -114,19 +107,16 @@ def flatten(state_dict: Mapping[str, Any]) -> dict[str, tuple[Path, Any]]:
 
 
 def local_tensor(key: str, tensor: Tensor) -> LocalTensor:
-    """This rank's part of `tensor` and whether it writes it (see Note: who writes what)."""
+    """This rank's part of `tensor`."""
     if isinstance(tensor, DTensor):
         spec = tensor._spec
         if any(isinstance(p, Partial) for p in spec.placements):
             raise CheckpointError(f"checkpoint: {key!r} is a DTensor with a Partial placement "
                                   f"({list(spec.placements)}); reduce it (redistribute to Replicate) before saving")
-        coordinate = spec.mesh.get_coordinate()
-        shape, offsets = spec.local_shape_and_offset(coordinate)
-        writes = coordinate is not None and all(coordinate[i] == 0 for i, p in enumerate(spec.placements)
-                                                if not isinstance(p, Shard))
-        return LocalTensor(tensor._local_tensor, tuple(spec.shape), Box(tuple(offsets), tuple(shape)), True, writes)
+        shape, offsets = spec.local_shape_and_offset(spec.mesh.get_coordinate())
+        return LocalTensor(tensor._local_tensor, tuple(spec.shape), Box(tuple(offsets), tuple(shape)), True)
     shape = tuple(tensor.shape)
-    return LocalTensor(tensor, shape, Box((0,) * len(shape), shape), False, True)
+    return LocalTensor(tensor, shape, Box((0,) * len(shape), shape), False)
 
 
 def covered(shape: tuple[int, ...], boxes: list[Box]) -> bool:

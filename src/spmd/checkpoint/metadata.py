@@ -1,8 +1,11 @@
 """The checkpoint's index, `metadata.json`: every tensor's global shape and dtype and which file holds which box of
-it at which key, each box's CRC-32, every data file's size, and the non-tensor values, all as JSON.
+it at which key, each box's CRC-32, every data file's size, and the non-tensor values, all as JSON; and torch's
+names for what a planner sees of it (MetadataIndex, ChunkStorageMetadata, TensorStorageMetadata, ...).
 
 Layer: checkpoint. Pure data. Non-tensor values are JSON with a few tags for what JSON lacks (tuples, bytes,
 non-finite floats, dicts with non-string keys); anything else can't be saved, since loading must never run code.
+The bytes a custom planner writes for a value itself (resolve_data returning its own BytesIO) are kept as they
+are, as `blobs`, for its load planner to read.
 """
 
 from __future__ import annotations
@@ -11,13 +14,85 @@ import base64
 import dataclasses
 import json
 import math
+import os
 from typing import Any
 
+import torch
+
 from spmd._core.errors import CheckpointError
+from spmd.checkpoint import format as tensor_format
 
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 FORMAT_NAME = "spmd.checkpoint"
+
+
+STATE_DICT_TYPE = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class MetadataIndex:
+    """One item of a flattened state dict (torch's name): its key and, for a tensor, where the box starts in the
+    global tensor; `index`, a position hint, takes no part in equality."""
+
+    fqn: str
+    offset: torch.Size | None = None
+    index: int | None = dataclasses.field(default=None, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.offset is not None and not isinstance(self.offset, torch.Size):
+            object.__setattr__(self, "offset", torch.Size(self.offset))
+
+
+@dataclasses.dataclass
+class ChunkStorageMetadata:
+    """One box of a tensor (torch's name): where it starts in the global tensor, and its extent."""
+
+    offsets: torch.Size
+    sizes: torch.Size
+
+
+@dataclasses.dataclass
+class TensorProperties:
+    """What a tensor is besides its values (torch's name); a checkpoint keeps the dtype."""
+
+    dtype: torch.dtype = dataclasses.field(default_factory=torch.get_default_dtype)
+    layout: torch.layout = torch.strided
+    requires_grad: bool = False
+    memory_format: torch.memory_format = torch.contiguous_format
+    pin_memory: bool = False
+
+    @staticmethod
+    def create_from_tensor(tensor: torch.Tensor) -> TensorProperties:
+        return TensorProperties(tensor.dtype, tensor.layout, tensor.requires_grad, torch.contiguous_format,
+                                tensor.device.type == "cpu" and tensor.is_pinned())
+
+
+@dataclasses.dataclass
+class TensorStorageMetadata:
+    """A saved tensor as a load planner sees it (torch's name): properties, global size, and the saved boxes."""
+
+    properties: TensorProperties
+    size: torch.Size
+    chunks: list[ChunkStorageMetadata]
+
+
+@dataclasses.dataclass
+class BytesStorageMetadata:
+    """A saved non-tensor value, as a load planner sees it (torch's name)."""
+
+
+STORAGE_TYPES = TensorStorageMetadata | BytesStorageMetadata
+
+
+@dataclasses.dataclass
+class StorageMeta:
+    """Where a save goes, as a save planner's set_up_planner is told (torch's name)."""
+
+    checkpoint_id: str | os.PathLike[str] | None = None
+    save_id: str | None = None
+    load_id: str | None = None
+    modules: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +122,29 @@ class Metadata:
     paths: dict[str, list[str | int]] = dataclasses.field(default_factory=dict)
     """key -> where it sat in the nested state dict saved (dict keys and list indices), to rebuild the nesting."""
     version: int = FORMAT_VERSION
+    blobs: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    """key -> the bytes a custom save planner's resolve_data gave for a value (its load planner reads them)."""
+    where: str = dataclasses.field(default="the checkpoint", compare=False, repr=False)
+    """What error messages call the checkpoint (not saved)."""
+
+    @property
+    def state_dict_metadata(self) -> dict[str, STORAGE_TYPES]:
+        """torch's view of the index: each key's saved boxes, or that it is a value."""
+        view: dict[str, STORAGE_TYPES] = {
+            key: TensorStorageMetadata(TensorProperties(tensor_format.dtype_of(entry.dtype)), torch.Size(entry.shape),
+                                       [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
+                                        for c in entry.chunks])
+            for key, entry in self.tensors.items()}
+        view.update({key: BytesStorageMetadata() for key in [*self.values, *self.blobs]})
+        return view
+
+    @property
+    def planner_data(self) -> dict[str, tuple[str | int, ...]]:
+        """torch's name for what the default planners keep: each key's path in the nested state dict."""
+        return {key: tuple(path) for key, path in self.paths.items()}
 
     def to_json(self) -> bytes:
-        body = {
+        body: dict[str, Any] = {
             "format": FORMAT_NAME, "version": self.version, "save_id": self.save_id, "files": self.files,
             "tensors": {key: {"dtype": e.dtype, "shape": list(e.shape),
                               "chunks": [{"file": c.file, "key": c.key, "offsets": list(c.offsets),
@@ -58,6 +153,8 @@ class Metadata:
             "values": {key: encode_value(value, key) for key, value in self.values.items()},
             "paths": self.paths,
         }
+        if self.blobs:
+            body["blobs"] = {key: base64.b64encode(blob).decode() for key, blob in self.blobs.items()}
         return json.dumps(body, indent=1).encode()
 
     @classmethod
@@ -79,9 +176,10 @@ class Metadata:
                                                int(c["crc32"])) for c in e["chunks"]])
                        for key, e in body["tensors"].items()}
             values = {key: decode_value(value) for key, value in body["values"].items()}
+            blobs = {key: base64.b64decode(blob, validate=True) for key, blob in body.get("blobs", {}).items()}
             return cls(str(body["save_id"]), tensors, values, {k: int(v) for k, v in body["files"].items()},
-                       {k: list(v) for k, v in body.get("paths", {}).items()}, version)
-        except (KeyError, TypeError, ValueError) as error:
+                       {k: list(v) for k, v in body.get("paths", {}).items()}, version, blobs, where)
+        except (KeyError, TypeError, ValueError) as error:   # a bad base64 blob is a ValueError
             raise CheckpointError(f"{where}: malformed metadata ({type(error).__name__}: {error})") from error
 
 
