@@ -308,13 +308,17 @@ def _failed(save_id: str, error: str) -> CheckpointError:
 
 def _plan(state_dict: Mapping[str, Any], group: ProcessGroup | None, planner: SavePlanner | None,
           checkpoint_id: str | os.PathLike[str] | None) -> _SavePlan:
-    """Steps 1-2 of the save protocol."""
+    """Steps 1-2 of the save protocol. A plan travels as a JSON string inside the exchange's JSON, so a rank
+    parses only the plans it needs (the coordinator every rank's, a rank its own), and a rank's final plan
+    made of items it proposed comes back as their positions: planning allocates little (a large training
+    process pays for every object made here in its next full garbage collection)."""
     planner = planner if planner is not None else DefaultSavePlanner()
     rank = 0 if group is None else group.group_rank
-    local, error = None, None
+    proposed, local, error = None, None, None
     try:
         planner.set_up_planner(_resolved(state_dict), StorageMeta(checkpoint_id), rank == 0)
-        local = _encode_save_plan(planner.create_local_plan())
+        proposed = planner.create_local_plan()
+        local = json.dumps(_encode_save_plan(proposed))
     except Exception as failure:          # exchanged, so every rank raises it
         error = f"rank {rank}'s {type(planner).__name__} could not plan: {type(failure).__name__}: {failure}"
     described = _exchange(group, {"id": secrets.token_hex(8), "plan": local, "error": error})
@@ -322,28 +326,51 @@ def _plan(state_dict: Mapping[str, Any], group: ProcessGroup | None, planner: Sa
     errors = [report["error"] for report in described if report["error"]]
     if errors:
         raise _failed(save_id, errors[0])
+    assert proposed is not None
     decided: dict[str, Any] = {"plans": None, "error": None}
-    metadata = None
+    metadata, final = None, None
     if rank == 0:
         try:
-            plans, metadata = planner.create_global_plan([_decode_save_plan(r["plan"]) for r in described])
+            received = [proposed, *(_decode_save_plan(json.loads(r["plan"])) for r in described[1:])]
+            plans, metadata = planner.create_global_plan(received)
             if len(plans) != len(described) or not isinstance(metadata, Metadata):
                 raise CheckpointError(f"create_global_plan must return one plan per rank ({len(described)}) and "
                                       f"spmd's Metadata (DefaultSavePlanner.create_global_plan's)")
-            decided["plans"] = [_encode_save_plan(p) for p in plans]
+            final = plans[0]
+            decided["plans"] = [None, *(json.dumps(_encode_decided(plan, sent))
+                                        for plan, sent in zip(plans[1:], received[1:], strict=True))]
         except Exception as failure:
             decided["error"] = (f"rank 0's {type(planner).__name__} could not make the global plan: "
                                 f"{type(failure).__name__}: {failure}")
     decided = _exchange(group, decided)[0] if group is not None else decided
     if decided["error"]:
         raise _failed(save_id, decided["error"])
+    if final is None:
+        final = _decode_decided(json.loads(decided["plans"][rank]), proposed)
     plan = _SavePlan(group, rank, save_id, {}, {}, {}, metadata, None)
     try:
-        _resolve(planner, planner.finish_plan(_decode_save_plan(decided["plans"][rank])), plan)
+        _resolve(planner, planner.finish_plan(final), plan)
     except Exception as failure:          # reported in step 4
         plan.error = f"rank {rank}'s {type(planner).__name__} could not resolve its data: " \
                      f"{type(failure).__name__}: {failure}"
     return plan
+
+
+def _encode_decided(plan: SavePlan, sent: SavePlan) -> dict[str, Any]:
+    """A rank's global plan: the positions of its items in the plan it sent, where it is made of them (the
+    default planners' dedup), else the whole plan."""
+    position = {id(item): at for at, item in enumerate(sent.items)}
+    kept = [position.get(id(item)) for item in plan.items]
+    if None in kept or plan.storage_data is not sent.storage_data or plan.planner_data is not sent.planner_data \
+            or plan.usable != sent.usable:
+        return {"plan": _encode_save_plan(plan)}
+    return {"kept": kept}
+
+
+def _decode_decided(body: dict[str, Any], proposed: SavePlan) -> SavePlan:
+    if "kept" in body:
+        return dataclasses.replace(proposed, items=[proposed.items[at] for at in body["kept"]])
+    return _decode_save_plan(body["plan"])
 
 
 def _resolve(planner: SavePlanner, finished: SavePlan, plan: _SavePlan) -> None:
@@ -410,18 +437,20 @@ def _write_and_commit(plan: _SavePlan, writer: StorageWriter, group: ProcessGrou
         report["error"] = f"rank {plan.rank} could not write its data file: {type(error).__name__}: {error}"
     reports = _exchange(group, report)
     outcome: dict[str, Any] = {"error": next((r["error"] for r in reports if r["error"]), None), "metadata": None}
+    metadata = None
     if plan.rank == 0 and outcome["error"] is None:
         try:
             assert plan.metadata is not None     # the coordinator's, from step 2
             metadata = _metadata(plan.metadata, plan.save_id, reports)
-            outcome["metadata"] = metadata.to_json().decode()
-            writer.commit(metadata.to_json(), list(metadata.files))
+            committed = metadata.to_json()
+            writer.commit(committed, list(metadata.files))
+            outcome["metadata"] = committed.decode()
         except Exception as error:
             outcome["error"] = f"rank 0 could not commit the checkpoint: {type(error).__name__}: {error}"
     final = _exchange(group, outcome)[0] if group is not None else outcome
     if final["error"] is not None:
         raise _failed(plan.save_id, final["error"])
-    return Metadata.from_json(final["metadata"].encode(), f"save {plan.save_id}")
+    return metadata if plan.rank == 0 else Metadata.from_json(final["metadata"].encode(), f"save {plan.save_id}")
 
 
 def _write_file(plan: _SavePlan, writer: StorageWriter) -> dict[str, Any]:
@@ -432,10 +461,12 @@ def _write_file(plan: _SavePlan, writer: StorageWriter) -> dict[str, Any]:
                                          for key, data in datas.items()})
     views = {key: tensor_format.as_bytes(data) for key, data in datas.items()}
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spmd-checkpoint-crc") as pool:
-        crcs = {key: pool.submit(tensor_format.crc32, view) for key, view in views.items()}
+        # one task for all: a submit per box contends for the GIL with the thread computing the last one's
+        checksums = pool.submit(lambda: {key: tensor_format.crc32(view) for key, view in views.items()})
         size = writer.write_file(name, [memoryview(header), *views.values()])
+        crcs = checksums.result()
         chunks = {key: [write.item.index.fqn, list(write.item.tensor_data.chunk.offsets),
-                        list(write.item.tensor_data.chunk.sizes), crcs[key].result()]
+                        list(write.item.tensor_data.chunk.sizes), crcs[key]]
                   for key, write in plan.writes.items() if write.item.tensor_data is not None}
     return {"file": name, "size": size, "chunks": chunks}
 

@@ -165,13 +165,13 @@ def create_default_local_save_plan(state_dict: STATE_DICT_TYPE, is_coordinator: 
                 continue
             held = local_tensor(fqn, obj)
             chunk = ChunkStorageMetadata(torch.Size(held.box.offsets), torch.Size(held.box.sizes))
-            items.append(WriteItem(MetadataIndex(fqn, held.box.offsets),
+            items.append(WriteItem(MetadataIndex(fqn, held.box.offsets, len(items)),
                                    WriteItemType.SHARD if held.distributed else WriteItemType.TENSOR,
                                    tensor_data=TensorWriteData(chunk, TensorProperties.create_from_tensor(held.data),
                                                                torch.Size(held.shape))))
         else:
             encode_value(obj, fqn)
-            items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
+            items.append(WriteItem(MetadataIndex(fqn, index=len(items)), WriteItemType.BYTE_IO))
     return SavePlan(items)
 
 
@@ -198,13 +198,14 @@ def _dedup(all_plans: list[SavePlan], to_lowest_rank: bool) -> list[SavePlan]:
 def create_default_global_save_plan(all_plans: list[SavePlan], rewrite_index_hints: bool = True
                                     ) -> tuple[list[SavePlan], Metadata]:
     """The plans as they are and the metadata they make: each tensor's dtype and global shape, checked to be the
-    same in every rank's items (the boxes and values are added as they are written). Index hints are numbered."""
+    same in every rank's items (the boxes and values are added as they are written). `rewrite_index_hints`: items
+    without an index hint get their position (the default local plan numbers its items itself)."""
     tensors: dict[str, TensorEntry] = {}
     plans = []
     for rank, plan in enumerate(all_plans):
         items = []
         for position, item in enumerate(plan.items):
-            if rewrite_index_hints:
+            if rewrite_index_hints and item.index.index is None:
                 item = dataclasses.replace(item, index=dataclasses.replace(item.index, index=position))
             items.append(item)
             if item.tensor_data is None:

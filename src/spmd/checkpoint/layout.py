@@ -24,7 +24,7 @@ from spmd.tensor.placement import Partial
 Path = tuple[Any, ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Box:
     """A block of a global tensor: where it starts and its extent, per dim."""
 
@@ -55,7 +55,7 @@ class Box:
         return tensor
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class LocalTensor:
     """What this rank holds of one tensor of the state dict."""
 

@@ -30,7 +30,7 @@ FORMAT_NAME = "spmd.checkpoint"
 STATE_DICT_TYPE = dict[str, Any]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class MetadataIndex:
     """One item of a flattened state dict (torch's name): its key and, for a tensor, where the box starts in the
     global tensor; `index`, a position hint, takes no part in equality."""
@@ -44,7 +44,7 @@ class MetadataIndex:
             object.__setattr__(self, "offset", torch.Size(self.offset))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ChunkStorageMetadata:
     """One box of a tensor (torch's name): where it starts in the global tensor, and its extent."""
 
@@ -52,7 +52,7 @@ class ChunkStorageMetadata:
     sizes: torch.Size
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class TensorProperties:
     """What a tensor is besides its values (torch's name); a checkpoint keeps the dtype."""
 
@@ -68,7 +68,7 @@ class TensorProperties:
                                 tensor.device.type == "cpu" and tensor.is_pinned())
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class TensorStorageMetadata:
     """A saved tensor as a load planner sees it (torch's name): properties, global size, and the saved boxes."""
 
@@ -77,7 +77,7 @@ class TensorStorageMetadata:
     chunks: list[ChunkStorageMetadata]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class BytesStorageMetadata:
     """A saved non-tensor value, as a load planner sees it (torch's name)."""
 
@@ -85,7 +85,7 @@ class BytesStorageMetadata:
 STORAGE_TYPES = TensorStorageMetadata | BytesStorageMetadata
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class StorageMeta:
     """Where a save goes, as a save planner's set_up_planner is told (torch's name)."""
 
@@ -95,7 +95,7 @@ class StorageMeta:
     modules: list[str] = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Chunk:
     """One box of a global tensor, as one file holds it."""
 
@@ -106,7 +106,7 @@ class Chunk:
     crc32: int                   # of the box's bytes, contiguous, in the file
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class TensorEntry:
     dtype: str                   # the safetensors name (format.dtype_name)
     shape: tuple[int, ...]       # global

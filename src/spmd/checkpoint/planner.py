@@ -56,12 +56,12 @@ class LoadItemType(enum.Enum):
     BYTE_IO = 1
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class BytesIOWriteData:
     nbytes: int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class TensorWriteData:
     """The box a tensor WriteItem writes, the dtype it is saved as, and the global size."""
 
@@ -70,7 +70,7 @@ class TensorWriteData:
     size: torch.Size
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class WriteItem:
     """One thing a rank writes: a tensor's box (tensor_data) or a value (BYTE_IO)."""
 
@@ -87,7 +87,7 @@ class WriteItem:
                                                                      ).element_size()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class ReadItem:
     """One copy a load makes: `lengths` elements per dim, from `storage_offsets` inside the saved box named by
     `storage_index` to `dest_offsets` inside the tensor this rank holds (dest_index); or a value's bytes."""
@@ -100,7 +100,7 @@ class ReadItem:
     lengths: torch.Size
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class SavePlan:
     items: list[WriteItem]
     storage_data: Any = None
@@ -108,7 +108,7 @@ class SavePlan:
     usable: bool = True
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class LoadPlan:
     items: list[ReadItem]
     storage_data: Any = None
