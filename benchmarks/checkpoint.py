@@ -4,6 +4,7 @@ disk, same run; beside them the disk's own sequential bandwidth and the time of 
     python benchmarks/checkpoint.py [--repeats 3] [--layers 8 --width 768 --heads 12 --vocab 4096] [--dir DIR]
     python benchmarks/checkpoint.py --impls torch          # while spmd.checkpoint is not there
     python benchmarks/checkpoint.py --layers 2 --width 128 --heads 4 --vocab 512 --repeats 1   # smoke check
+    python benchmarks/checkpoint.py --layout ddp [--dedup-save-to-lowest-rank]    # a replicated state
 
 The state: the GPT of examples/gpt.py in the anchors' configuration (that of benchmarks/fsdp.py: 8 layers, width
 768, 12 heads, context 128, vocabulary 4096: 63 M parameters) under FSDP2 on 2 ranks x 1 torch thread as spawned
@@ -34,6 +35,10 @@ shards, 1e9 bytes a GB) / that time; medians over --repeats repetitions, the spm
   - host copy: each rank copies its shard of the state (every local tensor), both ranks at once, into freshly
     allocated memory (what a stager does on its first save: the pages are faulted in) and into buffers allocated
     beforehand (what a stager that keeps its buffers pays): the bar for async_save's blocked time.
+With --layout ddp the model is DDP's instead (spmd.DistributedDataParallel / torch's on gloo): every rank holds
+the whole state, which both libraries' default planners save once, the writes balanced across the ranks (each
+writes half); --dedup-save-to-lowest-rank passes that argument to both libraries' DefaultSavePlanner (rank 0
+writes everything). GB/s then counts the state once, and each rank's disk-write file is what it writes.
 Every save goes to a fresh directory under one temporary directory made in --dir (default: the system's temporary
 directory; the script prints its filesystem and whether it is the repository's); each repetition's checkpoints are
 deleted at its end and the whole temporary directory at exit.
@@ -130,6 +135,7 @@ class _Side:
         self.name = name
         if name == "spmd":
             import spmd
+            from spmd import DistributedDataParallel
             from spmd.device_mesh import init_device_mesh
             from spmd.fsdp import fully_shard
             try:
@@ -146,6 +152,7 @@ class _Side:
             from torch.distributed.checkpoint.state_dict import get_state_dict
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
+            from torch.nn.parallel import DistributedDataParallel
 
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank,
                                     world_size=world_size)
@@ -154,9 +161,12 @@ class _Side:
         mesh = init_device_mesh("cpu", (world_size,))
         model = _gpt(args)
         self.params = sum(p.numel() for p in model.parameters())
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        if args.layout == "ddp":
+            model = DistributedDataParallel(model)
+        else:
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         tokens = torch.randint(0, args.vocab, (GLOBAL_BATCH // world_size, CONTEXT + 1),
                                generator=torch.Generator().manual_seed(rank))
@@ -170,6 +180,8 @@ class _Side:
         self.state = {"model": msd, "optim": osd}
         self.local = list(_tensors(self.state))
         self.bytes = sum(t.numel() * t.element_size() for t in self.local)
+        self.written = self.bytes // world_size if args.layout == "ddp" else self.bytes   # its share of the state
+        self.planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=args.dedup_save_to_lowest_rank)
         with torch.no_grad():
             self.sums = torch.stack([t.double().sum() for t in self.local])
 
@@ -177,7 +189,7 @@ class _Side:
         """Seconds of save + the fsync pass, and of the fsync pass alone."""
         self.barrier()
         start = time.perf_counter()
-        self.dcp.save(self.state, checkpoint_id=directory)
+        self.dcp.save(self.state, checkpoint_id=directory, planner=self.planner)
         saved = time.perf_counter()
         _fsync_tree(directory)
         end = time.perf_counter()
@@ -204,7 +216,7 @@ class _Side:
         """Seconds async_save blocked, and until its future completed and the checkpoint was fsynced."""
         self.barrier()
         start = time.perf_counter()
-        future = self.dcp.async_save(self.state, checkpoint_id=directory)
+        future = self.dcp.async_save(self.state, checkpoint_id=directory, planner=self.planner)
         blocked = time.perf_counter() - start
         future.result()
         _fsync_tree(directory)
@@ -296,15 +308,15 @@ def _worker(names: list[str], rank: int, world_size: int, args: argparse.Namespa
         def evict(paths: list[str]) -> None:
             _evict(paths, args.drop_caches, rank)
 
-        source = memoryview(os.urandom(sides[0].bytes))
-        results: dict[str, Any] = {"disk": [], "bytes": sides[0].bytes, "params": sides[0].params,
-                                   **{side.name: {"bytes": side.bytes, "save": [], "fsync": [], "load_cold": [],
+        source = memoryview(os.urandom(sides[0].written))
+        results: dict[str, Any] = {"disk": [], "bytes": sides[0].written, "params": sides[0].params,
+                                   **{side.name: {"bytes": side.written, "save": [], "fsync": [], "load_cold": [],
                                                   "load_warm": [], "blocked": [], "async": [], "copy_fresh": [],
                                                   "copy_kept": [], "files": None} for side in sides}}
         for rep in range(args.repeats):
             rep_dir = os.path.join(base, f"rep{rep}")
             os.makedirs(rep_dir, exist_ok=True)
-            results["disk"].append(_disk(rank, barrier, rep_dir, sides[0].bytes, source, evict))
+            results["disk"].append(_disk(rank, barrier, rep_dir, sides[0].written, source, evict))
             order = sides if rep % 2 == 0 else sides[::-1]
             for side in order:
                 fresh, kept = side.host_copy()
@@ -359,6 +371,11 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--layout", choices=["fsdp", "ddp"], default="fsdp",
+                        help="FSDP2 (each rank holds half the state) or DDP (each holds all of it)")
+    parser.add_argument("--dedup-save-to-lowest-rank", action="store_true",
+                        help="both libraries' DefaultSavePlanner(dedup_save_to_lowest_rank=True): with --layout ddp, "
+                             "rank 0 writes the whole state")
     parser.add_argument("--train-steps", type=int, default=2, help="AdamW steps before the state is saved")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary checkpoint directory goes")
     parser.add_argument("--impls", type=lambda s: s.split(","), default=["spmd", "torch"],
@@ -389,9 +406,13 @@ def _report(args: argparse.Namespace, base: str, per_rank: list[dict[str, Any]])
     same_fs = os.stat(os.path.dirname(base)).st_dev == os.stat(REPO).st_dev
     cold = f"{DROP_CACHES} (the whole machine)" if args.drop_caches else "posix_fadvise(DONTNEED) on each file"
     print(f"GPT {args.layers}x{args.width}, {args.heads} heads, context {CONTEXT}, vocab {args.vocab}: "
-          f"{first['params'] / 1e6:.1f} M parameters; AdamW state after {args.train_steps} steps; FSDP2 on 2 ranks x "
-          f"1 thread; state {sum(shard_bytes) / 1e6:.0f} MB ({', '.join(f'{b / 1e6:.0f}' for b in shard_bytes)} MB "
-          f"per rank); {args.repeats} repetitions; medians; {machine_line()}")
+          f"{first['params'] / 1e6:.1f} M parameters; AdamW state after {args.train_steps} steps; "
+          f"{'FSDP2' if args.layout == 'fsdp' else 'DDP'} on 2 ranks x 1 thread"
+          f"{', writes to the lowest rank' if args.dedup_save_to_lowest_rank else ''}; state "
+          f"{sum(shard_bytes) / 1e6:.0f} MB ({', '.join(f'{b / 1e6:.0f}' for b in shard_bytes)} MB per rank"
+          f"{'; each holds all of it, and the disk reference writes this share' if args.layout == 'ddp' else ''}); "
+          f"{args.repeats} repetitions; "
+          f"medians; {machine_line()}")
     print(f"target {base} on {_filesystem(base)}; the repository's filesystem: {'yes' if same_fs else 'no'}; "
           f"cold reads after evicting with {cold}")
 
