@@ -6,8 +6,10 @@ test in real processes is in test_crash.py."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import sys
 from typing import Any
 
 import pytest
@@ -15,6 +17,7 @@ import safetensors.torch
 import torch
 
 import spmd.checkpoint as dcp
+import spmd.checkpoint.api as dcp_api
 from spmd._core.errors import CheckpointError
 from spmd.checkpoint.metadata import FORMAT_VERSION, METADATA_FILE
 from spmd.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -350,3 +353,37 @@ def test_async_save_in_one_process_keeps_its_host_buffers_for_the_next(tmp_path)
     state = {"w": torch.zeros(6)}
     dcp.load(state, checkpoint_id=str(tmp_path / "b"))
     assert torch.equal(state["w"], torch.arange(6.0) * 2)
+
+
+def test_save_and_load_run_no_garbage_collection_and_restore_the_collectors_state(tmp_path) -> None:
+    state = {"model": {f"layer{i}.w": torch.full((4,), float(i)) for i in range(2000)}, "step": 1}
+    collections: list[int] = []
+    inside: list[str] = []          # collections started within a save's or a load's work
+
+    def record(phase: str, info: dict[str, int]) -> None:
+        if phase != "start":
+            return
+        collections.append(info["generation"])
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_filename == dcp_api.__file__ and frame.f_code.co_name in ("_plan", "_write_and_commit",
+                                                                                          "run"):
+                inside.append(frame.f_code.co_name)
+            frame = frame.f_back
+
+    gc.callbacks.append(record)
+    try:
+        dcp.save(state, checkpoint_id=str(tmp_path / "a"))
+        dcp.load(state, checkpoint_id=str(tmp_path / "a"))
+        during = list(inside)
+        assert gc.isenabled()
+        dcp.async_save(state, checkpoint_id=str(tmp_path / "b")).result()     # its writing thread may collect
+        assert gc.isenabled()
+        gc.disable()
+        dcp.save(state, checkpoint_id=str(tmp_path / "c"))
+        assert not gc.isenabled()         # the user's choice stays
+    finally:
+        gc.enable()
+        gc.callbacks.remove(record)
+    assert during == []
+    assert collections, "the control: the test's own work between the calls collects"
