@@ -38,6 +38,7 @@ ALLOWED: dict[str, set[str]] = {
     "algorithms": {"_core", "_autograd", "comm", "device_mesh", "ddp", "fsdp"},
     "elastic": {"_core", "comm", "run"},
     "launch": {"_core", "comm", "run"},
+    "launcher": {"_core", "comm", "run"},
 }
 LAYER_4 = {"tensor.parallel", "ddp", "fsdp", "pipelining", "amp", "optim"}
 EXCEPTIONS: dict[str, set[str]] = {"spmd.checkpoint.state_dict": ALLOWED["checkpoint"] | LAYER_4}

@@ -208,3 +208,25 @@ def test_a_script_for_torchs_legacy_launcher_gets_its_local_rank_argument_under_
     assert outputs["torch"]["local_ranks"] == outputs["spmd"]["local_ranks"] == [0, 1]
     for key, value in outputs["torch"]["state"].items():
         torch.testing.assert_close(outputs["spmd"]["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+@pytest.mark.timeout(600)
+def test_a_job_launched_from_python_returns_what_torchs_launcher_api_returns(tmp_path: pathlib.Path) -> None:
+    source = (SCRIPTS / "elastic_launch_tutorial.py").read_text()
+    src = str(pathlib.Path(__file__).parents[1] / "src")
+    env = {**os.environ, **CPU_ONLY, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    returned = {}
+    for side, text in (("torch", source), ("spmd", port(source))):
+        (tmp_path / side).mkdir()
+        script = tmp_path / side / "elastic_launch_tutorial.py"
+        script.write_text(text)
+        _run_launcher([sys.executable, str(script), str(tmp_path / side / "out")], f"{side}.launcher", env,
+                      tmp_path / side)
+        returned[side] = torch.load(tmp_path / side / "out")
+    assert "from spmd.launcher.api import LaunchConfig, elastic_launch" in port(source)
+    assert sorted(returned["torch"]) == sorted(returned["spmd"]) == [0, 1]
+    for rank in (0, 1):
+        theirs, ours = returned["torch"][rank], returned["spmd"][rank]
+        assert (ours["rank"], ours["world_size"]) == (theirs["rank"], theirs["world_size"]) == (rank, 2)
+        for key, value in theirs["state"].items():
+            torch.testing.assert_close(ours["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)

@@ -120,8 +120,8 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "algorithms.ddp_comm_hooks.debugging_hooks", "algorithms.model_averaging.averagers",
                  "algorithms.model_averaging.utils",
                  "algorithms.model_averaging.hierarchical_model_averager", "algorithms._checkpoint.checkpoint_wrapper",
-                 "algorithms.join", "optim", "nn.functional", "elastic.multiprocessing.errors", "_tensor",
-                 "_composable.fsdp", "distributed_c10d", "_functional_collectives"]
+                 "algorithms.join", "optim", "nn.functional", "elastic.multiprocessing.errors", "launcher",
+                 "launcher.api", "_tensor", "_composable.fsdp", "distributed_c10d", "_functional_collectives"]
 
 
 def _api_names(module: object) -> list[str]:

@@ -30,7 +30,7 @@ from spmd._core.errors import StoreAuthError, StoreError
 from spmd.comm.store.base import HashStore, Store
 from spmd.comm.transports.shm.names import remove_orphan_segments
 from spmd.comm.transports.tcp.address import AddressChoice, choose_address
-from spmd.run.config import LaunchConfig, Std
+from spmd.run.config import EntryKind, LaunchConfig, Std
 from spmd.run.failure import WorkerFailure, format_summary, root_cause
 from spmd.run.process import Console, Watchdog, WorkerGroup, WorkerSpec
 from spmd.run.rendezvous import Coordinator, Heartbeat, NodeInfo, Outcome, RendezvousClient, Round
@@ -54,6 +54,11 @@ class Interrupted(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+def result_file(payload: str, rank: int) -> str:
+    """Where the worker of global `rank` of a CALLABLE launch pickles its return value: beside the payload."""
+    return os.path.join(os.path.dirname(payload), f"return_{rank}.pickle")
 
 
 def port_is_free(port: int) -> bool:
@@ -128,6 +133,8 @@ class Agent:
         self.watchdog: Watchdog | None = None
         self._raise_on_signal = True
         self._member = False  # whether this node is in the latest round (else it waits, and may leave alone)
+        self.outcome: Outcome | None = None  # how the job ended, once it has
+        self.last_ranks: list[int] = []  # the global ranks of this node's workers in the latest round it ran
         self._log_root, self._own_log_root = self._make_log_root()
 
     # ---- entry -------------------------------------------------------------------------------------------
@@ -165,8 +172,8 @@ class Agent:
 
     def _run(self) -> int:
         self._connect()
-        outcome = self._follow_rounds()
-        return self._report(outcome)
+        self.outcome = self._follow_rounds()
+        return self._report(self.outcome)
 
     # ---- rendezvous --------------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -328,6 +335,8 @@ class Agent:
                 "TORCHELASTIC_RESTART_COUNT": str(current.restart_count),
                 "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts), "TORCHELASTIC_RUN_ID": config.rdzv_id,
             })
+            if config.kind is EntryKind.CALLABLE:  # where the worker leaves its return value (launcher.api)
+                env["SPMD_RESULT_FILE"] = result_file(config.entrypoint, rank)
             if config.is_multinode:  # its workers publish the address it chose (spmd.comm.transports.tcp.address)
                 env["SPMD_SOCKET_ADDR"] = self.me.addr
                 env["SPMD_SOCKET_ADDR_FROM"] = self.address_source
@@ -340,6 +349,7 @@ class Agent:
                 stderr_log=os.path.join(attempt_dir, "stderr.log") if to_file & Std.ERR else None,
                 stdout_to_console=shown and not redirect & Std.OUT,
                 stderr_to_console=shown and not redirect & Std.ERR))
+        self.last_ranks = [spec.rank for spec in specs]
         return specs
 
     def _stop_workers(self, signum: int) -> None:

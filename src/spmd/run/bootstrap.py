@@ -5,7 +5,10 @@ Layer: run. The agent starts every worker as `python .../spmd/run/bootstrap.py K
 So this file imports the standard library only. It
   1. arms a parent-death signal, so the worker dies with its agent even if the agent is SIGKILLed;
   2. runs the user's script (`script`), module (`module`) or program (`binary`, by exec) with the argv, sys.path
-     and `__main__` it would have had when started directly;
+     and `__main__` it would have had when started directly; or (`callable`, spmd.launcher.api) a function and
+     its arguments read from the private file the launching process pickled them into, with that process's
+     sys.path (and its main script run again as `__mp_main__`, as multiprocessing's spawn does, for a function
+     defined there), the function's return value pickled into $SPMD_RESULT_FILE;
   3. on an uncaught exception, writes the exception and its traceback (the user's frames only) as JSON to
      $SPMD_ERROR_FILE, which the agent reads to report the failure; no decorator in the user's script.
 spmd.run.spawn reuses `set_parent_death_signal` and `write_error_file` for its own children.
@@ -21,11 +24,13 @@ if __name__ == "__main__":
 import ctypes
 import json
 import os
+import pickle
 import runpy
 import signal
 import socket
 import time
 import traceback
+import types
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -80,8 +85,31 @@ def write_error_file(path: str, error: BaseException, formatted: str, rank: int 
     os.replace(tmp, path)
 
 
+def _call(payload_path: str) -> None:
+    """The `callable` kind: the launching process's sys.path and main script, then the call, then its result."""
+    with open(payload_path, "rb") as file:
+        payload = pickle.load(file)  # written by this user's launching process into its private directory
+    sys.path[:] = payload["sys_path"]
+    main_path = payload["main_path"]
+    if main_path is not None:  # the function may live in the launching script's __main__
+        main = types.ModuleType("__mp_main__")
+        main.__file__ = main_path
+        sys.modules["__mp_main__"] = sys.modules["__main__"] = main
+        with open(main_path, "rb") as source:
+            exec(compile(source.read(), main_path, "exec"), main.__dict__)
+    fn, args = pickle.loads(payload["call"])
+    result = fn(*args)
+    path = os.environ["SPMD_RESULT_FILE"]
+    with open(f"{path}.tmp", "wb") as file:
+        pickle.dump(result, file)
+    os.replace(f"{path}.tmp", path)
+
+
 def _run(kind: str, target: str, args: list[str]) -> None:
     sys.argv = [target, *args]
+    if kind == "callable":
+        _call(target)
+        return
     if kind == "binary":
         os.execvp(target, sys.argv)
     if kind == "module":

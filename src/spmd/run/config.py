@@ -19,6 +19,7 @@ class EntryKind(enum.Enum):
     SCRIPT = "script"  # python <path> args
     MODULE = "module"  # python -m <module> args
     BINARY = "binary"  # <program> args (--no-python)
+    CALLABLE = "callable"  # a Python function and its arguments, pickled into a private file (launcher.api)
 
 
 class Std(enum.IntFlag):
@@ -104,7 +105,7 @@ class RendezvousTimeouts:
 class LaunchConfig:
     """One agent's launch: what to run, how many workers, and how nodes find each other."""
 
-    entrypoint: str  # script path, module name (MODULE) or program (BINARY)
+    entrypoint: str  # script path, module name (MODULE), program (BINARY) or the pickled call's file (CALLABLE)
     args: tuple[str, ...] = ()  # passed through to the entry point untouched
     kind: EntryKind = EntryKind.SCRIPT
     nproc_per_node: int = 1  # workers this agent runs
