@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import threading
 from typing import Any
 
 import pytest
@@ -37,7 +36,7 @@ from spmd.fsdp import fully_shard
 from spmd.tensor import DTensor, Replicate
 from spmd.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from spmd.tensor.placement import _StridedShard
-from spmd.testing import run_ranks
+from spmd.testing import run_ranks, seeded
 
 TIMEOUT = 60.0
 RTOL, ATOL = 1e-5, 1e-6
@@ -72,12 +71,10 @@ class Net(nn.Module):
         return self.head(self.norm(x)) * self.scale
 
 
-_BUILD_LOCK = threading.Lock()     # thread ranks share torch's global RNG: one seeds and draws at a time
 
 
 def build(seed: int = 0) -> Net:
-    with _BUILD_LOCK, torch.random.fork_rng():
-        torch.manual_seed(seed)
+    with seeded(seed):
         return Net()
 
 

@@ -27,7 +27,7 @@ from spmd.fsdp import (
 from spmd.fsdp import FullyShardedDataParallel as FSDP
 from spmd.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
 from spmd.tensor import DTensor
-from spmd.testing import run_ranks
+from spmd.testing import run_ranks, seeded
 
 STEPS = 3
 
@@ -55,8 +55,7 @@ class Net(nn.Module):
 
 
 def _net() -> Net:
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
+    with seeded(0):
         return Net()
 
 
@@ -297,11 +296,11 @@ class _Normed(nn.Module):
 
 def test_mixed_precision_computes_in_param_dtype_but_batchnorm_and_state_stay_full() -> None:
     def body(rank: int, size: int) -> dict:
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            model = FSDP(_Normed(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-                         mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                                        buffer_dtype=torch.bfloat16))
+        with seeded(0):
+            normed = _Normed()
+        model = FSDP(normed, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                     mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                    buffer_dtype=torch.bfloat16))
         seen = {}
 
         def record(name: str, module: nn.Module, args: tuple, out: Tensor) -> None:
@@ -336,8 +335,7 @@ def test_meta_init_sync_module_states_offload_and_ignored_modules() -> None:
         with torch.device("meta"):
             meta = Net()
         by_fn = FSDP(meta, param_init_fn=_halves, auto_wrap_policy=ModuleWrapPolicy({Block}))
-        with torch.random.fork_rng():
-            torch.manual_seed(rank)                   # different on each rank: sync_module_states fixes it
+        with seeded(rank):                   # different on each rank: sync_module_states fixes it
             diverged = Net()
         synced = FSDP(diverged, sync_module_states=True, cpu_offload=CPUOffload(offload_params=True),
                       backward_prefetch=None, forward_prefetch=True)
@@ -351,8 +349,7 @@ def test_meta_init_sync_module_states_offload_and_ignored_modules() -> None:
                 "inp_type": type(kept.module.inp.weight).__name__}
 
     results = run_ranks(body, 2, timeout=60)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
+    with seeded(0):
         rank0_net = Net().state_dict()
     for got in results:
         assert all(v.eq(0.5).all() for v in got["by_fn"].values())

@@ -29,7 +29,7 @@ from spmd.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
 from spmd.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from spmd.tensor.placement import _StridedShard, chunk_range
 from spmd.tensor.random import manual_seed
-from spmd.testing import run_ranks
+from spmd.testing import run_ranks, seeded
 
 TIMEOUT = 120.0
 STEPS = 3
@@ -99,8 +99,7 @@ class TinyLM(nn.Module):
 
 
 def build(kind: str, **kwargs: Any) -> nn.Module:
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
+    with seeded(0):
         return MLP(**kwargs) if kind == "mlp" else TinyLM(**kwargs)
 
 

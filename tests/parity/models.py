@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
+
+from spmd.testing import seeded
 
 
 class MLP(nn.Module):
@@ -119,13 +120,11 @@ class Reentrant(nn.Module):
         return self.head(x)
 
 
-_BUILD_LOCK = threading.Lock()
 
 
 def build(kind: str, seed: int = 0, **kwargs: object) -> nn.Module:
     """A model of `kind` initialized from `seed` (thread-safe: thread ranks build concurrently)."""
-    with _BUILD_LOCK, torch.random.fork_rng():
-        torch.manual_seed(seed)
+    with seeded(seed):
         return {"mlp": MLP, "cnn": CNN, "gpt": TinyGPT, "branchy": Branchy, "reentrant": Reentrant}[kind](**kwargs)
 
 

@@ -22,7 +22,7 @@ from spmd.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from spmd.pipelining.backward import backward_input
-from spmd.testing import run_ranks
+from spmd.testing import run_ranks, seeded
 from tests.pipelining.test_runtime import batch, build_stages, gpt, loss_fn
 
 
@@ -43,8 +43,7 @@ class Flops(TorchDispatchMode):
 
 def _gpt_tail() -> nn.Module:
     """A non-first stage: two blocks, the final norm and the head."""
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
+    with seeded(0):
         model = GPT(GPTConfig(vocab=32, context=8, layers=2, width=16, heads=2))
     return nn.Sequential(*model.blocks, model.ln, model.head)
 
@@ -104,8 +103,7 @@ class Shared(nn.Module):
 
 
 def test_shared_weights_and_outputs_without_inputs_get_the_full_backward_gradients() -> None:
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
+    with seeded(0):
         module, x = Shared(), torch.randn(4, 6)
 
     def grads(split: bool) -> tuple[Tensor, list[Tensor]]:

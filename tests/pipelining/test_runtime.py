@@ -36,7 +36,7 @@ from spmd.pipelining import (
     stage_to_rank,
 )
 from spmd.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule
-from spmd.testing import run_ranks
+from spmd.testing import run_ranks, seeded
 
 RTOL, ATOL = 1e-5, 1e-6
 TIMEOUT = 60.0
@@ -63,8 +63,7 @@ class GPTPart(nn.Module):
 
 
 def gpt(layers: int) -> GPT:
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
+    with seeded(0):
         return GPT(GPTConfig(vocab=VOCAB, context=CONTEXT, layers=layers, width=16, heads=2))
 
 

@@ -20,12 +20,11 @@ import spmd.comm.functional as functional
 from spmd.comm.world import current_world
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor, init_device_mesh
 from spmd.tensor.debug import CommCounts, CommDebugMode
-from spmd.testing import run_ranks
+from spmd.testing import run_ranks, seeded
 from spmd.testing.dtensor import make_dtensor
 
 TIMEOUT = 60
 FULL = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
-_BUILD_LOCK = threading.Lock()     # thread ranks share torch's global RNG
 
 
 def _counts(per_direction: CommCounts) -> dict[str, int]:
@@ -110,8 +109,7 @@ class MLP(nn.Module):
 def _tp_mlp(mesh) -> MLP:
     """fc1 column-wise (weight and bias Shard(0), replicated input made from the local one), fc2 row-wise
     (weight Shard(1), output all-reduced to Replicate), as torch's ColwiseParallel and RowwiseParallel."""
-    with _BUILD_LOCK, torch.random.fork_rng():
-        torch.manual_seed(0)
+    with seeded(0):
         model = MLP()
 
     def colwise(name: str, module: nn.Module, mesh) -> None:

@@ -1,5 +1,5 @@
 """Helpers for testing distributed code: run ranks as threads of one process (no library module imports this)."""
 
-from spmd.testing.ranks import run_ranks
+from spmd.testing.ranks import run_ranks, seeded
 
-__all__ = ["run_ranks"]
+__all__ = ["run_ranks", "seeded"]

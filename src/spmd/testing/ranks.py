@@ -6,11 +6,12 @@ HashStore), so spmd's public API works inside `fn` as it does under `spmdrun`.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -18,6 +19,18 @@ import torch
 from spmd.comm.group import ProcessGroup
 from spmd.comm.store.base import HashStore
 from spmd.comm.world import current_world, destroy_process_group, init_process_group
+
+_RNG_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """torch's global RNG seeded with `seed` for the block and restored after it, one thread at a time: thread
+    ranks share that RNG, so two ranks seeding and drawing at once interleave their draws and build different
+    models. Keep collectives out of the block (a rank holding it would wait for a rank waiting for it)."""
+    with _RNG_LOCK, torch.random.fork_rng():
+        torch.manual_seed(seed)
+        yield
 
 
 class _Run:

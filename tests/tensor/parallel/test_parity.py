@@ -8,7 +8,6 @@ same products in other orders (partial sums reduced across ranks), a few ulps pe
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
@@ -19,13 +18,12 @@ from spmd.device_mesh import init_device_mesh
 from spmd.fsdp import fully_shard
 from spmd.tensor import DTensor, Replicate, Shard, record_fallbacks
 from spmd.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
-from spmd.testing import run_ranks
+from spmd.testing import run_ranks, seeded
 from tests.tensor.parallel.plans import CONTEXT, VOCAB, Layout, build, parallelize
 
 STEPS = 3
 RTOL, ATOL = 1e-5, 1e-6
 TIMEOUT = 120.0
-_BUILD_LOCK = threading.Lock()    # thread ranks share torch's global RNG
 
 
 def batch(step: int, size: int = 4) -> tuple[Tensor, Tensor]:
@@ -35,8 +33,7 @@ def batch(step: int, size: int = 4) -> tuple[Tensor, Tensor]:
 
 
 def fresh(kind: str) -> nn.Module:
-    with _BUILD_LOCK, torch.random.fork_rng():
-        torch.manual_seed(0)
+    with seeded(0):
         return build(kind)
 
 
@@ -206,8 +203,7 @@ def test_a_shared_input_is_converted_again_when_it_changed() -> None:
     with requires_grad switched on, the next module converts it again (its gradient still arrives)."""
     def body(rank: int, size: int) -> None:
         mesh = init_device_mesh("cpu", (size,))
-        with _BUILD_LOCK, torch.random.fork_rng():
-            torch.manual_seed(0)
+        with seeded(0):
             a, b = nn.Linear(4, 6), nn.Linear(4, 6)
             x = torch.randn(3, 4)
         ref_b = copy.deepcopy(b)
@@ -232,8 +228,7 @@ def test_a_hidden_width_the_ranks_do_not_divide_trains_as_one_process(world_size
     3, 1): the column layer's local output is laid out with the row layer's in_features as its width, not the
     local width times the ranks, so losses and the full weights after SGD steps agree with one process."""
     def make() -> nn.Module:
-        with _BUILD_LOCK, torch.random.fork_rng():
-            torch.manual_seed(0)
+        with seeded(0):
             return nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 5))
 
     def run(model: nn.Module) -> tuple[list[float], dict[str, Tensor]]:

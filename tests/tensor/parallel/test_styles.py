@@ -4,8 +4,6 @@ meshes of the wrong dimension, dims too small to split, malformed plans."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from torch import Tensor, nn
@@ -22,17 +20,15 @@ from spmd.tensor.parallel import (
     parallelize_module,
 )
 from spmd.tensor.random import manual_seed
-from spmd.testing import run_ranks
+from spmd.testing import run_ranks, seeded
 
 TIMEOUT = 60.0
 
 
-_RNG_LOCK = threading.Lock()     # thread ranks share torch's global RNG
 
 
-def seeded(make, seed: int = 0) -> nn.Module:
-    with _RNG_LOCK, torch.random.fork_rng():
-        torch.manual_seed(seed)
+def built(make, seed: int = 0) -> nn.Module:
+    with seeded(seed):
         return make()
 
 
@@ -44,7 +40,7 @@ def on_ranks(fn, world_size: int = 2):
 
 def test_colwise_and_rowwise_embeddings_match_the_plain_lookup() -> None:
     ids = torch.tensor([[0, 5, 9, 3], [9, 9, 1, 0]])
-    table = seeded(lambda: nn.Embedding(10, 6))
+    table = built(lambda: nn.Embedding(10, 6))
     want = table(ids)
     want.sum().backward()
 
@@ -55,7 +51,7 @@ def test_colwise_and_rowwise_embeddings_match_the_plain_lookup() -> None:
                 (RowwiseParallel(input_layouts=Replicate(), use_local_output=False), Shard(0), Replicate()),
                 (RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
                  Shard(0), Shard(1))):
-            module = parallelize_module(seeded(lambda: nn.Embedding(10, 6)), mesh, style)
+            module = parallelize_module(built(lambda: nn.Embedding(10, 6)), mesh, style)
             assert module.weight.placements == (weight_layout,)
             y = module(ids)
             assert isinstance(y, DTensor) and y.placements == (output_layout,)
@@ -72,15 +68,15 @@ def test_linear_layouts_and_local_outputs() -> None:
     x = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(0))
 
     def body(mesh, rank: int) -> None:
-        up = parallelize_module(seeded(lambda: nn.Linear(8, 6)), mesh, ColwiseParallel())
+        up = parallelize_module(built(lambda: nn.Linear(8, 6)), mesh, ColwiseParallel())
         assert (up.weight.placements, up.bias.placements) == ((Shard(0),), (Shard(0),))
         hidden = up(x)
         assert type(hidden) is Tensor and hidden.shape == (3, 4, 3)       # this rank's output features
-        down = parallelize_module(seeded(lambda: nn.Linear(6, 8), 1), mesh, RowwiseParallel(use_local_output=False))
+        down = parallelize_module(built(lambda: nn.Linear(6, 8), 1), mesh, RowwiseParallel(use_local_output=False))
         assert (down.weight.placements, down.bias.placements) == ((Shard(1),), (Replicate(),))
         y = down(hidden)
         assert isinstance(y, DTensor) and y.placements == (Replicate(),)
-        plain_up, plain_down = seeded(lambda: nn.Linear(8, 6)), seeded(lambda: nn.Linear(6, 8), 1)
+        plain_up, plain_down = built(lambda: nn.Linear(8, 6)), built(lambda: nn.Linear(6, 8), 1)
         torch.testing.assert_close(y.full_tensor(), plain_down(plain_up(x)))
     on_ranks(body)
 
@@ -132,11 +128,11 @@ def test_wildcard_paths_the_empty_path_and_src_data_rank() -> None:
         return nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
 
     def body(mesh, rank: int) -> list[Tensor]:
-        model = seeded(make, seed=rank)                   # the ranks start from different values
+        model = built(make, seed=rank)                   # the ranks start from different values
         own = model[1][0].weight.detach().clone()
         parallelize_module(model, mesh, {"*.0": ColwiseParallel()})
         assert all(isinstance(model[i][0].weight, DTensor) for i in range(2))
-        other = seeded(make, seed=rank)
+        other = built(make, seed=rank)
         parallelize_module(other[1][0], mesh, {"": ColwiseParallel()}, src_data_rank=None)
         torch.testing.assert_close(other[1][0].weight.to_local(), own.chunk(2)[rank])   # kept its own values
         return [model[1][0].weight.full_tensor(), own]
@@ -185,8 +181,7 @@ def test_a_2d_mesh_is_refused_with_the_slice_to_use() -> None:
 
 def test_sequence_parallel_dropout_draws_the_one_process_mask() -> None:
     x = torch.randn(2, 8, 6, generator=torch.Generator().manual_seed(3))
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
+    with seeded(0):
         want = nn.functional.dropout(x, 0.5)
 
     def body(mesh, rank: int) -> Tensor:
