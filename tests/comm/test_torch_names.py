@@ -120,7 +120,8 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "algorithms.ddp_comm_hooks.debugging_hooks", "algorithms.model_averaging.averagers",
                  "algorithms.model_averaging.utils",
                  "algorithms.model_averaging.hierarchical_model_averager", "algorithms._checkpoint.checkpoint_wrapper",
-                 "algorithms.join", "optim", "nn.functional", "elastic.multiprocessing.errors", "launcher",
+                 "algorithms.join", "algorithms._comm_hooks", "algorithms._comm_hooks.default_hooks", "optim",
+                 "nn.functional", "elastic.multiprocessing.errors", "launcher",
                  "launcher.api", "_tensor", "_composable.fsdp", "distributed_c10d", "_functional_collectives"]
 
 

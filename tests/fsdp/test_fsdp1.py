@@ -444,3 +444,57 @@ def test_explicit_process_groups_lay_out_no_shard_hybrid_and_full_shard() -> Non
         assert meshes == [[[r] for r in mine], [[0, 1], [2, 3]], mine]
         pair_mean = sum(2.0 * r for r in mine) / 2
         assert grads == [pair_mean, 3.0, pair_mean]
+
+
+@pytest.mark.parametrize("strategy, hook", [(ShardingStrategy.FULL_SHARD, "reduce_scatter_hook"),
+                                            (ShardingStrategy.SHARD_GRAD_OP, "reduce_scatter_hook"),
+                                            (ShardingStrategy.NO_SHARD, "allreduce_hook"),
+                                            (ShardingStrategy.FULL_SHARD, "bf16_compress_hook")])
+def test_a_comm_hook_reduces_in_place_of_fsdps_collectives(strategy: ShardingStrategy, hook: str) -> None:
+    from spmd.algorithms._comm_hooks import default_hooks
+
+    calls: list[tuple[int, int | None]] = []
+
+    def counted(state, grad, output=None) -> None:       # the hook's arguments, then torch's default hook
+        calls.append((grad.numel(), None if output is None else output.numel()))
+        getattr(default_hooks, hook)(state, grad, *([] if output is None else [output]))
+
+    def body(rank: int, size: int) -> dict[str, Tensor]:
+        model = _wrap(sharding_strategy=strategy)
+        state = (default_hooks.LowPrecisionState(None) if "compress" in hook else default_hooks.DefaultState(None))
+        assert (state.gradient_predivide_factor, state.gradient_postdivide_factor) == (2.0, 2.0)   # 4 ranks
+        model.register_comm_hook(state, counted)
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        _train(model, opt, rank)
+        return model.state_dict()
+
+    want = _reference(4)
+    exact = "compress" not in hook
+    for got in run_ranks(body, 4, timeout=90):
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5 if exact else 2e-2, atol=1e-6 if exact else 2e-2,
+                                       msg=key)
+    units = 3                                             # two Block units and the root
+    assert len(calls) == 4 * STEPS * units
+    for grad_numel, output_numel in calls:
+        if strategy is ShardingStrategy.NO_SHARD:
+            assert output_numel is None
+        else:
+            assert grad_numel == 4 * output_numel         # the flat gradient of the unit, and one rank's quarter
+
+
+def test_a_second_comm_hook_and_the_hybrid_strategies_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spmd.algorithms._comm_hooks import default_hooks
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+
+    def body(rank: int, size: int) -> None:
+        model = _wrap()
+        model.register_comm_hook(default_hooks.DefaultState(None), default_hooks.reduce_scatter_hook)
+        with pytest.raises(RuntimeError, match=r"already registered; register one, once"):
+            model.register_comm_hook(default_hooks.DefaultState(None), default_hooks.reduce_scatter_hook)
+        hybrid = _wrap(sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+        with pytest.raises(NotImplementedError, match=r"not served with HYBRID_SHARD"):
+            hybrid.register_comm_hook(default_hooks.DefaultState(None), default_hooks.reduce_scatter_hook)
+
+    run_ranks(body, 2, timeout=60)

@@ -16,6 +16,7 @@ rank's padded pieces end to end, again parameter after parameter.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -81,13 +82,19 @@ class ReduceScatter:
     input: Tensor
     output: Tensor
     params: list[FSDPParam]
+    reduced: bool = False      # a custom reduction made `output` final (no replicate all-reduce, no division)
+
+
+CustomReduce = Callable[[Tensor, Tensor], None]
+"""A group's own gradient reduction: (flat rank-major unsharded gradients, this rank's output shard) -> None,
+writing the reduced, divided shard into the output (FSDP1's register_comm_hook)."""
 
 
 def start_reduce_scatter(params: list[FSDPParam], dtype: torch.dtype, device: torch.device,
-                         group: ProcessGroup) -> ReduceScatter:
+                         group: ProcessGroup, custom: CustomReduce | None = None) -> ReduceScatter:
     """Move the unsharded gradients of `params` into one rank-major buffer (cast to `dtype`, padding zeroed; each
     gradient is dropped once copied, so the two never both hold the whole group) and issue its SUM
-    reduce-scatter over `group`."""
+    reduce-scatter over `group`, or run `custom` on it (which finishes the reduction itself)."""
     piece_numels = [param.padded_numel for param in params]
     flat = torch.empty(group.size(), sum(piece_numels), dtype=dtype, device=device)
     with torch.no_grad():
@@ -96,6 +103,9 @@ def start_reduce_scatter(params: list[FSDPParam], dtype: torch.dtype, device: to
             if param.unsharded_param is not None:
                 param.unsharded_param.grad = None
     output = flat.new_empty(sum(piece_numels))
+    if custom is not None:
+        custom(flat.view(-1), output)
+        return ReduceScatter(None, flat, output, params, reduced=True)
     work = reduce_scatter_tensor(output, flat.view(-1), ReduceOp.SUM, group=group, async_op=True)
     return ReduceScatter(work, flat, output, params)
 
@@ -107,10 +117,10 @@ def finish_reduce_scatter(reduction: ReduceScatter, replicate_group: ProcessGrou
     if reduction.work is not None:
         reduction.work.wait()
     output = reduction.output
-    if replicate_group is not None and replicate_group.size() > 1:
+    if replicate_group is not None and replicate_group.size() > 1 and not reduction.reduced:
         all_reduce(output, ReduceOp.SUM, group=replicate_group)
     with torch.no_grad():
-        if divide_factor != 1:
+        if divide_factor != 1 and not reduction.reduced:
             output.div_(divide_factor)
         pieces = output.split([param.padded_numel for param in reduction.params])
         for param, piece in zip(reduction.params, pieces, strict=True):

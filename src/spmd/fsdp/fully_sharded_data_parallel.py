@@ -184,6 +184,30 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
         finally:
             self.set_requires_gradient_sync(True)
 
+    def register_comm_hook(self, state: object, hook: Callable[..., None]) -> None:
+        """Reduce gradients with `hook` instead of FSDP's collectives, in this wrapper and every one inside it:
+        `hook(state, grad)` for NO_SHARD (averages the flat gradient in place), `hook(state, grad, output)` for
+        the sharded strategies (writes this rank's shard of the average; the flat gradient is rank-major: rank r's
+        shard is its r-th equal part). The hook divides (the default hooks in algorithms._comm_hooks do); once
+        per wrapper, not with the hybrid strategies (as torch)."""
+        wrappers = FullyShardedDataParallel.fsdp_modules(self)
+        for wrapper in wrappers:
+            if wrapper.sharding_strategy in _HYBRID:
+                raise NotImplementedError(f"FullyShardedDataParallel.register_comm_hook: communication hooks are "
+                                          f"not served with {wrapper.sharding_strategy.name} (nor in torch)")
+            group = state_of(wrapper).group
+            if group is not None and group.custom_reduce is not None:
+                raise RuntimeError("FullyShardedDataParallel.register_comm_hook: a communication hook is already "
+                                   "registered; register one, once, on the root wrapper")
+        for wrapper in wrappers:
+            group = state_of(wrapper).group
+            if group is None:
+                continue
+            if wrapper.sharding_strategy is ShardingStrategy.NO_SHARD:
+                group.custom_reduce = functools.partial(_replicated_hook, state, hook)
+            else:
+                group.custom_reduce = functools.partial(hook, state)
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Scale the gradients so their total `norm_type` norm over all ranks is at most `max_norm`; returns that
@@ -375,6 +399,12 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
 
 
 # -- construction --------------------------------------------------------------------------------------------
+
+def _replicated_hook(state: object, hook: Callable[..., None], grad: Tensor, output: Tensor) -> None:
+    """NO_SHARD's hook in a group's reduction: a shard group of one rank, so the output is the whole gradient."""
+    hook(state, grad)
+    output.copy_(grad)
+
 
 def _check_arguments(module: nn.Module, strategy: ShardingStrategy, process_group: Any,
                      device_mesh: DeviceMesh | None, mixed_precision: MixedPrecision | None,

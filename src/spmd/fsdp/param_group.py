@@ -18,6 +18,7 @@ from spmd.comm.group import ProcessGroup
 from spmd.device_mesh import DeviceMesh
 from spmd.fsdp.collectives import (
     AllGather,
+    CustomReduce,
     ReduceScatter,
     finish_all_gather,
     finish_reduce_scatter,
@@ -88,6 +89,7 @@ class FSDPParamGroup:
         self.requires_gradient_sync = True
         self.divide_factor: float = float(mesh.mesh.numel())   # average over every data-parallel rank
         self.reductions = PendingReductions()                  # replaced by the root's at lazy init
+        self.custom_reduce: CustomReduce | None = None         # FSDP1's comm hook, in place of the collectives
         self._unsharded: Tensor | None = None                  # parameter-major buffer (see Note: the flat layouts)
         self._gather: AllGather | None = None
         self._post_forward_pieces: Tensor | None = None
@@ -218,7 +220,8 @@ class FSDPParamGroup:
             self.reshard()                   # first: the reduction needs the gradients, not the parameters
         if reduce and any(param.unsharded_grad() is not None for param in self.grad_params):
             self.reductions.finish_all()     # bounds memory: at most one group's reduction stays in flight
-            reduction = start_reduce_scatter(self.grad_params, self.reduce_dtype, self.device, self.shard_group)
+            reduction = start_reduce_scatter(self.grad_params, self.reduce_dtype, self.device, self.shard_group,
+                                             self.custom_reduce)
             self.reductions.push(self, reduction)
         self._late_grads = False
         self.backward_state = BackwardState.REDUCED
