@@ -29,7 +29,7 @@ def port(source: str) -> str:
 
 
 TUTORIALS = ["ddp_tutorial.py", "collectives_tutorial.py", "fsdp2_tutorial.py", "fsdp1_tutorial.py", "tp_tutorial.py",
-             "pipelining_tutorial.py", "zero_tutorial.py", "join_tutorial.py"]
+             "pipelining_tutorial.py", "zero_tutorial.py", "join_tutorial.py", "fsdp1_comm_hook_tutorial.py"]
 # spmdrun runs the ports in one job, one after another in the same workers, each as its own `__main__` with
 # its output prefix as argv[1] (each destroys its world and the next initializes a new one), so their launch and
 # imports are paid once. torch's launcher gets a job per tutorial: under one torchrun store, gloo's next default
@@ -187,6 +187,16 @@ def test_join_tutorial_trains_and_counts_as_under_torch(launched: dict) -> None:
     for key, value in got["plain"].items():
         torch.testing.assert_close(got["zero"][key], value, rtol=1e-5, atol=1e-6, msg=key)
     assert any(not torch.allclose(expected["zero"][key], value) for key, value in expected["plain"].items())
+
+
+@pytest.mark.timeout(600)
+def test_fsdp1_comm_hook_tutorial_trains_the_same_weights_as_under_torch(launched: dict) -> None:
+    torch_out, spmd_out = launched["fsdp1_comm_hook_tutorial.py"]
+    expected, got = torch.load(torch_out), torch.load(spmd_out)
+    for run in ("reduce_scatter", "allreduce"):
+        assert expected[run].keys() == got[run].keys()
+        for key, value in expected[run].items():
+            torch.testing.assert_close(got[run][key], value, rtol=1e-6, atol=1e-7, msg=(run, key))
 
 
 @pytest.mark.timeout(600)
