@@ -24,6 +24,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "spmd._core.errors": ("DistBackendError", "DistError", "DistStoreError"),
     "spmd.comm.breakpoint": ("breakpoint",),
+    "spmd.comm.debug": ("DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env"),
     "spmd.comm.group": ("NonMemberGroup", "ProcessGroup"),
     "spmd.comm.objects": ("all_gather_object", "broadcast_object_list", "gather_object", "recv_object_list",
                           "scatter_object_list", "send_object_list"),

@@ -34,6 +34,7 @@ from spmd.comm.collectives import (
     reduce_scatter_tensor,
     scatter,
 )
+from spmd.comm.debug import DebugLevel, get_debug_level
 from spmd.comm.group import NonMemberGroup, ProcessGroup
 from spmd.comm.objects import (
     all_gather_object,
@@ -78,6 +79,7 @@ __all__ = [
     "SHRINK_ABORT",
     "SHRINK_DEFAULT",
     "Backend",
+    "DebugLevel",
     "DistStoreError",
     "FileStore",
     "GroupMember",
@@ -109,6 +111,7 @@ __all__ = [
     "gather",
     "gather_object",
     "get_backend",
+    "get_debug_level",
     "get_default_backend_for_device",
     "get_global_rank",
     "get_group_rank",

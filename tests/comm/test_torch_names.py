@@ -22,8 +22,6 @@ NOT_SERVED = {   # torch name -> why spmd has none
                      "BackendConfig", "get_backend_config", "ProcessGroupGloo", "Reducer", "Logger",
                      "BuiltinCommHookType"],
                     "an object of torch's C++ c10d backends; spmd's groups and DDP take no options objects"),
-    **dict.fromkeys(["DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env"],
-                    "spmd's checks (mismatched collectives, the flight recorder) are always on: no level to set"),
     "DistNetworkError": "network failures raise PeerLostError / PeerUnreachableError (DistBackendError) or a "
                         "StoreError (DistStoreError)",
     "QueueEmptyError": "spmd's stores have no queue API",
@@ -235,3 +233,22 @@ def test_split_group_splits_the_parent_by_its_group_ranks() -> None:
 
     results = run_ranks(body, 4, timeout=60, backend="tcp")
     assert results == [[[0, 1], 1.0, "tcp"], [[0, 1], 1.0, "tcp"], [[2, 3], 5.0, "tcp"], [[2, 3], 5.0, "tcp"]]
+
+
+def test_the_debug_level_is_torchs_and_read_from_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spmd.comm import debug
+
+    monkeypatch.setattr(debug, "_debug_level", [])
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "detail")
+    assert spmd.get_debug_level() is spmd.DebugLevel.DETAIL
+    assert list(spmd.DebugLevel.__members__) == list(torch_dist.DebugLevel.__members__)
+    spmd.set_debug_level(spmd.DebugLevel.INFO)
+    assert spmd.get_debug_level() is spmd.DebugLevel.INFO
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "LOUD")
+    with pytest.raises(ValueError, match=r"TORCH_DISTRIBUTED_DEBUG='LOUD' is not a debug level; use OFF, INFO"):
+        spmd.set_debug_level_from_env()
+    with pytest.raises(TypeError, match=r"takes a DebugLevel"):
+        spmd.set_debug_level("DETAIL")
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG")
+    spmd.set_debug_level_from_env()
+    assert spmd.get_debug_level() is spmd.DebugLevel.OFF

@@ -1,4 +1,5 @@
-"""Always-on diagnostics: call fingerprints, the per-group flight recorder, and stuck-collective reports.
+"""Always-on diagnostics: call fingerprints, the per-group flight recorder, and stuck-collective reports; and
+torch's debug level (DebugLevel), which they do not depend on.
 
 Layer: comm.
 
@@ -246,3 +247,41 @@ def describe_stragglers(group_name: str, group_ranks: list[int], mine: Fingerpri
             lines.append(f"rank {rank} last {last['state']} {last['op']} #{last['seq']} called at "
                          f"{last['call_site']}, {now - (last['finished_at'] or now):.1f}s ago")
     return missing, lines
+
+
+# -- torch's debug level ----------------------------------------------------------------------------------------
+
+class DebugLevel(enum.Enum):
+    """torch's TORCH_DISTRIBUTED_DEBUG levels. spmd's checks (fingerprints, flight recorder, stuck-collective
+    reports, DDP's unused-parameter names) run at every level, what torch turns on with DETAIL included: the
+    level is kept for code that reads or sets it."""
+
+    OFF = 0
+    INFO = 1
+    DETAIL = 2
+
+
+_DEBUG_ENV = "TORCH_DISTRIBUTED_DEBUG"
+_debug_level: list[DebugLevel] = []     # set from the environment at the first get, or by set_debug_level
+
+
+def get_debug_level() -> DebugLevel:
+    """The debug level: set_debug_level's, else TORCH_DISTRIBUTED_DEBUG's (OFF when unset)."""
+    if not _debug_level:
+        set_debug_level_from_env()
+    return _debug_level[0]
+
+
+def set_debug_level(level: DebugLevel) -> None:
+    if not isinstance(level, DebugLevel):
+        raise TypeError(f"spmd.set_debug_level: takes a DebugLevel (OFF, INFO, DETAIL), got {level!r}")
+    _debug_level[:] = [level]
+
+
+def set_debug_level_from_env() -> None:
+    """The level TORCH_DISTRIBUTED_DEBUG names (OFF, INFO or DETAIL, any case; unset: OFF)."""
+    text = os.environ.get(_DEBUG_ENV, "OFF").strip().upper() or "OFF"
+    if text not in DebugLevel.__members__:
+        raise ValueError(f"spmd: {_DEBUG_ENV}={os.environ[_DEBUG_ENV]!r} is not a debug level; use OFF, INFO or "
+                         f"DETAIL")
+    set_debug_level(DebugLevel[text])
