@@ -43,9 +43,14 @@ for script, out in zip(sys.argv[1::2], sys.argv[2::2]):
 """
 
 
-def _launch(launcher: str, directory: pathlib.Path, names: list[str]) -> None:
+def _script_env() -> dict[str, str]:
+    """The environment a script runs in: CPU only, and this checkout's spmd first on the path."""
     src = str(pathlib.Path(__file__).parents[1] / "src")
-    env = {**os.environ, **CPU_ONLY, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    return {**os.environ, **CPU_ONLY, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+
+
+def _launch(launcher: str, directory: pathlib.Path, names: list[str]) -> None:
+    env = _script_env()
     (directory / "in_turn.py").write_text(IN_TURN)
     scripts = [str(arg) for name in names for arg in (directory / name, directory / f"{name}.out")]
     _run_launcher([sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", "in_turn.py", *scripts],
@@ -203,8 +208,7 @@ def test_fsdp1_comm_hook_tutorial_trains_the_same_weights_as_under_torch(launche
 def test_a_script_for_torchs_legacy_launcher_gets_its_local_rank_argument_under_spmd_launch(
         tmp_path: pathlib.Path) -> None:
     source = (SCRIPTS / "legacy_launch_tutorial.py").read_text()
-    src = str(pathlib.Path(__file__).parents[1] / "src")
-    env = {**os.environ, **CPU_ONLY, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    env = _script_env()
     outputs = {}
     for side, launcher, text in (("torch", "torch.distributed.launch", source),
                                  ("spmd", port("torch.distributed.launch"), port(source))):
@@ -223,8 +227,7 @@ def test_a_script_for_torchs_legacy_launcher_gets_its_local_rank_argument_under_
 @pytest.mark.timeout(600)
 def test_a_job_launched_from_python_returns_what_torchs_launcher_api_returns(tmp_path: pathlib.Path) -> None:
     source = (SCRIPTS / "elastic_launch_tutorial.py").read_text()
-    src = str(pathlib.Path(__file__).parents[1] / "src")
-    env = {**os.environ, **CPU_ONLY, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    env = _script_env()
     returned = {}
     for side, text in (("torch", source), ("spmd", port(source))):
         (tmp_path / side).mkdir()
