@@ -1,13 +1,15 @@
 """Context parallelism (torch's `tensor.experimental.context_parallel`): attention over a sequence split across
-ranks matches attention over the whole sequence in one process, forward and backward, for causal and full
-attention, the head-tail deal and the plain one, grouped-query heads and nn.MultiheadAttention; a small causal
-transformer trained with CP (and DDP over the CP ranks) matches training on the whole sequence; buffers are
-sliced and restored; bad arguments raise before anything is sent. torch's own CP has no CPU attention kernel
-(it serves flash, efficient and cuDNN attention only), so the single-process run is the oracle."""
+ranks matches attention over the whole sequence in one process, forward and backward, with the blocks gathered
+and passed around the ring, for causal and full attention, the head-tail deal and the plain one, grouped-query
+heads and nn.MultiheadAttention; a small causal transformer trained with CP (and DDP over the CP ranks) matches
+training on the whole sequence; buffers are sliced and restored; bad arguments raise before anything is sent.
+torch's own CP has no CPU attention kernel (it serves flash, efficient and cuDNN attention only), so the
+single-process run is the oracle."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -46,10 +48,21 @@ def _sharded_attention(mesh, tensors: list[torch.Tensor], grad: torch.Tensor, **
         return context_parallel_unshard(mesh, [out.detach(), *(leaf.grad for leaf in leaves)], [2] * 4)
 
 
-@pytest.mark.parametrize(("ranks", "seq", "causal"), [(2, 8, True), (4, 16, True), (2, 6, True), (2, 8, False),
-                                                      (4, 12, False)])
-def test_attention_over_a_split_sequence_matches_the_whole(ranks: int, seq: int, causal: bool) -> None:
-    # seq 6 over 2 ranks does not split into 4 chunks: the plain deal (rank r holds the r-th slice).
+@pytest.fixture(params=["allgather", "alltoall"])
+def rotate_method(request) -> Iterator[str]:
+    """Each test that takes it runs once with the gathered blocks and once with the ring pass."""
+    set_rotate_method(request.param)
+    try:
+        yield request.param
+    finally:
+        set_rotate_method("allgather")
+
+
+@pytest.mark.parametrize(("ranks", "seq", "causal"), [(2, 8, True), (4, 16, True), (3, 12, True), (2, 6, True),
+                                                      (3, 9, True), (2, 8, False), (4, 12, False)])
+def test_attention_over_a_split_sequence_matches_the_whole(ranks: int, seq: int, causal: bool,
+                                                           rotate_method: str) -> None:
+    # seq 6 over 2 ranks and 9 over 3 do not split into 2n chunks: the plain deal (rank r holds the r-th slice).
     tensors = _qkv(seq)
     grad = torch.randn(2, 2, seq, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     out, grads = _reference(tensors, grad, is_causal=causal)
@@ -59,7 +72,7 @@ def test_attention_over_a_split_sequence_matches_the_whole(ranks: int, seq: int,
         torch.testing.assert_close(got[1:], grads)
 
 
-def test_grouped_query_heads_a_scale_and_load_balance_off_match_the_whole() -> None:
+def test_grouped_query_heads_a_scale_and_load_balance_off_match_the_whole(rotate_method: str) -> None:
     tensors = _qkv(8, heads=4, kv_heads=2)
     grad = torch.randn(2, 4, 8, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     kwargs = {"is_causal": True, "scale": 0.3, "enable_gqa": True}
@@ -142,7 +155,7 @@ def _train(model: nn.Module, step_fn) -> tuple[list[float], list[torch.Tensor]]:
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
-def test_training_a_causal_transformer_with_context_parallel_matches_the_whole_sequence() -> None:
+def test_training_a_causal_transformer_with_context_parallel_matches_the_whole_sequence(rotate_method: str) -> None:
     def whole(model, inputs, labels) -> float:
         positions = torch.arange(16).expand(2, 16)
         loss = F.cross_entropy(model(inputs, positions).flatten(0, 1), labels.flatten())
@@ -213,6 +226,11 @@ def test_bad_arguments_raise_before_anything_is_sent() -> None:
                 F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
             with pytest.raises(ValueError, match="same slice of one sequence"):
                 F.scaled_dot_product_attention(q, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
+            with pytest.raises(NotImplementedError, match=r"dropout_p=0\.1 is not served"):
+                F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+            grouped = torch.zeros(1, 2, 4, 2)
+            with pytest.raises(ValueError, match="need enable_gqa=True"):
+                F.scaled_dot_product_attention(grouped, q, q)
         assert x.shape == (1, 8)
 
     run_on_mesh((2,), body, timeout=TIMEOUT)
@@ -223,6 +241,5 @@ def test_bad_arguments_raise_before_anything_is_sent() -> None:
                 pass
 
     run_on_mesh((2, 2), two_d, timeout=TIMEOUT)
-    with pytest.raises(NotImplementedError, match="'alltoall' is not served"):
-        set_rotate_method("alltoall")
-    set_rotate_method("allgather")
+    with pytest.raises(NotImplementedError, match=r"'ring' is not one of \['allgather', 'alltoall'\]"):
+        set_rotate_method("ring")

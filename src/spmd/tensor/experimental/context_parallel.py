@@ -3,22 +3,22 @@ holding a slice of every sequence-shaped buffer, while `scaled_dot_product_atten
 whole sequence.
 
 Layer: tensor. Inside the context, each call of `torch.nn.functional.scaled_dot_product_attention` on this rank
-gathers K and V from the mesh's ranks (one all-gather of both, whose backward reduce-scatters dK and dV) and
-attends this rank's queries to them; every other op runs on the local slice, as it should for a position-wise
-model. With a causal mask the sequence is dealt out head-tail (rank r holds chunks r and 2n-1-r of 2n), so
-each rank attends to about as many keys as every other, and each query chunk is computed against only the
-keys it can see.
+runs ring attention (tensor.ring_attention): this rank's queries attend to every rank's key/value block in turn,
+the blocks fetched by one all-gather ("allgather", torch's default) or passed around the ring ("alltoall",
+`set_rotate_method`), and merged by their log-sum-exps; every other op runs on the local slice, as it should
+for a position-wise model. With a causal mask the sequence is dealt out head-tail (rank r holds chunks r and
+2n-1-r of 2n), so each rank attends to about as many keys as every other, and each query chunk is computed
+against only the keys it can see.
 
 Note (the protocol): every rank of the mesh enters the context with the same buffers' shapes and calls the
-attention the same number of times in the same order, as for any collective; each call is one all-gather
-forward and one reduce-scatter backward over the mesh's group.
+attention the same number of times in the same order, as for any collective (tensor.ring_attention's Note says
+what each call sends).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import threading
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -28,37 +28,34 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spmd.comm.functional import all_gather_fwd_reduce_scatter_bwd, all_gathered
+from spmd.comm.functional import all_gathered
 from spmd.device_mesh import DeviceMesh
 from spmd.tensor.api import DTensor
+from spmd.tensor.ring_attention import (
+    ContextParallelOptions,
+    RingLayout,
+    RotateMethod,
+    cp_options,
+    ring_attention,
+)
 
 __all__ = ["context_parallel", "context_parallel_unshard", "set_rotate_method"]
 
 
-class _RotateMethod(enum.Enum):
-    """How K and V reach every rank: one all-gather (torch's default, the one spmd serves)."""
-
-    ALL_GATHER = "allgather"
-
-
-@dataclasses.dataclass
-class _ContextParallelOptions:
-    """Process-wide options, at torch's name (`_cp_options`): whether causal sequences are dealt out head-tail."""
-
-    enable_load_balance: bool = True
-    rotate_method: _RotateMethod = _RotateMethod.ALL_GATHER
-
-
-_cp_options = _ContextParallelOptions()
+_RotateMethod = RotateMethod
+_ContextParallelOptions = ContextParallelOptions
+_cp_options = cp_options
 
 
 def set_rotate_method(rotate_method: str) -> None:
-    """Choose how K and V travel between ranks. spmd gathers them in one all-gather ("allgather", torch's
-    default); torch's "alltoall" ring, which trades that for a step per rank, is not served."""
-    if rotate_method != _RotateMethod.ALL_GATHER.value:
-        raise NotImplementedError(f"spmd: context parallel rotate method {rotate_method!r} is not served; "
-                                  f"spmd gathers K and V once ('allgather', torch's default)")
-    _cp_options.rotate_method = _RotateMethod.ALL_GATHER
+    """Choose how key/value blocks travel between ranks: "allgather" (torch's default: one all-gather, every
+    rank holds the whole sequence's keys for a moment) or "alltoall" (a ring pass, one block per step
+    overlapped with the attention: memory of two blocks)."""
+    methods = {method.value: method for method in RotateMethod}
+    if rotate_method not in methods:
+        raise NotImplementedError(f"spmd: context parallel rotate method {rotate_method!r} is not one of "
+                                  f"{sorted(methods)}")
+    cp_options.rotate_method = methods[rotate_method]
 
 
 class _HeadTailLoadBalancer:
@@ -83,7 +80,7 @@ class _HeadTailLoadBalancer:
 def _default_load_balancer(seq_length: int, world_size: int,
                            device: str | torch.device) -> _HeadTailLoadBalancer | None:
     """torch's rule: head-tail when load balancing is on and the length divides into 2 * world_size chunks."""
-    if _cp_options.enable_load_balance and seq_length % (2 * world_size) == 0:
+    if cp_options.enable_load_balance and seq_length % (2 * world_size) == 0:
         return _HeadTailLoadBalancer(seq_length, world_size, device)
     return None
 
@@ -102,43 +99,24 @@ _active: ContextVar[_Sharding | None] = ContextVar("spmd_context_parallel", defa
 def _cp_attention(original: Callable[..., Tensor], sharding: _Sharding, query: Tensor, key: Tensor,
                   value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                   scale: float | None = None, enable_gqa: bool = False) -> Tensor:
-    """`original` SDPA on this rank's queries against the whole sequence's keys and values."""
-    group = sharding.mesh.get_group()
-    rank, world_size = sharding.mesh.get_local_rank(), sharding.mesh.size()
+    """Ring attention of this rank's queries against the whole sequence's keys and values (`original`, torch's
+    own function, is not needed: the blocks run on torch's fused kernels)."""
+    rank = sharding.mesh.get_local_rank()
     where = f"spmd: context_parallel scaled_dot_product_attention on mesh rank {rank}"
     if any(isinstance(t, DTensor) for t in (query, key, value)):
         raise TypeError(f"{where}: takes local tensors (this rank's sequence slice), not DTensors")
     if attn_mask is not None:
         raise NotImplementedError(f"{where}: an explicit attn_mask is not served (it would have to be sharded "
                                   f"like the sequence); use is_causal=True")
-    if not (query.shape[-2] == key.shape[-2] == value.shape[-2]) or key.shape[:-1] != value.shape[:-1]:
-        raise ValueError(f"{where}: query, key and value must hold the same slice of one sequence (seq dim -2); "
-                         f"got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-    local = query.shape[-2]
-    key_dim = key.shape[-1]
-    kv = all_gather_fwd_reduce_scatter_bwd(torch.cat([key, value], dim=-1).contiguous(), key.dim() - 2, group)
-    keys, values = kv[..., :key_dim], kv[..., key_dim:]
-
-    def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        return original(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
-
-    if not is_causal:
-        return attend(query, keys, values, None)   # softmax over all keys: their order does not matter
-    seq = local * world_size
-    if sharding.head_tail:
-        restore = _HeadTailLoadBalancer(seq, world_size, kv.device)._generate_indices(restore=True)[0]
-        keys, values = keys.index_select(-2, restore), values.index_select(-2, restore)
-        chunk = local // 2
-        starts = [rank * chunk, (2 * world_size - 1 - rank) * chunk]
-        pieces = [query[..., :chunk, :], query[..., chunk:, :]]
-    else:
-        starts, pieces = [rank * local], [query]
-    outs = []
-    for start, piece in zip(starts, pieces, strict=True):
-        length = piece.shape[-2]
-        visible = torch.ones(length, start + length, dtype=torch.bool, device=query.device).tril(start)
-        outs.append(attend(piece, keys[..., :start + length, :], values[..., :start + length, :], visible))
-    return torch.cat(outs, dim=-2) if len(outs) > 1 else outs[0]
+    if dropout_p:
+        raise NotImplementedError(f"{where}: dropout_p={dropout_p} is not served (attention runs block by "
+                                  f"block); train with attention dropout 0, as long-context models do")
+    if query.shape[-3] != key.shape[-3] and not enable_gqa:
+        raise ValueError(f"{where}: {query.shape[-3]} query heads and {key.shape[-3]} key/value heads need "
+                         f"enable_gqa=True, as in torch")
+    layout = RingLayout(sharding.mesh.get_group(), is_causal, sharding.head_tail, scale, cp_options.rotate_method)
+    layout.check(query, key, value, where)
+    return ring_attention(layout, query, key, value)
 
 
 class _SdpaPatch:
