@@ -34,6 +34,8 @@ ALLOWED: dict[str, set[str]] = {
     "distributed_c10d": {"_core", "comm"},
     "_functional_collectives": {"_core", "comm", "device_mesh", "nn"},
     "_tensor": {"_core", "comm", "device_mesh", "tensor"},
+    "tensor.experimental._attention": {"_core", "comm", "device_mesh", "tensor", "tensor.parallel"},
+    "tensor.experimental._context_parallel": {"_core", "comm", "device_mesh", "tensor", "tensor.parallel"},
     "_composable": {"_core", "_autograd", "comm", "device_mesh", "tensor", "fsdp"},
     "algorithms": {"_core", "_autograd", "comm", "device_mesh", "ddp", "fsdp"},
     "elastic": {"_core", "comm", "run"},

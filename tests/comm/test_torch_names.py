@@ -93,20 +93,23 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
                         "collectives run eagerly (a graph break)"),
     },
     "tensor.experimental._attention": {
-        **dict.fromkeys(["_CausalBehavior", "_is_causal_behavior", "_templated_ring_attention", "_ContextParallel",
-                         "_context_parallel_shard", "_enable_context_parallel_dispatcher",
-                         "_disable_context_parallel_dispatcher"],
-                        "internals of torch's ring attention and its DTensor dispatch; spmd's context_parallel "
-                        "gathers K and V once and needs neither"),
-        **dict.fromkeys(["_LoadBalancer", "_PerDocumentHeadTailLoadBalancer", "_PTRRLoadBalancer"],
-                        "torch's load balancers for flex attention's block masks; SDPA's deal is head-tail "
-                        "(_HeadTailLoadBalancer)"),
+        "_templated_ring_attention": "the template of torch's ring attention over its kernels' calling "
+                                     "conventions; spmd's ring attention is spmd.tensor.ring_attention",
+        **dict.fromkeys(["_PerDocumentHeadTailLoadBalancer", "_PTRRLoadBalancer"],
+                        "torch's load balancers for flex attention's block masks; context parallelism of "
+                        "flex_attention is not served yet (SDPA's deal is _HeadTailLoadBalancer)"),
+    },
+    "tensor.experimental._context_parallel": {
+        **dict.fromkeys(["_PerDocumentHeadTailLoadBalancer", "_PTRRLoadBalancer", "flex_cp_allgather"],
+                        "flex attention's load balancers and K/V gather: context parallelism of flex_attention "
+                        "is not served yet"),
     },
     "fsdp.sharded_grad_scaler": {"ProcessGroup": "not API: the type torch's module imports for its signature "
                                                  "(spmd.ProcessGroup is the top-level name)"},
 }
 TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_types", "tensor.experimental",
-                 "tensor.experimental._attention", "device_mesh", "fsdp",
+                 "tensor.experimental._attention", "tensor.experimental._context_parallel",
+                 "tensor.experimental._context_parallel._attention", "device_mesh", "fsdp",
                  "fsdp.fully_sharded_data_parallel", "fsdp.wrap", "fsdp.sharded_grad_scaler", "pipelining",
                  "pipelining.schedules", "pipelining.stage", "pipelining.microbatch", "checkpoint",
                  "checkpoint.state_dict", "checkpoint.stateful", "checkpoint.format_utils", "checkpoint.staging",

@@ -6,13 +6,24 @@ Layer: tensor.
 
 from __future__ import annotations
 
+import abc
+
 import torch
 from torch import Tensor
 
 from spmd.tensor.ring_attention import cp_options
 
 
-class _HeadTailLoadBalancer:
+class _LoadBalancer(abc.ABC):
+    """A deal of a sequence's positions over the ranks (torch's base class): `x[:, indices]` with the indices
+    it generates puts each rank's positions together, rank by rank, so that an even split balances the work."""
+
+    @abc.abstractmethod
+    def _generate_indices(self, restore: bool = False) -> Tensor | None:
+        """(1, L) or (B, L) indices that deal the sequence out, or with `restore` put a dealt one back."""
+
+
+class _HeadTailLoadBalancer(_LoadBalancer):
     """The head-tail deal of a sequence of `seq_length` over `world_size` ranks (torch's name and indices):
     cut into 2 * world_size chunks, rank r holds chunk r followed by chunk 2 * world_size - 1 - r."""
 

@@ -15,20 +15,68 @@ length L can be sharded too, with k and v Replicate: each rank attends its query
 gradients of k and v, sums over all query rows, come out Partial(sum). (A causal mask is aligned to local
 positions inside the kernel, so L is not sharded then.) The backward is linear in the output gradient, so a
 Partial gradient passes through as Partial.
+
+Note: context-parallel attention
+While `ring_dispatch` is on (torch's `_enable_context_parallel_dispatcher`), q, k and v all sharded on L along
+one mesh dim, without a mask or dropout, stay so: the kernel runs ring attention over that mesh dim's group
+(tensor.ring_attention; causal or not, head-tail when cp_options.enable_load_balance), its output and
+log-sum-exp sharded on L too, and the backward likewise. Other mesh dims may shard B or H as usual.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
-from torch import ops
+from torch import Tensor, ops
 
 from spmd.tensor.ops.custom import LocalKernel, LocalPlan, empty_outputs
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
+from spmd.tensor.ring_attention import RingLayout, cp_options, ring_attention_backward, ring_attention_forward
 from spmd.tensor.rules import OpSchema, ShardingDecision, Strategy, pick_per_mesh_dim, register_rule
 from spmd.tensor.spec import DTensorSpec
 
 aten = ops.aten
+
+
+@dataclasses.dataclass
+class RingDispatch:
+    """Whether attention sharded on the sequence runs as ring attention (see Note: context-parallel attention).
+    Decisions cached before a change are stale: whoever flips it forgets them (dispatch.forget_decisions)."""
+
+    enabled: bool = False
+
+
+ring_dispatch = RingDispatch()
+
+_SEQUENCE = Shard(2)
+
+
+def _ring_dim(schema: OpSchema, specs: tuple[DTensorSpec, ...]) -> int | None:
+    """The mesh dim that runs a context-parallel call as ring attention: while the dispatch is on, without mask
+    or dropout, the only mesh dim sharding q on L (in `specs`), with k and v sharded on L there too."""
+    backward = schema.op is _BACKWARD
+    if backward:
+        dropout_p = float(schema.args[6])
+    else:
+        dropout_p = float(schema.args[3]) if len(schema.args) > 3 else float(schema.kwargs.get("dropout_p", 0.0))
+    if not ring_dispatch.enabled or isinstance(schema.kwargs.get("attn_mask"), DTensorSpec) or dropout_p:
+        return None
+    query_position = 1 if backward else 0
+    q, k, v = specs[query_position:query_position + 3]
+    dims = [d for d, placement in enumerate(q.placements) if isinstance(placement, Shard) and placement.dim == 2]
+    if len(dims) != 1 or k.placements[dims[0]] != _SEQUENCE or v.placements[dims[0]] != _SEQUENCE:
+        return None
+    return dims[0] if q.placements[dims[0]] == _SEQUENCE else None
+
+
+def _with_ring(candidates: list[Strategy], ring_dim: int | None, count: int,
+               outputs: int) -> Callable[[int], list[Strategy]]:
+    """Per mesh dim: the ring's strategy (everything stays sharded on L) on the ring's dim, `candidates` on the
+    others."""
+    ring = [Strategy((_SEQUENCE,) * count, (_SEQUENCE,) * outputs)]
+    return lambda mesh_dim: ring if mesh_dim == ring_dim else candidates
 
 
 def _mask_placement(mask: DTensorSpec | None, dim: int, full: int) -> Placement:
@@ -50,7 +98,7 @@ def _shardable_dims(query: DTensorSpec, key: DTensorSpec, is_causal: bool) -> li
     return dims
 
 
-def _flash_cpu(schema: OpSchema) -> list[Strategy]:
+def _flash_cpu(schema: OpSchema) -> Callable[[int], list[Strategy]]:
     # args: query, key, value, dropout_p, is_causal; kwargs: attn_mask, scale -> (output, logsumexp)
     query, key = schema.input_specs[0], schema.input_specs[1]
     is_causal = bool(schema.args[4]) if len(schema.args) > 4 else bool(schema.kwargs.get("is_causal", False))
@@ -62,10 +110,10 @@ def _flash_cpu(schema: OpSchema) -> list[Strategy]:
         kv = Shard(dim) if dim < 2 else Replicate()
         masks = tuple(_mask_placement(m, dim, query.shape[dim]) for m in has_mask)
         candidates.append(Strategy((Shard(dim), kv, kv, *masks), (Shard(dim), Shard(dim))))
-    return candidates
+    return _with_ring(candidates, _ring_dim(schema, schema.input_specs), len(schema.input_specs), 2)
 
 
-def _flash_cpu_backward(schema: OpSchema) -> list[Strategy]:
+def _flash_cpu_backward(schema: OpSchema) -> Callable[[int], list[Strategy]]:
     # args: grad_out, query, key, value, out, logsumexp, dropout_p, is_causal; kwargs: attn_mask, scale
     grad, query, key = schema.input_specs[0], schema.input_specs[1], schema.input_specs[2]
     is_causal = bool(schema.args[7])
@@ -84,12 +132,44 @@ def _flash_cpu_backward(schema: OpSchema) -> list[Strategy]:
     for placement in grad.placements:
         if isinstance(placement, Partial) and placement.is_linear:
             candidates.append(Strategy((placement,) + (Replicate(),) * (count - 1), (placement,) * 3))
-    return candidates
+    return _with_ring(candidates, _ring_dim(schema, schema.input_specs), count, 3)
+
+
+def _ring_kernel(plan: LocalPlan, mesh_dim: int) -> LocalKernel:
+    """Ring attention over the group of `mesh_dim`; the rotate method and load balance are read at each call,
+    as torch reads them."""
+    group = plan.schema.mesh.get_group(mesh_dim)
+
+    def layout(is_causal: bool, scale: float | None) -> RingLayout:
+        head_tail = bool(is_causal) and cp_options.enable_load_balance
+        return RingLayout(group, bool(is_causal), head_tail, scale, cp_options.rotate_method)
+
+    def where() -> str:
+        return f"spmd DTensor: {plan.op} (context parallel, mesh dim {mesh_dim}) on rank {group.global_rank}"
+
+    if plan.op is _FORWARD:
+        def forward(query: Tensor, key: Tensor, value: Tensor, dropout_p: float = 0.0, is_causal: bool = False,
+                    *, attn_mask: Tensor | None = None, scale: float | None = None) -> tuple[Tensor, Tensor]:
+            ring = layout(is_causal, scale)
+            ring.check(query, key, value, where())
+            return ring_attention_forward(ring, query, key, value)
+        return forward
+
+    def backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
+                 dropout_p: float, is_causal: bool, *, attn_mask: Tensor | None = None,
+                 scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        return ring_attention_backward(layout(is_causal, scale), grad_out.contiguous(), query, key, value, out,
+                                       lse)
+    return backward
 
 
 def _kernel(plan: LocalPlan) -> LocalKernel:
-    """The kernel on the local shards. A rank whose query-row shard is empty (5 rows over 4 ranks) returns
-    empty outputs and zero key/value gradient contributions itself: the CPU kernel faults on zero rows."""
+    """The kernel on the local shards: ring attention for a context-parallel call; otherwise the op, except
+    that a rank whose query-row shard is empty (5 rows over 4 ranks) returns empty outputs and zero key/value
+    gradient contributions itself (the CPU kernel faults on zero rows)."""
+    ring_dim = _ring_dim(plan.schema, plan.input_specs)
+    if ring_dim is not None:
+        return _ring_kernel(plan, ring_dim)
     op, query_position = plan.op, 1 if plan.op is _BACKWARD else 0
 
     def kernel(*args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,8 @@
+"""torch's path `tensor.experimental._context_parallel._load_balancer`: the load balancers.
+
+Layer: tensor.
+"""
+
+from spmd.tensor.experimental.load_balancer import _HeadTailLoadBalancer, _LoadBalancer
+
+__all__ = ["_HeadTailLoadBalancer", "_LoadBalancer"]
