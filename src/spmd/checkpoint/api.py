@@ -83,7 +83,14 @@ from spmd.checkpoint.planner import (
     WriteItemType,
 )
 from spmd.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager
-from spmd.checkpoint.storage import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
+from spmd.checkpoint.storage import (
+    BoxWrite,
+    FileSystemReader,
+    FileSystemWriter,
+    StorageReader,
+    StorageWriter,
+    WrittenBoxes,
+)
 from spmd.comm.group import ProcessGroup
 from spmd.comm.objects import all_gather_bytes
 from spmd.comm.world import AnyGroup, is_initialized, new_group, resolve_group
@@ -103,24 +110,17 @@ class Stateful(Protocol):
 # -- save -----------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
-class _Write:
-    """One box this rank writes: its item and its data (resolve_data's)."""
-
-    item: WriteItem
-    data: Tensor
-
-
-@dataclasses.dataclass
 class _SavePlan:
     """Steps 1-2 of the save protocol, for this rank."""
 
     group: ProcessGroup | None
     rank: int
     save_id: str
-    writes: dict[str, _Write]               # the boxes this rank writes, by their name in its data file
+    writes: dict[str, BoxWrite]             # the boxes this rank writes, by a name unique on this rank
     values: dict[str, Any]                  # key -> the JSON encoding of a value this rank writes
     blobs: dict[str, bytes]                 # key -> a custom planner's bytes for a value this rank writes
     metadata: Metadata | None               # the coordinator's, from the global plan; None on the others
+    storage_data: Any                       # what the writer's prepare_global_plan told this rank
     error: str | None                       # why this rank could not resolve its data (reported in step 4)
 
 
@@ -147,7 +147,7 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
     subclass's). Collective over `process_group` (see Note: the save protocol); `no_dist`: this process alone
     writes everything. Returns the checkpoint's metadata."""
     writer = _writer(checkpoint_id, storage_writer)
-    plan = _plan(state_dict, _group(process_group, no_dist), planner, checkpoint_id)
+    plan = _plan(state_dict, _group(process_group, no_dist), planner, writer, checkpoint_id)
     return _write_and_commit(plan, writer, plan.group)
 
 
@@ -202,7 +202,7 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
             return _save_staging_in_background(staged, writer, saver, async_stager, pin_memory, planner,
                                                checkpoint_id)
         state_dict, staged_by_user = staged, True
-    plan = _plan(state_dict, group, planner, checkpoint_id)
+    plan = _plan(state_dict, group, planner, writer, checkpoint_id)
     if saver.writing is not None:
         concurrent.futures.wait([saver.writing])       # it still reads the buffers
     if not staged_by_user:
@@ -237,7 +237,7 @@ def _save_staging_in_background(state_dict: dict[str, Any] | concurrent.futures.
             if previous is not None:
                 concurrent.futures.wait([previous])
             source = state_dict.result() if isinstance(state_dict, concurrent.futures.Future) else state_dict
-            plan = _plan(source, saver.group, planner, checkpoint_id)
+            plan = _plan(source, saver.group, planner, writer, checkpoint_id)
             if stager is None:
                 plan.writes = saver.stage(plan.writes, pin_memory)
             staging.set_result(None)
@@ -280,7 +280,7 @@ class _AsyncSaver:
                 _SAVERS[group] = saver
         return saver
 
-    def stage(self, writes: dict[str, _Write], pin_memory: bool) -> dict[str, _Write]:
+    def stage(self, writes: dict[str, BoxWrite], pin_memory: bool) -> dict[str, BoxWrite]:
         """`writes` with their data copied into this saver's host buffers (allocated at the first save, or when
         a tensor's shape or dtype changed; page-locked for accelerator tensors with `pin_memory`). The save
         that wrote from them must have finished."""
@@ -333,7 +333,7 @@ def _failed(save_id: str, error: str) -> CheckpointError:
 
 
 def _plan(state_dict: Mapping[str, Any], group: ProcessGroup | None, planner: SavePlanner | None,
-          checkpoint_id: str | os.PathLike[str] | None) -> _SavePlan:
+          writer: StorageWriter, checkpoint_id: str | os.PathLike[str] | None) -> _SavePlan:
     """Steps 1-2 of the save protocol. A plan travels as a JSON string inside the exchange's JSON, so a rank
     parses only the plans it needs (the coordinator every rank's, a rank its own), and a rank's final plan
     made of items it proposed comes back as their positions: planning allocates little (a large training
@@ -356,24 +356,26 @@ def _plan(state_dict: Mapping[str, Any], group: ProcessGroup | None, planner: Sa
     decided: dict[str, Any] = {"plans": None, "error": None}
     metadata, final = None, None
     if rank == 0:
+        maker = type(planner).__name__
         try:
             received = [proposed, *(_decode_save_plan(json.loads(r["plan"])) for r in described[1:])]
             plans, metadata = planner.create_global_plan(received)
             if len(plans) != len(described) or not isinstance(metadata, Metadata):
                 raise CheckpointError(f"create_global_plan must return one plan per rank ({len(described)}) and "
                                       f"spmd's Metadata (DefaultSavePlanner.create_global_plan's)")
+            maker = type(writer).__name__
+            plans = writer.prepare_global_plan(plans)
             final = plans[0]
             decided["plans"] = [None, *(json.dumps(_encode_decided(plan, sent))
                                         for plan, sent in zip(plans[1:], received[1:], strict=True))]
         except Exception as failure:
-            decided["error"] = (f"rank 0's {type(planner).__name__} could not make the global plan: "
-                                f"{type(failure).__name__}: {failure}")
+            decided["error"] = f"rank 0's {maker} could not make the global plan: {type(failure).__name__}: {failure}"
     decided = _exchange(group, decided)[0] if group is not None else decided
     if decided["error"]:
         raise _failed(save_id, decided["error"])
     if final is None:
         final = _decode_decided(json.loads(decided["plans"][rank]), proposed)
-    plan = _SavePlan(group, rank, save_id, {}, {}, {}, metadata, None)
+    plan = _SavePlan(group, rank, save_id, {}, {}, {}, metadata, final.storage_data, None)
     try:
         _resolve(planner, planner.finish_plan(final), plan)
     except Exception as failure:          # reported in step 4
@@ -423,7 +425,7 @@ def _resolve(planner: SavePlanner, finished: SavePlan, plan: _SavePlan) -> None:
         if data.numel() == 0:
             continue
         name = fqn if fqn not in plan.writes else f"{fqn}@{','.join(map(str, written.chunk.offsets))}"
-        plan.writes[name] = _Write(item, data)
+        plan.writes[name] = BoxWrite(item, data)
 
 
 def _encode_save_plan(plan: SavePlan) -> dict[str, Any]:
@@ -454,11 +456,12 @@ def _decode_save_plan(body: dict[str, Any]) -> SavePlan:
 
 def _write_and_commit(plan: _SavePlan, writer: StorageWriter, group: ProcessGroup | None) -> Metadata:
     """Steps 3-6 of the save protocol."""
-    report: dict[str, Any] = {"error": plan.error, "file": None, "size": 0, "chunks": {}, "values": plan.values,
+    report: dict[str, Any] = {"error": plan.error, "files": {}, "boxes": [], "values": plan.values,
                               "blobs": {key: base64.b64encode(blob).decode() for key, blob in plan.blobs.items()}}
     try:
         if plan.writes and plan.error is None:
-            report.update(_write_file(plan, writer))
+            report.update(_encode_written(writer.write_boxes(plan.rank, plan.save_id, plan.writes,
+                                                             plan.storage_data)))
     except Exception as error:                # reported in step 4, so no rank waits for this one
         report["error"] = f"rank {plan.rank} could not write its data file: {type(error).__name__}: {error}"
     reports = _exchange(group, report)
@@ -467,10 +470,8 @@ def _write_and_commit(plan: _SavePlan, writer: StorageWriter, group: ProcessGrou
     if plan.rank == 0 and outcome["error"] is None:
         try:
             assert plan.metadata is not None     # the coordinator's, from step 2
-            metadata = _metadata(plan.metadata, plan.save_id, reports)
-            committed = metadata.to_json()
-            writer.commit(committed, list(metadata.files))
-            outcome["metadata"] = committed.decode()
+            metadata = writer.finish(_metadata(plan.metadata, plan.save_id, reports))
+            outcome["metadata"] = metadata.to_json().decode()
         except Exception as error:
             outcome["error"] = f"rank 0 could not commit the checkpoint: {type(error).__name__}: {error}"
     final = _exchange(group, outcome)[0] if group is not None else outcome
@@ -479,29 +480,11 @@ def _write_and_commit(plan: _SavePlan, writer: StorageWriter, group: ProcessGrou
     return metadata if plan.rank == 0 else Metadata.from_json(final["metadata"].encode(), f"save {plan.save_id}")
 
 
-def _write_file(plan: _SavePlan, writer: StorageWriter) -> dict[str, Any]:
-    """Step 3: this rank's data file; returns its report."""
-    name = f"__{plan.rank}_{plan.save_id}.safetensors"
-    datas = {key: _host_contiguous(item.data) for key, item in plan.writes.items()}
-    header = tensor_format.header_bytes({key: (data.dtype, tuple(data.shape), data.numel() * data.element_size())
-                                         for key, data in datas.items()})
-    views = {key: tensor_format.as_bytes(data) for key, data in datas.items()}
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spmd-checkpoint-crc") as pool:
-        # one task for all: a submit per box contends for the GIL with the thread computing the last one's
-        checksums = pool.submit(lambda: {key: tensor_format.crc32(view) for key, view in views.items()})
-        size = writer.write_file(name, [memoryview(header), *views.values()])
-        crcs = checksums.result()
-        chunks = {key: [write.item.index.fqn, list(write.item.tensor_data.chunk.offsets),
-                        list(write.item.tensor_data.chunk.sizes), crcs[key]]
-                  for key, write in plan.writes.items() if write.item.tensor_data is not None}
-    return {"file": name, "size": size, "chunks": chunks}
-
-
-def _host_contiguous(data: Tensor) -> Tensor:
-    data = data.detach()
-    if data.device.type != "cpu":
-        data = data.to("cpu")
-    return data.contiguous()
+def _encode_written(written: WrittenBoxes) -> dict[str, Any]:
+    """Step 3's result as the JSON of this rank's report."""
+    return {"files": written.files,
+            "boxes": [[box.file, box.key, box.fqn, list(box.offsets), list(box.sizes), box.crc32]
+                      for box in written.boxes]}
 
 
 def _metadata(planned: Metadata, save_id: str, reports: list[dict[str, Any]]) -> Metadata:
@@ -510,10 +493,9 @@ def _metadata(planned: Metadata, save_id: str, reports: list[dict[str, Any]]) ->
                                    tensors={key: dataclasses.replace(entry, chunks=[])
                                             for key, entry in planned.tensors.items()})
     for report in reports:
-        if report["file"] is not None:
-            metadata.files[report["file"]] = report["size"]
-        for name, (fqn, offsets, sizes, crc) in report["chunks"].items():
-            metadata.tensors[fqn].chunks.append(Chunk(report["file"], name, tuple(offsets), tuple(sizes), crc))
+        metadata.files.update(report["files"])
+        for file, key, fqn, offsets, sizes, crc in report["boxes"]:
+            metadata.tensors[fqn].chunks.append(Chunk(file, key, tuple(offsets), tuple(sizes), crc))
         for key, value in report["values"].items():
             metadata.values.setdefault(key, decode_value(value))
         for key, blob in report["blobs"].items():

@@ -2,7 +2,10 @@
 filesystem's implementation (torch's names: FileSystemWriter, FileSystemReader).
 
 Layer: checkpoint. No communication. Another storage (an object store, fsspec) implements StorageWriter and
-StorageReader; save and load call them as their docstrings say.
+StorageReader; save and load call them as their docstrings say. A writer that lays the boxes out in files of
+another format (hf_storage.py) overrides the three steps of the save protocol a writer takes part in:
+prepare_global_plan, write_boxes and finish; by default they write spmd's own format through write_file and
+commit.
 
 Note: never lose the last good checkpoint
 A data file is written under a hidden temporary name, flushed to disk, then renamed to its final name, which
@@ -16,13 +19,20 @@ in a new directory, a reader finds no metadata and says the save did not finish.
 from __future__ import annotations
 
 import abc
+import concurrent.futures
+import dataclasses
 import mmap
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torch import Tensor
 
 from spmd._core.errors import CheckpointError
-from spmd.checkpoint.metadata import METADATA_FILE
+from spmd.checkpoint import format as tensor_format
+from spmd.checkpoint.metadata import METADATA_FILE, Metadata
+from spmd.checkpoint.planner import SavePlan, WriteItem
 
 _PARTIAL = ".partial"
 _WRITEBACK_BYTES = 16 << 20   # every this many bytes written, the disk is asked to start writing them out
@@ -30,8 +40,67 @@ _START_WRITEBACK = hasattr(os, "posix_fadvise")
 _DATA_FILE = re.compile(r"^__\d+_[0-9a-f]+\.safetensors$")
 
 
+@dataclasses.dataclass(slots=True)
+class BoxWrite:
+    """One box a rank writes: its item and its data (the planner's resolve_data)."""
+
+    item: WriteItem
+    data: Tensor
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WrittenBox:
+    """One box as a writer stored it: the file and the key it sits under there, the item's key and box, and the
+    CRC-32 of its bytes (None where the format keeps none)."""
+
+    file: str
+    key: str
+    fqn: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    crc32: int | None
+
+
+@dataclasses.dataclass(slots=True)
+class WrittenBoxes:
+    """What a rank's write_boxes stored: the files it wrote to, with their sizes, and where each box went."""
+
+    files: dict[str, int]
+    boxes: list[WrittenBox]
+
+
 class StorageWriter(abc.ABC):
     """Writes one checkpoint (see Note: never lose the last good checkpoint)."""
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """(coordinator, step 2 of the save protocol, after the planner's global plan) The plans, with whatever
+        this storage tells each rank in their storage_data (JSON-able); torch's hook. By default as they are."""
+        return plans
+
+    def write_boxes(self, rank: int, save_id: str, boxes: Mapping[str, BoxWrite], storage_data: Any) -> WrittenBoxes:
+        """(each rank with boxes to write, step 3) Store `boxes` (by a name unique on this rank), given the
+        storage_data of this rank's final plan. By default one data file, __<rank>_<save_id>.safetensors, through
+        write_file, each box's CRC-32 computed beside the writes."""
+        name = f"__{rank}_{save_id}.safetensors"
+        datas = {key: host_contiguous(box.data) for key, box in boxes.items()}
+        header = tensor_format.header_bytes({key: (data.dtype, tuple(data.shape), data.numel() * data.element_size())
+                                             for key, data in datas.items()})
+        views = {key: tensor_format.as_bytes(data) for key, data in datas.items()}
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spmd-checkpoint-crc") as pool:
+            # one task for all: a submit per box contends for the GIL with the thread computing the last one's
+            checksums = pool.submit(lambda: {key: tensor_format.crc32(view) for key, view in views.items()})
+            size = self.write_file(name, [memoryview(header), *views.values()])
+            crcs = checksums.result()
+        written = [WrittenBox(name, key, box.item.index.fqn, tuple(box.item.tensor_data.chunk.offsets),
+                              tuple(box.item.tensor_data.chunk.sizes), crcs[key])
+                   for key, box in boxes.items() if box.item.tensor_data is not None]
+        return WrittenBoxes({name: size}, written)
+
+    def finish(self, metadata: Metadata) -> Metadata:
+        """(coordinator, step 5, once every rank's write_boxes returned) Make the checkpoint exist, and return its
+        metadata as a load will see it. By default commit of the metadata's JSON."""
+        self.commit(metadata.to_json(), list(metadata.files))
+        return metadata
 
     @abc.abstractmethod
     def write_file(self, name: str, parts: Iterable[memoryview]) -> int:
@@ -173,6 +242,14 @@ class FileSystemReader(StorageReader):
                 mapped.close()
             except BufferError:     # a view is still alive (a tensor of it): the map goes with the last one
                 pass
+
+
+def host_contiguous(data: Tensor) -> Tensor:
+    """`data` as a contiguous CPU tensor (a copy only where it is not one already)."""
+    data = data.detach()
+    if data.device.type != "cpu":
+        data = data.to("cpu")
+    return data.contiguous()
 
 
 def _sync_directory(path: str) -> None:
