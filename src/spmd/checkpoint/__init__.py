@@ -1,21 +1,22 @@
 """Distributed checkpoints: `import spmd.checkpoint as dcp` where torch's DCP is imported as `dcp`.
 
 Layer: checkpoint (L5). save / load / async_save (api.py), torch's planner protocol (planner.py, default_planner.py),
-the storage interface (storage.py), the format (format.py: safetensors files; metadata.py: the JSON index), the
-layout of each tensor (layout.py) and, in state_dict.py, state dicts of plain, DDP, FSDP2, tensor-parallel and
-pipeline-stage models.
+the storage interface (storage.py), Hugging Face checkpoints (hf_storage.py), the format (format.py: safetensors
+files; metadata.py: the JSON index), the layout of each tensor (layout.py) and, in state_dict.py, state dicts of
+plain, DDP, FSDP2, tensor-parallel and pipeline-stage models.
 """
 
 from spmd._core.errors import CheckpointError
 from spmd.checkpoint.api import Stateful, async_save, load, save
 from spmd.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from spmd.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from spmd.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from spmd.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from spmd.checkpoint.storage import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
 
 __all__ = [
     "BytesStorageMetadata", "CheckpointError", "ChunkStorageMetadata", "DefaultLoadPlanner", "DefaultSavePlanner",
-    "FileSystemReader", "FileSystemWriter", "LoadPlan", "LoadPlanner", "Metadata", "ReadItem", "SavePlan",
-    "SavePlanner", "Stateful", "StorageReader", "StorageWriter", "TensorStorageMetadata", "WriteItem", "async_save",
-    "load", "save",
+    "FileSystemReader", "FileSystemWriter", "HuggingFaceStorageReader", "HuggingFaceStorageWriter", "LoadPlan",
+    "LoadPlanner", "Metadata", "ReadItem", "SavePlan", "SavePlanner", "Stateful", "StorageReader", "StorageWriter",
+    "TensorStorageMetadata", "WriteItem", "async_save", "load", "save",
 ]

@@ -459,7 +459,7 @@ def _write_and_commit(plan: _SavePlan, writer: StorageWriter, group: ProcessGrou
     report: dict[str, Any] = {"error": plan.error, "files": {}, "boxes": [], "values": plan.values,
                               "blobs": {key: base64.b64encode(blob).decode() for key, blob in plan.blobs.items()}}
     try:
-        if plan.writes and plan.error is None:
+        if plan.error is None:
             report.update(_encode_written(writer.write_boxes(plan.rank, plan.save_id, plan.writes,
                                                              plan.storage_data)))
     except Exception as error:                # reported in step 4, so no rank waits for this one
@@ -525,7 +525,7 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
     where = os.fspath(checkpoint_id) if checkpoint_id is not None else type(reader).__name__
     group = _group(process_group, no_dist)
     try:
-        metadata = Metadata.from_json(reader.read_metadata(), f"checkpoint {where}")
+        metadata = _read_metadata(reader, where)
         resolved = _resolved(state_dict)
         planner.set_up_planner(resolved, metadata, group is None or group.group_rank == 0)
         plan = planner.finish_plan(planner.create_global_plan([planner.create_local_plan()])[0])
@@ -537,6 +537,15 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
             state_dict[key].load_state_dict(value)
         else:
             state_dict[key] = value
+
+
+def _read_metadata(reader: StorageReader, where: str) -> Metadata:
+    """The reader's metadata: its JSON (spmd's format), or the Metadata a reader of another format builds."""
+    found = reader.read_metadata()
+    if isinstance(found, Metadata):
+        found.where = f"checkpoint {where}"
+        return found
+    return Metadata.from_json(found, f"checkpoint {where}")
 
 
 def _path(checkpoint_id: str | os.PathLike[str] | None) -> str:
@@ -602,7 +611,7 @@ class _Loader:
         self._check(chunk, view)
 
     def _check(self, chunk: Chunk, data: memoryview) -> None:
-        if (chunk.file, chunk.key) not in self._checked:
+        if chunk.crc32 is not None and (chunk.file, chunk.key) not in self._checked:
             if tensor_format.crc32(data) != chunk.crc32:
                 raise CheckpointError(f"checkpoint {self.where}: data file {chunk.file} is corrupted: the bytes of "
                                       f"{chunk.key!r} don't match their checksum")

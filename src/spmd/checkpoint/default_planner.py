@@ -297,7 +297,7 @@ def create_default_local_load_plan(state_dict: STATE_DICT_TYPE, metadata: Metada
             if entry is None:
                 missing.append(fqn)
             else:
-                items.extend(_tensor_reads(fqn, obj, entry, metadata.where))
+                items.extend(_tensor_reads(fqn, obj, entry, metadata))
         elif fqn in metadata.values or fqn in metadata.blobs:
             items.append(ReadItem(LoadItemType.BYTE_IO, MetadataIndex(fqn), torch.Size(), MetadataIndex(fqn),
                                   torch.Size(), torch.Size()))
@@ -313,10 +313,10 @@ def create_default_local_load_plan(state_dict: STATE_DICT_TYPE, metadata: Metada
     return LoadPlan(items)
 
 
-def _tensor_reads(fqn: str, tensor: Tensor, entry: TensorEntry, where: str) -> list[ReadItem]:
+def _tensor_reads(fqn: str, tensor: Tensor, entry: TensorEntry, metadata: Metadata) -> list[ReadItem]:
     target = local_tensor(fqn, tensor)
-    dtype = tensor_format.dtype_of(entry.dtype)
-    if target.shape != entry.shape or target.data.dtype != dtype:
+    dtype, where = tensor_format.dtype_of(entry.dtype), metadata.where
+    if target.shape != entry.shape or (target.data.dtype != dtype and not metadata.casts_on_load):
         raise CheckpointError(f"{where}: {fqn!r} was saved as {dtype} of shape {list(entry.shape)}, but the state "
                               f"dict holds {target.data.dtype} of shape {list(target.shape)}")
     reads, filled = [], 0

@@ -103,7 +103,7 @@ class Chunk:
     key: str                     # the tensor's name inside that file
     offsets: tuple[int, ...]     # where the box starts in the global tensor, per dim
     sizes: tuple[int, ...]
-    crc32: int                   # of the box's bytes, contiguous, in the file
+    crc32: int | None            # of the box's bytes, contiguous, in the file (None: a format without, e.g. HF's)
 
 
 @dataclasses.dataclass(slots=True)
@@ -126,6 +126,9 @@ class Metadata:
     """key -> the bytes a custom save planner's resolve_data gave for a value (its load planner reads them)."""
     where: str = dataclasses.field(default="the checkpoint", compare=False, repr=False)
     """What error messages call the checkpoint (not saved)."""
+    casts_on_load: bool = dataclasses.field(default=False, compare=False, repr=False)
+    """Whether a load casts a tensor saved in another dtype to the state dict's (a Hugging Face checkpoint's
+    bfloat16 weights into float32 parameters); spmd's own checkpoints refuse the mismatch (not saved)."""
 
     @property
     def state_dict_metadata(self) -> dict[str, STORAGE_TYPES]:
@@ -173,7 +176,8 @@ class Metadata:
         try:
             tensors = {key: TensorEntry(e["dtype"], tuple(e["shape"]),
                                         [Chunk(c["file"], c["key"], tuple(c["offsets"]), tuple(c["sizes"]),
-                                               int(c["crc32"])) for c in e["chunks"]])
+                                               None if c["crc32"] is None else int(c["crc32"]))
+                                         for c in e["chunks"]])
                        for key, e in body["tensors"].items()}
             values = {key: decode_value(value) for key, value in body["values"].items()}
             blobs = {key: base64.b64decode(blob, validate=True) for key, blob in body.get("blobs", {}).items()}

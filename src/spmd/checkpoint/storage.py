@@ -80,7 +80,9 @@ class StorageWriter(abc.ABC):
     def write_boxes(self, rank: int, save_id: str, boxes: Mapping[str, BoxWrite], storage_data: Any) -> WrittenBoxes:
         """(each rank with boxes to write, step 3) Store `boxes` (by a name unique on this rank), given the
         storage_data of this rank's final plan. By default one data file, __<rank>_<save_id>.safetensors, through
-        write_file, each box's CRC-32 computed beside the writes."""
+        write_file, each box's CRC-32 computed beside the writes; none for a rank with no boxes."""
+        if not boxes:
+            return WrittenBoxes({}, [])
         name = f"__{rank}_{save_id}.safetensors"
         datas = {key: host_contiguous(box.data) for key, box in boxes.items()}
         header = tensor_format.header_bytes({key: (data.dtype, tuple(data.shape), data.numel() * data.element_size())
@@ -117,9 +119,9 @@ class StorageReader(abc.ABC):
     """Reads one checkpoint."""
 
     @abc.abstractmethod
-    def read_metadata(self) -> bytes:
-        """The metadata's bytes; raises CheckpointError if there is none (not a checkpoint, or a save that did not
-        finish)."""
+    def read_metadata(self) -> bytes | Metadata:
+        """The metadata's bytes (or, for a format of another kind, the Metadata built from what it holds); raises
+        CheckpointError if there is none (not a checkpoint, or a save that did not finish)."""
 
     @abc.abstractmethod
     def read(self, name: str, offset: int, length: int) -> memoryview:
@@ -171,7 +173,7 @@ class FileSystemWriter(StorageWriter):
     def commit(self, metadata: bytes, files: Iterable[str]) -> None:
         self.write_file(METADATA_FILE, [memoryview(metadata)])
         if self.sync_files:
-            _sync_directory(self.path)
+            sync_directory(self.path)
         keep = set(files) | {METADATA_FILE}
         for entry in os.listdir(self.path):
             if entry not in keep and (_DATA_FILE.match(entry) or entry.endswith(_PARTIAL)):
@@ -252,7 +254,8 @@ def host_contiguous(data: Tensor) -> Tensor:
     return data.contiguous()
 
 
-def _sync_directory(path: str) -> None:
+def sync_directory(path: str) -> None:
+    """Make the renames in directory `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
