@@ -252,3 +252,19 @@ def test_unreadable_hf_directories_raise_naming_the_problem(tmp_path) -> None:
     with pytest.raises(CheckpointError, match=r"'w' was saved as torch.float32 of shape \[2\], but the state dict "
                                               r"holds torch.float32 of shape \[3\]"):
         dcp.load({"w": torch.zeros(3)}, storage_reader=dcp.HuggingFaceStorageReader(str(one)))
+
+
+def test_async_save_writes_the_same_files(tmp_path) -> None:
+    full = _full()
+
+    def body(rank: int, world_size: int) -> None:
+        state = _sharded({key: value.clone() for key, value in full.items()})
+        future = dcp.async_save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp_path), MAPPING))
+        for value in state.values():            # training goes on: the staged copy is what is written
+            (value.to_local() if isinstance(value, DTensor) else value).zero_()
+        future.result()
+
+    run_ranks(body, world_size=4, timeout=TIMEOUT)
+    loaded = _files(str(tmp_path))
+    for key, value in full.items():
+        assert torch.equal(loaded[key], value), key

@@ -1,7 +1,7 @@
 """spmd.checkpoint in real rank processes on the shm transport: FSDP2 on 2 processes saves and one plain process
-loads it bit-exact; a rank SIGKILLed in the middle of writing its data file fails the save on the other rank
-(naming the lost peer) and leaves the previous checkpoint loadable, and a killed save into a new directory is
-reported as incomplete."""
+loads it bit-exact (spmd's format, and Hugging Face's whole-tensor files both processes write into); a rank
+SIGKILLed in the middle of writing its data file fails the save on the other rank (naming the lost peer) and
+leaves the previous checkpoint loadable, and a killed save into a new directory is reported as incomplete."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import signal
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 
 import spmd
@@ -46,6 +47,8 @@ def _worker(rank: int, world_size: int, results: Any, store: str, good: str, tar
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=good)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        dcp.save(model_sd, storage_writer=dcp.HuggingFaceStorageWriter(
+            os.path.join(os.path.dirname(store), "hf"), {k: 1 + k.startswith("blocks.1.") for k in model_sd}))
         if rank == 0:
             results.send(("full", {k: v.clone() for k, v in full.items()}))
         train(model, optimizer, range(2, 3), rank, world_size)
@@ -86,8 +89,12 @@ def test_kill_9_during_save_keeps_the_last_checkpoint_and_marks_the_new_one_inco
     plain = build(seed=5)
     state = {"model": plain.state_dict()}
     dcp.load(state, checkpoint_id=good, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    hf = {}
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        hf.update(safetensors.torch.load_file(str(tmp_path / "hf" / name)))
+    assert hf.keys() == reports["full"].keys()
     for key, value in reports["full"].items():                 # the first save, whole, into one process
-        assert torch.equal(state["model"][key], value), key
+        assert torch.equal(state["model"][key], value) and torch.equal(hf[key], value), key
     if target != good:
         with pytest.raises(dcp.CheckpointError, match=r"is incomplete: it has no metadata.json, and \d+ data files"):
             dcp.load({"model": plain.state_dict()}, checkpoint_id=target)
