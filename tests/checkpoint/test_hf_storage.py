@@ -2,7 +2,8 @@
 dtype) as whole-tensor model-*.safetensors files and their index, which safetensors and torch's own
 HuggingFaceStorageReader load; HuggingFaceStorageReader loads the Hub's layouts (one file, an index over several,
 torch's sharded files) and torch's writer's output into any layout, casting dtypes; a trained model's state dict
-goes through HF files from FSDP to TP bit-exact. Bad input (values, unmapped keys, a path a rank can't see,
+goes through HF files from FSDP to TP bit-exact; torch's sharded files consolidate into the same bytes the writer
+writes whole. Bad input (values, unmapped keys, a path a rank can't see,
 duplicate tensors) raises on every rank naming it, and leaves the last checkpoint. Thread ranks."""
 
 from __future__ import annotations
@@ -15,9 +16,16 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed.checkpoint as torch_dcp
+from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+    consolidate_safetensors_files as torch_consolidate,
+)
 
 import spmd.checkpoint as dcp
 from spmd._core.errors import CheckpointError
+from spmd.checkpoint._consolidate_hf_safetensors import (
+    consolidate_safetensors_files,
+    consolidate_safetensors_files_on_every_rank,
+)
 from spmd.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from spmd.device_mesh import init_device_mesh
 from spmd.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -268,3 +276,44 @@ def test_async_save_writes_the_same_files(tmp_path) -> None:
     loaded = _files(str(tmp_path))
     for key, value in full.items():
         assert torch.equal(loaded[key], value), key
+
+
+def _save_sharded(path: str) -> None:
+    run_ranks(lambda rank, world_size: dcp.save(_sharded(_full()), storage_writer=dcp.HuggingFaceStorageWriter(
+        path, MAPPING, save_distributed=True)), world_size=4, timeout=TIMEOUT)
+
+
+def test_consolidating_sharded_files_on_every_rank_gives_the_whole_files_byte_for_byte(tmp_path) -> None:
+    sharded, out, direct = str(tmp_path / "sharded"), str(tmp_path / "out"), str(tmp_path / "direct")
+    _save_sharded(sharded)
+    run_ranks(lambda rank, world_size: dcp.save(_sharded(_full()), storage_writer=dcp.HuggingFaceStorageWriter(
+        direct, MAPPING)), world_size=4, timeout=TIMEOUT)
+    run_ranks(lambda rank, world_size: consolidate_safetensors_files_on_every_rank(sharded, out, MAPPING, 2),
+              world_size=3, timeout=TIMEOUT)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(direct))
+    for name in os.listdir(out):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "direct" / name).read_bytes(), name
+    theirs = str(tmp_path / "torch")
+    os.mkdir(theirs)
+    # torch's consolidation fails on integer tensors (torch.finfo) and 0-d ones
+    torch_consolidate(sharded, theirs, {k: v for k, v in MAPPING.items() if k not in ("scalar", "empty", "steps")})
+    loaded, want = _files(theirs), _files(out)
+    assert loaded.keys() == want.keys() - {"scalar", "empty", "steps"}
+    for key, value in loaded.items():
+        assert torch.equal(value, want[key]), key
+
+
+def test_consolidating_without_a_ranks_shards_raises_on_every_rank(tmp_path) -> None:
+    sharded = tmp_path / "sharded"
+    _save_sharded(str(sharded))
+    (sharded / "shard-00004-model-00002-of-00002.safetensors").unlink()
+    consolidate_safetensors_files(str(sharded), str(tmp_path / "one"), {"embed": 1})      # not the lost rank's
+
+    def body(rank: int, world_size: int) -> str:
+        with pytest.raises(CheckpointError, match=r"the shards of 'w_both' don't cover its shape \[6, 9, 3\]") as got:
+            consolidate_safetensors_files_on_every_rank(str(sharded), str(tmp_path / "out"), MAPPING)
+        return str(got.value)
+
+    assert len(set(run_ranks(body, world_size=2, timeout=TIMEOUT))) == 1
+    assert not (tmp_path / "out" / INDEX).exists()
+    assert torch.equal(_files(str(tmp_path / "one"))["embed"], _full()["embed"])

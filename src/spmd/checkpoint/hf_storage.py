@@ -142,11 +142,12 @@ class HuggingFaceStorageWriter(FileSystemWriter):
                         "files": {item.index.fqn: files[item.index.fqn] for item in plan.items}, "count": count,
                         "shard": rank + 1, "empty": _empty_boxes(plan)})
                     for rank, plan in enumerate(plans)]
-        self._token, self._placed = secrets.token_hex(8), self._lay_out(tensors, files)
+        count = max(self.fqn_to_index_mapping.values()) if self.fqn_to_index_mapping else 1
+        self._token = secrets.token_hex(8)
+        self._placed, self._files = lay_out(tensors, {key: model_file_name(index, count)
+                                                      for key, index in files.items()})
         for name, (header, size) in self._files.items():
-            with open(self._partial(name), "wb") as file:
-                file.write(header)
-                file.truncate(size)
+            create_file(self._partial(name), header, size)
         return [dataclasses.replace(plan, storage_data=self._told(plan)) for plan in plans]
 
     def _told(self, plan: SavePlan) -> dict[str, Any]:
@@ -165,29 +166,6 @@ class HuggingFaceStorageWriter(FileSystemWriter):
                                   f"{', '.join(map(repr, unmapped[:8]))}{' ...' if len(unmapped) > 8 else ''} "
                                   f"({len(unmapped)} keys of the state dict)")
         return {key: self.fqn_to_index_mapping[key] for key in keys}
-
-    def _lay_out(self, tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-                 files: Mapping[str, int]) -> dict[str, _Placed]:
-        """Where each tensor goes, and (in self._files) each output file's header and size: in each file the
-        tensors widest dtype first, then by name, so every tensor starts aligned to its element size (the header
-        pads to 8 bytes)."""
-        count = max(self.fqn_to_index_mapping.values()) if self.fqn_to_index_mapping else 1
-        by_file: dict[str, list[str]] = {}
-        for key, index in files.items():
-            by_file.setdefault(model_file_name(index, count), []).append(key)
-        placed: dict[str, _Placed] = {}
-        self._files = {}
-        for name, keys in by_file.items():
-            keys.sort(key=lambda key: (-tensors[key][0].itemsize, key))
-            entries = {key: (tensors[key][0], tensors[key][1], math.prod(tensors[key][1]) * tensors[key][0].itemsize)
-                       for key in keys}
-            header = tensor_format.header_bytes(entries, _FILE_METADATA)
-            start = len(header)
-            for key in keys:
-                placed[key] = _Placed(name, start, tensors[key][1])
-                start += entries[key][2]
-            self._files[name] = (header, start)
-        return placed
 
     def _partial(self, name: str, token: str | None = None) -> str:
         return os.path.join(self.path, f".{name}.{token or self._token}.partial")
@@ -212,7 +190,12 @@ class HuggingFaceStorageWriter(FileSystemWriter):
                                       f"save_distributed=True for files of each rank's own)") from None
             try:
                 for box in by_file[name]:
-                    _write_box(descriptor, placed[box.item.index.fqn][1], box, partial)
+                    written = box.item.tensor_data
+                    assert written is not None
+                    write_region(descriptor, placed[box.item.index.fqn][1],
+                                 tensor_format.as_bytes(host_contiguous(box.data)), box.data.element_size(),
+                                 tuple(written.size), tuple(written.chunk.offsets), tuple(written.chunk.sizes),
+                                 partial)
                 if self.sync_files:
                     os.fsync(descriptor)
             finally:
@@ -273,8 +256,7 @@ class HuggingFaceStorageWriter(FileSystemWriter):
         weight_map = {key: self._placed[key].file for key in sorted(metadata.tensors)}
         total = sum(math.prod(entry.shape) * tensor_format.dtype_of(entry.dtype).itemsize
                     for entry in metadata.tensors.values())
-        index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode()
-        self.write_file(INDEX_FILE, [memoryview(index)])
+        self.write_file(INDEX_FILE, [memoryview(index_bytes(weight_map, total))])
         if self.sync_files:
             sync_directory(self.path)
         for entry in os.listdir(self.path):
@@ -294,27 +276,58 @@ def _empty_boxes(plan: SavePlan) -> dict[str, list[Any]]:
             for item in plan.items if item.tensor_data is not None and math.prod(item.tensor_data.chunk.sizes) == 0}
 
 
-def _write_box(descriptor: int, start: int, box: BoxWrite, where: str) -> None:
-    """Write `box`'s bytes into the file where its tensor's bytes start at `start`: one run per position of the
-    dims before the last one the box does not cover whole (Note: writing whole tensors from shards)."""
-    written = box.item.tensor_data
-    assert written is not None
-    shape, offsets, sizes = tuple(written.size), tuple(written.chunk.offsets), tuple(written.chunk.sizes)
-    data = tensor_format.as_bytes(host_contiguous(box.data))
-    item = box.data.element_size()
+def lay_out(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+            file_of: Mapping[str, str]) -> tuple[dict[str, _Placed], dict[str, tuple[bytes, int]]]:
+    """Where each tensor's bytes go, and each output file's header and size: in each file the tensors widest dtype
+    first, then by name, so every tensor starts aligned to its element size (the header pads to 8 bytes)."""
+    by_file: dict[str, list[str]] = {}
+    for key, name in file_of.items():
+        by_file.setdefault(name, []).append(key)
+    placed: dict[str, _Placed] = {}
+    files: dict[str, tuple[bytes, int]] = {}
+    for name, keys in sorted(by_file.items()):
+        keys.sort(key=lambda key: (-tensors[key][0].itemsize, key))
+        entries = {key: (tensors[key][0], tensors[key][1], math.prod(tensors[key][1]) * tensors[key][0].itemsize)
+                   for key in keys}
+        header = tensor_format.header_bytes(entries, _FILE_METADATA)
+        start = len(header)
+        for key in keys:
+            placed[key] = _Placed(name, start, tensors[key][1])
+            start += entries[key][2]
+        files[name] = (header, start)
+    return placed, files
+
+
+def index_bytes(weight_map: Mapping[str, str], total_size: int) -> bytes:
+    """model.safetensors.index.json: each key's file, and the bytes of all tensors."""
+    return json.dumps({"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}, indent=2).encode()
+
+
+def create_file(path: str, header: bytes, size: int) -> None:
+    """An output file: its header, and room for its data (read as zeros until written)."""
+    with open(path, "wb") as file:
+        file.write(header)
+        file.truncate(size)
+
+
+def write_region(descriptor: int, start: int, data: memoryview, item_size: int, shape: tuple[int, ...],
+                 offsets: tuple[int, ...], sizes: tuple[int, ...], where: str) -> None:
+    """Write `data`, the contiguous bytes of the box (`offsets`, `sizes`) of a tensor of `shape` whose bytes
+    start at `start` in the file: one run per position of the dims before the last one the box does not cover
+    whole (Note: writing whole tensors from shards)."""
     partial = max((dim for dim in range(len(shape)) if sizes[dim] != shape[dim]), default=0)
     strides = [math.prod(shape[dim + 1:]) for dim in range(len(shape))]
-    run = (sizes[partial] * strides[partial] if shape else 1) * item
-    first = sum(offset * stride for offset, stride in zip(offsets, strides, strict=True)) * item
+    run = (sizes[partial] * strides[partial] if shape else 1) * item_size
+    first = sum(offset * stride for offset, stride in zip(offsets, strides, strict=True)) * item_size
     starts = torch.zeros((), dtype=torch.int64)
     for dim in range(partial):
-        starts = starts.unsqueeze(-1) + torch.arange(sizes[dim], dtype=torch.int64) * (strides[dim] * item)
+        starts = starts.unsqueeze(-1) + torch.arange(sizes[dim], dtype=torch.int64) * (strides[dim] * item_size)
     for index, at in enumerate(starts.reshape(-1).tolist()):
         piece, done = data[index * run:(index + 1) * run], 0
         while done < len(piece):
             count = os.pwrite(descriptor, piece[done:], start + first + at + done)
             if count <= 0:
-                raise CheckpointError(f"HuggingFaceStorageWriter: writing {box.item.index.fqn!r} to {where} failed")
+                raise CheckpointError(f"writing {len(piece)} bytes to {where} at {start + first + at} failed")
             done += count
 
 
