@@ -50,8 +50,6 @@ def test_every_public_torch_distributed_name_is_served_or_listed_with_why_not() 
 
 MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name: why spmd's has none}
     "checkpoint": {
-        "QuantizedHuggingFaceStorageReader": "dequantizing block-scaled float8 weights on load is not served yet: "
-                                             "load a bfloat16 release with HuggingFaceStorageReader",
         "CheckpointException": "spmd raises CheckpointError",
         **dict.fromkeys(["load_sharded_optimizer_state_dict", "load_state_dict", "save_state_dict"],
                         "long-deprecated in torch: use load / save and checkpoint.state_dict"),
@@ -115,6 +113,7 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "checkpoint.state_dict", "checkpoint.stateful", "checkpoint.format_utils", "checkpoint.staging",
                  "checkpoint.default_planner", "checkpoint.planner", "checkpoint.metadata", "checkpoint.filesystem",
                  "checkpoint.hf_storage", "checkpoint._consolidate_hf_safetensors",
+                 "checkpoint.quantized_hf_storage",
                  "checkpoint.state_dict_saver",
                  "checkpoint.state_dict_loader", "algorithms.ddp_comm_hooks", "algorithms.ddp_comm_hooks.default_hooks",
                  "algorithms.ddp_comm_hooks.quantization_hooks", "optim.post_localSGD_optimizer",

@@ -12,11 +12,12 @@ from spmd.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlann
 from spmd.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from spmd.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from spmd.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
+from spmd.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
 from spmd.checkpoint.storage import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
 
 __all__ = [
     "BytesStorageMetadata", "CheckpointError", "ChunkStorageMetadata", "DefaultLoadPlanner", "DefaultSavePlanner",
     "FileSystemReader", "FileSystemWriter", "HuggingFaceStorageReader", "HuggingFaceStorageWriter", "LoadPlan",
-    "LoadPlanner", "Metadata", "ReadItem", "SavePlan", "SavePlanner", "Stateful", "StorageReader", "StorageWriter",
-    "TensorStorageMetadata", "WriteItem", "async_save", "load", "save",
+    "LoadPlanner", "Metadata", "QuantizedHuggingFaceStorageReader", "ReadItem", "SavePlan", "SavePlanner",
+    "Stateful", "StorageReader", "StorageWriter", "TensorStorageMetadata", "WriteItem", "async_save", "load", "save",
 ]

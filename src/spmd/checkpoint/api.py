@@ -591,6 +591,10 @@ class _Loader:
         if tuple(target.shape) != tuple(item.lengths):
             raise CheckpointError(f"load: resolve_tensor gave a tensor of shape {list(target.shape)} for a region "
                                   f"of {key!r} of shape {list(item.lengths)}")
+        converted = self.reader.read_region(chunk, tuple(item.storage_offsets), tuple(item.lengths))
+        if converted is not None:
+            target.copy_(converted)
+            return
         dtype = tensor_format.dtype_of(self.metadata.tensors[key].dtype)
         whole = tuple(item.lengths) == chunk.sizes and not any(item.storage_offsets)
         if whole and target.dtype == dtype and _readable_into(target):

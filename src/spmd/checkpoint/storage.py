@@ -31,7 +31,7 @@ from torch import Tensor
 
 from spmd._core.errors import CheckpointError
 from spmd.checkpoint import format as tensor_format
-from spmd.checkpoint.metadata import METADATA_FILE, Metadata
+from spmd.checkpoint.metadata import METADATA_FILE, Chunk, Metadata
 from spmd.checkpoint.planner import SavePlan, WriteItem
 
 _PARTIAL = ".partial"
@@ -131,6 +131,12 @@ class StorageReader(abc.ABC):
         """Fill `buffer` with the bytes of file `name` from `offset` on (a storage that can read straight into
         memory overrides this; a load uses it for a saved box that is the whole of a tensor it fills)."""
         buffer[:] = self.read(name, offset, len(buffer))
+
+    def read_region(self, chunk: Chunk, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> Tensor | None:
+        """The values of the region (`offsets`, `lengths` within the saved box `chunk`) where this reader keeps them
+        in another form than the metadata's dtype and shape (quantized weights it dequantizes); None, by default:
+        the load reads the stored bytes."""
+        return None
 
     def file_size(self, name: str) -> int | None:
         """The size of file `name` where the storage can tell cheaply (load checks it against the metadata's, to
