@@ -71,8 +71,14 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
                                                     "traceback itself"),
     "nn.functional": {"group": "not API: torch's group namespace, imported there for its defaults (spmd's "
                                "functions default to the world with group=None)"},
-    "optim": {"DistributedOptimizer": "torch's RPC framework's optimizer: spmd has no RPC",
-              "as_functional_optim": "torch's functional optimizers are internal to its DDP/ZeRO overlap"},
+    "optim": {"as_functional_optim": "torch's functional optimizers are internal to its DDP/ZeRO overlap"},
+    "rpc": {**dict.fromkeys(["register_backend", "backend_registered", "construct_rpc_backend_options",
+                             "init_backend", "BackendValue"],
+                            "torch's registry of C++ RPC agents: spmd has one agent, over its own transports"),
+            **dict.fromkeys(["AllGatherStates", "method_factory", "new_method"],
+                            "not API: internals of torch's RPC module")},
+    "rpc.api": dict.fromkeys(["AllGatherStates", "method_factory", "new_method"], "not API: internals of torch's RPC "
+                                                                                  "module"),
     "_tensor": dict.fromkeys(["full_module_name", "import_module", "submodule", "submodules"],
                              "not API: torch's lazy-import helpers"),
     "distributed_c10d": {name: why for name, why in NOT_SERVED.items()},
@@ -122,6 +128,7 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "algorithms.model_averaging.utils",
                  "algorithms.model_averaging.hierarchical_model_averager", "algorithms._checkpoint.checkpoint_wrapper",
                  "algorithms.join", "algorithms._comm_hooks", "algorithms._comm_hooks.default_hooks", "optim",
+                 "rpc", "rpc.api", "rpc.functions", "rpc.options", "autograd", "nn.api.remote_module",
                  "nn.functional", "elastic.multiprocessing.errors", "launcher",
                  "launcher.api", "_tensor", "_composable.fsdp", "distributed_c10d", "_functional_collectives"]
 

@@ -1,0 +1,1 @@
+"""torch's `nn.api` module path: RemoteModule (remote_module.py)."""

@@ -1,0 +1,426 @@
+"""The RPC agent of one worker: messages to and from every other worker over a group of spmd's own transports,
+requests run on a pool of threads, calls completed through torch Futures.
+
+Layer: rpc (over comm). A message is a pickled tuple sent as two point-to-point messages on the agent's group:
+its length (an int64; -1 says the sender stops) and its bytes. Only members of the job's group, which
+authenticated when it connected, can send one: the agent unpickles what they send, as the object collectives do
+(see README: Security).
+
+Note: the agent's threads
+  - one receiver per peer, each waiting for that peer's next message (messages of one pair arrive in order);
+    a request goes to the pool, a response completes its call's Future, a STOP ends the receiver;
+  - one sender, which every outgoing message goes through, so that a message's length and bytes stay together
+    and code that must not block (an RRef's __del__) only queues;
+  - the pool (`num_worker_threads`) running requests; a request may itself call other workers;
+  - one timer failing calls that ran past their deadline.
+All of them run in the worker's context (contextvars), so on thread ranks each sees its own world and agent.
+A peer found dead (its receiver's transport fails) fails every call waiting on it, naming it.
+
+Note: graceful shutdown
+  1. wait for this worker's own calls and queued messages;
+  2. barrier through the store: every worker got there, so no call is in flight anywhere (a call served here
+     that calls on is the caller's own call, finished before the caller reaches step 1), while the receivers
+     and the pool keep serving until then;
+  3. send STOP to every peer, wait for every peer's STOP (all messages before it handled), stop the pool and
+     release the group.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextvars
+import dataclasses
+import enum
+import heapq
+import itertools
+import pickle
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from spmd._core.errors import SpmdError
+from spmd.comm.group import ProcessGroup
+from spmd.comm.p2p import irecv, isend
+from spmd.comm.store import Store
+from spmd.comm.work import Work
+from spmd.rpc.functions import is_async_execution
+
+_STOP = -1
+_STOP_MESSAGE = b"stop"     # queued (by identity) in place of a message: send the STOP length
+_FOREVER = 10 * 365 * 24 * 3600.0      # the group's timeout: a receiver waits for the next message indefinitely
+
+
+class PeerState(enum.Enum):
+    OPEN = "open"
+    STOPPED = "stopped"     # sent STOP: shut down
+    LOST = "lost"           # its transport failed
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInfo:
+    """A worker of the RPC group (torch's name): its unique name and its id (its rank)."""
+
+    name: str
+    id: int
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+
+@dataclasses.dataclass
+class _Call:
+    future: torch.futures.Future
+    dst: int
+    what: str
+
+
+class RemoteException(SpmdError):
+    """A call failed on the worker that ran it, with an exception that could not travel back as itself."""
+
+
+def _error_message(worker: WorkerInfo, what: str, error: BaseException) -> str:
+    return f"{what} on worker {worker.name} (rank {worker.id}) failed: {type(error).__name__}: {error}"
+
+
+class RpcAgent:
+    """One worker's agent; see the Notes above."""
+
+    def __init__(self, name: str, rank: int, world_size: int, group: ProcessGroup, store: Store, prefix: str,
+                 num_worker_threads: int, rpc_timeout: float, release: Callable[[], None]) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.store = store
+        self.prefix = prefix
+        self.rpc_timeout = rpc_timeout
+        self._release = release
+        store.set(f"{prefix}/name/{rank}", name)
+        names = [store.get(f"{prefix}/name/{peer}").decode() for peer in range(world_size)]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"init_rpc on rank {rank}: worker names must be unique; {repeated} is used by ranks "
+                             f"{[r for r, n in enumerate(names) if n in repeated]}")
+        self.workers = [WorkerInfo(n, r) for r, n in enumerate(names)]
+        self.me = self.workers[rank]
+        self._by_name = {info.name: info for info in self.workers}
+        self._lock = threading.Lock()
+        self._calls: dict[int, _Call] = {}
+        self._call_ids = itertools.count(1)
+        self._peers = {peer: PeerState.OPEN for peer in range(world_size) if peer != rank}
+        self._peer_errors: dict[int, BaseException] = {}
+        self._outbox: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._outbox_ready = threading.Condition(self._lock)
+        self._sending = 0            # messages taken from the outbox and not yet handed to the transport
+        self._deadlines: list[tuple[float, int]] = []
+        self._timer_wake = threading.Condition(self._lock)
+        self._running = self._sender_running = True
+        self._pool = concurrent.futures.ThreadPoolExecutor(num_worker_threads, thread_name_prefix=f"spmd-rpc{rank}")
+        self._context = contextvars.copy_context()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        """Start the threads (Note: the agent's threads), in a copy of the caller's context."""
+        self._context = contextvars.copy_context()
+        self._threads = [self._thread(self._receive, f"spmd-rpc{self.rank}-from{peer}", peer) for peer in self._peers]
+        self._threads.append(self._thread(self._send_loop, f"spmd-rpc{self.rank}-send"))
+        self._threads.append(self._thread(self._time_out_calls, f"spmd-rpc{self.rank}-timer"))
+        for thread in self._threads:
+            thread.start()
+
+    def _thread(self, target: Callable[..., None], name: str, *args: Any) -> threading.Thread:
+        return threading.Thread(target=self._context.copy().run, args=(target, *args), name=name, daemon=True)
+
+    # -- names -----------------------------------------------------------------------------------------------
+
+    def worker(self, to: str | int | WorkerInfo) -> WorkerInfo:
+        """The worker `to` names (its name, rank or WorkerInfo)."""
+        if isinstance(to, WorkerInfo):
+            return to
+        if isinstance(to, str):
+            info = self._by_name.get(to)
+            if info is None:
+                raise ValueError(f"rpc on worker {self.me.name}: no worker named {to!r}; the workers are "
+                                 f"{[w.name for w in self.workers]}")
+            return info
+        if isinstance(to, int) and not isinstance(to, bool) and 0 <= to < self.world_size:
+            return self.workers[to]
+        raise ValueError(f"rpc on worker {self.me.name}: {to!r} names no worker (a name, a rank below "
+                         f"{self.world_size} or a WorkerInfo)")
+
+    # -- calls -----------------------------------------------------------------------------------------------
+
+    def call(self, to: WorkerInfo, function: Callable[..., Any], args: tuple, kwargs: dict, timeout: float,
+             what: str) -> torch.futures.Future:
+        """Run function(*args, **kwargs) on `to`; a Future of its result (or its error). `timeout` seconds (0:
+        none) until the call fails with a TimeoutError."""
+        future: torch.futures.Future = torch.futures.Future()
+        if to.id == self.rank:                     # to itself: through the pool, as a peer's request would run
+            self._pool.submit(self._context.copy().run, self._run_local, future, function, args, kwargs, what)
+            return future
+        call_id = next(self._call_ids)
+        payload = pickle.dumps(("request", call_id, function, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self._check_running(what)
+            lost = self._peer_errors.get(to.id)
+            if lost is None:
+                self._calls[call_id] = _Call(future, to.id, what)
+                if timeout > 0:
+                    heapq.heappush(self._deadlines, (time.monotonic() + timeout, call_id))
+                    self._timer_wake.notify()
+                self._outbox.append((to.id, payload))
+                self._outbox_ready.notify()
+        if lost is not None:
+            future.set_exception(RuntimeError(_error_message(to, what, lost)))
+        return future
+
+    def notify(self, to: WorkerInfo, function: Callable[..., Any], args: tuple) -> None:
+        """Run function(*args) on `to`, expecting no answer (an RRef's release); only queues, so it may be
+        called from __del__. Dropped once the agent stopped."""
+        if to.id == self.rank:
+            self._pool.submit(self._context.copy().run, function, *args)
+            return
+        payload = pickle.dumps(("notify", 0, function, args, {}), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            if self._running and to.id not in self._peer_errors:
+                self._outbox.append((to.id, payload))
+                self._outbox_ready.notify()
+
+    def _check_running(self, what: str) -> None:
+        if not self._running:
+            raise RuntimeError(f"{what} on worker {self.me.name}: RPC was shut down on this worker")
+
+    def _run_local(self, future: torch.futures.Future, function: Callable[..., Any], args: tuple, kwargs: dict,
+                   what: str) -> None:
+        try:
+            result = function(*args, **kwargs)
+        except BaseException as error:      # the caller gets it through the future
+            future.set_exception(error)
+            return
+        if isinstance(result, torch._C.Future) and is_async_execution(function):
+            result.add_done_callback(lambda done: _forward(done, future))
+        else:
+            future.set_result(result)
+
+    # -- the threads -----------------------------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        in_flight: list[tuple[int, Work]] = []
+        while True:
+            with self._lock:
+                if not self._outbox and self._sender_running:
+                    self._outbox_ready.wait(0.05 if in_flight else None)
+                message = self._outbox.popleft() if self._outbox else None
+                if message is not None:
+                    self._sending += 1
+                finished = message is None and not self._sender_running
+            if message is not None:
+                self._transmit(*message, in_flight)
+                with self._lock:
+                    self._sending -= 1
+                    self._outbox_ready.notify_all()
+            in_flight = self._reap(in_flight)
+            if finished:
+                break
+        for dst, work in in_flight:
+            try:
+                work.wait()
+            except Exception as error:
+                self._lose(dst, error)
+
+    def _transmit(self, dst: int, payload: bytes, in_flight: list[tuple[int, Work]]) -> None:
+        """Hand one message (its length, then its bytes; a STOP alone) to the transport."""
+        try:
+            stop = payload is _STOP_MESSAGE
+            length = torch.tensor([_STOP if stop else len(payload)], dtype=torch.int64)
+            in_flight.append((dst, isend(length, group=self.group, group_dst=dst)))
+            if not stop:
+                body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                in_flight.append((dst, isend(body, group=self.group, group_dst=dst)))
+        except Exception as error:     # the peer is gone: its calls fail
+            self._lose(dst, error)
+
+    def _reap(self, in_flight: list[tuple[int, Work]]) -> list[tuple[int, Work]]:
+        still = []
+        for dst, work in in_flight:
+            if not work.is_completed():
+                still.append((dst, work))
+            elif work.exception() is not None:
+                self._lose(dst, work.exception())
+        return still
+
+    def _receive(self, peer: int) -> None:
+        length = torch.empty(1, dtype=torch.int64)
+        while True:
+            try:
+                irecv(length, group=self.group, group_src=peer).wait()
+                size = int(length[0])
+                if size == _STOP:
+                    with self._lock:
+                        self._peers[peer] = PeerState.STOPPED
+                    return
+                body = torch.empty(size, dtype=torch.uint8)
+                irecv(body, group=self.group, group_src=peer).wait()
+            except Exception as error:      # the peer (or this group) is gone
+                self._lose(peer, error)
+                return
+            if not self._dispatch(peer, body):
+                return
+
+    def _dispatch(self, peer: int, body: torch.Tensor) -> bool:
+        """Hand one message on; False if it can't be read. (Its own frame, so that the receiver holds nothing of
+        it while it waits for the next: an RRef among the arguments must die with the request.)"""
+        try:
+            kind, call_id, *rest = pickle.loads(body.numpy().tobytes())
+        except Exception as error:
+            self._lose(peer, RuntimeError(f"a message from worker {self.workers[peer].name} could not be "
+                                          f"unpickled: {type(error).__name__}: {error}"))
+            return False
+        if kind in ("request", "notify"):
+            self._pool.submit(self._context.copy().run, self._serve, peer, kind, call_id, *rest)
+        else:
+            self._complete(call_id, kind, rest[0])
+        return True
+
+    def _serve(self, peer: int, kind: str, call_id: int, function: Callable[..., Any], args: tuple,
+               kwargs: dict) -> None:
+        try:
+            result = function(*args, **kwargs)
+        except BaseException as error:       # sent back to the caller
+            if kind == "request":
+                self._respond(peer, call_id, error=error)
+            return
+        if kind != "request":
+            return
+        if isinstance(result, torch._C.Future) and is_async_execution(function):
+            result.add_done_callback(lambda done: self._respond_done(peer, call_id, done))
+        else:
+            self._respond(peer, call_id, value=result)
+
+    def _respond_done(self, peer: int, call_id: int, done: torch.futures.Future) -> None:
+        try:
+            value = done.wait()
+        except BaseException as error:
+            self._respond(peer, call_id, error=error)
+            return
+        self._respond(peer, call_id, value=value)
+
+    def _respond(self, peer: int, call_id: int, value: Any = None, error: BaseException | None = None) -> None:
+        if error is None:
+            try:
+                payload = pickle.dumps(("ok", call_id, value), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as failure:       # the result can't travel: the caller gets why
+                error = failure
+        if error is not None:
+            text = "".join(traceback.format_exception(error))
+            try:
+                payload = pickle.dumps(("error", call_id, (error, text)), protocol=pickle.HIGHEST_PROTOCOL)
+                pickle.loads(payload)
+            except Exception:
+                payload = pickle.dumps(("error", call_id, (None, text)), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            if peer in self._peer_errors:
+                return
+            self._outbox.append((peer, payload))
+            self._outbox_ready.notify()
+
+    def _complete(self, call_id: int, kind: str, body: Any) -> None:
+        with self._lock:
+            call = self._calls.pop(call_id, None)
+            self._outbox_ready.notify_all()
+        if call is None:                      # timed out already
+            return
+        if kind == "ok":
+            call.future.set_result(body)
+            return
+        error, text = body
+        where = self.workers[call.dst]
+        if isinstance(error, BaseException):
+            error.add_note(f"raised by {call.what} on worker {where.name} (rank {where.id}); its traceback there:"
+                           f"\n{text}")
+            call.future.set_exception(error)
+        else:
+            call.future.set_exception(RemoteException(f"{call.what} on worker {where.name} (rank {where.id}) "
+                                                      f"failed:\n{text}"))
+
+    def _lose(self, peer: int, error: BaseException) -> None:
+        """Peer `peer` is gone: every call waiting on it fails, naming it."""
+        with self._lock:
+            if self._peers.get(peer) is PeerState.STOPPED or peer in self._peer_errors:
+                return
+            self._peers[peer] = PeerState.LOST
+            self._peer_errors[peer] = error
+            failed = [(call_id, call) for call_id, call in self._calls.items() if call.dst == peer]
+            for call_id, _ in failed:
+                del self._calls[call_id]
+            self._outbox_ready.notify_all()
+        for _, call in failed:
+            call.future.set_exception(RuntimeError(_error_message(self.workers[peer], call.what, error)))
+
+    def _time_out_calls(self) -> None:
+        with self._lock:
+            while self._running:
+                now = time.monotonic()
+                expired = []
+                while self._deadlines and self._deadlines[0][0] <= now:
+                    _, call_id = heapq.heappop(self._deadlines)
+                    call = self._calls.pop(call_id, None)
+                    if call is not None:
+                        expired.append(call)
+                if expired:
+                    self._outbox_ready.notify_all()
+                    self._lock.release()
+                    try:
+                        for call in expired:
+                            where = self.workers[call.dst]
+                            call.future.set_exception(TimeoutError(
+                                f"{call.what} on worker {where.name} (rank {where.id}) ran past its timeout"))
+                    finally:
+                        self._lock.acquire()
+                    continue
+                self._timer_wake.wait(self._deadlines[0][0] - now if self._deadlines else None)
+
+    # -- shutdown --------------------------------------------------------------------------------------------
+
+    def shutdown(self, graceful: bool, timeout: float) -> None:
+        """Stop this worker (Note: graceful shutdown); `timeout` bounds the barrier (0: none). Not graceful: the
+        group is aborted at once, failing every call still waiting."""
+        if graceful:
+            with self._lock:
+                while self._calls or self._outbox or self._sending:
+                    self._outbox_ready.wait()
+            keys = [f"{self.prefix}/done/{peer}" for peer in range(self.world_size)]
+            self.store.set(keys[self.rank], "1")
+            self.store.wait(keys, timeout if timeout > 0 else None)
+            with self._lock:
+                for peer in self._peers:
+                    if peer not in self._peer_errors:
+                        self._outbox.append((peer, _STOP_MESSAGE))
+                self._outbox_ready.notify()
+        else:
+            self.group.abort(RuntimeError(f"RPC shut down on worker {self.me.name} (graceful=False)"))
+        for thread in self._threads[:len(self._peers)]:      # the receivers: each ends at its peer's STOP
+            thread.join()
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            self._running = self._sender_running = False
+            self._outbox_ready.notify_all()
+            self._timer_wake.notify_all()
+            failed = list(self._calls.values())
+            self._calls.clear()
+        for thread in self._threads[len(self._peers):]:
+            thread.join()
+        for call in failed:
+            call.future.set_exception(RuntimeError(f"{call.what}: RPC was shut down on worker {self.me.name}"))
+        self._release()
+
+
+def _forward(done: torch.futures.Future, future: torch.futures.Future) -> None:
+    try:
+        future.set_result(done.wait())
+    except BaseException as error:
+        future.set_exception(error)
