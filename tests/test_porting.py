@@ -29,7 +29,8 @@ def port(source: str) -> str:
 
 
 TUTORIALS = ["ddp_tutorial.py", "collectives_tutorial.py", "fsdp2_tutorial.py", "fsdp1_tutorial.py", "tp_tutorial.py",
-             "pipelining_tutorial.py", "zero_tutorial.py", "join_tutorial.py", "fsdp1_comm_hook_tutorial.py"]
+             "pipelining_tutorial.py", "zero_tutorial.py", "join_tutorial.py", "fsdp1_comm_hook_tutorial.py",
+             "rpc_param_server_tutorial.py"]
 # spmdrun runs the ports in one job, one after another in the same workers, each as its own `__main__` with
 # its output prefix as argv[1] (each destroys its world and the next initializes a new one), so their launch and
 # imports are paid once. torch's launcher gets a job per tutorial: under one torchrun store, gloo's next default
@@ -243,3 +244,13 @@ def test_a_job_launched_from_python_returns_what_torchs_launcher_api_returns(tmp
         assert (ours["rank"], ours["world_size"]) == (theirs["rank"], theirs["world_size"]) == (rank, 2)
         for key, value in theirs["state"].items():
             torch.testing.assert_close(ours["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+@pytest.mark.timeout(600)
+def test_rpc_parameter_server_tutorial_trains_the_same_weights_as_under_torch(launched: dict) -> None:
+    torch_out, spmd_out = launched["rpc_param_server_tutorial.py"]
+    expected, got = torch.load(torch_out), torch.load(spmd_out)
+    assert got["losses"] == expected["losses"]
+    assert torch.equal(got["answer"], expected["answer"])
+    for value, want in zip(got["weights"], expected["weights"], strict=True):
+        assert torch.equal(value, want)
