@@ -1,0 +1,58 @@
+"""spmd.rpc in real processes, rendezvousing by themselves (no spmd world: init_rpc's own, over the file store):
+calls and an RRef work across processes, and a worker SIGKILLed while another waits on its call fails that call
+fast, naming the lost worker, and the survivor's later calls to it fail the same way."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import spmd.rpc as rpc
+from tests.comm.test_shm import _reap, _spawn
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _scale(x: torch.Tensor, by: float) -> torch.Tensor:
+    return x * by
+
+
+def _worker(rank: int, world_size: int, results: Any, store: str) -> None:
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{store}", rpc_timeout=60)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
+    if rank == 1:
+        rpc.rpc_sync("w0", _scale, (torch.ones(2), 1.0))    # it serves until it is killed (below)
+        while True:
+            time.sleep(60)
+    report: dict[str, Any] = {"scaled": rpc.rpc_sync("w1", _scale, (torch.arange(3.0), 2.0)).tolist()}
+    report["rref"] = rpc.remote("w1", _scale, (torch.ones(2), 3.0)).to_here().tolist()
+    started = time.monotonic()
+    for attempt in ("dying", "after"):
+        try:
+            rpc.rpc_sync("w1", _die)
+        except RuntimeError as error:
+            report[attempt] = str(error)
+    report["seconds"] = time.monotonic() - started
+    rpc.shutdown(graceful=False)
+    results.send(report)
+
+
+@pytest.mark.timeout(120)
+def test_calls_across_processes_and_a_killed_worker_fails_its_calls_naming_it(tmp_path) -> None:
+    processes, inbox = _spawn(_worker, 2, str(tmp_path / "store"))
+    try:
+        report = inbox.get(timeout=90)
+    finally:
+        _reap(processes)
+    assert processes[1].exitcode == -signal.SIGKILL
+    assert report["scaled"] == [0.0, 2.0, 4.0] and report["rref"] == [3.0, 3.0]
+    for attempt in ("dying", "after"):
+        assert "rpc_async(_die) on worker w1 (rank 1) failed" in report[attempt], report[attempt]
+    assert report["seconds"] < 30, report
