@@ -1,16 +1,18 @@
 """The RPC agent of one worker: messages to and from every other worker over a group of spmd's own transports,
 requests run on a pool of threads, calls completed through torch Futures.
 
-Layer: rpc (over comm). A message is a pickled tuple sent as two point-to-point messages on the agent's group:
-its length (an int64; -1 says the sender stops) and its bytes. Only members of the job's group, which
+Layer: rpc (over comm). A message is a tuple, sent as point-to-point messages on the agent's group: its header
+(two int64: the body's length, -1 when the sender stops, and its tensor count), its body, then its tensors
+(wire.py). Only members of the job's group, which
 authenticated when it connected, can send one: the agent unpickles what they send, as the object collectives do
 (see README: Security).
 
 Note: the agent's threads
   - one receiver per peer, each waiting for that peer's next message (messages of one pair arrive in order);
     a request goes to the pool, a response completes its call's Future, a STOP ends the receiver;
-  - one sender, which every outgoing message goes through, so that a message's length and bytes stay together
-    and code that must not block (an RRef's __del__) only queues;
+  - a call or a response is sent by the thread that makes it, one message to a peer at a time (a lock per peer
+    keeps a message's pieces together); one sender thread sends what code that must not block queues (an
+    RRef's __del__) and the STOPs;
   - the pool (`num_worker_threads`) running requests; a request may itself call other workers;
   - one timer failing calls that ran past their deadline.
 All of them run in the worker's context (contextvars), so on thread ranks each sees its own world and agent.
@@ -48,10 +50,13 @@ from spmd.comm.group import ProcessGroup
 from spmd.comm.p2p import irecv, isend
 from spmd.comm.store import Store
 from spmd.comm.work import Work
+from spmd.rpc import wire
 from spmd.rpc.functions import is_async_execution
 
 _STOP = -1
-_STOP_MESSAGE = b"stop"     # queued (by identity) in place of a message: send the STOP length
+_HEADER_BYTES = 16          # a frame's two int64: the body's length (or _STOP), the count of tensors
+_Payload = tuple[bytes, list[torch.Tensor]]
+_STOP_MESSAGE: _Payload = (b"stop", [])     # queued (by identity) in place of a message: send the STOP header
 _FOREVER = 10 * 365 * 24 * 3600.0      # the group's timeout: a receiver waits for the next message indefinitely
 
 
@@ -112,8 +117,9 @@ class RpcAgent:
         self._calls: dict[int, _Call] = {}
         self._call_ids = itertools.count(1)
         self._peers = {peer: PeerState.OPEN for peer in range(world_size) if peer != rank}
+        self._send_locks = {peer: threading.Lock() for peer in self._peers}
         self._peer_errors: dict[int, BaseException] = {}
-        self._outbox: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._outbox: collections.deque[tuple[int, _Payload]] = collections.deque()
         self._outbox_ready = threading.Condition(self._lock)
         self._sending = 0            # messages taken from the outbox and not yet handed to the transport
         self._deadlines: list[tuple[float, int]] = []
@@ -163,7 +169,7 @@ class RpcAgent:
             self._pool.submit(self._context.copy().run, self._run_local, future, function, args, kwargs, what)
             return future
         call_id = next(self._call_ids)
-        payload = pickle.dumps(("request", call_id, function, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = wire.encode(("request", call_id, function, args, kwargs))
         with self._lock:
             self._check_running(what)
             lost = self._peer_errors.get(to.id)
@@ -172,10 +178,10 @@ class RpcAgent:
                 if timeout > 0:
                     heapq.heappush(self._deadlines, (time.monotonic() + timeout, call_id))
                     self._timer_wake.notify()
-                self._outbox.append((to.id, payload))
-                self._outbox_ready.notify()
         if lost is not None:
             future.set_exception(RuntimeError(_error_message(to, what, lost)))
+        else:
+            self._transmit(to.id, payload)
         return future
 
     def notify(self, to: WorkerInfo, function: Callable[..., Any], args: tuple) -> None:
@@ -184,7 +190,7 @@ class RpcAgent:
         if to.id == self.rank:
             self._pool.submit(self._context.copy().run, function, *args)
             return
-        payload = pickle.dumps(("notify", 0, function, args, {}), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = wire.encode(("notify", 0, function, args, {}))
         with self._lock:
             if self._running and to.id not in self._peer_errors:
                 self._outbox.append((to.id, payload))
@@ -209,73 +215,86 @@ class RpcAgent:
     # -- the threads -----------------------------------------------------------------------------------------
 
     def _send_loop(self) -> None:
-        in_flight: list[tuple[int, Work]] = []
         while True:
             with self._lock:
-                if not self._outbox and self._sender_running:
-                    self._outbox_ready.wait(0.05 if in_flight else None)
-                message = self._outbox.popleft() if self._outbox else None
-                if message is not None:
-                    self._sending += 1
-                finished = message is None and not self._sender_running
-            if message is not None:
-                self._transmit(*message, in_flight)
-                with self._lock:
-                    self._sending -= 1
-                    self._outbox_ready.notify_all()
-            in_flight = self._reap(in_flight)
-            if finished:
-                break
-        for dst, work in in_flight:
-            try:
-                work.wait()
-            except Exception as error:
-                self._lose(dst, error)
+                while not self._outbox and self._sender_running:
+                    self._outbox_ready.wait()
+                if not self._outbox:
+                    return
+                dst, payload = self._outbox.popleft()
+                self._sending += 1
+            self._transmit(dst, payload)
+            with self._lock:
+                self._sending -= 1
+                self._outbox_ready.notify_all()
 
-    def _transmit(self, dst: int, payload: bytes, in_flight: list[tuple[int, Work]]) -> None:
-        """Hand one message (its length, then its bytes; a STOP alone) to the transport."""
+    def _transmit(self, dst: int, payload: _Payload) -> None:
+        """Hand one message to the transport (a frame: the header, and the body if it fits; else the body; then
+        the tensors not inline; a STOP frame alone), waiting until it took each piece. On the calling thread
+        (a hand-off to the sender costs two thread wake-ups), one message to a peer at a time."""
+        with self._send_locks[dst]:
+            self._transmit_locked(dst, payload)
+
+    def _transmit_locked(self, dst: int, payload: _Payload) -> None:
         try:
-            stop = payload is _STOP_MESSAGE
-            length = torch.tensor([_STOP if stop else len(payload)], dtype=torch.int64)
-            in_flight.append((dst, isend(length, group=self.group, group_dst=dst)))
-            if not stop:
-                body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                in_flight.append((dst, isend(body, group=self.group, group_dst=dst)))
+            frame = torch.zeros(wire.FRAME_BYTES, dtype=torch.uint8)
+            header = frame[:_HEADER_BYTES].view(torch.int64)
+            if payload is _STOP_MESSAGE:
+                header[0] = _STOP
+                self._send(frame, dst)
+                return
+            body, tensors = payload
+            header[0], header[1] = len(body), len(tensors)
+            inline = len(body) <= wire.FRAME_BYTES - _HEADER_BYTES
+            if inline:
+                frame[_HEADER_BYTES:_HEADER_BYTES + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+            self._send(frame, dst)
+            if not inline:
+                self._send(torch.frombuffer(bytearray(body), dtype=torch.uint8), dst)
+            for tensor in tensors:
+                if tensor.numel():
+                    self._send(wire.byte_view(tensor), dst)
         except Exception as error:     # the peer is gone: its calls fail
             self._lose(dst, error)
 
-    def _reap(self, in_flight: list[tuple[int, Work]]) -> list[tuple[int, Work]]:
-        still = []
-        for dst, work in in_flight:
-            if not work.is_completed():
-                still.append((dst, work))
-            elif work.exception() is not None:
-                self._lose(dst, work.exception())
-        return still
+    def _send(self, tensor: torch.Tensor, dst: int) -> None:
+        _blocking_wait(isend(tensor, group=self.group, group_dst=dst))
 
     def _receive(self, peer: int) -> None:
-        length = torch.empty(1, dtype=torch.int64)
+        frame = torch.empty(wire.FRAME_BYTES, dtype=torch.uint8)
+        header = frame[:_HEADER_BYTES].view(torch.int64)
         while True:
             try:
-                irecv(length, group=self.group, group_src=peer).wait()
-                size = int(length[0])
+                _blocking_wait(irecv(frame, group=self.group, group_src=peer))
+                size, count = int(header[0]), int(header[1])
                 if size == _STOP:
                     with self._lock:
                         self._peers[peer] = PeerState.STOPPED
                     return
-                body = torch.empty(size, dtype=torch.uint8)
-                irecv(body, group=self.group, group_src=peer).wait()
+                if size <= wire.FRAME_BYTES - _HEADER_BYTES:
+                    body = frame[_HEADER_BYTES:_HEADER_BYTES + size].numpy().tobytes()
+                else:
+                    received = torch.empty(size, dtype=torch.uint8)
+                    irecv(received, group=self.group, group_src=peer).wait()
+                    body = received.numpy().tobytes()
+                pickled, metas = wire.metas_of(body)
+                if count != sum(meta[3] is None for meta in metas):
+                    raise RuntimeError(f"a message from worker {self.workers[peer].name} is malformed")
+                tensors = [wire.tensor_of(meta) for meta in metas]
+                for tensor, meta in zip(tensors, metas, strict=True):
+                    if meta[3] is None and tensor.numel():
+                        irecv(wire.byte_view(tensor), group=self.group, group_src=peer).wait()
             except Exception as error:      # the peer (or this group) is gone
                 self._lose(peer, error)
                 return
-            if not self._dispatch(peer, body):
+            if not self._dispatch(peer, pickled, metas, tensors):
                 return
 
-    def _dispatch(self, peer: int, body: torch.Tensor) -> bool:
+    def _dispatch(self, peer: int, pickled: bytes, metas: list[wire.Meta], tensors: list[torch.Tensor]) -> bool:
         """Hand one message on; False if it can't be read. (Its own frame, so that the receiver holds nothing of
         it while it waits for the next: an RRef among the arguments must die with the request.)"""
         try:
-            kind, call_id, *rest = pickle.loads(body.numpy().tobytes())
+            kind, call_id, *rest = wire.decode(pickled, metas, tensors)
         except Exception as error:
             self._lose(peer, RuntimeError(f"a message from worker {self.workers[peer].name} could not be "
                                           f"unpickled: {type(error).__name__}: {error}"))
@@ -312,21 +331,18 @@ class RpcAgent:
     def _respond(self, peer: int, call_id: int, value: Any = None, error: BaseException | None = None) -> None:
         if error is None:
             try:
-                payload = pickle.dumps(("ok", call_id, value), protocol=pickle.HIGHEST_PROTOCOL)
+                payload = wire.encode(("ok", call_id, value))
             except Exception as failure:       # the result can't travel: the caller gets why
                 error = failure
         if error is not None:
             text = "".join(traceback.format_exception(error))
             try:
-                payload = pickle.dumps(("error", call_id, (error, text)), protocol=pickle.HIGHEST_PROTOCOL)
-                pickle.loads(payload)
+                payload = wire.encode(("error", call_id, (error, text)))
+                pickle.loads(pickle.dumps(error))       # it must come back to life on the caller too
             except Exception:
-                payload = pickle.dumps(("error", call_id, (None, text)), protocol=pickle.HIGHEST_PROTOCOL)
-        with self._lock:
-            if peer in self._peer_errors:
-                return
-            self._outbox.append((peer, payload))
-            self._outbox_ready.notify()
+                payload = wire.encode(("error", call_id, (None, text)))
+        if peer not in self._peer_errors:
+            self._transmit(peer, payload)
 
     def _complete(self, call_id: int, kind: str, body: Any) -> None:
         with self._lock:
@@ -417,6 +433,13 @@ class RpcAgent:
         for call in failed:
             call.future.set_exception(RuntimeError(f"{call.what}: RPC was shut down on worker {self.me.name}"))
         self._release()
+
+
+def _blocking_wait(work: Work) -> None:
+    """Wait for `work` asleep, leaving the data to the transport's own thread: Work.wait would have this thread
+    move it, holding the GIL the pool's threads need. For a receiver's wait for the next message, which takes
+    most of its life; the rest of a message, known to be on its way, is waited for with Work.wait."""
+    work.get_future().wait()
 
 
 def _forward(done: torch.futures.Future, future: torch.futures.Future) -> None:
