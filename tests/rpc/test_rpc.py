@@ -343,3 +343,18 @@ def test_contexts_are_released_on_every_worker() -> None:
 
 def open_contexts() -> list[int]:
     return rpc.dist_autograd.wait_released(rpc_api._current("test"), TIMEOUT)
+
+
+def test_rpc_workers_apart_from_the_spmd_world_rendezvous_by_themselves(tmp_path) -> None:
+    """As the DDP + RPC tutorial's trainers do: an spmd world of their own, RPC among other ranks."""
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{tmp_path / 'rpc-store'}")
+
+    def body(rank: int, size: int) -> Any:
+        rpc_rank = size - 1 - rank                        # not this world's rank: RPC's own world
+        rpc.init_rpc(f"r{rpc_rank}", rank=rpc_rank, world_size=size, rpc_backend_options=options)
+        try:
+            return rpc.get_worker_info().id, rpc.rpc_sync(f"r{1 - rpc_rank}", whoami)
+        finally:
+            rpc.shutdown()
+
+    assert run_ranks(body, world_size=2, timeout=TIMEOUT) == [(1, "r0"), (0, "r1")]

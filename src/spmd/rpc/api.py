@@ -33,7 +33,6 @@ T = TypeVar("T")
 UNSET_RPC_TIMEOUT = -1.0      # torch's: "the timeout the agent was initialised with"
 
 _agent: contextvars.ContextVar[RpcAgent | None] = contextvars.ContextVar("spmd_rpc_agent", default=None)
-_inits = itertools.count()
 
 
 def _current(what: str) -> RpcAgent:
@@ -50,9 +49,10 @@ def is_available() -> bool:
 def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1, world_size: int | None = None,
              rpc_backend_options: RpcBackendOptions | None = None) -> None:
     """Join the RPC group as worker `name` (unique). Collective over every worker. With an spmd world initialised
-    on this rank, the workers are its ranks, over a group of its transport; otherwise they rendezvous through
-    the options' init_method (default env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as spmdrun sets them)
-    on a world of their own, which leaves spmd.init_process_group free for the training's groups."""
+    on this rank and `rank` / `world_size` its own (or not given), the workers are its ranks, over a group of its
+    transport; otherwise they rendezvous through the options' init_method (default env://: RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT, as spmdrun sets them) on a world of their own, apart from spmd's: the training's
+    groups may be a subset of the RPC workers (the DDP + RPC tutorial's trainers)."""
     if _agent.get() is not None:
         raise RuntimeError(f"init_rpc on worker {name!r}: RPC is already initialised on this worker")
     if not isinstance(name, str) or not name:
@@ -60,13 +60,8 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1, worl
     if backend is not None and backend is not BackendType.TENSORPIPE:
         raise ValueError(f"init_rpc: backend {backend!r} is not served; spmd's agent stands for TENSORPIPE")
     options = rpc_backend_options or TensorPipeRpcBackendOptions()
-    world: World | None = None
-    if is_initialized():
-        world = current_world()
-        if (rank >= 0 and rank != world.rank) or (world_size is not None and world_size != world.world_size):
-            raise ValueError(f"init_rpc on worker {name!r}: rank {rank} / world_size {world_size} differ from the "
-                             f"initialised world's rank {world.rank} of {world.world_size}; RPC's workers are its "
-                             f"ranks")
+    world: World | None = current_world() if is_initialized() else None
+    if world is not None and rank in (-1, world.rank) and world_size in (None, world.world_size):
         group = new_group(timeout=_agent_timeout())
         prefix = f"{world.prefix}/rpc/{group.name}"
 
@@ -75,7 +70,9 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1, worl
     else:
         store, rank, size = rendezvous(options.init_method or "env://", rank, -1 if world_size is None else world_size,
                                        options.rpc_timeout or 600.0)
-        world = World(rank, size, store, "auto", _agent_timeout(), owns_store=True, prefix=f"spmd-rpc/{next(_inits)}")
+        # the count of this rank's inits over the store names the same generation on every rank (as World's)
+        generation = store.add(f"spmd-rpc/inits/rank{rank}", 1)
+        world = World(rank, size, store, "auto", _agent_timeout(), owns_store=True, prefix=f"spmd-rpc/{generation}")
         group = world.default_group
         prefix = f"{world.prefix}/rpc"
         release = world.destroy
