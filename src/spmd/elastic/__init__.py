@@ -1,2 +1,3 @@
-"""torch's elastic package path; only `multiprocessing.errors` (the `record` decorator) is aliased here.
+"""torch's elastic package path: `multiprocessing.errors` (the `record` decorator) and `utils.data`
+(ElasticDistributedSampler, CyclingIterator) are served here.
 Layer: run (spmdrun is spmd's elastic launcher)."""
