@@ -122,7 +122,7 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "checkpoint.state_dict", "checkpoint.stateful", "checkpoint.format_utils", "checkpoint.staging",
                  "checkpoint.default_planner", "checkpoint.planner", "checkpoint.metadata", "checkpoint.filesystem",
                  "checkpoint.hf_storage", "checkpoint._consolidate_hf_safetensors",
-                 "checkpoint.quantized_hf_storage",
+                 "checkpoint.quantized_hf_storage", "checkpoint._fsspec_filesystem",
                  "checkpoint.state_dict_saver",
                  "checkpoint.state_dict_loader", "algorithms.ddp_comm_hooks", "algorithms.ddp_comm_hooks.default_hooks",
                  "algorithms.ddp_comm_hooks.quantization_hooks", "optim.post_localSGD_optimizer",

@@ -60,6 +60,7 @@ from torch import Tensor
 from spmd._core.errors import CheckpointError
 from spmd.checkpoint import format as tensor_format
 from spmd.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner, EncodedValue
+from spmd.checkpoint.fsspec_storage import FsspecReader, FsspecWriter, is_url
 from spmd.checkpoint.layout import Box, covered, is_stateful
 from spmd.checkpoint.metadata import (
     Chunk,
@@ -305,8 +306,8 @@ def _writer(checkpoint_id: str | os.PathLike[str] | None, storage_writer: Storag
     if storage_writer is not None:
         return storage_writer
     if checkpoint_id is None:
-        raise ValueError("save: pass checkpoint_id (a directory) or storage_writer")
-    return FileSystemWriter(checkpoint_id)
+        raise ValueError("save: pass checkpoint_id (a directory or an fsspec URL) or storage_writer")
+    return FsspecWriter(checkpoint_id) if is_url(checkpoint_id) else FileSystemWriter(checkpoint_id)
 
 
 def _group(process_group: AnyGroup | None, no_dist: bool) -> ProcessGroup | None:
@@ -521,7 +522,7 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
     reads what it holds (process_group and no_dist are accepted for torch's signature). Raises CheckpointError
     naming the key, file or mismatch."""
     planner = planner if planner is not None else DefaultLoadPlanner()
-    reader = storage_reader if storage_reader is not None else FileSystemReader(_path(checkpoint_id))
+    reader = storage_reader if storage_reader is not None else _reader(checkpoint_id)
     where = os.fspath(checkpoint_id) if checkpoint_id is not None else type(reader).__name__
     group = _group(process_group, no_dist)
     try:
@@ -548,10 +549,10 @@ def _read_metadata(reader: StorageReader, where: str) -> Metadata:
     return Metadata.from_json(found, f"checkpoint {where}")
 
 
-def _path(checkpoint_id: str | os.PathLike[str] | None) -> str:
+def _reader(checkpoint_id: str | os.PathLike[str] | None) -> StorageReader:
     if checkpoint_id is None:
-        raise ValueError("load: pass checkpoint_id (a directory) or storage_reader")
-    return os.fspath(checkpoint_id)
+        raise ValueError("load: pass checkpoint_id (a directory or an fsspec URL) or storage_reader")
+    return FsspecReader(checkpoint_id) if is_url(checkpoint_id) else FileSystemReader(os.fspath(checkpoint_id))
 
 
 class _Loader:

@@ -34,10 +34,10 @@ from spmd.checkpoint import format as tensor_format
 from spmd.checkpoint.metadata import METADATA_FILE, Chunk, Metadata
 from spmd.checkpoint.planner import SavePlan, WriteItem
 
-_PARTIAL = ".partial"
+PARTIAL_SUFFIX = ".partial"
 _WRITEBACK_BYTES = 16 << 20   # every this many bytes written, the disk is asked to start writing them out
 _START_WRITEBACK = hasattr(os, "posix_fadvise")
-_DATA_FILE = re.compile(r"^__\d+_[0-9a-f]+\.safetensors$")
+DATA_FILE = re.compile(r"^__\d+_[0-9a-f]+\.safetensors$")
 
 
 @dataclasses.dataclass(slots=True)
@@ -158,7 +158,7 @@ class FileSystemWriter(StorageWriter):
 
     def write_file(self, name: str, parts: Iterable[memoryview]) -> int:
         final = os.path.join(self.path, name)
-        partial = os.path.join(self.path, f".{name}{_PARTIAL}")
+        partial = os.path.join(self.path, f".{name}{PARTIAL_SUFFIX}")
         size = flushed = 0
         with open(partial, "wb", buffering=0) as file:
             for part in parts:
@@ -182,7 +182,7 @@ class FileSystemWriter(StorageWriter):
             sync_directory(self.path)
         keep = set(files) | {METADATA_FILE}
         for entry in os.listdir(self.path):
-            if entry not in keep and (_DATA_FILE.match(entry) or entry.endswith(_PARTIAL)):
+            if entry not in keep and (DATA_FILE.match(entry) or entry.endswith(PARTIAL_SUFFIX)):
                 os.unlink(os.path.join(self.path, entry))
 
 
@@ -201,7 +201,7 @@ class FileSystemReader(StorageReader):
             with open(where, "rb") as file:
                 return file.read()
         except FileNotFoundError:
-            partial = sorted(e for e in os.listdir(self.path) if e.endswith(_PARTIAL) or _DATA_FILE.match(e))
+            partial = sorted(e for e in os.listdir(self.path) if e.endswith(PARTIAL_SUFFIX) or DATA_FILE.match(e))
             if partial:
                 shown = ", ".join(partial[:4]) + (", ..." if len(partial) > 4 else "")
                 raise CheckpointError(f"checkpoint {self.path} is incomplete: it has no {METADATA_FILE}, and "
