@@ -358,3 +358,28 @@ def test_rpc_workers_apart_from_the_spmd_world_rendezvous_by_themselves(tmp_path
             rpc.shutdown()
 
     assert run_ranks(body, world_size=2, timeout=TIMEOUT) == [(1, "r0"), (0, "r1")]
+
+
+_made = threading.Event()
+
+
+def made_when_released() -> int:
+    """A value the owner makes only once the test says so (its RRef is gone by then)."""
+    _made.wait(TIMEOUT)
+    return 1
+
+
+def test_an_rref_dropped_before_its_owner_made_the_value_still_releases_it() -> None:
+    _made.clear()
+
+    def body(rank: int) -> Any:
+        if rank != 0:
+            return None
+        rref = rpc.remote("w1", made_when_released)
+        rref_id = rref._id
+        del rref
+        gc.collect()
+        _made.set()
+        return rpc.rpc_sync("w1", wait_released, (rref_id,))
+
+    assert _run(body, world_size=2)[0] is True

@@ -298,6 +298,10 @@ class RRef(Generic[T]):
             return
         if self.is_owner():
             _table(agent).count(self._id, -1)
+        elif self._created is not None and not self._created.done():
+            # the owner has not made the value yet: count down once it has, not before (it would count from 0)
+            owner, rref_id = self._owner, self._id
+            self._created.add_done_callback(lambda _: agent.notify(owner, _owner_count, (rref_id, -1)))
         else:
             agent.notify(self._owner, _owner_count, (self._id, -1))
 
