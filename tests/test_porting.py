@@ -254,3 +254,43 @@ def test_rpc_parameter_server_tutorial_trains_the_same_weights_as_under_torch(la
     assert torch.equal(got["answer"], expected["answer"])
     for value, want in zip(got["weights"], expected["weights"], strict=True):
         assert torch.equal(value, want)
+
+
+def _zeros_like(state: object) -> object:
+    """The structure of a state dict, tensors zeroed and other leaves None (what a load fills)."""
+    if isinstance(state, dict):
+        return {key: _zeros_like(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [_zeros_like(value) for value in state]
+    return torch.zeros_like(state) if isinstance(state, torch.Tensor) else None
+
+
+@pytest.mark.timeout(600)
+def test_spmd_loads_the_checkpoint_torchs_fsdp1_tutorial_saved(launched: dict, tmp_path: pathlib.Path) -> None:
+    """A job moving to spmd resumes from its torch checkpoints: the one torch's FSDP1 tutorial run wrote (two ranks'
+    shards, optimizer state included) loads as torch's own dcp_to_torch_save reads it."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import spmd.checkpoint as spmd_dcp
+
+    checkpoint = launched["fsdp1_tutorial.py"][0].parent / "fsdp1_checkpoint"
+    dcp_to_torch_save(checkpoint, tmp_path / "full.pt")
+    want = torch.load(tmp_path / "full.pt", weights_only=False)
+    got = _zeros_like(want)
+    spmd_dcp.load(got, checkpoint_id=str(checkpoint))
+
+    def check(got: object, want: object, where: str) -> None:
+        if isinstance(want, dict):
+            assert isinstance(got, dict) and got.keys() == want.keys(), where
+            for key in want:
+                check(got[key], want[key], f"{where}.{key}")
+        elif isinstance(want, list):
+            for index, (item, expected) in enumerate(zip(got, want, strict=True)):
+                check(item, expected, f"{where}.{index}")
+        elif isinstance(want, torch.Tensor):
+            assert torch.equal(got, want), where
+        else:
+            assert got == want, where
+
+    check(got, want, "")
+    assert any(isinstance(v, torch.Tensor) for v in got["app"]["model"].values())

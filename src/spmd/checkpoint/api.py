@@ -92,6 +92,7 @@ from spmd.checkpoint.storage import (
     StorageWriter,
     WrittenBoxes,
 )
+from spmd.checkpoint.torch_format import TorchCheckpointReader, is_torch_checkpoint
 from spmd.comm.group import ProcessGroup
 from spmd.comm.objects import all_gather_bytes
 from spmd.comm.world import AnyGroup, is_initialized, new_group, resolve_group
@@ -552,7 +553,11 @@ def _read_metadata(reader: StorageReader, where: str) -> Metadata:
 def _reader(checkpoint_id: str | os.PathLike[str] | None) -> StorageReader:
     if checkpoint_id is None:
         raise ValueError("load: pass checkpoint_id (a directory or an fsspec URL) or storage_reader")
-    return FsspecReader(checkpoint_id) if is_url(checkpoint_id) else FileSystemReader(os.fspath(checkpoint_id))
+    if is_url(checkpoint_id):
+        return FsspecReader(checkpoint_id)
+    if is_torch_checkpoint(checkpoint_id):
+        return TorchCheckpointReader(checkpoint_id)
+    return FileSystemReader(os.fspath(checkpoint_id))
 
 
 class _Loader:
