@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any
 
 import pytest
@@ -317,3 +318,31 @@ def test_consolidating_without_a_ranks_shards_raises_on_every_rank(tmp_path) -> 
     assert len(set(run_ranks(body, world_size=2, timeout=TIMEOUT))) == 1
     assert not (tmp_path / "out" / INDEX).exists()
     assert torch.equal(_files(str(tmp_path / "one"))["embed"], _full()["embed"])
+
+
+_go = threading.Event()
+
+
+class _HeldWriter(dcp.HuggingFaceStorageWriter):
+    """Writes only once the next save has laid out its files."""
+
+    def write_boxes(self, *args: Any) -> Any:
+        _go.wait(TIMEOUT)
+        return super().write_boxes(*args)
+
+
+class _ReleasingWriter(dcp.HuggingFaceStorageWriter):
+    def prepare_global_plan(self, plans: list) -> list:
+        plans = super().prepare_global_plan(plans)
+        _go.set()
+        return plans
+
+
+def test_a_save_finishing_while_the_next_one_is_laid_out_leaves_the_next_ones_files(tmp_path) -> None:
+    _go.clear()
+    first = dcp.async_save({"w": torch.zeros(3)}, storage_writer=_HeldWriter(str(tmp_path)), no_dist=True)
+    second = dcp.async_save({"w": torch.ones(3)}, storage_writer=_ReleasingWriter(str(tmp_path)), no_dist=True)
+    first.result()
+    second.result()
+    assert sorted(os.listdir(tmp_path)) == ["model-00001-of-00001.safetensors", INDEX]
+    assert torch.equal(_files(str(tmp_path))["w"], torch.ones(3))

@@ -472,7 +472,7 @@ def _write_and_commit(plan: _SavePlan, writer: StorageWriter, group: ProcessGrou
     if plan.rank == 0 and outcome["error"] is None:
         try:
             assert plan.metadata is not None     # the coordinator's, from step 2
-            metadata = writer.finish(_metadata(plan.metadata, plan.save_id, reports))
+            metadata = writer.finish(_metadata(plan.metadata, plan.save_id, reports), plan.storage_data)
             outcome["metadata"] = metadata.to_json().decode()
         except Exception as error:
             outcome["error"] = f"rank 0 could not commit the checkpoint: {type(error).__name__}: {error}"

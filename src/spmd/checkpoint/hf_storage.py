@@ -33,6 +33,7 @@ import math
 import os
 import re
 import secrets
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,7 +70,10 @@ _SAVED_OFFSETS = "saved_offsets"
 _FILE_METADATA = {"format": "pt"}           # what transformers checks a safetensors file's metadata for
 _MODEL_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _SHARD_FILE = re.compile(r"^shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors$")
-_PARTIAL = re.compile(r"^\.model-\d{5}-of-\d{5}\.safetensors\.[0-9a-f]+\.partial$")
+_PARTIAL = re.compile(r"^\.model-\d{5}-of-\d{5}\.safetensors\.([0-9a-f]+)\.partial$")
+# the tokens of this process's saves between their step 2 and step 5: another save's clean-up keeps their files
+_IN_FLIGHT: set[str] = set()
+_IN_FLIGHT_LOCK = threading.Lock()
 
 
 def model_file_name(index: int, count: int, shard: int | None = None) -> str:
@@ -119,10 +123,6 @@ class HuggingFaceStorageWriter(FileSystemWriter):
         self.enable_consolidation = enable_consolidation
         self.thread_count_consolidation = thread_count_consolidation
         self.output = _Output.SHARDED if save_distributed and not enable_consolidation else _Output.WHOLE
-        # the coordinator's layout of the save in progress (step 2), published in step 5
-        self._token = ""
-        self._placed: dict[str, _Placed] = {}
-        self._files: dict[str, tuple[bytes, int]] = {}          # output file -> its header, its size
 
     # -- step 2 ------------------------------------------------------------------------------------------------
 
@@ -142,19 +142,25 @@ class HuggingFaceStorageWriter(FileSystemWriter):
                         "files": {item.index.fqn: files[item.index.fqn] for item in plan.items}, "count": count,
                         "shard": rank + 1, "empty": _empty_boxes(plan)})
                     for rank, plan in enumerate(plans)]
-        count = max(self.fqn_to_index_mapping.values()) if self.fqn_to_index_mapping else 1
-        self._token = secrets.token_hex(8)
-        self._placed, self._files = lay_out(tensors, {key: model_file_name(index, count)
-                                                      for key, index in files.items()})
-        for name, (header, size) in self._files.items():
-            create_file(self._partial(name), header, size)
-        return [dataclasses.replace(plan, storage_data=self._told(plan)) for plan in plans]
+        token = secrets.token_hex(8)
+        placed, laid_out = lay_out(tensors, self._file_names(files))
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.add(token)
+        for name, (header, size) in laid_out.items():
+            create_file(self._partial(name, token), header, size)
+        sizes = {name: size for name, (_, size) in laid_out.items()}
+        # what a rank needs of the layout: its tensors' places, every file's size, and the save's token (the
+        # coordinator's finish reads them back from its own plan: the writer keeps no state between the steps)
+        return [dataclasses.replace(plan, storage_data={
+                    "token": token, "sizes": sizes,
+                    "placed": {item.index.fqn: [placed[item.index.fqn].file, placed[item.index.fqn].start]
+                               for item in plan.items}})
+                for plan in plans]
 
-    def _told(self, plan: SavePlan) -> dict[str, Any]:
-        """What a rank needs of the layout: where the tensors of its items start, and their files' sizes."""
-        placed = {item.index.fqn: self._placed[item.index.fqn] for item in plan.items}
-        return {"token": self._token, "placed": {fqn: [where.file, where.start] for fqn, where in placed.items()},
-                "sizes": {where.file: self._files[where.file][1] for where in placed.values()}}
+    def _file_names(self, files: Mapping[str, int]) -> dict[str, str]:
+        """Each key's output file name, from its file index."""
+        count = max(self.fqn_to_index_mapping.values()) if self.fqn_to_index_mapping else 1
+        return {key: model_file_name(index, count) for key, index in files.items()}
 
     def _file_of(self, keys: list[str]) -> dict[str, int]:
         """Each key's file index (1..N)."""
@@ -167,8 +173,8 @@ class HuggingFaceStorageWriter(FileSystemWriter):
                                   f"({len(unmapped)} keys of the state dict)")
         return {key: self.fqn_to_index_mapping[key] for key in keys}
 
-    def _partial(self, name: str, token: str | None = None) -> str:
-        return os.path.join(self.path, f".{name}.{token or self._token}.partial")
+    def _partial(self, name: str, token: str) -> str:
+        return os.path.join(self.path, f".{name}.{token}.partial")
 
     # -- step 3 ------------------------------------------------------------------------------------------------
 
@@ -243,7 +249,7 @@ class HuggingFaceStorageWriter(FileSystemWriter):
 
     # -- step 5 ------------------------------------------------------------------------------------------------
 
-    def finish(self, metadata: Metadata) -> Metadata:
+    def finish(self, metadata: Metadata, storage_data: Any) -> Metadata:
         if self.output is _Output.SHARDED:
             if self.sync_files:
                 sync_directory(self.path)
@@ -251,18 +257,23 @@ class HuggingFaceStorageWriter(FileSystemWriter):
                 if _SHARD_FILE.match(entry) and entry not in metadata.files:
                     os.unlink(os.path.join(self.path, entry))
             return metadata
-        for name in sorted(self._files):
-            os.replace(self._partial(name), os.path.join(self.path, name))
-        weight_map = {key: self._placed[key].file for key in sorted(metadata.tensors)}
+        token, sizes = storage_data["token"], storage_data["sizes"]
+        for name in sorted(sizes):
+            os.replace(self._partial(name, token), os.path.join(self.path, name))
+        weight_map = self._file_names(self._file_of(sorted(metadata.tensors)))
         total = sum(math.prod(entry.shape) * tensor_format.dtype_of(entry.dtype).itemsize
                     for entry in metadata.tensors.values())
         self.write_file(INDEX_FILE, [memoryview(index_bytes(weight_map, total))])
         if self.sync_files:
             sync_directory(self.path)
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.discard(token)
+            in_flight = set(_IN_FLIGHT)
         for entry in os.listdir(self.path):
-            if (_MODEL_FILE.match(entry) and entry not in self._files) or _PARTIAL.match(entry):
+            partial = _PARTIAL.match(entry)
+            if (_MODEL_FILE.match(entry) and entry not in sizes) or (partial and partial[1] not in in_flight):
                 os.unlink(os.path.join(self.path, entry))
-        files = {name: size for name, (_, size) in self._files.items()}
+        files = dict(sizes)
         tensors = {key: TensorEntry(entry.dtype, entry.shape,
                                     [Chunk(weight_map[key], key, (0,) * len(entry.shape), entry.shape, None)])
                    for key, entry in metadata.tensors.items()}

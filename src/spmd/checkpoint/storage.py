@@ -98,9 +98,10 @@ class StorageWriter(abc.ABC):
                    for key, box in boxes.items() if box.item.tensor_data is not None]
         return WrittenBoxes({name: size}, written)
 
-    def finish(self, metadata: Metadata) -> Metadata:
+    def finish(self, metadata: Metadata, storage_data: Any) -> Metadata:
         """(coordinator, step 5, once every rank's write_boxes returned) Make the checkpoint exist, and return its
-        metadata as a load will see it. By default commit of the metadata's JSON."""
+        metadata as a load will see it; `storage_data` is the coordinator's own plan's. By default commit of the
+        metadata's JSON."""
         self.commit(metadata.to_json(), list(metadata.files))
         return metadata
 
