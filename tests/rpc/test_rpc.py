@@ -383,3 +383,69 @@ def test_an_rref_dropped_before_its_owner_made_the_value_still_releases_it() -> 
         return rpc.rpc_sync("w1", wait_released, (rref_id,))
 
     assert _run(body, world_size=2)[0] is True
+
+
+_shared: dict[str, rpc.RRef] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_embedding(initial: nn.Module) -> rpc.RRef:
+    """On the server: one embedding for every trainer that asks (made by the first)."""
+    with _shared_lock:
+        name = rpc.get_worker_info().name
+        if name not in _shared:
+            _shared[name] = rpc.RRef(copy.deepcopy(initial))
+        return _shared[name]
+
+
+def test_ddp_trainers_over_a_remote_embedding_train_as_one_process() -> None:
+    """The DDP + RPC tutorial's layout: an EmbeddingBag on a parameter server (a RemoteModule), two trainers with a
+    DDP Linear over their own group, one DistributedOptimizer over both, in lockstep (barriers around the steps,
+    so each trainer's step sees the same embedding); DDP averages the Linear's gradients under distributed
+    autograd, the server's embedding takes both trainers' steps."""
+    import spmd
+
+    torch.manual_seed(0)
+    emb0, fc0 = nn.EmbeddingBag(10, 4, mode="sum"), nn.Linear(4, 2)
+    batches = [[(torch.randint(0, 10, (6, 3), generator=torch.Generator().manual_seed(10 * step + trainer)),
+                 torch.randn(6, 2, generator=torch.Generator().manual_seed(10 * step + trainer + 5)))
+                for trainer in range(2)] for step in range(3)]
+
+    def body(rank: int, size: int) -> Any:
+        trainers = spmd.new_group([0, 1])
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=size)
+        result = None
+        if rank < 2:
+            emb = RemoteModule.init_from_module_rref("w2/cpu", rpc.rpc_sync("w2", shared_embedding, (emb0,)))
+            fc = spmd.DistributedDataParallel(copy.deepcopy(fc0), process_group=trainers)
+            optimizer = DistributedOptimizer(torch.optim.SGD, emb.remote_parameters() +
+                                              [rpc.RRef(p) for p in fc.parameters()], lr=0.1)
+            for step in range(3):
+                indices, target = batches[step][rank]
+                with dist_autograd.context() as context_id:
+                    loss = ((fc(emb(indices)) - target) ** 2).mean()
+                    dist_autograd.backward(context_id, [loss])
+                    spmd.barrier(group=trainers)       # both backwards saw the same embedding
+                    optimizer.step(context_id)
+                    spmd.barrier(group=trainers)
+            result = [p.detach().clone() for p in fc.parameters()], [p.to_here() for p in emb.remote_parameters()]
+        rpc.shutdown()
+        return result
+
+    _shared.clear()
+    got = run_ranks(body, world_size=3, timeout=TIMEOUT)
+    _shared.clear()
+    emb, fc = copy.deepcopy(emb0), copy.deepcopy(fc0)
+    for step in range(3):
+        grads = []
+        for indices, target in batches[step]:
+            loss = ((fc(emb(indices)) - target) ** 2).mean()
+            grads.append(torch.autograd.grad(loss, [*emb.parameters(), *fc.parameters()]))
+        with torch.no_grad():
+            for param, a, b in zip([*emb.parameters(), *fc.parameters()], *grads, strict=True):
+                param -= 0.1 * ((a + b) if param is emb.weight else (a + b) / 2)
+    for trainer in range(2):
+        fc_params, emb_params = got[trainer]
+        for value, param in zip(fc_params, fc.parameters(), strict=True):
+            torch.testing.assert_close(value, param.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(emb_params[0], emb.weight.detach(), rtol=1e-6, atol=1e-6)

@@ -3,8 +3,9 @@ owner stepping its own parameters with the gradients a distributed autograd cont
 
 Layer 4 (over rpc). Each owner keeps a local optimizer of `optimizer_class` over its parameters (made once,
 through remote()); step(context_id) asks every owner at once and waits for all. A local step takes the
-context's gradients as the parameters' `.grad` for the step's duration (then restores what `.grad` was), under a
-lock, so trainers stepping the same owner concurrently take turns, as torch's does.
+context's gradients as the parameters' `.grad` for the step's duration (then restores what `.grad` was), under one
+lock for every local optimizer of the process: trainers' optimizers over the same parameters (each trainer makes
+its own) take turns, as torch's do, instead of stepping on each other's `.grad`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 from spmd.rpc import dist_autograd
 from spmd.rpc.api import RRef, remote, rpc_async
 
+_STEP_LOCK = threading.Lock()
+
 
 class _LocalOptimizer:
     """The optimizer of one owner's parameters."""
@@ -25,11 +28,10 @@ class _LocalOptimizer:
                  kwargs: dict) -> None:
         self.params = [rref.local_value() for rref in params]
         self.optimizer = optimizer_class(self.params, *args, **kwargs)
-        self.lock = threading.Lock()
 
     def step(self, context_id: int) -> None:
         grads = dist_autograd.get_gradients(context_id)
-        with self.lock:
+        with _STEP_LOCK:
             held = [p.grad for p in self.params]
             try:
                 for param in self.params:

@@ -135,14 +135,26 @@ def get_gradients(context_id: int) -> dict[Tensor, Tensor]:
 
 def backward(context_id: int, roots: list[Tensor], retain_graph: bool = False) -> None:
     """Gradients of the scalar `roots` for every tensor of the context's graph, on every worker it reaches,
-    added into the context (Note: edges across workers)."""
+    added into the context (Note: edges across workers). On this worker they pass through `.grad` (and back to
+    what `.grad` held), so gradient hooks run: a DDP module's gradients are reduced over its group, as torch's
+    DDP does under distributed autograd."""
     found = _retrieve_context(context_id)
     for root in roots:
         if not isinstance(root, Tensor) or root.numel() != 1 or not root.requires_grad:
             raise RuntimeError("dist_autograd.backward: roots must be scalar tensors that require grad")
     leaves = _leaves(roots, found.anchor)
-    grads = torch.autograd.grad(roots, [*leaves, found.anchor], allow_unused=True, retain_graph=retain_graph)
-    found.accumulate(leaves, grads[:len(leaves)])
+    held = [leaf.grad for leaf in leaves]
+    anchor_held = found.anchor.grad
+    for leaf in leaves:
+        leaf.grad = None
+    try:
+        # into .grad, so that gradient hooks run (DDP reduces a module's gradients there), then into the context
+        torch.autograd.backward(roots, inputs=[*leaves, found.anchor], retain_graph=retain_graph)
+        found.accumulate(leaves, tuple(leaf.grad for leaf in leaves))
+    finally:
+        for leaf, grad in zip(leaves, held, strict=True):
+            leaf.grad = grad
+        found.anchor.grad = anchor_held
 
 
 def _leaves(tensors: list[Tensor], anchor: Tensor) -> list[Tensor]:
