@@ -1,6 +1,7 @@
 """spmd.rpc on thread ranks: calls by name, rank or WorkerInfo (to itself too), nested calls, remote errors raised
 as themselves naming the worker, timeouts, async_execution, RRefs (to_here, local_value, proxies, forks to a third
-worker, the owner dropping a value once no RRef names it), graceful shutdown, bad arguments; distributed autograd
+worker, the owner dropping a value once no RRef names it), graceful shutdown (and its timeout naming the workers
+that did not come), bad arguments; distributed autograd
 (gradients on every worker equal one process's, across nested calls and async functions) and
 DistributedOptimizer / RemoteModule training a parameter server bit for bit as one process trains the model."""
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+import spmd
 import spmd.autograd as dist_autograd
 import spmd.rpc as rpc
 from spmd.nn import RemoteModule
@@ -403,8 +405,6 @@ def test_ddp_trainers_over_a_remote_embedding_train_as_one_process() -> None:
     DDP Linear over their own group, one DistributedOptimizer over both, in lockstep (barriers around the steps,
     so each trainer's step sees the same embedding); DDP averages the Linear's gradients under distributed
     autograd, the server's embedding takes both trainers' steps."""
-    import spmd
-
     torch.manual_seed(0)
     emb0, fc0 = nn.EmbeddingBag(10, 4, mode="sum"), nn.Linear(4, 2)
     batches = [[(torch.randint(0, 10, (6, 3), generator=torch.Generator().manual_seed(10 * step + trainer)),
@@ -449,3 +449,18 @@ def test_ddp_trainers_over_a_remote_embedding_train_as_one_process() -> None:
         for value, param in zip(fc_params, fc.parameters(), strict=True):
             torch.testing.assert_close(value, param.detach(), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(emb_params[0], emb.weight.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_graceful_shutdown_past_its_timeout_names_the_workers_that_did_not_come() -> None:
+    def body(rank: int, size: int) -> str:
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=size)
+        if rank == 0:
+            with pytest.raises(TimeoutError, match=r"workers \['w1'\] did not reach shutdown within 1s") as raised:
+                rpc.shutdown(timeout=1)
+            spmd.barrier()                 # only now does w1 go on to shut down
+            return str(raised.value)
+        spmd.barrier()
+        rpc.shutdown(graceful=False)
+        return ""
+
+    assert "w1" in run_ranks(body, world_size=2, timeout=TIMEOUT)[0]

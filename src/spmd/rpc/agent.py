@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from spmd._core.errors import SpmdError
+from spmd._core.errors import SpmdError, StoreTimeoutError
 from spmd.comm.group import ProcessGroup
 from spmd.comm.p2p import irecv, isend
 from spmd.comm.store import Store
@@ -54,6 +54,7 @@ from spmd.rpc import wire
 from spmd.rpc.functions import is_async_execution
 
 _STOP = -1
+_SHUTDOWN_SLICE_S = 1.0     # a graceful shutdown looks again for peers found dead this often
 _HEADER_BYTES = 16          # a frame's two int64: the body's length (or _STOP), the count of tensors
 _Payload = tuple[bytes, list[torch.Tensor]]
 _STOP_MESSAGE: _Payload = (b"stop", [])     # queued (by identity) in place of a message: send the STOP header
@@ -402,23 +403,45 @@ class RpcAgent:
 
     # -- shutdown --------------------------------------------------------------------------------------------
 
+    def _wait_for_every_worker(self, timeout: float) -> None:
+        """Step 2 of a graceful shutdown: every live worker got there (a worker found dead is not waited for);
+        TimeoutError naming the others after `timeout` seconds (0: no limit)."""
+        keys = {peer: f"{self.prefix}/done/{peer}" for peer in range(self.world_size)}
+        self.store.set(keys[self.rank], "1")
+        started = time.monotonic()
+        while True:
+            with self._lock:
+                waiting = [peer for peer in keys if peer != self.rank and peer not in self._peer_errors]
+            try:
+                self.store.wait([keys[peer] for peer in waiting], _SHUTDOWN_SLICE_S)
+                return
+            except StoreTimeoutError:
+                if timeout > 0 and time.monotonic() - started > timeout:
+                    late = [self.workers[peer].name for peer in waiting if not self.store.check([keys[peer]])]
+                    raise TimeoutError(f"rpc.shutdown on worker {self.me.name}: workers {late} did not reach "
+                                       f"shutdown within {timeout:.0f}s") from None
+
     def shutdown(self, graceful: bool, timeout: float) -> None:
-        """Stop this worker (Note: graceful shutdown); `timeout` bounds the barrier (0: none). Not graceful: the
-        group is aborted at once, failing every call still waiting."""
+        """Stop this worker (Note: graceful shutdown); `timeout` bounds the barrier (0: none). Not graceful, or
+        past the timeout (then raised after): the group is aborted at once, failing every call still waiting."""
+        late: TimeoutError | None = None
         if graceful:
             with self._lock:
                 while self._calls or self._outbox or self._sending:
                     self._outbox_ready.wait()
-            keys = [f"{self.prefix}/done/{peer}" for peer in range(self.world_size)]
-            self.store.set(keys[self.rank], "1")
-            self.store.wait(keys, timeout if timeout > 0 else None)
+            try:
+                self._wait_for_every_worker(timeout)
+            except TimeoutError as error:
+                late = error
+        if graceful and late is None:
             with self._lock:
                 for peer in self._peers:
                     if peer not in self._peer_errors:
                         self._outbox.append((peer, _STOP_MESSAGE))
                 self._outbox_ready.notify()
         else:
-            self.group.abort(RuntimeError(f"RPC shut down on worker {self.me.name} (graceful=False)"))
+            self.group.abort(RuntimeError(f"RPC shut down on worker {self.me.name} "
+                                          f"({'graceful=False' if late is None else late})"))
         for thread in self._threads[:len(self._peers)]:      # the receivers: each ends at its peer's STOP
             thread.join()
         self._pool.shutdown(wait=True)
@@ -433,6 +456,8 @@ class RpcAgent:
         for call in failed:
             call.future.set_exception(RuntimeError(f"{call.what}: RPC was shut down on worker {self.me.name}"))
         self._release()
+        if late is not None:
+            raise late
 
 
 def _blocking_wait(work: Work) -> None:
