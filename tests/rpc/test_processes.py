@@ -1,12 +1,13 @@
 """spmd.rpc in real processes, rendezvousing by themselves (no spmd world: init_rpc's own, over the file store):
 calls and an RRef work across processes, and a worker SIGKILLed while another waits on its call fails that call
 fast, naming the lost worker, the survivor's later calls to it fail the same way, and its graceful shutdown does
-not wait for the dead worker."""
+not wait for the dead worker; a thread the user starts calls through its process's agent."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -58,3 +59,24 @@ def test_calls_across_processes_and_a_killed_worker_fails_its_calls_naming_it(tm
     for attempt in ("dying", "after"):
         assert "rpc_async(_die) on worker w1 (rank 1) failed" in report[attempt], report[attempt]
     assert report["seconds"] < 30 and report["shutdown_seconds"] < 30, report
+
+
+def _from_a_thread_of_its_own(rank: int, world_size: int, results: Any, store: str) -> None:
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{store}")
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
+    if rank == 0:
+        found: list[Any] = []
+        thread = threading.Thread(target=lambda: found.append(rpc.rpc_sync("w1", _scale, (torch.ones(1), 5.0))))
+        thread.start()
+        thread.join()
+        results.send(found[0].tolist())
+    rpc.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_thread_the_user_starts_calls_through_the_processs_agent(tmp_path) -> None:
+    processes, inbox = _spawn(_from_a_thread_of_its_own, 2, str(tmp_path / "store"))
+    try:
+        assert inbox.get(timeout=90) == [5.0]
+    finally:
+        _reap(processes)

@@ -33,10 +33,17 @@ T = TypeVar("T")
 UNSET_RPC_TIMEOUT = -1.0      # torch's: "the timeout the agent was initialised with"
 
 _agent: contextvars.ContextVar[RpcAgent | None] = contextvars.ContextVar("spmd_rpc_agent", default=None)
+# Threads the user starts find the agent through this fallback, while the process holds exactly one (a worker per
+# process); with several thread-rank workers in one process it stays ambiguous, and each uses its context.
+_process_agents: list[RpcAgent] = []
+_process_agents_lock = threading.Lock()
 
 
 def _current(what: str) -> RpcAgent:
     agent = _agent.get()
+    if agent is None:
+        with _process_agents_lock:
+            agent = _process_agents[0] if len(_process_agents) == 1 else None
     if agent is None:
         raise RuntimeError(f"rpc.{what}: RPC is not initialised on this worker; call spmd.rpc.init_rpc first")
     return agent
@@ -54,7 +61,8 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1, worl
     MASTER_ADDR, MASTER_PORT, as spmdrun sets them) on a world of their own, apart from spmd's: the training's
     groups may be a subset of the RPC workers (the DDP + RPC tutorial's trainers)."""
     if _agent.get() is not None:
-        raise RuntimeError(f"init_rpc on worker {name!r}: RPC is already initialised on this worker")
+        raise RuntimeError(f"init_rpc on worker {name!r}: RPC is already initialised on this worker; call "
+                           f"spmd.rpc.shutdown() first")
     if not isinstance(name, str) or not name:
         raise ValueError(f"init_rpc: the worker name must be a non-empty string, got {name!r}")
     if backend is not None and backend is not BackendType.TENSORPIPE:
@@ -83,6 +91,8 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1, worl
         release()
         raise
     _agent.set(agent)
+    with _process_agents_lock:
+        _process_agents.append(agent)
     agent.start()        # its threads copy this context, where the agent is set
 
 
@@ -100,6 +110,9 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         agent.shutdown(graceful, timeout)
     finally:
         _agent.set(None)
+        with _process_agents_lock:
+            if agent in _process_agents:
+                _process_agents.remove(agent)
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
