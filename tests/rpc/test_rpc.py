@@ -1,4 +1,5 @@
-"""spmd.rpc on thread ranks: calls by name, rank or WorkerInfo (to itself too), nested calls, remote errors raised
+"""spmd.rpc on thread ranks (over the threads transport, and for calls and a parameter server also over tcp and
+shm): calls by name, rank or WorkerInfo (to itself too), nested calls, remote errors raised
 as themselves naming the worker, timeouts, async_execution, RRefs (to_here, local_value, proxies, forks to a third
 worker, the owner dropping a value once no RRef names it), graceful shutdown (and its timeout naming the workers
 that did not come), bad arguments; distributed autograd
@@ -27,7 +28,7 @@ from spmd.testing import run_ranks
 TIMEOUT = 60.0
 
 
-def _run(body: Any, world_size: int = 3) -> list[Any]:
+def _run(body: Any, world_size: int = 3, backend: str = "threads") -> list[Any]:
     def worker(rank: int, size: int) -> Any:
         rpc.init_rpc(f"w{rank}", rank=rank, world_size=size)
         try:
@@ -35,7 +36,7 @@ def _run(body: Any, world_size: int = 3) -> list[Any]:
         finally:
             rpc.shutdown()
 
-    return run_ranks(worker, world_size=world_size, timeout=TIMEOUT)
+    return run_ranks(worker, world_size=world_size, timeout=TIMEOUT, backend=backend)
 
 
 def add(a: Any, b: Any) -> Any:
@@ -58,7 +59,8 @@ def refuse(reason: str) -> None:
     raise Refusal(reason)
 
 
-def test_calls_reach_the_worker_named_and_return_its_result() -> None:
+@pytest.mark.parametrize("backend", ["threads", "tcp", "shm"])
+def test_calls_reach_the_worker_named_and_return_its_result(backend: str) -> None:
     def body(rank: int) -> dict[str, Any]:
         if rank != 0:
             return {}
@@ -66,9 +68,11 @@ def test_calls_reach_the_worker_named_and_return_its_result() -> None:
         return {"sync": rpc.rpc_sync("w1", add, (torch.ones(2), 2)), "who": [
                     rpc.rpc_sync(to, whoami) for to in ("w1", 2, w1, "w0")],
                 "async": rpc.rpc_async("w2", add, args=(3,), kwargs={"b": 4}).wait(),
-                "nested": rpc.rpc_sync("w1", relay, (10,)), "me": rpc.get_worker_info(), "w1": w1}
+                "nested": rpc.rpc_sync("w1", relay, (10,)), "me": rpc.get_worker_info(), "w1": w1,
+                "large": rpc.rpc_sync("w2", add, (torch.arange(1 << 18, dtype=torch.float32), 1))}
 
-    got = _run(body)[0]
+    got = _run(body, backend=backend)[0]
+    assert torch.equal(got["large"], torch.arange(1 << 18, dtype=torch.float32) + 1)      # out of band
     assert torch.equal(got["sync"], torch.full((2,), 3.0))
     assert got["who"] == ["w1", "w2", "w1", "w0"] and got["async"] == 7 and got["nested"] == 11
     assert (got["me"].name, got["me"].id, got["w1"].id) == ("w0", 0, 1)
@@ -277,7 +281,8 @@ def test_distributed_gradients_equal_one_process_on_every_worker(path: str) -> N
         torch.testing.assert_close(got, param.grad, rtol=1e-6, atol=1e-7)
 
 
-def test_a_parameter_server_trains_bit_for_bit_as_one_process() -> None:
+@pytest.mark.parametrize("backend", ["threads", "tcp", "shm"])
+def test_a_parameter_server_trains_bit_for_bit_as_one_process(backend: str) -> None:
     def body(rank: int) -> Any:
         if rank != 0:
             return None
@@ -290,7 +295,7 @@ def test_a_parameter_server_trains_bit_for_bit_as_one_process() -> None:
                 optimizer.step(context_id)
         return [p.to_here() for p in server.rpc_sync().parameter_rrefs()]
 
-    got = _run(body, world_size=2)[0]
+    got = _run(body, world_size=2, backend=backend)[0]
     model = copy.deepcopy(_BASE)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for _ in range(3):
