@@ -54,6 +54,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -128,36 +129,46 @@ def _evict(paths: list[str], drop_caches: bool, rank: int) -> None:
             os.close(fd)
 
 
+def init_library(name: str, rank: int, world_size: int, gloo_port: int) -> types.SimpleNamespace:
+    """One library's modules for the checkpoint benchmarks, its process group initialised (spmd's default
+    transport, or torch's gloo): dcp, state_dict, init_device_mesh, fully_shard, DistributedDataParallel, barrier."""
+    if name == "spmd":
+        import spmd
+        from spmd import DistributedDataParallel
+        from spmd.device_mesh import init_device_mesh
+        from spmd.fsdp import fully_shard
+        try:
+            import spmd.checkpoint as dcp
+            import spmd.checkpoint.state_dict as state_dict
+        except ImportError as error:
+            raise RuntimeError("spmd.checkpoint is not there yet: run with --impls torch") from error
+
+        spmd.init_process_group("auto", timeout=600, torch_default_group=False)
+        barrier = spmd.barrier
+    else:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        import torch.distributed.checkpoint.state_dict as state_dict
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.nn.parallel import DistributedDataParallel
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world_size)
+        barrier = dist.barrier
+    return types.SimpleNamespace(dcp=dcp, state_dict=state_dict, init_device_mesh=init_device_mesh,
+                                 fully_shard=fully_shard, DistributedDataParallel=DistributedDataParallel,
+                                 barrier=barrier)
+
+
 class _Side:
     """One library's FSDP2 model, AdamW state after a few steps, state dict and checkpoint module in this rank."""
 
     def __init__(self, name: str, rank: int, world_size: int, args: argparse.Namespace, gloo_port: int) -> None:
         self.name = name
-        if name == "spmd":
-            import spmd
-            from spmd import DistributedDataParallel
-            from spmd.device_mesh import init_device_mesh
-            from spmd.fsdp import fully_shard
-            try:
-                import spmd.checkpoint as dcp
-                from spmd.checkpoint.state_dict import get_state_dict
-            except ImportError as error:
-                raise RuntimeError("spmd.checkpoint is not there yet: run with --impls torch") from error
-
-            spmd.init_process_group("auto", timeout=600, torch_default_group=False)
-            self.barrier = spmd.barrier
-        else:
-            import torch.distributed as dist
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-            from torch.nn.parallel import DistributedDataParallel
-
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank,
-                                    world_size=world_size)
-            self.barrier = dist.barrier
-        self.dcp = dcp
+        library = init_library(name, rank, world_size, gloo_port)
+        self.barrier, self.dcp = library.barrier, library.dcp
+        init_device_mesh, fully_shard = library.init_device_mesh, library.fully_shard
+        DistributedDataParallel, get_state_dict = library.DistributedDataParallel, library.state_dict.get_state_dict
         mesh = init_device_mesh("cpu", (world_size,))
         model = _gpt(args)
         self.params = sum(p.numel() for p in model.parameters())
@@ -181,7 +192,7 @@ class _Side:
         self.local = list(_tensors(self.state))
         self.bytes = sum(t.numel() * t.element_size() for t in self.local)
         self.written = self.bytes // world_size if args.layout == "ddp" else self.bytes   # its share of the state
-        self.planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=args.dedup_save_to_lowest_rank)
+        self.planner = self.dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=args.dedup_save_to_lowest_rank)
         with torch.no_grad():
             self.sums = torch.stack([t.double().sum() for t in self.local])
 

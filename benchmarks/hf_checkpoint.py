@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _common import free_port, machine_line, run_saving_processes
 
-from checkpoint import _evict, _files, _fsync_tree, _gpt, _tensors
+from checkpoint import _evict, _files, _fsync_tree, _gpt, _tensors, init_library
 
 LABELS = {"spmd": "spmd HuggingFaceStorage* (shm)", "torch": "torch HuggingFaceStorage* (gloo)"}
 GB = 1e9
@@ -52,26 +52,10 @@ class _Side:
 
     def __init__(self, name: str, rank: int, world_size: int, args: argparse.Namespace, gloo_port: int) -> None:
         self.name = name
-        if name == "spmd":
-            import spmd
-            import spmd.checkpoint as dcp
-            from spmd.checkpoint.state_dict import get_model_state_dict
-            from spmd.device_mesh import init_device_mesh
-            from spmd.fsdp import fully_shard
-
-            spmd.init_process_group("auto", timeout=600, torch_default_group=False)
-            self.barrier = spmd.barrier
-        else:
-            import torch.distributed as dist
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_model_state_dict
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank,
-                                    world_size=world_size)
-            self.barrier = dist.barrier
-        self.dcp = dcp
+        library = init_library(name, rank, world_size, gloo_port)
+        self.barrier, self.dcp = library.barrier, library.dcp
+        init_device_mesh, fully_shard = library.init_device_mesh, library.fully_shard
+        get_model_state_dict = library.state_dict.get_model_state_dict
         mesh = init_device_mesh("cpu", (world_size,))
         model = _gpt(args)
         for block in model.blocks:
