@@ -17,7 +17,9 @@ copies them into the whole-tensor files ("consolidation"). spmd writes the whole
           of columns), then flushes them. A rank that can't see a file the coordinator made is on a filesystem
           the coordinator does not share, and says so.
   step 5 (coordinator, finish) renames each file to its name, writes the index last, and removes files of an
-          earlier save there that this one did not write.
+          earlier save there that this one did not write (not the temporary files of a save of this process
+          still in flight: an async_save lays out the next save's files before the last one finished). The
+          layout travels in the plans' storage_data, so a writer keeps no state between the steps.
 The save protocol's check that each tensor is tiled by the boxes written (api.py, step 5) comes before any
 rename, so a file with a hole is never published. The names are Hugging Face's, fixed, so unlike spmd's own
 format an earlier checkpoint in the same directory is replaced file by file, not at once.
