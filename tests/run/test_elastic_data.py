@@ -1,5 +1,5 @@
 """spmd.elastic.utils.data: ElasticDistributedSampler deals the same indices as torch's for every replica count,
-rank, start and epoch (and, where torch's fails, fewer samples left than replicas, wraps around), and takes its
+rank, start and epoch (and wraps around where torch's fails, fewer samples left than half the replicas), and takes its
 replicas from spmd's world; CyclingIterator runs its epochs in turn, as torch's does."""
 
 from __future__ import annotations

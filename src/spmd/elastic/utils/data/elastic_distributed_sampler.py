@@ -4,8 +4,8 @@ samples of the dataset, so a job restarted mid-epoch (with any number of replica
 Layer: run (elastic). The replicas and this rank default to spmd's world (so thread ranks need no torch group).
 Each epoch's order is a permutation of the remaining samples seeded by the epoch (the same on every rank, as
 torch's: the same indices for the same dataset, replicas, rank, start and epoch), padded by wrapping around to a
-multiple of the replicas (as often as needed: torch's fails an assertion when fewer samples remain than replicas
-less one), and dealt round-robin.
+multiple of the replicas (as often as needed: torch's fails an assertion when fewer samples remain than half the
+replicas), and dealt round-robin.
 """
 
 from __future__ import annotations
