@@ -49,19 +49,24 @@ def _path(*parts: str) -> str:
     return os.path.join(*parts) if parts else ""
 
 
-_METADATA_CLASSES = {"Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-                     "BytesStorageMetadata", "MetadataIndex", "StorageMeta"}
+# torch's checkpoint records, by the path of the module that defines them inside its distributed package (the
+# pickle names them there; spmd builds its own plain records instead of importing torch's)
+_RECORDS = {("checkpoint", "metadata"): {"Metadata", "TensorStorageMetadata", "TensorProperties",
+                                         "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex",
+                                         "StorageMeta"},
+            ("checkpoint", "filesystem"): {"_StorageInfo"}}
+_MEMORY_FORMAT = (("checkpoint", "metadata"), "_MEM_FORMAT_ENCODING")    # an enum, pickled as its int value
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds torch's checkpoint metadata out of plain records; any other global is refused."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch.distributed.checkpoint.metadata" and name in _METADATA_CLASSES:
-            return type(name, (_Record,), {})
-        if module == "torch.distributed.checkpoint.metadata" and name == "_MEM_FORMAT_ENCODING":
+        package, _, inner = module.partition(".")
+        within = tuple(inner.split(".")[1:]) if package == "torch" and inner.startswith("distributed.") else ()
+        if (within, name) == _MEMORY_FORMAT:
             return int
-        if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
+        if name in _RECORDS.get(within, ()):
             return type(name, (_Record,), {})
         if module == "torch" and name == "Size":
             return torch.Size

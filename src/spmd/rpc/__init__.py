@@ -1,4 +1,4 @@
-"""RPC (torch's torch.distributed.rpc): workers that call functions on each other, remote references, and
+"""RPC (torch's distributed `rpc` package): workers that call functions on each other, remote references, and
 distributed autograd across them (spmd.autograd), over spmd's own transports.
 
 Layer: rpc (over comm). agent.py carries the messages, api.py is the public surface, dist_autograd.py the

@@ -1,4 +1,4 @@
-"""Distributed autograd (torch's torch.distributed.autograd): inside `with context() as context_id:`, RPC calls
+"""Distributed autograd (torch's distributed `autograd`): inside `with context() as context_id:`, RPC calls
 record where gradients flow back, and backward(context_id, [loss]) computes the gradients of every tensor that
 took part, on every worker, into the context (get_gradients), not into `.grad`.
 
