@@ -227,14 +227,19 @@ class DeviceMesh:
         dims = [self.mesh_dim_names.index(name) for name in key]
         if dims != sorted(dims) or len(set(dims)) != len(dims):
             raise KeyError(f"DeviceMesh: slice {key} must name distinct dims in the mesh's order {self.mesh_dim_names}")
-        if self._coordinate is None:
-            raise ValueError(f"DeviceMesh: rank {self.get_rank()} is not in {self}, so it has no sub-mesh {key}")
-        index = tuple(slice(None) if d in dims else self._coordinate[d] for d in range(self.ndim))
-        sub = DeviceMesh(self.device_type, self.mesh[index], mesh_dim_names=key,
-                         backend_override=tuple(self._backends[d] for d in dims),
-                         _groups=[self._groups[d] for d in dims], _root=self._root)
+        sub = self._sub_mesh(dims, key)
         self._submeshes[key] = sub
         return sub
+
+    def _sub_mesh(self, dims: list[int], names: tuple[str, ...] | None) -> DeviceMesh:
+        """The sub-mesh over `dims` (in order) that contains this rank, sharing this mesh's groups."""
+        if self._coordinate is None:
+            raise ValueError(f"DeviceMesh: rank {self.get_rank()} is not in {self}, so it has no sub-mesh over "
+                             f"{names or dims}")
+        index = tuple(slice(None) if d in dims else self._coordinate[d] for d in range(self.ndim))
+        return DeviceMesh(self.device_type, self.mesh[index], mesh_dim_names=names,
+                          backend_override=tuple(self._backends[d] for d in dims),
+                          _groups=[self._groups[d] for d in dims], _root=self._root)
 
     def flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
         """A 1-d mesh over all of this (sub-)mesh's dims, named `mesh_dim_name` (default "a_b"); idempotent.
