@@ -163,3 +163,27 @@ def test_new_group_with_impossible_ranks_fails_on_every_rank_naming_it(ranks: ob
         return t.tolist()
 
     assert run_ranks(body, world_size=3, timeout=30) == [[2.0], [], [2.0]]
+
+
+def test_a_wrapper_subclass_is_refused_by_collectives_and_travels_by_value_in_dtensor_redistribution() -> None:
+    """A wrapper subclass (its data in the tensors it holds, its own pointer null) would be read or written as
+    raw memory by the transports; collectives refuse it, naming it, and DTensor's redistribution moves a plain
+    copy of its value instead."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from spmd.device_mesh import init_device_mesh
+    from spmd.tensor import DTensor, Shard
+
+    def body(rank: int, world_size: int) -> torch.Tensor:
+        wrapped = TwoTensor(torch.full((2, 3), float(rank)), torch.full((2, 3), float(rank)))
+        with pytest.raises(TypeError, match=f"all_reduce on rank {rank} .*: tensor is a TwoTensor, a tensor "
+                                            f"subclass whose data lives in the tensors it wraps"):
+            spmd.all_reduce(wrapped)
+        with pytest.raises(TypeError, match="output_tensor is a TwoTensor"):
+            spmd.all_gather_into_tensor(TwoTensor(torch.empty(4, 3), torch.empty(4, 3)), torch.ones(2, 3))
+        mesh = init_device_mesh("cpu", (world_size,))
+        return DTensor.from_local(wrapped, mesh, [Shard(0)]).full_tensor()
+
+    for full in run_ranks(body, world_size=2, timeout=30):
+        assert type(full) is torch.Tensor
+        assert torch.equal(full, torch.tensor([[0.0] * 3] * 2 + [[1.0] * 3] * 2))

@@ -33,6 +33,11 @@ def check_tensor(tensor: object, name: str, op: str, group: ProcessGroup) -> Ten
         raise TypeError(f"{_where(op, group)}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout is not torch.strided:
         raise ValueError(f"{_where(op, group)}: {name} must be a dense tensor, got layout {tensor.layout}")
+    if is_wrapper_subclass(tensor):
+        raise TypeError(f"{_where(op, group)}: {name} is a {type(tensor).__name__}, a tensor subclass whose data "
+                        f"lives in the tensors it wraps, which no transport can read or write; pass a plain "
+                        f"tensor (torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t), and copy results "
+                        f"back the same way)")
     if not tensor.is_contiguous():
         raise ValueError(f"{_where(op, group)}: {name} must be contiguous (shape {tuple(tensor.shape)}, "
                          f"stride {tensor.stride()}); pass tensor.contiguous() and copy the result back")
@@ -42,6 +47,13 @@ def check_tensor(tensor: object, name: str, op: str, group: ProcessGroup) -> Ten
                          f"moves only {', '.join(devices)} tensors; move it with .to() or use a group whose "
                          f"backend moves {tensor.device.type} tensors")
     return tensor
+
+
+def is_wrapper_subclass(tensor: Tensor) -> bool:
+    """A tensor subclass whose ops run through its own __torch_dispatch__ (a wrapper such as a quantized weight,
+    whose data lives in the tensors it holds and whose own data pointer is null): a transport must not read or
+    write its memory directly."""
+    return type(tensor) is not Tensor and torch._C._dispatch_keys(tensor).has(torch._C.DispatchKey.Python)
 
 
 def _check_same_device(tensor: Tensor, like: Tensor, name: str, op: str, group: ProcessGroup) -> None:

@@ -4,7 +4,8 @@ Layer: comm. Two kinds:
 - Plain out-of-place collectives (`all_reduced`, `all_gathered`, `reduce_scattered`, `all_to_all_dims`): return a
   new tensor and never touch their input. They gather/scatter along any tensor dim and accept uneven
   (torch.chunk-sized) pieces. Autograd does not see through them: DTensor's redistribute uses them below its
-  own autograd functions.
+  own autograd functions. A wrapper subclass input (a quantized weight) travels as a plain copy of its value,
+  so the result is a plain tensor.
 - Autograd-aware collectives, defined in adjoint pairs side by side (STYLE rule 4). Each is named by what it
   does forward and backward, and its docstring names its adjoint. Each backward applies its adjoint as an
   autograd function, so a backward with create_graph=True can be differentiated again (Hessian-vector
@@ -17,7 +18,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from spmd.comm.collectives import all_gather_into_tensor, all_reduce, all_to_all_single, reduce_scatter_tensor
+from spmd.comm.collectives import (
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all_single,
+    is_wrapper_subclass,
+    reduce_scatter_tensor,
+)
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
 
@@ -32,6 +39,14 @@ def _pad_dim(tensor: Tensor, dim: int, size: int) -> Tensor:
     return torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
 
 
+def _plain(tensor: Tensor) -> Tensor:
+    """`tensor`, or for a wrapper subclass (a DTensor's quantized local tensor, say) a plain copy of its value made
+    by its own copy_, which the transports can move."""
+    if not is_wrapper_subclass(tensor):
+        return tensor
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
+
+
 def _even_sizes(tensor: Tensor, dim: int, group: ProcessGroup) -> list[int]:
     return [tensor.shape[dim]] * group.size()
 
@@ -40,7 +55,8 @@ def _even_sizes(tensor: Tensor, dim: int, group: ProcessGroup) -> list[int]:
 
 def all_reduced(tensor: Tensor, op: ReduceOp, group: ProcessGroup) -> Tensor:
     """A new tensor holding the reduction of `tensor` over the group."""
-    out = tensor.clone(memory_format=torch.contiguous_format)
+    out = _plain(tensor)
+    out = out.clone(memory_format=torch.contiguous_format) if out is tensor else out
     all_reduce(out, op, group=group)
     return out
 
@@ -48,6 +64,7 @@ def all_reduced(tensor: Tensor, op: ReduceOp, group: ProcessGroup) -> Tensor:
 def all_gathered(tensor: Tensor, dim: int, group: ProcessGroup, sizes: list[int] | None = None) -> Tensor:
     """Every rank's `tensor` concatenated along `dim` in rank order. `sizes[r]` is rank r's extent of `dim`
     (default: all equal to this rank's); uneven pieces are padded to the largest for the collective."""
+    tensor = _plain(tensor)
     sizes = sizes if sizes is not None else _even_sizes(tensor, dim, group)
     block = max(sizes)
     send = _pad_dim(tensor, dim, block).movedim(dim, 0).contiguous()
@@ -60,6 +77,7 @@ def all_gathered(tensor: Tensor, dim: int, group: ProcessGroup, sizes: list[int]
 
 def reduce_scattered(tensor: Tensor, op: ReduceOp, dim: int, group: ProcessGroup) -> Tensor:
     """This rank's torch.chunk piece along `dim` of the reduction of `tensor` over the group (uneven allowed)."""
+    tensor = _plain(tensor)
     n = group.size()
     extent = tensor.shape[dim]
     block = -(-extent // n)
@@ -77,6 +95,7 @@ def all_to_all_dims(tensor: Tensor, split_dim: int, cat_dim: int, group: Process
 
     Shard(cat_dim) -> Shard(split_dim) on a 1-d group in one collective. Self-adjoint (with the dims swapped).
     """
+    tensor = _plain(tensor)
     pieces = [piece.contiguous().reshape(-1) for piece in tensor.split(split_sizes, dim=split_dim)]
     send = torch.cat(pieces) if pieces else tensor.new_empty(0)
     my_split = split_sizes[group.rank()]
