@@ -1,6 +1,7 @@
 """FSDP2 in real rank processes: spmd's fully_shard on the shared-memory transport and torch's own FSDP2 on gloo,
 side by side in the same two processes, on the same model, data and optimizer: same losses and parameters to
-1e-5, and both equal to one process. Pool workers (tests/procpool.py) spare the torch import per test."""
+1e-5, and both equal to one process; again with weights that all-gather through FSDP2's extension
+(tests/fsdp/gather_extensions.py). Pool workers (tests/procpool.py) spare the torch import per test."""
 
 from __future__ import annotations
 
@@ -10,16 +11,17 @@ import pytest
 import torch
 
 import spmd
+from tests.fsdp.gather_extensions import split_precision_weights
 from tests.fsdp.harness import BATCH_PER_RANK, STEPS, assert_parity, fsdp_train, optimizer, reference
 from tests.parity.models import batch, build, loss_fn
 from tests.procpool import ProcPool, free_port
 
 
-def _torch_fsdp2_train(rank: int, world_size: int) -> dict[str, Any]:
+def _torch_fsdp2_train(rank: int, world_size: int, extension: bool = False) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = build("gpt")
+    model = split_precision_weights(build("gpt")) if extension else build("gpt")
     mesh = init_device_mesh("cpu", (world_size,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
@@ -45,7 +47,10 @@ def _spmd_and_torch(rank: int, world_size: int, gloo_port: int) -> dict[str, Any
     try:
         ours = fsdp_train("gpt", rank, world_size)
         ours.pop("model")
-        return {"spmd": ours, "torch": _torch_fsdp2_train(rank, world_size)}
+        ours_extended = fsdp_train("gpt", rank, world_size, model=split_precision_weights(build("gpt")))
+        ours_extended.pop("model")
+        return {"spmd": ours, "torch": _torch_fsdp2_train(rank, world_size),
+                "spmd extension": ours_extended, "torch extension": _torch_fsdp2_train(rank, world_size, True)}
     finally:
         tdist.destroy_process_group()
         spmd.destroy_process_group()
@@ -55,6 +60,8 @@ def _spmd_and_torch(rank: int, world_size: int, gloo_port: int) -> dict[str, Any
 def test_matches_torch_fsdp2_on_gloo_and_one_process(procpool: ProcPool) -> None:
     results = procpool.run(_spmd_and_torch, 2, timeout=150, args=(free_port(),))
     assert_parity([r["spmd"] for r in results], reference("gpt", 2))
+    assert_parity([r["spmd extension"] for r in results], reference("gpt", 2))
     for result in results:
-        torch.testing.assert_close(result["spmd"]["losses"], result["torch"]["losses"], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(result["spmd"]["params"], result["torch"]["params"], rtol=1e-5, atol=1e-6)
+        for ours, theirs in (("spmd", "torch"), ("spmd extension", "torch extension")):
+            torch.testing.assert_close(result[ours]["losses"], result[theirs]["losses"], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(result[ours]["params"], result[theirs]["params"], rtol=1e-5, atol=1e-6)

@@ -15,6 +15,7 @@ from torch import nn
 
 from spmd.comm.world import current_world, is_initialized
 from spmd.device_mesh import DeviceMesh, init_device_mesh
+from spmd.fsdp.extension import has_extension
 from spmd.fsdp.param import FSDPParam, ShardMesh, Slot
 from spmd.fsdp.param_group import FSDPParamGroup, GroupState, PostForwardMesh
 from spmd.fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -464,11 +465,11 @@ def _shard_dim(shard_placement_fn: ShardPlacementFn | None, param: nn.Parameter,
 
 def _build_group(params: list[FSDPParam], shard_mesh: ShardMesh, mp_policy: MixedPrecisionPolicy,
                  post_forward_mesh: PostForwardMesh | None, name: str) -> FSDPParamGroup:
-    dtypes = {param.unsharded_dtype for param in params}
+    dtypes = {param.unsharded_dtype for param in params if not has_extension(param.local_shard, param.fqn)}
     if len(dtypes) > 1:
         listed = ", ".join(f"{p.fqn}: {p.orig_dtype}" for p in params)
         raise ValueError(f"fully_shard({name}): parameters of one group must share a dtype to be all-gathered "
                          f"together ({listed}); set MixedPrecisionPolicy(param_dtype=...) or shard them separately")
-    gather_dtype = dtypes.pop()
+    gather_dtype = dtypes.pop() if dtypes else params[0].unsharded_dtype
     reduce_dtype = mp_policy.reduce_dtype or gather_dtype
-    return FSDPParamGroup(params, shard_mesh, gather_dtype, reduce_dtype, post_forward_mesh, name)
+    return FSDPParamGroup(params, shard_mesh, gather_dtype, reduce_dtype, mp_policy, post_forward_mesh, name)

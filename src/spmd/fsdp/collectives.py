@@ -11,6 +11,10 @@ is rank-major, (group_size, sum(piece_numels)); the unsharded buffer is paramete
 group_size pieces together), so copy-out is one strided copy, `split_with_sizes_copy` along dim 1. The
 reduce-scatter input is the same rank-major layout built from the unsharded gradients, and its output is this
 rank's padded pieces end to end, again parameter after parameter.
+A group with all-gather extensions (extension.py) gathers bytes in the same single collective: each rank's block
+is the plain parameters' pieces (cast to the group's dtype, at the block's start, so they view as it), then each
+extension input's bytes, then padding that keeps every rank's block aligned. Copy-out takes the pieces into the
+unsharded buffer and each input's columns into its extension's persistent output.
 """
 
 from __future__ import annotations
@@ -30,13 +34,14 @@ from spmd.fsdp.param import FSDPParam
 
 @dataclasses.dataclass
 class AllGather:
-    """An all-gather in flight: it reads `input` and writes `output` (rank-major; see Note: the flat layouts)."""
+    """An all-gather in flight: it reads `input` and writes `output`, rank-major with `split_sizes` columns per
+    item (see Note: the flat layouts)."""
 
     work: Work | None
     input: Tensor
     output: Tensor
     group_size: int
-    piece_numels: list[int]
+    split_sizes: list[int]
 
 
 def start_all_gather(params: list[FSDPParam], dtype: torch.dtype, device: torch.device, group: ProcessGroup,
@@ -58,19 +63,44 @@ def start_all_gather(params: list[FSDPParam], dtype: torch.dtype, device: torch.
     return AllGather(work, pieces, output, group.size(), piece_numels)
 
 
-def finish_all_gather(gather: AllGather, unsharded: Tensor) -> None:
-    """Wait for `gather` and copy its output into `unsharded`, the group's parameter-major buffer.
+_BLOCK_ALIGNMENT = 16   # bytes: every rank's block starts aligned, so the plain pieces at its start view as `dtype`
 
-    The copy keeps the buffer's version counter: autograd saved views of it in forward, and backward's all-gather
-    refills them with the values they were saved with (see Note: FSDP tensors in param.py).
+
+def start_byte_all_gather(params: list[FSDPParam], dtype: torch.dtype, extension_inputs: list[Tensor],
+                          device: torch.device, group: ProcessGroup) -> AllGather:
+    """Issue one all-gather of `params`' pieces (cast to `dtype`) and the extensions' `extension_inputs` (any
+    dtypes) as bytes: this rank's block is the pieces, then each input, then padding to the alignment (see
+    Note: the flat layouts). Split sizes are in bytes, one per piece and per input, then the padding's."""
+    piece_numels = [param.padded_numel for param in params]
+    sizes = [numel * dtype.itemsize for numel in piece_numels]
+    sizes += [t.numel() * t.element_size() for t in extension_inputs]
+    sizes.append(-sum(sizes) % _BLOCK_ALIGNMENT)
+    total = sum(sizes)
+    output = torch.empty(total * group.size(), dtype=torch.uint8, device=device)
+    block = output.narrow(0, total * group.rank(), total)
+    plain_bytes = sum(sizes[: len(params)])
+    pieces = block[:plain_bytes].view(dtype).split(piece_numels)
+    for param, piece in zip(params, pieces, strict=True):
+        param.copy_shard_into(piece)
+    items = block.split(sizes)[len(params):]
+    for item, tensor in zip(items, extension_inputs, strict=False):
+        item.copy_(tensor.view(torch.uint8))
+    work = all_gather_into_tensor(output, block, group=group, async_op=True)
+    return AllGather(work, block, output, group.size(), sizes)
+
+
+def finish_all_gather(gather: AllGather, targets: list[Tensor]) -> None:
+    """Wait for `gather` and copy each item's columns into its target, a (group_size, split size) view of a
+    parameter-major destination (the group's unsharded buffer, an extension's output).
+
+    The copy keeps the targets' version counters: autograd saved views of them in forward, and backward's
+    all-gather refills them with the values they were saved with (see Note: FSDP tensors in param.py).
     """
     if gather.work is not None:
         gather.work.wait()
-    size = gather.group_size
-    segments = unsharded.split([numel * size for numel in gather.piece_numels])
-    outs = [segment.view(size, numel) for segment, numel in zip(segments, gather.piece_numels, strict=True)]
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(unsharded):
-        torch.split_with_sizes_copy(gather.output.view(size, -1), gather.piece_numels, dim=1, out=outs)
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
+        torch.split_with_sizes_copy(gather.output.view(gather.group_size, -1), gather.split_sizes, dim=1,
+                                    out=targets)
 
 
 @dataclasses.dataclass

@@ -16,6 +16,9 @@ A parameter of global shape S, sharded on tensor dim d over the group_size ranks
 The unsharded parameter object lives as long as the FSDPParam: freeing it frees its group's buffer storage
 (resize to 0 bytes) and the next all-gather re-allocates and refills the same storage. So the tensors autograd
 saved in forward, views of that storage, hold the right values again once backward's all-gather has run.
+A parameter whose local tensor defines an all-gather extension has no segment in that buffer: its extension
+makes its all-gather inputs and rebuilds its unsharded parameter (see Note: the extension protocol in
+extension.py); the same freeing and refilling in place hold for it.
 
 Note: FSDP over tensor parallelism
 A parameter that is already a DTensor on a tensor-parallel mesh (`tp`, a 1-d slice of the same root mesh as the
@@ -39,12 +42,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 
 import torch
 from torch import Tensor, nn
 
 from spmd.device_mesh import DeviceMesh
+from spmd.fsdp.extension import GatherExtension, has_extension
+from spmd.fsdp.policy import MixedPrecisionPolicy
 from spmd.tensor import DTensor
 from spmd.tensor.placement import Placement, Replicate, Shard, _StridedShard
 from spmd.tensor.spec import DTensorSpec, contiguous_stride
@@ -92,6 +98,15 @@ class ShardMesh:
     @property
     def is_hybrid(self) -> bool:
         return self.mesh.ndim == 2
+
+    @functools.cached_property
+    def dim_mesh(self) -> DeviceMesh:
+        """The 1-d mesh of the shard dim that contains this rank (the mesh itself when it is 1-d)."""
+        if not self.is_hybrid:
+            return self.mesh
+        if self.mesh.mesh_dim_names is not None:
+            return self.mesh[self.mesh.mesh_dim_names[-1]]
+        return self.mesh._sub_mesh([self.shard_mesh_dim], None)
 
     def placements(self, shard_dim: int, split_factor: int = 1) -> tuple[Placement, ...]:
         """The placements on this mesh of a parameter sharded on `shard_dim`: a _StridedShard when tensor
@@ -148,6 +163,7 @@ class FSDPParam:
         self.sharded_param = nn.Parameter(DTensor(self._local_shard_of(data), self.spec),
                                           requires_grad=param.requires_grad)
         self.unsharded_param = None
+        self.extension: GatherExtension | None = None
         self.state = ParamState.SHARDED
         for slot in slots:
             slot.set(self.sharded_param)
@@ -156,15 +172,23 @@ class FSDPParam:
 
     def _local_shard_of(self, param: Tensor) -> Tensor:
         """This rank's rows of `param` (the TP-local tensor of a tensor-parallel parameter) along the shard dim, as
-        a new tensor on the shard device (meta stays meta)."""
+        a new tensor on the shard device (meta stays meta). A tensor subclass (an all-gather extension's, say)
+        stays one: its shard is made by its own new_zeros and copy_, as torch's FSDP2 makes it."""
         local_shape = list(self.unsharded_shape)
         local_shape[self.shard_dim] = self.rows_local
-        if param.device.type == "meta":
+        data = param.detach()
+        is_subclass = type(data) is not Tensor
+        device = data.device if data.device.type == "meta" else self.shard_device
+        if is_subclass:
+            local = data.new_zeros(local_shape, device=device)
+        elif device.type == "meta":
             return torch.empty(local_shape, dtype=param.dtype, device="meta")
-        start = self.rows_pad * self.shard_mesh.group_rank
-        rows = param.detach().narrow(self.shard_dim, min(start, self.rows_full), self.rows_local)
-        local = torch.empty(local_shape, dtype=param.dtype, device=self.shard_device, pin_memory=self.pin_memory)
-        return local.copy_(rows)
+        else:
+            local = torch.empty(local_shape, dtype=param.dtype, device=device, pin_memory=self.pin_memory)
+        if device.type != "meta":
+            start = self.rows_pad * self.shard_mesh.group_rank
+            local.copy_(data.narrow(self.shard_dim, min(start, self.rows_full), self.rows_local))
+        return local
 
     @property
     def local_shard(self) -> Tensor:
@@ -200,6 +224,44 @@ class FSDPParam:
         self.sharded_param = current
         for slot in self.slots:
             slot.set(current)
+
+    # -- the all-gather extension (see Note: the extension protocol in extension.py) --------------------------
+
+    def bind_extension(self, mp_policy: MixedPrecisionPolicy, post_forward_resharding: bool) -> None:
+        """Look for an all-gather extension on the local shard (at the first forward, once the shards are
+        materialised and any methods patched on); a ValueError for a layout FSDP cannot gather it in."""
+        if self.extension is not None or not has_extension(self.local_shard, self.fqn):
+            return
+        if self.shard_dim != 0:
+            raise ValueError(f"fully_shard: parameter {self.fqn} has an all-gather extension and is sharded on "
+                             f"dim {self.shard_dim}; extensions are gathered along dim 0 (return Shard(0) from "
+                             f"shard_placement_fn for it)")
+        if post_forward_resharding:
+            raise ValueError(f"fully_shard: parameter {self.fqn} has an all-gather extension, which "
+                             f"reshard_after_forward=int cannot keep sharded over the smaller group; pass True "
+                             f"or False")
+        self.extension = GatherExtension(self.fqn, self.slots[0].module, mp_policy)
+
+    def extension_inputs(self, device: torch.device) -> list[Tensor]:
+        """The flat all-gather inputs the extension makes of this rank's shard."""
+        assert self.extension is not None
+        padded = torch.Size((self.rows_pad, *self.moved_rest))
+        return self.extension.inputs(self.local_shard, self.shard_mesh.dim_mesh, self.unsharded_shape, padded, device)
+
+    def finish_extension_gather(self) -> None:
+        """Build the unsharded parameter from the gathered outputs (the first time) or refill it in place."""
+        extension = self.extension
+        assert extension is not None
+        if self.unsharded_param is not None:
+            extension.unsharded(self.local_shard, self.unsharded_dtype, out=self.unsharded_param)
+            return
+        tensor = extension.unsharded(self.local_shard, self.unsharded_dtype, out=None)
+        assert tensor is not None
+        full = torch.as_strided(tensor, self.unsharded_shape, contiguous_stride(self.unsharded_shape), 0)
+        if self.tp_spec is not None:
+            tp = self.tp_spec
+            full = DTensor(full, DTensorSpec(tp.mesh, tp.placements, tp.shape, tp.stride, full.dtype))
+        self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
 
     # -- the unsharded form ---------------------------------------------------------------------------------
 

@@ -23,9 +23,12 @@ from spmd.fsdp.collectives import (
     finish_all_gather,
     finish_reduce_scatter,
     start_all_gather,
+    start_byte_all_gather,
     start_reduce_scatter,
 )
+from spmd.fsdp.extension import GatherExtension
 from spmd.fsdp.param import FSDPParam, ShardMesh
+from spmd.fsdp.policy import MixedPrecisionPolicy
 
 
 class GroupState(enum.Enum):
@@ -71,8 +74,15 @@ class FSDPParamGroup:
     """The parameters of one fully_shard call and their two collectives."""
 
     def __init__(self, params: list[FSDPParam], shard_mesh: ShardMesh, gather_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, post_forward_mesh: PostForwardMesh | None, name: str) -> None:
+                 reduce_dtype: torch.dtype, mp_policy: MixedPrecisionPolicy, post_forward_mesh: PostForwardMesh | None,
+                 name: str) -> None:
         self.params = params
+        self.mp_policy = mp_policy
+        # those gathered into the unsharded buffer, the rest through their all-gather extensions; fixed at the
+        # first all-gather, once the shards are materialised (see Note: the extension protocol in extension.py)
+        self.plain_params: list[FSDPParam] | None = None
+        self.extended_params: list[FSDPParam] = []
+        self._extensions: list[GatherExtension] = []       # theirs, in the same order
         self.grad_params = [param for param in params if param.requires_grad]   # frozen ones take no reduction
         self.shard_mesh = shard_mesh
         self.device = shard_mesh.device
@@ -104,7 +114,9 @@ class FSDPParamGroup:
                  for t in (reduction.input, reduction.output)]
         if self._post_forward_pieces is not None:
             comm.append(self._post_forward_pieces)
-        return {"unsharded parameters": [] if self._unsharded is None else [self._unsharded],
+        unsharded = [] if self._unsharded is None else [self._unsharded]
+        unsharded += [t for extension in self._extensions for t in extension.held()]
+        return {"unsharded parameters": unsharded,
                 "unsharded gradients": [g for g in (p.unsharded_grad() for p in self.grad_params) if g is not None],
                 "communication buffers": comm}
 
@@ -113,7 +125,12 @@ class FSDPParamGroup:
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering the full parameters (no-op when they are gathered or on their way). Collective."""
         if self.state is GroupState.SHARDED:
-            self._gather = start_all_gather(self.params, self.gather_dtype, self.device, self.shard_group)
+            plain = self._bind_extensions()
+            if self.extended_params:
+                inputs = [t for param in self.extended_params for t in param.extension_inputs(self.device)]
+                self._gather = start_byte_all_gather(plain, self.gather_dtype, inputs, self.device, self.shard_group)
+            else:
+                self._gather = start_all_gather(plain, self.gather_dtype, self.device, self.shard_group)
         elif self.state is GroupState.SHARDED_POST_FORWARD:
             assert self._post_forward_pieces is not None and self.post_forward_mesh is not None
             size = self.shard_mesh.group_size // self.post_forward_mesh.size
@@ -134,11 +151,42 @@ class FSDPParamGroup:
         if self.state is not GroupState.GATHERING:
             return
         assert self._gather is not None
-        finish_all_gather(self._gather, self._allocate_unsharded())
+        finish_all_gather(self._gather, self._gather_targets(self._gather))
         self._gather = None
+        for param in self.extended_params:
+            param.finish_extension_gather()
+        if self._grad_hooks is None:
+            self._grad_hooks = on_grad_accumulated([param.unsharded_param for param in self.grad_params],
+                                                   self._on_grad_accumulated)
         for param in self.params:
             param.to_unsharded()
         self.state = GroupState.UNSHARDED
+
+    def _bind_extensions(self) -> list[FSDPParam]:
+        """The parameters gathered into the unsharded buffer; at the first all-gather, split off those with an
+        all-gather extension."""
+        if self.plain_params is None:
+            for param in self.params:
+                param.bind_extension(self.mp_policy, post_forward_resharding=self.post_forward_mesh is not None)
+            self.extended_params = [param for param in self.params if param.extension is not None]
+            self._extensions = [param.extension for param in self.params if param.extension is not None]
+            self.plain_params = [param for param in self.params if param.extension is None]
+        return self.plain_params
+
+    def _gather_targets(self, gather: AllGather) -> list[Tensor]:
+        """Where each item of `gather` is copied: each plain parameter's segment of the unsharded buffer, then (a
+        byte gather) each extension output and a scratch row for the padding (see Note: the flat layouts)."""
+        plain = self._bind_extensions()
+        unsharded = self._allocate_unsharded()
+        segments = unsharded.split([param.padded_numel * self.shard_mesh.group_size for param in plain])
+        size = gather.group_size
+        if not self.extended_params:
+            return [segment.view(size, -1) for segment in segments]
+        targets = [segment.view(torch.uint8).view(size, -1) for segment in segments]
+        for extension in self._extensions:
+            targets += extension.output_targets(size, self.device)
+        targets.append(torch.empty(size, gather.split_sizes[-1], dtype=torch.uint8, device=self.device))
+        return targets
 
     def reshard(self) -> None:
         """Make the modules hold the shards again and free the unsharded buffer (and any post-forward copy)."""
@@ -160,7 +208,8 @@ class FSDPParamGroup:
             return
         assert self._unsharded is not None and self.post_forward_mesh is not None
         small = self.post_forward_mesh
-        segments = self._unsharded.split([param.padded_numel * self.shard_mesh.group_size for param in self.params])
+        segments = self._unsharded.split([param.padded_numel * self.shard_mesh.group_size
+                                          for param in self._bind_extensions()])
         with torch.no_grad():
             self._post_forward_pieces = torch.cat([segment.view(small.size, -1)[small.position]
                                                    for segment in segments])
@@ -176,14 +225,13 @@ class FSDPParamGroup:
             self.reshard_to_post_forward_mesh()
 
     def _allocate_unsharded(self) -> Tensor:
-        total = sum(param.padded_numel for param in self.params) * self.shard_mesh.group_size
+        plain = self._bind_extensions()
+        total = sum(param.padded_numel for param in plain) * self.shard_mesh.group_size
         if self._unsharded is None:
             self._unsharded = torch.empty(total, dtype=self.gather_dtype, device=self.device)
-            sizes = [param.padded_numel * self.shard_mesh.group_size for param in self.params]
-            for param, segment in zip(self.params, self._unsharded.split(sizes), strict=True):
+            sizes = [param.padded_numel * self.shard_mesh.group_size for param in plain]
+            for param, segment in zip(plain, self._unsharded.split(sizes), strict=True):
                 param.init_unsharded(segment)
-            self._grad_hooks = on_grad_accumulated([param.unsharded_param for param in self.grad_params],
-                                                   self._on_grad_accumulated)
         else:
             storage = self._unsharded.untyped_storage()
             if storage.nbytes() == 0:
@@ -193,6 +241,8 @@ class FSDPParamGroup:
     def _free_unsharded(self) -> None:
         if self._unsharded is not None:
             self._unsharded.untyped_storage().resize_(0)
+        for extension in self._extensions:
+            extension.free()
 
     # -- backward -------------------------------------------------------------------------------------------
 

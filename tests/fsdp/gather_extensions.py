@@ -1,0 +1,79 @@
+"""Tensor subclasses that use FSDP2's all-gather extension (fsdp_pre_all_gather / fsdp_post_all_gather), for the
+tests of spmd's FSDP and torch's (the real-process test runs both on them).
+
+SplitPrecisionWeight gathers its shard as two inputs of different dtypes, a bfloat16 head and the float32
+remainder, and rebuilds the exact float32 weight from them, so a model of them trains exactly like a plain one:
+the parity tests compare against one process with plain parameters. It pads a short shard itself, which torch's
+FSDP2 requires of an extension (spmd pads inputs shaped like the shard; the TwoTensor tests rely on that).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map_only
+
+
+class SplitPrecisionWeight(Tensor):
+    """A float32 weight that all-gathers as (bfloat16 head, float32 remainder); the unsharded weight is plain."""
+
+    calls: ClassVar[dict[str, int]] = {"pre": 0, "post": 0, "post_out": 0}   # per process, thread ranks share it
+
+    @staticmethod
+    def __new__(cls, data: Tensor) -> SplitPrecisionWeight:
+        return Tensor._make_wrapper_subclass(cls, data.shape, data.stride(), data.storage_offset(),
+                                             dtype=data.dtype, device=data.device, requires_grad=False)
+
+    def __init__(self, data: Tensor) -> None:
+        self._data = data
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*tree_map_only(cls, lambda t: t._data, args), **tree_map_only(cls, lambda t: t._data, kwargs or {}))
+        return tree_map_only(Tensor, cls, out)
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, Tensor], meta: None, size: Any, stride: Any) -> SplitPrecisionWeight:
+        return SplitPrecisionWeight(inner["_data"])
+
+    def __repr__(self) -> str:
+        return f"SplitPrecisionWeight({self._data})"
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
+                            module: nn.Module, mp_policy: Any) -> tuple[tuple[Tensor, ...], Any]:
+        SplitPrecisionWeight.calls["pre"] += 1
+        data, rows = self._data, -(-outer_size[0] // mesh.size())
+        if data.shape[0] < rows:      # a short shard: pad it to the piece, as torch requires (spmd would pad it)
+            data = torch.cat([data, data.new_zeros(rows - data.shape[0], *data.shape[1:])])
+        head = data.to(torch.bfloat16)
+        return (head, data - head.float()), {"size": tuple(outer_size), "shard_ranks": mesh.size()}
+
+    def fsdp_post_all_gather(self, outputs: tuple[Tensor, ...], metadata: Any, param_dtype: torch.dtype, *,
+                             out: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, ...]] | None:
+        head, rest = outputs
+        assert head.dtype == torch.bfloat16 and rest.dtype == torch.float32, (head.dtype, rest.dtype)
+        assert head.shape[0] >= metadata["size"][0], (head.shape, metadata)
+        with torch.no_grad():
+            if out is not None:
+                SplitPrecisionWeight.calls["post_out"] += 1
+                local = getattr(out, "_local_tensor", out)     # a tensor-parallel weight is a DTensor
+                with torch.autograd._unsafe_preserve_version_counter(local):
+                    local.copy_((head.float() + rest)[: local.shape[0]])
+                return None
+            SplitPrecisionWeight.calls["post"] += 1
+            weight = (head.float() + rest).to(param_dtype)
+        return weight, (weight,)
+
+
+def split_precision_weights(model: nn.Module) -> nn.Module:
+    """Make every 2-d weight of `model` a SplitPrecisionWeight (in place); returns the model."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.ndim == 2:
+                setattr(module, name, nn.Parameter(SplitPrecisionWeight(param.detach().clone())))
+    return model
