@@ -52,6 +52,18 @@ def at_backward_end(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def after_backward_through(tensors: Sequence[Tensor], callback: Callable[[], None]) -> RemovableHandle | None:
+    """Call `callback()` in each backward pass that reaches `tensors`, once the gradients of all of them that the
+    pass computes are computed: backward has passed through everything that produced them.
+
+    Tensors that don't require grad are skipped; returns None when none does. The hook lives with their graph.
+    """
+    watched = [tensor for tensor in tensors if tensor.requires_grad]
+    if not watched:
+        return None
+    return torch.autograd.graph.register_multi_grad_hook(watched, lambda _grads: callback(), mode="all")
+
+
 def on_backward_reaching(tensors: Sequence[Tensor], callback: Callable[[], None]) -> RemovableHandle | None:
     """Call `callback()` in each backward pass that reaches any of `tensors`, once per pass, as soon as the first of
     their gradients is computed (before it flows further back through them).

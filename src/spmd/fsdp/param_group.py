@@ -3,6 +3,17 @@
 Layer: fsdp. The group's collectives run over the shard mesh dim (all-gather, reduce-scatter) and, on an HSDP
 mesh, the replicate mesh dim (the gradient all-reduce). Every method that communicates is collective: every rank
 of those groups calls it in the same order, which FSDP's hooks guarantee by running the same model on every rank.
+
+Note: when a group's backward is over
+Post-backward reshards the group (frees the unsharded parameters) and reduces its gradients. It runs as soon as
+every trainable parameter's gradient has accumulated: every backward node that read a trainable parameter has
+run by then, since each contributes to its gradient. A frozen parameter (requires_grad=False, a LoRA base weight)
+contributes no gradient, so a node reading it (the input gradient through the base weight) may still be
+pending when the adapters' gradients are done. A group with frozen parameters therefore also waits for backward
+to pass through its modules: each training forward hooks its inputs, and post-backward waits until every such
+forward's input gradients are computed. A forward whose inputs need no gradient (the first layer), or one run
+with grad disabled (reentrant activation checkpointing), gives no such signal: the group then waits for the end
+of backward, as torch's FSDP2 does for every group.
 """
 
 from __future__ import annotations
@@ -13,7 +24,7 @@ import enum
 import torch
 from torch import Tensor
 
-from spmd._autograd import HookHandles, on_grad_accumulated
+from spmd._autograd import HookHandles, after_backward_through, on_grad_accumulated
 from spmd.comm.group import ProcessGroup
 from spmd.device_mesh import DeviceMesh
 from spmd.fsdp.collectives import (
@@ -104,6 +115,11 @@ class FSDPParamGroup:
         self._gather: AllGather | None = None
         self._post_forward_pieces: Tensor | None = None
         self._awaiting_grads: set[int] = set()
+        # with frozen parameters (see Note: when a group's backward is over): forwards whose module inputs'
+        # gradients are still to come, and whether a forward left no way to tell (then: the end of backward)
+        self.has_frozen = len(self.grad_params) < len(params)
+        self._inputs_pending = 0
+        self._inputs_untracked = False
         self._grad_hooks: HookHandles | None = None
         self._late_grads = False
 
@@ -253,13 +269,33 @@ class FSDPParamGroup:
             self.backward_state = BackwardState.COMPUTING
         self.wait_for_unshard()
 
+    def expect_input_grads(self, inputs: list[Tensor]) -> None:
+        """A training forward of the group's modules took `inputs`: with frozen parameters, post-backward also
+        waits for backward to pass through it (see Note: when a group's backward is over)."""
+        if not self.has_frozen:
+            return
+        if not torch.is_grad_enabled() or after_backward_through(inputs, self._on_input_grads) is None:
+            self._inputs_untracked = True
+            return
+        self._inputs_pending += 1
+
+    def _on_input_grads(self) -> None:
+        self._inputs_pending -= 1
+        self._post_backward_if_over()
+
     def _on_grad_accumulated(self, index: int) -> None:
         if self.backward_state is BackwardState.REDUCED:
             self._late_grads = True          # a nested (reentrant) backward reached a parameter again
             return
         self._awaiting_grads.discard(index)
-        if not self._awaiting_grads and self.backward_state is BackwardState.COMPUTING:
-            self.post_backward()
+        self._post_backward_if_over()
+
+    def _post_backward_if_over(self) -> None:
+        if self.backward_state is not BackwardState.COMPUTING or self._awaiting_grads:
+            return
+        if self.has_frozen and (self._inputs_pending > 0 or self._inputs_untracked):
+            return                           # frozen parameters may still be read by backward
+        self.post_backward()
 
     def post_backward(self, reduce: bool | None = None) -> None:
         """Every gradient of the group is accumulated: reduce-scatter them (one collective, finished later) if
@@ -292,6 +328,8 @@ class FSDPParamGroup:
         if self.reshard_after_backward:
             self.reshard()
         self.backward_state = BackwardState.IDLE
+        self._inputs_pending = 0
+        self._inputs_untracked = False
 
     def drop_post_forward_copy(self) -> None:
         """Forget the post-forward shards (a forward without backward left them; the optimizer may have stepped)."""

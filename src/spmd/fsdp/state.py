@@ -15,7 +15,8 @@ adopts every state below it (lazy init, collective: it checks that all ranks bui
   4. pre-backward: queue the root's end-of-backward callback (once per backward), wait for the group's
      parameters (gather them again if resharded), start the next group's all-gather in backward order (the
      reverse of the post-forward order, or `set_modules_to_backward_prefetch`).
-  5. post-backward (the group's last gradient accumulated): reshard, finish the previous group's reduce-scatter,
+  5. post-backward (the group's last gradient accumulated, and with frozen parameters backward past the group's
+     modules; see Note: when a group's backward is over): reshard, finish the previous group's reduce-scatter,
      issue this group's. So group i's reduce-scatter runs while group i-1 computes its backward.
   6. end of backward (root): post-backward for groups no hook finished, then wait for every reduce-scatter and
      add the results into the sharded `.grad`s.
@@ -124,6 +125,8 @@ class FSDPState:
                     state.group.drop_post_forward_copy()
         if self.group is not None:
             self.group.wait_for_unshard()
+            if module.training:
+                self.group.expect_input_grads([t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)])
         if not root._order_recorded and self not in root.forward_order:
             root.forward_order.append(self)
         self._prefetch(self._forward_prefetch_targets())
