@@ -223,7 +223,7 @@ def test_resharding_frees_the_gather_outputs_and_what_post_gather_named() -> Non
         layer = model.layers[0]
         group = state_of(layer).group
         model(torch.randn(2, 7)).sum().backward()
-        extended = group.extended_params
+        extended = group.layout.extended
         assert [param.fqn for param in extended] == ["layers.0.weight"]
         extension = extended[0].extension
         assert len(extension.outputs) == 2 and len(extension.inner) == 1

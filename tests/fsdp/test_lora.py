@@ -81,9 +81,10 @@ def train(rank: int, world_size: int, model: nn.Module | None = None, layers: li
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    step_counts = dict(counts)
     with torch.no_grad():
         params = {name: p.full_tensor() for name, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "counts": dict(counts), "states": states, "model": model}
+    return {"losses": losses, "params": params, "counts": step_counts, "states": states, "model": model}
 
 
 def assert_matches(results: list[dict], losses: list[float], ref: nn.Module) -> None:

@@ -5,6 +5,7 @@ Layer: fsdp (may import _core, _autograd, comm, device_mesh, tensor).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable
@@ -465,11 +466,25 @@ def _shard_dim(shard_placement_fn: ShardPlacementFn | None, param: nn.Parameter,
 
 def _build_group(params: list[FSDPParam], shard_mesh: ShardMesh, mp_policy: MixedPrecisionPolicy,
                  post_forward_mesh: PostForwardMesh | None, name: str) -> FSDPParamGroup:
-    dtypes = {param.unsharded_dtype for param in params if not has_extension(param.local_shard, param.fqn)}
-    if len(dtypes) > 1:
-        listed = ", ".join(f"{p.fqn}: {p.orig_dtype}" for p in params)
-        raise ValueError(f"fully_shard({name}): parameters of one group must share a dtype to be all-gathered "
-                         f"together ({listed}); set MixedPrecisionPolicy(param_dtype=...) or shard them separately")
-    gather_dtype = dtypes.pop() if dtypes else params[0].unsharded_dtype
+    """The group of one fully_shard call. Its trainable parameters must share a dtype (their gradients are
+    reduced in one collective, as torch's); its dtype is theirs, or the one holding most elements. Frozen
+    parameters of other dtypes are gathered in the same collective, each into a buffer of its own."""
+    gathered = [param for param in params if not has_extension(param.local_shard, param.fqn)]
+    trainable = {param.unsharded_dtype for param in gathered if param.requires_grad}
+    if len(trainable) > 1:
+        listed = ", ".join(f"{p.fqn}: {p.unsharded_dtype}" for p in gathered if p.requires_grad)
+        raise ValueError(f"fully_shard({name}): the trainable parameters of one group must share a dtype, their "
+                         f"gradients being reduced together ({listed}); set MixedPrecisionPolicy(param_dtype=...) "
+                         f"or shard them separately (frozen parameters may differ)")
+    sizes: collections.Counter[torch.dtype] = collections.Counter()
+    for param in gathered:
+        sizes[param.unsharded_dtype] += param.shape.numel()
+    gather_dtype = (trainable.pop() if trainable else sizes.most_common(1)[0][0] if sizes
+                    else params[0].unsharded_dtype)
+    if post_forward_mesh is not None and any(param.unsharded_dtype != gather_dtype for param in gathered):
+        others = ", ".join(f"{p.fqn}: {p.unsharded_dtype}" for p in gathered if p.unsharded_dtype != gather_dtype)
+        raise ValueError(f"fully_shard({name}): reshard_after_forward=int keeps one {gather_dtype} copy sharded "
+                         f"over the smaller group, but {others} differ; pass True or False, or shard them "
+                         f"separately")
     reduce_dtype = mp_policy.reduce_dtype or gather_dtype
     return FSDPParamGroup(params, shard_mesh, gather_dtype, reduce_dtype, mp_policy, post_forward_mesh, name)

@@ -11,10 +11,11 @@ is rank-major, (group_size, sum(piece_numels)); the unsharded buffer is paramete
 group_size pieces together), so copy-out is one strided copy, `split_with_sizes_copy` along dim 1. The
 reduce-scatter input is the same rank-major layout built from the unsharded gradients, and its output is this
 rank's padded pieces end to end, again parameter after parameter.
-A group with all-gather extensions (extension.py) gathers bytes in the same single collective: each rank's block
-is the plain parameters' pieces (cast to the group's dtype, at the block's start, so they view as it), then each
-extension input's bytes, then padding that keeps every rank's block aligned. Copy-out takes the pieces into the
-unsharded buffer and each input's columns into its extension's persistent output.
+A group with frozen parameters of other dtypes or with all-gather extensions (extension.py) gathers bytes in the
+same single collective: each rank's block is the buffered parameters' pieces (in the group's dtype, at the
+block's start, so they view as it), then each other-dtype piece and each extension input as bytes, then padding
+that keeps every rank's block aligned. Copy-out takes the pieces into the unsharded buffer, and each other item's
+columns into its own buffer (a separate parameter's, or its extension's persistent output).
 """
 
 from __future__ import annotations
@@ -66,14 +67,15 @@ def start_all_gather(params: list[FSDPParam], dtype: torch.dtype, device: torch.
 _BLOCK_ALIGNMENT = 16   # bytes: every rank's block starts aligned, so the plain pieces at its start view as `dtype`
 
 
-def start_byte_all_gather(params: list[FSDPParam], dtype: torch.dtype, extension_inputs: list[Tensor],
+def start_byte_all_gather(params: list[FSDPParam], dtype: torch.dtype, others: list[Tensor],
                           device: torch.device, group: ProcessGroup) -> AllGather:
-    """Issue one all-gather of `params`' pieces (cast to `dtype`) and the extensions' `extension_inputs` (any
-    dtypes) as bytes: this rank's block is the pieces, then each input, then padding to the alignment (see
-    Note: the flat layouts). Split sizes are in bytes, one per piece and per input, then the padding's."""
+    """Issue one all-gather of `params`' pieces (cast to `dtype`) and `others` (flat tensors of any dtypes: other
+    dtypes' pieces, extension inputs) as bytes: this rank's block is the pieces, then each of the others, then
+    padding to the alignment (see Note: the flat layouts). Split sizes are in bytes, one per piece and per other
+    tensor, then the padding's."""
     piece_numels = [param.padded_numel for param in params]
     sizes = [numel * dtype.itemsize for numel in piece_numels]
-    sizes += [t.numel() * t.element_size() for t in extension_inputs]
+    sizes += [t.numel() * t.element_size() for t in others]
     sizes.append(-sum(sizes) % _BLOCK_ALIGNMENT)
     total = sum(sizes)
     output = torch.empty(total * group.size(), dtype=torch.uint8, device=device)
@@ -83,7 +85,7 @@ def start_byte_all_gather(params: list[FSDPParam], dtype: torch.dtype, extension
     for param, piece in zip(params, pieces, strict=True):
         param.copy_shard_into(piece)
     items = block.split(sizes)[len(params):]
-    for item, tensor in zip(items, extension_inputs, strict=False):
+    for item, tensor in zip(items, others, strict=False):
         item.copy_(tensor.view(torch.uint8))
     work = all_gather_into_tensor(output, block, group=group, async_op=True)
     return AllGather(work, block, output, group.size(), sizes)

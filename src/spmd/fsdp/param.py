@@ -141,7 +141,8 @@ class FSDPParam:
         self.shard_dim = shard_dim
         self.shape = param.shape                 # global
         self.orig_dtype = param.dtype
-        self.unsharded_dtype = param_dtype if param_dtype is not None else param.dtype
+        # mixed precision casts floating-point parameters only, as torch's
+        self.unsharded_dtype = param_dtype if param_dtype is not None and param.dtype.is_floating_point else param.dtype
         self.requires_grad = param.requires_grad
         self.shard_device = shard_device
         self.pin_memory = pin_memory
@@ -199,6 +200,13 @@ class FSDPParam:
         if self.rows_local:
             piece.view(self.rows_pad, *self.moved_rest)[: self.rows_local].copy_(
                 self.local_shard.movedim(self.shard_dim, 0), non_blocking=True)
+
+    def padded_piece(self, device: torch.device) -> Tensor:
+        """This rank's padded piece as a new flat tensor in the unsharded dtype (padding left unset), for a
+        parameter gathered outside the group's buffer."""
+        piece = torch.empty(self.padded_numel, dtype=self.unsharded_dtype, device=device)
+        self.copy_shard_into(piece)
+        return piece
 
     def reset_sharded_param(self) -> None:
         """Adopt the tensor now in the first slot as the sharded parameter (after `module._apply`, e.g. to_empty,

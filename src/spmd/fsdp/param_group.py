@@ -66,6 +66,18 @@ class PostForwardMesh:
     position: int
 
 
+@dataclasses.dataclass(frozen=True)
+class GatherLayout:
+    """How a group's parameters are gathered (see Note: the flat layouts in collectives.py): `buffered` into the
+    group's unsharded buffer, in the group's dtype; `separate`, frozen parameters of another dtype, each into a
+    buffer of its own; `extended` through their all-gather extension (extension.py). Fixed at the group's first
+    all-gather, once the shards are materialised and any extension methods patched on."""
+
+    buffered: list[FSDPParam]
+    separate: list[FSDPParam]
+    extended: list[FSDPParam]
+
+
 class PendingReductions:
     """The reduce-scatters of one root's groups still in flight, finished in issue order (shared by the tree)."""
 
@@ -89,11 +101,9 @@ class FSDPParamGroup:
                  name: str) -> None:
         self.params = params
         self.mp_policy = mp_policy
-        # those gathered into the unsharded buffer, the rest through their all-gather extensions; fixed at the
-        # first all-gather, once the shards are materialised (see Note: the extension protocol in extension.py)
-        self.plain_params: list[FSDPParam] | None = None
-        self.extended_params: list[FSDPParam] = []
-        self._extensions: list[GatherExtension] = []       # theirs, in the same order
+        self.layout: GatherLayout | None = None               # fixed at the first all-gather
+        self._extensions: list[GatherExtension] = []          # the layout's extended parameters', in order
+        self._separate: list[Tensor] = []                     # the layout's separate parameters' unsharded buffers
         self.grad_params = [param for param in params if param.requires_grad]   # frozen ones take no reduction
         self.shard_mesh = shard_mesh
         self.device = shard_mesh.device
@@ -131,6 +141,7 @@ class FSDPParamGroup:
         if self._post_forward_pieces is not None:
             comm.append(self._post_forward_pieces)
         unsharded = [] if self._unsharded is None else [self._unsharded]
+        unsharded += [t for t in self._separate if t.untyped_storage().nbytes()]
         unsharded += [t for extension in self._extensions for t in extension.held()]
         return {"unsharded parameters": unsharded,
                 "unsharded gradients": [g for g in (p.unsharded_grad() for p in self.grad_params) if g is not None],
@@ -141,12 +152,14 @@ class FSDPParamGroup:
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering the full parameters (no-op when they are gathered or on their way). Collective."""
         if self.state is GroupState.SHARDED:
-            plain = self._bind_extensions()
-            if self.extended_params:
-                inputs = [t for param in self.extended_params for t in param.extension_inputs(self.device)]
-                self._gather = start_byte_all_gather(plain, self.gather_dtype, inputs, self.device, self.shard_group)
+            layout = self._fix_layout()
+            if layout.separate or layout.extended:
+                inputs = [param.padded_piece(self.device) for param in layout.separate]
+                inputs += [t for param in layout.extended for t in param.extension_inputs(self.device)]
+                self._gather = start_byte_all_gather(layout.buffered, self.gather_dtype, inputs, self.device,
+                                                     self.shard_group)
             else:
-                self._gather = start_all_gather(plain, self.gather_dtype, self.device, self.shard_group)
+                self._gather = start_all_gather(layout.buffered, self.gather_dtype, self.device, self.shard_group)
         elif self.state is GroupState.SHARDED_POST_FORWARD:
             assert self._post_forward_pieces is not None and self.post_forward_mesh is not None
             size = self.shard_mesh.group_size // self.post_forward_mesh.size
@@ -169,7 +182,7 @@ class FSDPParamGroup:
         assert self._gather is not None
         finish_all_gather(self._gather, self._gather_targets(self._gather))
         self._gather = None
-        for param in self.extended_params:
+        for param in self._fix_layout().extended:
             param.finish_extension_gather()
         if self._grad_hooks is None:
             self._grad_hooks = on_grad_accumulated([param.unsharded_param for param in self.grad_params],
@@ -178,27 +191,30 @@ class FSDPParamGroup:
             param.to_unsharded()
         self.state = GroupState.UNSHARDED
 
-    def _bind_extensions(self) -> list[FSDPParam]:
-        """The parameters gathered into the unsharded buffer; at the first all-gather, split off those with an
-        all-gather extension."""
-        if self.plain_params is None:
+    def _fix_layout(self) -> GatherLayout:
+        """The group's gather layout, fixed at the first all-gather (see GatherLayout)."""
+        if self.layout is None:
             for param in self.params:
                 param.bind_extension(self.mp_policy, post_forward_resharding=self.post_forward_mesh is not None)
-            self.extended_params = [param for param in self.params if param.extension is not None]
+            plain = [param for param in self.params if param.extension is None]
+            self.layout = GatherLayout(buffered=[p for p in plain if p.unsharded_dtype == self.gather_dtype],
+                                       separate=[p for p in plain if p.unsharded_dtype != self.gather_dtype],
+                                       extended=[p for p in self.params if p.extension is not None])
             self._extensions = [param.extension for param in self.params if param.extension is not None]
-            self.plain_params = [param for param in self.params if param.extension is None]
-        return self.plain_params
+        return self.layout
 
     def _gather_targets(self, gather: AllGather) -> list[Tensor]:
-        """Where each item of `gather` is copied: each plain parameter's segment of the unsharded buffer, then (a
-        byte gather) each extension output and a scratch row for the padding (see Note: the flat layouts)."""
-        plain = self._bind_extensions()
+        """Where each item of `gather` is copied: each buffered parameter's segment of the unsharded buffer, then
+        (a byte gather) each separate parameter's buffer, each extension output and a scratch row for the padding
+        (see Note: the flat layouts)."""
+        layout = self._fix_layout()
         unsharded = self._allocate_unsharded()
-        segments = unsharded.split([param.padded_numel * self.shard_mesh.group_size for param in plain])
+        segments = unsharded.split([param.padded_numel * self.shard_mesh.group_size for param in layout.buffered])
         size = gather.group_size
-        if not self.extended_params:
+        if not layout.separate and not layout.extended:
             return [segment.view(size, -1) for segment in segments]
         targets = [segment.view(torch.uint8).view(size, -1) for segment in segments]
+        targets += [buffer.view(torch.uint8).view(size, -1) for buffer in self._allocate_separate(layout.separate)]
         for extension in self._extensions:
             targets += extension.output_targets(size, self.device)
         targets.append(torch.empty(size, gather.split_sizes[-1], dtype=torch.uint8, device=self.device))
@@ -225,7 +241,7 @@ class FSDPParamGroup:
         assert self._unsharded is not None and self.post_forward_mesh is not None
         small = self.post_forward_mesh
         segments = self._unsharded.split([param.padded_numel * self.shard_mesh.group_size
-                                          for param in self._bind_extensions()])
+                                          for param in self._fix_layout().buffered])
         with torch.no_grad():
             self._post_forward_pieces = torch.cat([segment.view(small.size, -1)[small.position]
                                                    for segment in segments])
@@ -241,7 +257,7 @@ class FSDPParamGroup:
             self.reshard_to_post_forward_mesh()
 
     def _allocate_unsharded(self) -> Tensor:
-        plain = self._bind_extensions()
+        plain = self._fix_layout().buffered
         total = sum(param.padded_numel for param in plain) * self.shard_mesh.group_size
         if self._unsharded is None:
             self._unsharded = torch.empty(total, dtype=self.gather_dtype, device=self.device)
@@ -254,9 +270,25 @@ class FSDPParamGroup:
                 storage.resize_(total * self._unsharded.element_size())
         return self._unsharded
 
+    def _allocate_separate(self, params: list[FSDPParam]) -> list[Tensor]:
+        """The separate parameters' own unsharded buffers: made (and their parameters made views of them) at the
+        first all-gather, their storage re-grown at the next."""
+        if not self._separate:
+            self._separate = [torch.empty(param.padded_numel * self.shard_mesh.group_size, dtype=param.unsharded_dtype,
+                                          device=self.device) for param in params]
+            for param, buffer in zip(params, self._separate, strict=True):
+                param.init_unsharded(buffer)
+        for buffer in self._separate:
+            nbytes = buffer.numel() * buffer.element_size()
+            if buffer.untyped_storage().nbytes() != nbytes:
+                buffer.untyped_storage().resize_(nbytes)
+        return self._separate
+
     def _free_unsharded(self) -> None:
         if self._unsharded is not None:
             self._unsharded.untyped_storage().resize_(0)
+        for buffer in self._separate:
+            buffer.untyped_storage().resize_(0)
         for extension in self._extensions:
             extension.free()
 
