@@ -288,3 +288,21 @@ def test_inputs_that_change_shape_between_gathers_or_miss_the_padding_are_refuse
            "[torch.bfloat16], but [(8, 7), (8, 7)]" in full
     assert "must keep their shapes and dtypes" in full
     assert "parameter 0.weight is sharded unevenly (this rank's shard is (7, 7) of a (8, 7) piece)" in short
+
+
+def test_frozen_extension_base_weights_beside_trainable_adapters_train_like_one_process() -> None:
+    """QLoRA's layout: the frozen base weights gather through their extension (NF4 in torchtune), the float32
+    adapters beside them in the same group."""
+    from tests.fsdp import test_lora
+
+    def build() -> nn.Module:
+        model = test_lora.build()
+        for layer in model[::2]:
+            layer.base = nn.Parameter(SplitPrecisionWeight(layer.base.detach().clone()), requires_grad=False)
+        return model
+
+    losses, ref = test_lora.reference(4)
+    results = run_ranks(lambda rank, size: test_lora.train(rank, size, model=build()), 4, timeout=TIMEOUT)
+    test_lora.assert_matches(results, losses, ref)
+    for result in results:
+        assert all(type(layer.base._local_tensor) is SplitPrecisionWeight for layer in result["model"][::2])
