@@ -324,3 +324,21 @@ def test_grad_scaler_with_fp16_skips_on_every_rank_when_one_shard_overflows() ->
     for result in results:
         assert result["stepped"] == [True, False, True]           # step 1 skipped everywhere
         assert result["scales"] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9]  # and the scale backed off identically
+
+
+def test_an_optimizer_stepped_in_backward_by_post_accumulate_grad_hooks_matches_one_process() -> None:
+    """torchtune's optimizer-in-backward: a hook on each sharded parameter steps its own optimizer once FSDP has
+    reduced its gradient, and frees the gradient; FSDP runs those hooks after the reduction, as torch's does."""
+    def setup(model: nn.Module) -> None:
+        for param in model.parameters():
+            param_opt = optimizer([param])
+
+            def step(p: torch.Tensor, param_opt: torch.optim.Optimizer = param_opt) -> None:
+                param_opt.step()
+                param_opt.zero_grad()
+            param.register_post_accumulate_grad_hook(step)
+
+    results = run_ranks(lambda rank, size: fsdp_train("gpt", rank, size, setup=setup), 2, timeout=TIMEOUT)
+    assert_parity(results, reference("gpt", 2))
+    for result in results:
+        assert all(p.grad is None for p in result["model"].parameters())   # each hook stepped and freed its own

@@ -347,7 +347,8 @@ class FSDPParam:
                 pieces[full_pieces, :tail].copy_(moved[full_pieces * self.rows_pad:])
 
     def accumulate_sharded_grad(self, piece: Tensor) -> None:
-        """Add this rank's reduced padded piece (flat, any dtype) into the sharded gradient (or set it)."""
+        """Add this rank's reduced padded piece (flat, any dtype) into the sharded gradient (or set it), then run
+        the sharded parameter's post-accumulate-grad hooks."""
         local = piece.view(self.rows_pad, *self.moved_rest)[: self.rows_local].movedim(0, self.shard_dim)
         local = local.contiguous().to(device=self.shard_device, dtype=self.orig_dtype)
         grad = self.sharded_param.grad
@@ -355,6 +356,10 @@ class FSDPParam:
             self.sharded_param.grad = DTensor(local, self.spec)
         else:
             grad._local_tensor.add_(local)
+        # the sharded parameter is not in autograd's graph: run its post-accumulate-grad hooks here, once its
+        # gradient is reduced, as torch's FSDP2 does (an optimizer stepped in backward, torchtune's way)
+        for hook in (getattr(self.sharded_param, "_post_accumulate_grad_hooks", None) or {}).values():
+            hook(self.sharded_param)
 
     def _expect(self, *allowed: ParamState) -> None:
         if self.state not in allowed:
