@@ -73,8 +73,10 @@ def fsdp_train(kind: str, rank: int, world_size: int, *, mesh_shape: tuple[int, 
                shard: Callable[[nn.Module, Any], None] = shard_blocks_then_root,
                model: nn.Module | None = None, setup: Callable[[nn.Module], None] | None = None,
                before_step: Callable[[nn.Module], Any] | None = None,
-               frozen: Callable[[nn.Module], None] | None = None) -> dict[str, Any]:
-    """This rank's FSDP training on its shard of each global batch; counts collectives from step 2 on."""
+               frozen: Callable[[nn.Module], None] | None = None,
+               accumulate_with: str = "set_requires_gradient_sync") -> dict[str, Any]:
+    """This rank's FSDP training on its shard of each global batch; counts collectives from step 2 on. With
+    micro-steps, the module setter `accumulate_with` is False for all but the last."""
     mesh = init_device_mesh("cpu", mesh_shape or (world_size,))
     model = model if model is not None else build(kind, seed=0, **(build_kwargs or {}))
     if frozen is not None:
@@ -97,7 +99,7 @@ def fsdp_train(kind: str, rank: int, world_size: int, *, mesh_shape: tuple[int, 
             xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
             last = micro == micro_steps - 1
             if micro_steps > 1:
-                model.set_requires_gradient_sync(last)
+                getattr(model, accumulate_with)(last)
             loss = loss_fn(kind, model(xs), ys)
             (loss / micro_steps).backward()
             total += loss.item() / micro_steps

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, overload
 
@@ -174,6 +175,63 @@ class FSDPModule:
         for state in self._fsdp_states(recurse=True):
             if state.group is not None:
                 state.group.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """torch's older name of set_gradient_divide_factor (deprecated there too)."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+                      FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP gradient accumulation: with False, each backward still reduce-scatters within the shard group, but
+        the sums wait, unreduced across replicas, until a backward with True all-reduces them all at once."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.requires_all_reduce = requires_all_reduce
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
+                            stream: torch.Stream | None = None) -> None:
+        """Run `hook(output)` on this module's reduced gradient shard (flat), in place: after the replicas'
+        all-reduce on an HSDP mesh, else after the reduce-scatter (a user's own cross-replica reduction, as
+        torchft's). In float32/bfloat16 the output is already averaged unless sums are forced
+        (set_force_sum_reduction_for_comms), as torch shows it; `stream`, not with HSDP, is the stream to run
+        it on."""
+        group = self._fsdp_state().group
+        if group is None:
+            return
+        if stream is not None and group.replicate_group is not None:
+            raise ValueError(f"set_all_reduce_hook: {self._fsdp_state().name} is sharded over an HSDP mesh, whose "
+                             f"hook runs where the replicas' all-reduce does; pass no stream")
+        group.all_reduce_hook = hook
+        group.all_reduce_hook_stream = stream
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """With True, gradients are summed by the collectives and divided only after the all-reduce hook (spmd's
+        collectives always sum; this decides what the hook sees, as in torch)."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.force_sum_reduction = enable
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """With True, a group whose parameters got no gradient on this rank (control flow that differs across
+        ranks, as in mixture-of-experts) still reduce-scatters (zeros), so every rank runs the same collectives.
+        Parameters without a gradient beside others with one always contribute zeros."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.reduce_unused = reduce_scatter_unused_params
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """Let up to `max_input_buffers` reduce-scatters (each holding its group's gradient buffer) stay in flight
+        before backward waits for the oldest: more overlap of reduction with compute, more memory. Default 1."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"set_reduce_scatter_max_input_buffers: max_input_buffers must be an int, got "
+                            f"{type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"set_reduce_scatter_max_input_buffers: max_input_buffers must be at least 1, got "
+                             f"{max_input_buffers}")
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.reductions_in_flight = max_input_buffers
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """In this module's forward, start the all-gathers of `modules` (replacing the implicit next-module one)."""

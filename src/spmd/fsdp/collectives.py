@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from spmd.comm.collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tensor
+from spmd.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import Work
@@ -115,6 +115,7 @@ class ReduceScatter:
     output: Tensor
     params: list[FSDPParam]
     reduced: bool = False      # a custom reduction made `output` final (no replicate all-reduce, no division)
+    pre_divided: float = 1.0   # the gradients were divided by this before the sum (float16; see predivide_factor)
 
 
 CustomReduce = Callable[[Tensor, Tensor], None]
@@ -122,11 +123,24 @@ CustomReduce = Callable[[Tensor, Tensor], None]
 writing the reduced, divided shard into the output (FSDP1's register_comm_hook)."""
 
 
+def predivide_factor(dtype: torch.dtype, divide_factor: float) -> float:
+    """What to divide gradients by before their sum: 1, except in a dtype of small range (float16), where about
+    the square root of `divide_factor` (a power of two) goes before the sum and the rest after, so that the
+    sum does not overflow nor the quotient underflow."""
+    if dtype in (torch.float32, torch.float64, torch.bfloat16):
+        return 1.0
+    pre = 1.0
+    while pre * pre * 4 <= divide_factor:
+        pre *= 2
+    return pre
+
+
 def start_reduce_scatter(params: list[FSDPParam], dtype: torch.dtype, device: torch.device,
-                         group: ProcessGroup, custom: CustomReduce | None = None) -> ReduceScatter:
+                         group: ProcessGroup, custom: CustomReduce | None = None,
+                         pre_divide: float = 1.0) -> ReduceScatter:
     """Move the unsharded gradients of `params` into one rank-major buffer (cast to `dtype`, padding zeroed; each
-    gradient is dropped once copied, so the two never both hold the whole group) and issue its SUM
-    reduce-scatter over `group`, or run `custom` on it (which finishes the reduction itself)."""
+    gradient is dropped once copied, so the two never both hold the whole group), divide it by `pre_divide`, and
+    issue its SUM reduce-scatter over `group`, or run `custom` on it (which finishes the reduction itself)."""
     piece_numels = [param.padded_numel for param in params]
     flat = torch.empty(group.size(), sum(piece_numels), dtype=dtype, device=device)
     with torch.no_grad():
@@ -138,22 +152,14 @@ def start_reduce_scatter(params: list[FSDPParam], dtype: torch.dtype, device: to
     if custom is not None:
         custom(flat.view(-1), output)
         return ReduceScatter(None, flat, output, params, reduced=True)
+    if pre_divide != 1:
+        flat.div_(pre_divide)
     work = reduce_scatter_tensor(output, flat.view(-1), ReduceOp.SUM, group=group, async_op=True)
-    return ReduceScatter(work, flat, output, params)
+    return ReduceScatter(work, flat, output, params, pre_divided=pre_divide)
 
 
-def finish_reduce_scatter(reduction: ReduceScatter, replicate_group: ProcessGroup | None,
-                          divide_factor: float) -> None:
-    """Wait for `reduction`, sum it over `replicate_group` (HSDP), divide by `divide_factor` and add each
-    parameter's piece into its sharded gradient."""
-    if reduction.work is not None:
-        reduction.work.wait()
-    output = reduction.output
-    if replicate_group is not None and replicate_group.size() > 1 and not reduction.reduced:
-        all_reduce(output, ReduceOp.SUM, group=replicate_group)
+def add_reduced(params: list[FSDPParam], output: Tensor) -> None:
+    """Add each parameter's piece of `output` (a finished reduction) into its sharded gradient."""
     with torch.no_grad():
-        if divide_factor != 1 and not reduction.reduced:
-            output.div_(divide_factor)
-        pieces = output.split([param.padded_numel for param in reduction.params])
-        for param, piece in zip(reduction.params, pieces, strict=True):
+        for param, piece in zip(params, output.split([param.padded_numel for param in params]), strict=True):
             param.accumulate_sharded_grad(piece)

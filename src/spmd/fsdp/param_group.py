@@ -14,25 +14,34 @@ to pass through its modules: each training forward hooks its inputs, and post-ba
 forward's input gradients are computed. A forward whose inputs need no gradient (the first layer), or one run
 with grad disabled (reentrant activation checkpointing), gives no such signal: the group then waits for the end
 of backward, as torch's FSDP2 does for every group.
+The same signal lets a group with unused parameters reduced (set_reduce_scatter_unused_params) run post-backward
+where no gradient arrives on this rank but does on others, at the same point of backward on every rank, so the
+collectives stay in one order. (Autograd runs a ready AccumulateGrad before other ready nodes, so the gradients
+that do come have accumulated by the time backward has passed the inputs.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from spmd._autograd import HookHandles, after_backward_through, on_grad_accumulated
+from spmd.comm.collectives import all_reduce
 from spmd.comm.group import ProcessGroup
+from spmd.comm.reduce_op import ReduceOp
 from spmd.device_mesh import DeviceMesh
 from spmd.fsdp.collectives import (
     AllGather,
     CustomReduce,
     ReduceScatter,
+    add_reduced,
     finish_all_gather,
-    finish_reduce_scatter,
+    predivide_factor,
     start_all_gather,
     start_byte_all_gather,
     start_reduce_scatter,
@@ -88,9 +97,13 @@ class PendingReductions:
         self.in_flight.append((group, reduction))
 
     def finish_all(self) -> None:
-        while self.in_flight:
+        self.finish_beyond(0)
+
+    def finish_beyond(self, limit: int) -> None:
+        """Finish the oldest reductions until at most `limit` stay in flight."""
+        while len(self.in_flight) > limit:
             group, reduction = self.in_flight.pop(0)
-            finish_reduce_scatter(reduction, group.replicate_group, group.divide_factor)
+            group.finish_reduction(reduction)
 
 
 class FSDPParamGroup:
@@ -121,13 +134,23 @@ class FSDPParamGroup:
         self.divide_factor: float = float(mesh.mesh.numel())   # average over every data-parallel rank
         self.reductions = PendingReductions()                  # replaced by the root's at lazy init
         self.custom_reduce: CustomReduce | None = None         # FSDP1's comm hook, in place of the collectives
+        # the reduction options of torch's FSDPModule setters (see finish_reduction)
+        self.requires_all_reduce = True                        # HSDP: False sums replicas' work only later
+        self.all_reduce_hook: Callable[[Tensor], None] | None = None
+        self.all_reduce_hook_stream: torch.Stream | None = None
+        self.force_sum_reduction = False
+        self.reduce_unused = False                             # reduce-scatter zeros when no gradient arrived
+        self.reductions_in_flight = 1                          # reduce-scatters left in flight (input buffers)
+        self._partial: Tensor | None = None                   # HSDP: reduce-scattered sums not yet all-reduced
         self._unsharded: Tensor | None = None                  # parameter-major buffer (see Note: the flat layouts)
         self._gather: AllGather | None = None
         self._post_forward_pieces: Tensor | None = None
         self._awaiting_grads: set[int] = set()
-        # with frozen parameters (see Note: when a group's backward is over): forwards whose module inputs'
-        # gradients are still to come, and whether a forward left no way to tell (then: the end of backward)
+        # with frozen parameters or unused ones reduced (see Note: when a group's backward is over): forwards
+        # whose module inputs were hooked, those whose inputs' gradients are still to come, and whether a
+        # forward left no way to tell (then: the end of backward)
         self.has_frozen = len(self.grad_params) < len(params)
+        self._inputs_seen = 0
         self._inputs_pending = 0
         self._inputs_untracked = False
         self._grad_hooks: HookHandles | None = None
@@ -140,6 +163,8 @@ class FSDPParamGroup:
                  for t in (reduction.input, reduction.output)]
         if self._post_forward_pieces is not None:
             comm.append(self._post_forward_pieces)
+        if self._partial is not None:
+            comm.append(self._partial)
         unsharded = [] if self._unsharded is None else [self._unsharded]
         unsharded += [t for t in self._separate if t.untyped_storage().nbytes()]
         unsharded += [t for extension in self._extensions for t in extension.held()]
@@ -304,11 +329,12 @@ class FSDPParamGroup:
     def expect_input_grads(self, inputs: list[Tensor]) -> None:
         """A training forward of the group's modules took `inputs`: with frozen parameters, post-backward also
         waits for backward to pass through it (see Note: when a group's backward is over)."""
-        if not self.has_frozen:
+        if not (self.has_frozen or self.reduce_unused):
             return
         if not torch.is_grad_enabled() or after_backward_through(inputs, self._on_input_grads) is None:
             self._inputs_untracked = True
             return
+        self._inputs_seen += 1
         self._inputs_pending += 1
 
     def _on_input_grads(self) -> None:
@@ -323,11 +349,16 @@ class FSDPParamGroup:
         self._post_backward_if_over()
 
     def _post_backward_if_over(self) -> None:
-        if self.backward_state is not BackwardState.COMPUTING or self._awaiting_grads:
+        if self.backward_state is not BackwardState.COMPUTING:
             return
-        if self.has_frozen and (self._inputs_pending > 0 or self._inputs_untracked):
-            return                           # frozen parameters may still be read by backward
-        self.post_backward()
+        grads_done = not self._awaiting_grads
+        passed = self._inputs_seen > 0 and self._inputs_pending == 0 and not self._inputs_untracked
+        if self.has_frozen:                  # frozen parameters may be read until backward has passed
+            over = passed and (grads_done or self.reduce_unused)
+        else:                                # unused parameters reduced: gradients that never come are zeros
+            over = grads_done or (self.reduce_unused and passed)
+        if over:
+            self.post_backward()
 
     def post_backward(self, reduce: bool | None = None) -> None:
         """Every gradient of the group is accumulated: reduce-scatter them (one collective, finished later) if
@@ -336,13 +367,51 @@ class FSDPParamGroup:
             reduce = self.requires_gradient_sync
         if self.reshard_after_backward:
             self.reshard()                   # first: the reduction needs the gradients, not the parameters
-        if reduce and any(param.unsharded_grad() is not None for param in self.grad_params):
-            self.reductions.finish_all()     # bounds memory: at most one group's reduction stays in flight
+        if reduce and self.grad_params and (self.reduce_unused or
+                                            any(param.unsharded_grad() is not None for param in self.grad_params)):
+            # bounds memory: by default at most one group's reduction stays in flight
+            self.reductions.finish_beyond(self.reductions_in_flight - 1)
             reduction = start_reduce_scatter(self.grad_params, self.reduce_dtype, self.device, self.shard_group,
-                                             self.custom_reduce)
+                                             self.custom_reduce, predivide_factor(self.reduce_dtype,
+                                                                                  self.divide_factor))
             self.reductions.push(self, reduction)
         self._late_grads = False
         self.backward_state = BackwardState.REDUCED
+
+    def finish_reduction(self, reduction: ReduceScatter) -> None:
+        """Wait for `reduction`; on an HSDP mesh sum it over the replicas (or, with all-reduce off, keep adding it
+        up for a later one); run the all-reduce hook; divide; add the pieces into the sharded gradients.
+
+        The hook sees what torch's FSDP2 shows it: in float32 and bfloat16, unless sums are forced, torch's
+        collectives average, so the output is divided before the hook; otherwise after it."""
+        if reduction.work is not None:
+            reduction.work.wait()
+        output = reduction.output
+        if reduction.reduced:
+            add_reduced(reduction.params, output)
+            return
+        hybrid = self.replicate_group is not None and self.replicate_group.size() > 1
+        with torch.no_grad():
+            if hybrid and not self.requires_all_reduce:
+                self._partial = output if self._partial is None else self._partial.add_(output)
+                return
+            if self._partial is not None:
+                output.add_(self._partial)
+                self._partial = None
+            remaining = self.divide_factor / reduction.pre_divided
+            hook = self.all_reduce_hook
+            if hook is not None and not self.force_sum_reduction and output.dtype in (torch.float32, torch.bfloat16):
+                output.div_(remaining)
+                remaining = 1.0
+            if hybrid:
+                assert self.replicate_group is not None
+                all_reduce(output, ReduceOp.SUM, group=self.replicate_group)
+            if hook is not None:
+                with self.all_reduce_hook_stream or contextlib.nullcontext():
+                    hook(output)
+            if remaining != 1:
+                output.div_(remaining)
+        add_reduced(reduction.params, output)
 
     def reduce_accumulated(self) -> None:
         """Post-backward now, reducing even with gradient sync off: for gradients accumulated where no hook of
@@ -360,6 +429,7 @@ class FSDPParamGroup:
         if self.reshard_after_backward:
             self.reshard()
         self.backward_state = BackwardState.IDLE
+        self._inputs_seen = 0
         self._inputs_pending = 0
         self._inputs_untracked = False
 
