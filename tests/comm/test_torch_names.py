@@ -135,7 +135,8 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "elastic.utils", "elastic.utils.data", "elastic.utils.data.elastic_distributed_sampler",
                  "elastic.utils.data.cycling_iterator",
                  "nn.functional", "elastic.multiprocessing.errors", "launcher",
-                 "launcher.api", "_tensor", "_composable.fsdp", "distributed_c10d", "_functional_collectives"]
+                 "launcher.api", "_tensor", "_composable.fsdp", "distributed_c10d", "_functional_collectives",
+                 "fsdp._fully_shard", "fsdp._fully_shard._fsdp_api"]
 
 
 def _api_names(module: object) -> list[str]:

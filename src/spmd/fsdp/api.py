@@ -15,8 +15,11 @@ from typing import Any, overload
 import torch
 from torch import nn
 
-from spmd.comm.world import current_world, is_initialized
+from spmd.comm.group import ProcessGroup
+from spmd.comm.world import current_world, is_initialized, new_group
 from spmd.device_mesh import DeviceMesh, init_device_mesh
+from spmd.fsdp.comm import AllGather as AllGatherComm
+from spmd.fsdp.comm import ReduceScatter as ReduceScatterComm
 from spmd.fsdp.extension import has_extension
 from spmd.fsdp.param import FSDPParam, ShardMesh, Slot
 from spmd.fsdp.param_group import FSDPParamGroup, GroupState, PostForwardMesh
@@ -232,6 +235,61 @@ class FSDPModule:
         for state in self._fsdp_states(recurse):
             if state.group is not None:
                 state.group.reductions_in_flight = max_input_buffers
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """With False, backward does not gather this module's parameters again: for parameters backward never
+        reads, such as an embedding table's (its gradient needs only the indices). Their gradients are still
+        reduced."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.unshard_in_backward = unshard_in_backward
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The next forward of this root makes its all-gathers wait for `event` (recorded after the optimizer step)
+        instead of for all work queued before it; used once, then dropped."""
+        self._fsdp_state().post_optim_event = event
+
+    def reset_iter_state(self) -> None:
+        """After an exception cut a forward or backward short: wait for the collectives in flight, reshard every
+        module, and forget the failed iteration (its reductions in flight, unreduced gradients, HSDP sums not yet
+        all-reduced), so the next iteration runs as normal. Reductions that finished stay in the sharded `.grad`s:
+        zero them before the next step. Call it on the root module, on every rank."""
+        state = self._fsdp_state()
+        if state.root not in (None, state):
+            raise RuntimeError(f"reset_iter_state: {state.name} is not the root; call it on the root module "
+                               f"{state.root.name if state.root is not None else ''}")
+        state.reset_iteration()
+
+    def set_custom_all_gather(self, comm: AllGatherComm) -> None:
+        """Gather this module's parameters through `comm` (spmd.fsdp.comm.AllGather, torch's Comm protocol): its
+        `allocate` makes the output buffer and its call issues the collective."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatterComm) -> None:
+        """Reduce-scatter this module's gradients through `comm` (spmd.fsdp.comm.ReduceScatter), which spmd calls
+        with ReduceOp.SUM (it divides afterwards)."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.reduce_scatter_comm = comm
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Run gradient reduce-scatters on a process group of their own over the shard ranks (one per set of
+        ranks), so they proceed beside backward's all-gathers instead of queuing behind them on one group; False
+        goes back to the shard group. Collective over each shard group's ranks, in the same order."""
+        made: dict[tuple[int, ...], ProcessGroup] = {}
+        for state in self._fsdp_states(recurse):
+            group = state.group
+            if group is None:
+                continue
+            if not enable:
+                group.reduce_scatter_group = group.shard_group
+                continue
+            ranks = tuple(group.shard_group.ranks)
+            if ranks not in made:
+                made[ranks] = new_group(list(ranks), use_local_synchronization=True)
+            group.reduce_scatter_group = made[ranks]
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """In this module's forward, start the all-gathers of `modules` (replacing the implicit next-module one)."""

@@ -26,10 +26,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from spmd.comm.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import Work
+from spmd.fsdp.comm import AllGather as AllGatherComm
+from spmd.fsdp.comm import ReduceScatter as ReduceScatterComm
 from spmd.fsdp.param import FSDPParam
 
 
@@ -46,21 +47,22 @@ class AllGather:
 
 
 def start_all_gather(params: list[FSDPParam], dtype: torch.dtype, device: torch.device, group: ProcessGroup,
-                     pieces: Tensor | None = None, piece_numels: list[int] | None = None) -> AllGather:
-    """Issue the all-gather of `params`: from their sharded parameters (copied, cast to `dtype`, straight into
-    this rank's block of the output: an in-place all-gather needs no input buffer), or from `pieces`, an
-    all-gather input already laid out (the shards kept after forward for a smaller group)."""
+                     comm: AllGatherComm, pieces: Tensor | None = None,
+                     piece_numels: list[int] | None = None) -> AllGather:
+    """Issue, through `comm`, the all-gather of `params`: from their sharded parameters (copied, cast to `dtype`,
+    straight into this rank's block of the output: an in-place all-gather needs no input buffer), or from
+    `pieces`, an all-gather input already laid out (the shards kept after forward for a smaller group)."""
     if pieces is None:
         piece_numels = [param.padded_numel for param in params]
         total = sum(piece_numels)
-        output = torch.empty(total * group.size(), dtype=dtype, device=device)
+        output = comm.allocate((total * group.size(),), dtype=dtype, device=device)
         pieces = output.narrow(0, total * group.rank(), total)     # in place: this rank's block of the output
         for param, piece in zip(params, pieces.split(piece_numels), strict=True):
             param.copy_shard_into(piece)
     else:
-        output = pieces.new_empty(pieces.numel() * group.size())
+        output = comm.allocate((pieces.numel() * group.size(),), dtype=pieces.dtype, device=pieces.device)
     assert piece_numels is not None
-    work = all_gather_into_tensor(output, pieces, group=group, async_op=True)
+    work = comm(output_tensor=output, input_tensor=pieces, group=group, async_op=True)
     return AllGather(work, pieces, output, group.size(), piece_numels)
 
 
@@ -68,7 +70,7 @@ _BLOCK_ALIGNMENT = 16   # bytes: every rank's block starts aligned, so the plain
 
 
 def start_byte_all_gather(params: list[FSDPParam], dtype: torch.dtype, others: list[Tensor],
-                          device: torch.device, group: ProcessGroup) -> AllGather:
+                          device: torch.device, group: ProcessGroup, comm: AllGatherComm) -> AllGather:
     """Issue one all-gather of `params`' pieces (cast to `dtype`) and `others` (flat tensors of any dtypes: other
     dtypes' pieces, extension inputs) as bytes: this rank's block is the pieces, then each of the others, then
     padding to the alignment (see Note: the flat layouts). Split sizes are in bytes, one per piece and per other
@@ -78,7 +80,7 @@ def start_byte_all_gather(params: list[FSDPParam], dtype: torch.dtype, others: l
     sizes += [t.numel() * t.element_size() for t in others]
     sizes.append(-sum(sizes) % _BLOCK_ALIGNMENT)
     total = sum(sizes)
-    output = torch.empty(total * group.size(), dtype=torch.uint8, device=device)
+    output = comm.allocate((total * group.size(),), dtype=torch.uint8, device=device)
     block = output.narrow(0, total * group.rank(), total)
     plain_bytes = sum(sizes[: len(params)])
     pieces = block[:plain_bytes].view(dtype).split(piece_numels)
@@ -87,7 +89,7 @@ def start_byte_all_gather(params: list[FSDPParam], dtype: torch.dtype, others: l
     items = block.split(sizes)[len(params):]
     for item, tensor in zip(items, others, strict=False):
         item.copy_(tensor.view(torch.uint8))
-    work = all_gather_into_tensor(output, block, group=group, async_op=True)
+    work = comm(output_tensor=output, input_tensor=block, group=group, async_op=True)
     return AllGather(work, block, output, group.size(), sizes)
 
 
@@ -136,11 +138,12 @@ def predivide_factor(dtype: torch.dtype, divide_factor: float) -> float:
 
 
 def start_reduce_scatter(params: list[FSDPParam], dtype: torch.dtype, device: torch.device,
-                         group: ProcessGroup, custom: CustomReduce | None = None,
+                         group: ProcessGroup, comm: ReduceScatterComm, custom: CustomReduce | None = None,
                          pre_divide: float = 1.0) -> ReduceScatter:
     """Move the unsharded gradients of `params` into one rank-major buffer (cast to `dtype`, padding zeroed; each
     gradient is dropped once copied, so the two never both hold the whole group), divide it by `pre_divide`, and
-    issue its SUM reduce-scatter over `group`, or run `custom` on it (which finishes the reduction itself)."""
+    issue its SUM reduce-scatter over `group` through `comm`, or run `custom` on it (which finishes the
+    reduction itself)."""
     piece_numels = [param.padded_numel for param in params]
     flat = torch.empty(group.size(), sum(piece_numels), dtype=dtype, device=device)
     with torch.no_grad():
@@ -148,13 +151,14 @@ def start_reduce_scatter(params: list[FSDPParam], dtype: torch.dtype, device: to
             param.copy_grad_into(rows)
             if param.unsharded_param is not None:
                 param.unsharded_param.grad = None
-    output = flat.new_empty(sum(piece_numels))
     if custom is not None:
+        output = flat.new_empty(sum(piece_numels))
         custom(flat.view(-1), output)
         return ReduceScatter(None, flat, output, params, reduced=True)
+    output = comm.allocate((sum(piece_numels),), dtype=dtype, device=device)
     if pre_divide != 1:
         flat.div_(pre_divide)
-    work = reduce_scatter_tensor(output, flat.view(-1), ReduceOp.SUM, group=group, async_op=True)
+    work = comm(output_tensor=output, input_tensor=flat.view(-1), group=group, op=ReduceOp.SUM, async_op=True)
     return ReduceScatter(work, flat, output, params, pre_divided=pre_divide)
 
 

@@ -46,6 +46,9 @@ from spmd.fsdp.collectives import (
     start_byte_all_gather,
     start_reduce_scatter,
 )
+from spmd.fsdp.comm import AllGather as AllGatherComm
+from spmd.fsdp.comm import DefaultAllGather, DefaultReduceScatter
+from spmd.fsdp.comm import ReduceScatter as ReduceScatterComm
 from spmd.fsdp.extension import GatherExtension
 from spmd.fsdp.param import FSDPParam, ShardMesh
 from spmd.fsdp.policy import MixedPrecisionPolicy
@@ -134,6 +137,10 @@ class FSDPParamGroup:
         self.divide_factor: float = float(mesh.mesh.numel())   # average over every data-parallel rank
         self.reductions = PendingReductions()                  # replaced by the root's at lazy init
         self.custom_reduce: CustomReduce | None = None         # FSDP1's comm hook, in place of the collectives
+        self.all_gather_comm: AllGatherComm = DefaultAllGather()
+        self.reduce_scatter_comm: ReduceScatterComm = DefaultReduceScatter()
+        self.reduce_scatter_group: ProcessGroup = self.shard_group   # or a group of its own, to overlap
+        self.unshard_in_backward = True
         # the reduction options of torch's FSDPModule setters (see finish_reduction)
         self.requires_all_reduce = True                        # HSDP: False sums replicas' work only later
         self.all_reduce_hook: Callable[[Tensor], None] | None = None
@@ -182,14 +189,15 @@ class FSDPParamGroup:
                 inputs = [param.padded_piece(self.device) for param in layout.separate]
                 inputs += [t for param in layout.extended for t in param.extension_inputs(self.device)]
                 self._gather = start_byte_all_gather(layout.buffered, self.gather_dtype, inputs, self.device,
-                                                     self.shard_group)
+                                                     self.shard_group, self.all_gather_comm)
             else:
-                self._gather = start_all_gather(layout.buffered, self.gather_dtype, self.device, self.shard_group)
+                self._gather = start_all_gather(layout.buffered, self.gather_dtype, self.device, self.shard_group,
+                                                self.all_gather_comm)
         elif self.state is GroupState.SHARDED_POST_FORWARD:
             assert self._post_forward_pieces is not None and self.post_forward_mesh is not None
             size = self.shard_mesh.group_size // self.post_forward_mesh.size
             self._gather = start_all_gather(self.params, self.gather_dtype, self.device, self.post_forward_mesh.group,
-                                            pieces=self._post_forward_pieces,
+                                            self.all_gather_comm, pieces=self._post_forward_pieces,
                                             piece_numels=[param.padded_numel * size for param in self.params])
             self._post_forward_pieces = None
         else:
@@ -320,11 +328,13 @@ class FSDPParamGroup:
     # -- backward -------------------------------------------------------------------------------------------
 
     def pre_backward(self) -> None:
-        """A backward reached the group's outputs: gather the parameters (unless held) and expect gradients."""
+        """A backward reached the group's outputs: gather the parameters (unless held, or not needed in backward:
+        set_unshard_in_backward) and expect gradients."""
         if self.backward_state is BackwardState.IDLE:
             self._awaiting_grads = set(range(len(self.grad_params)))
             self.backward_state = BackwardState.COMPUTING
-        self.wait_for_unshard()
+        if self.unshard_in_backward:
+            self.wait_for_unshard()
 
     def expect_input_grads(self, inputs: list[Tensor]) -> None:
         """A training forward of the group's modules took `inputs`: with frozen parameters, post-backward also
@@ -371,9 +381,9 @@ class FSDPParamGroup:
                                             any(param.unsharded_grad() is not None for param in self.grad_params)):
             # bounds memory: by default at most one group's reduction stays in flight
             self.reductions.finish_beyond(self.reductions_in_flight - 1)
-            reduction = start_reduce_scatter(self.grad_params, self.reduce_dtype, self.device, self.shard_group,
-                                             self.custom_reduce, predivide_factor(self.reduce_dtype,
-                                                                                  self.divide_factor))
+            reduction = start_reduce_scatter(self.grad_params, self.reduce_dtype, self.device,
+                                             self.reduce_scatter_group, self.reduce_scatter_comm, self.custom_reduce,
+                                             predivide_factor(self.reduce_dtype, self.divide_factor))
             self.reductions.push(self, reduction)
         self._late_grads = False
         self.backward_state = BackwardState.REDUCED
@@ -428,6 +438,28 @@ class FSDPParamGroup:
             self.post_backward()
         if self.reshard_after_backward:
             self.reshard()
+        self.backward_state = BackwardState.IDLE
+        self._inputs_seen = 0
+        self._inputs_pending = 0
+        self._inputs_untracked = False
+
+    def abandon_iteration(self) -> None:
+        """After an exception cut a forward or backward short: wait for this group's collectives in flight, hold
+        the shards again, and forget the iteration (unreduced gradients, HSDP sums not all-reduced, backward
+        progress). Reductions already added into the sharded gradients stay there."""
+        if self._gather is not None and self._gather.work is not None:
+            self._gather.work.wait()
+        self._gather = None
+        if self.state is GroupState.GATHERING:
+            self.state = GroupState.SHARDED
+            self._free_unsharded()
+        self.reshard()
+        for param in self.grad_params:
+            if param.unsharded_param is not None:
+                param.unsharded_param.grad = None
+        self._partial = None
+        self._awaiting_grads = set()
+        self._late_grads = False
         self.backward_state = BackwardState.IDLE
         self._inputs_seen = 0
         self._inputs_pending = 0

@@ -74,6 +74,7 @@ class FSDPState:
         self.backward_pass = BackwardPass.IDLE
         self.is_last_backward = True
         self.reductions = PendingReductions()
+        self.post_optim_event: Any = None            # set_post_optim_event: waited on by the next root forward
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -120,6 +121,9 @@ class FSDPState:
         root = self.root
         assert root is not None
         if self.is_root:
+            if self.post_optim_event is not None:
+                self.post_optim_event.wait()          # the stream the all-gathers run on waits for the step
+                self.post_optim_event = None
             for state in root.tree:
                 if state.group is not None:
                     state.group.drop_post_forward_copy()
@@ -178,10 +182,25 @@ class FSDPState:
 
     def _backward_prefetch_targets(self) -> list[FSDPState]:
         if self.backward_prefetch is not None:
-            return self.backward_prefetch
-        order = self.root.post_forward_order if self.root is not None else []
-        index = order.index(self) if self in order else -1
-        return order[index - 1: index] if index >= 1 else []
+            targets = self.backward_prefetch
+        else:
+            order = self.root.post_forward_order if self.root is not None else []
+            index = order.index(self) if self in order else -1
+            targets = order[index - 1: index] if index >= 1 else []
+        return [state for state in targets if state.group is None or state.group.unshard_in_backward]
+
+    def reset_iteration(self) -> None:
+        """Root only: after an exception cut a forward or backward short, wait for what is in flight, reshard every
+        group and forget the iteration, so the next one runs as normal (see FSDPModule.reset_iter_state)."""
+        while self.reductions.in_flight:
+            _, reduction = self.reductions.in_flight.pop(0)
+            if reduction.work is not None:
+                reduction.work.wait()
+        for state in self.tree or [self]:
+            state._finished_forward.clear()
+            if state.group is not None:
+                state.group.abandon_iteration()
+        self.backward_pass = BackwardPass.IDLE
 
     def _finish_backward(self) -> None:
         """Root only, once at the end of each backward (see Note: one training step under FSDP, step 6)."""
