@@ -29,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "optim": {"_core", "comm", "rpc"},
     "nn": {"_core", "comm", "rpc"},
     "checkpoint": {"_core", "comm", "device_mesh", "tensor"},
+    "accumulation": {"_core", "_autograd", "comm", "device_mesh", "tensor", "ddp", "fsdp"},
     "run": {"_core", "comm"},
     "testing": {"_core", "_autograd", "comm", "device_mesh", "tensor", "tensor.parallel", "ddp", "fsdp",
                 "pipelining", "amp", "optim", "checkpoint", "run", "rpc"},

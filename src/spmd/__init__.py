@@ -42,6 +42,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "spmd.device_mesh": ("DeviceMesh", "init_device_mesh"),
     "spmd.ddp": ("DistributedDataParallel", "GradBucket"),
+    "spmd.accumulation": ("accumulate",),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
