@@ -11,6 +11,7 @@ from __future__ import annotations
 import secrets
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,10 +35,14 @@ class Connector:
 
     `peers` is the transport's table of registered peers (read here, filled by `register`), `closing` says
     under the lock whether the transport is closing, and `register(peer, sock)` takes an authenticated socket.
+    With `local_sockets`, a group on one Linux host connects over Unix sockets (in the abstract namespace: no
+    file left behind) instead of TCP over loopback, which moves bytes about twice as fast; the same handshake
+    authenticates them.
     """
 
     def __init__(self, spec: TransportSpec, desc: str, cond: threading.Condition, peers: Sequence[object | None],
-                 closing: Callable[[], bool], register: Callable[[int, socket.socket], None]) -> None:
+                 closing: Callable[[], bool], register: Callable[[int, socket.socket], None],
+                 local_sockets: bool = False) -> None:
         self.spec = spec
         self.group_rank = spec.group_rank
         self.group_size = spec.group_size
@@ -46,6 +51,7 @@ class Connector:
         self._peers = peers
         self._closing = closing
         self._register_peer = register
+        self._local_sockets = local_sockets and sys.platform.startswith("linux")
         self._listener: socket.socket | None = None
         self._setup_threads: list[threading.Thread] = []
         self._handshaking: set[socket.socket] = set()
@@ -55,20 +61,12 @@ class Connector:
         r = self.group_rank
         me = self.spec.where(r)
         one_host = len(set(self.spec.hosts)) == 1
-        if one_host:
-            bind_host, choice = "127.0.0.1", address.AddressChoice("127.0.0.1", "one host")
+        if one_host and self._local_sockets:
+            published, choice = self._listen_locally(me)
         else:
-            try:
-                bind_host, choice = "0.0.0.0", address.choose_address(self.spec.store.server_host())
-            except ValueError as error:
-                raise CommError(f"tcp transport of {self._desc}, {me}: {error}") from None
-        try:
-            self._listener = socket.create_server((bind_host, 0), backlog=max(16, 2 * self.group_size))
-        except OSError as error:
-            raise CommError(f"tcp transport of {self._desc}, {me}: can't listen on {bind_host} ({error})") from None
-        port = self._listener.getsockname()[1]
+            published, choice = self._listen(one_host, me)
         self.spec.store.set(f"tcp/source/{r}", choice.source)
-        self.spec.store.set(f"tcp/addr/{r}", f"{choice.address}:{port}")
+        self.spec.store.set(f"tcp/addr/{r}", published)
         if r < self.group_size - 1:
             self._start_thread(self._accept_loop, f"spmd-tcp-accept-{self.spec.group_name}-r{r}", deadline)
         for peer in range(r):
@@ -80,9 +78,38 @@ class Connector:
                     raise CommTimeoutError(
                         f"tcp transport of {self._desc}, {me}: {', '.join(missing)} did not connect within "
                         f"{deadline.timeout:.1f}s (they never created this group, or can't reach "
-                        f"{choice.address}:{port}, chosen from {choice.source})")
+                        f"{published}, chosen from {choice.source})")
                 self._cond.wait(deadline.remaining())
         self._close_listener()
+
+    def _listen(self, one_host: bool, me: str) -> tuple[str, address.AddressChoice]:
+        """Listen on TCP; the host:port to publish, and why that address."""
+        if one_host:
+            bind_host, choice = "127.0.0.1", address.AddressChoice("127.0.0.1", "one host")
+        else:
+            try:
+                bind_host, choice = "0.0.0.0", address.choose_address(self.spec.store.server_host())
+            except ValueError as error:
+                raise CommError(f"tcp transport of {self._desc}, {me}: {error}") from None
+        try:
+            self._listener = socket.create_server((bind_host, 0), backlog=max(16, 2 * self.group_size))
+        except OSError as error:
+            raise CommError(f"tcp transport of {self._desc}, {me}: can't listen on {bind_host} ({error})") from None
+        return f"{choice.address}:{self._listener.getsockname()[1]}", choice
+
+    def _listen_locally(self, me: str) -> tuple[str, address.AddressChoice]:
+        """Listen on a Unix socket of a random abstract name; the name to publish."""
+        name = f"spmd-{self.spec.group_name}-{self.group_rank}-{secrets.token_hex(8)}"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind("\0" + name)
+            listener.listen(max(16, 2 * self.group_size))
+        except OSError as error:
+            listener.close()
+            raise CommError(f"tcp transport of {self._desc}, {me}: can't listen on a Unix socket ({error})") \
+                from None
+        self._listener = listener
+        return _UNIX + name, address.AddressChoice(_UNIX + name, "one host, Unix sockets")
 
     def _connect_to(self, peer: int, deadline: Deadline) -> None:
         me, them = self.spec.where(self.group_rank), self.spec.where(peer)
@@ -93,22 +120,21 @@ class Connector:
             raise CommTimeoutError(
                 f"tcp transport of {self._desc}, {me}: {them} did not publish its address within "
                 f"{deadline.timeout:.1f}s (it never created this group)") from None
-        host, port = self.spec.store.get(key).decode().rsplit(":", 1)
+        target = self.spec.store.get(key).decode()
         hello = wire.hello_frame(self.group_rank, self.spec.group_name, secrets.token_bytes(wire.NONCE_BYTES))
         reach_s = env.connect_retry_seconds(REACH_S)
         reach_by = time.monotonic() + reach_s
         while True:
             try:
-                sock = socket.create_connection((host, int(port)),
-                                                timeout=max(0.01, min(CONNECT_ATTEMPT_S, deadline.remaining())))
+                sock = _dial(target, max(0.01, min(CONNECT_ATTEMPT_S, deadline.remaining())))
                 break
             except OSError as error:
                 if deadline.expired():
                     raise CommTimeoutError(
-                        f"tcp transport of {self._desc}, {me}: can't connect to {them} at {host}:{port} within "
+                        f"tcp transport of {self._desc}, {me}: can't connect to {them} at {target} within "
                         f"{deadline.timeout:.1f}s ({error})") from None
                 if time.monotonic() >= reach_by:
-                    raise PeerUnreachableError(self._unreachable(peer, f"{host}:{port}", error, reach_s)) from None
+                    raise PeerUnreachableError(self._unreachable(peer, target, error, reach_s)) from None
                 time.sleep(0.05)
         try:
             sock.settimeout(max(0.01, min(deadline.remaining(), HANDSHAKE_S)))
@@ -117,12 +143,12 @@ class Connector:
             their_nonce = wire.check_challenge(challenge, self.spec.token, hello)
             if their_nonce is None:
                 sock.close()
-                raise CommError(f"tcp transport of {self._desc}, {me}: the process at {host}:{port} is not "
+                raise CommError(f"tcp transport of {self._desc}, {me}: the process at {target} is not "
                                 f"{them} of this group (it could not prove it holds the group's token)")
             sock.sendall(wire.proof_frame(self.spec.token, hello, their_nonce))
         except (OSError, wire.PeerClosed) as error:
             sock.close()
-            raise PeerLostError(f"tcp transport of {self._desc}, {me}: handshake with {them} at {host}:{port} "
+            raise PeerLostError(f"tcp transport of {self._desc}, {me}: handshake with {them} at {target} "
                                 f"failed ({error})") from None
         self._register(peer, sock)
 
@@ -213,16 +239,37 @@ class Connector:
             thread.join(timeout=HANDSHAKE_S)
 
 
+_UNIX = "unix:"     # a published address naming an abstract Unix socket
+
+
+def _dial(target: str, timeout: float) -> socket.socket:
+    """A connection to a published address: host:port, or unix:name."""
+    if target.startswith(_UNIX):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect("\0" + target[len(_UNIX):])
+        except OSError:
+            sock.close()
+            raise
+        return sock
+    host, port = target.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
 def _tune(sock: socket.socket) -> None:
     """Latency and throughput settings for a peer connection, and the send timeout send_frame relies on."""
     sock.settimeout(None)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if SOCKET_BUFFER:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
     seconds = int(SEND_POLL_S)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                     struct.pack("ll", seconds, int((SEND_POLL_S - seconds) * 1e6)))
+    if sock.family == socket.AF_UNIX:
+        return               # a dead local peer's socket ends at once: no keepalive needed
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for option, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3)):
         if hasattr(socket, option):
