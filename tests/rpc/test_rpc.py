@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import socket
 import threading
 from typing import Any
 
@@ -69,9 +70,11 @@ def test_calls_reach_the_worker_named_and_return_its_result(backend: str) -> Non
                     rpc.rpc_sync(to, whoami) for to in ("w1", 2, w1, "w0")],
                 "async": rpc.rpc_async("w2", add, args=(3,), kwargs={"b": 4}).wait(),
                 "nested": rpc.rpc_sync("w1", relay, (10,)), "me": rpc.get_worker_info(), "w1": w1,
-                "large": rpc.rpc_sync("w2", add, (torch.arange(1 << 18, dtype=torch.float32), 1))}
+                "large": rpc.rpc_sync("w2", add, (torch.arange(1 << 18, dtype=torch.float32), 1)),
+                "sockets": {sock.family for sock in rpc_api._agent.get().channels.sockets if sock is not None}}
 
     got = _run(body, backend=backend)[0]
+    assert got["sockets"] == {socket.AF_UNIX}     # whatever the job's transport, on one host
     assert torch.equal(got["large"], torch.arange(1 << 18, dtype=torch.float32) + 1)      # out of band
     assert torch.equal(got["sync"], torch.full((2,), 3.0))
     assert got["who"] == ["w1", "w2", "w1", "w0"] and got["async"] == 7 and got["nested"] == 11

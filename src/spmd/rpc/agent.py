@@ -1,11 +1,10 @@
 """The RPC agent of one worker: messages to and from every other worker over a group of spmd's own transports,
 requests run on a pool of threads, calls completed through torch Futures.
 
-Layer: rpc (over comm). A message is a tuple, sent as point-to-point messages on the agent's group: its header
-(two int64: the body's length, -1 when the sender stops, and its tensor count), its body, then its tensors
-(wire.py). Only members of the job's group, which
-authenticated when it connected, can send one: the agent unpickles what they send, as the object collectives do
-(see README: Security).
+Layer: rpc (over comm). A message is a tuple, written on the socket to its peer (channel.py): its header (two
+int64: the body's length, -1 when the sender stops, and its tensor count), its body, then its tensors
+(wire.py). Only members of the job's group, which authenticated when they connected, can send one: the agent
+unpickles what they send, as the object collectives do (see README: Security).
 
 Note: the agent's threads
   - one receiver per peer, each waiting for that peer's next message (messages of one pair arrive in order);
@@ -16,15 +15,15 @@ Note: the agent's threads
   - the pool (`num_worker_threads`) running requests; a request may itself call other workers;
   - one timer failing calls that ran past their deadline.
 All of them run in the worker's context (contextvars), so on thread ranks each sees its own world and agent.
-A peer found dead (its receiver's transport fails) fails every call waiting on it, naming it.
+A peer found dead (its socket ends or fails) fails every call waiting on it, naming it.
 
 Note: graceful shutdown
   1. wait for this worker's own calls and queued messages;
   2. barrier through the store: every worker got there, so no call is in flight anywhere (a call served here
      that calls on is the caller's own call, finished before the caller reaches step 1), while the receivers
      and the pool keep serving until then;
-  3. send STOP to every peer, wait for every peer's STOP (all messages before it handled), stop the pool and
-     release the group.
+  3. send STOP to every peer, wait for every peer's STOP (all messages before it handled), stop the pool, close
+     the sockets and release the group.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ import enum
 import heapq
 import itertools
 import pickle
+import struct
 import threading
 import time
 import traceback
@@ -47,18 +47,16 @@ import torch
 
 from spmd._core.errors import SpmdError, StoreTimeoutError
 from spmd.comm.group import ProcessGroup
-from spmd.comm.p2p import irecv, isend
 from spmd.comm.store import Store
-from spmd.comm.work import Work
 from spmd.rpc import wire
+from spmd.rpc.channel import Channels
 from spmd.rpc.functions import is_async_execution
 
 _STOP = -1
 _SHUTDOWN_SLICE_S = 1.0     # a graceful shutdown looks again for peers found dead this often
-_HEADER_BYTES = 16          # a frame's two int64: the body's length (or _STOP), the count of tensors
+_HEADER = struct.Struct("<qq")   # a message's body length (or _STOP), the count of its tensors sent apart
 _Payload = tuple[bytes, list[torch.Tensor]]
 _STOP_MESSAGE: _Payload = (b"stop", [])     # queued (by identity) in place of a message: send the STOP header
-_FOREVER = 10 * 365 * 24 * 3600.0      # the group's timeout: a receiver waits for the next message indefinitely
 
 
 class PeerState(enum.Enum):
@@ -97,7 +95,8 @@ class RpcAgent:
     """One worker's agent; see the Notes above."""
 
     def __init__(self, name: str, rank: int, world_size: int, group: ProcessGroup, store: Store, prefix: str,
-                 num_worker_threads: int, rpc_timeout: float, release: Callable[[], None]) -> None:
+                 num_worker_threads: int, rpc_timeout: float, release: Callable[[], None],
+                 connect_timeout: float) -> None:
         self.rank = rank
         self.world_size = world_size
         self.group = group
@@ -127,6 +126,7 @@ class RpcAgent:
         self._timer_wake = threading.Condition(self._lock)
         self._running = self._sender_running = True
         self._pool = concurrent.futures.ThreadPoolExecutor(num_worker_threads, thread_name_prefix=f"spmd-rpc{rank}")
+        self.channels = Channels(group, connect_timeout)
         self._context = contextvars.copy_context()
         self._threads: list[threading.Thread] = []
 
@@ -238,54 +238,35 @@ class RpcAgent:
 
     def _transmit_locked(self, dst: int, payload: _Payload) -> None:
         try:
-            frame = torch.zeros(wire.FRAME_BYTES, dtype=torch.uint8)
-            header = frame[:_HEADER_BYTES].view(torch.int64)
             if payload is _STOP_MESSAGE:
-                header[0] = _STOP
-                self._send(frame, dst)
+                self.channels.send(dst, _HEADER.pack(_STOP, 0))
                 return
             body, tensors = payload
-            header[0], header[1] = len(body), len(tensors)
-            inline = len(body) <= wire.FRAME_BYTES - _HEADER_BYTES
-            if inline:
-                frame[_HEADER_BYTES:_HEADER_BYTES + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
-            self._send(frame, dst)
-            if not inline:
-                self._send(torch.frombuffer(bytearray(body), dtype=torch.uint8), dst)
-            for tensor in tensors:
-                if tensor.numel():
-                    self._send(wire.byte_view(tensor), dst)
+            self.channels.send(dst, _HEADER.pack(len(body), len(tensors)) + body,
+                               *(wire.byte_view(tensor) for tensor in tensors if tensor.numel()))
         except Exception as error:     # the peer is gone: its calls fail
             self._lose(dst, error)
 
-    def _send(self, tensor: torch.Tensor, dst: int) -> None:
-        _blocking_wait(isend(tensor, group=self.group, group_dst=dst))
-
     def _receive(self, peer: int) -> None:
-        frame = torch.empty(wire.FRAME_BYTES, dtype=torch.uint8)
-        header = frame[:_HEADER_BYTES].view(torch.int64)
+        header = bytearray(_HEADER.size)
         while True:
             try:
-                _blocking_wait(irecv(frame, group=self.group, group_src=peer))
-                size, count = int(header[0]), int(header[1])
+                self.channels.receive_into(peer, memoryview(header))
+                size, count = _HEADER.unpack(header)
                 if size == _STOP:
                     with self._lock:
                         self._peers[peer] = PeerState.STOPPED
                     return
-                if size <= wire.FRAME_BYTES - _HEADER_BYTES:
-                    body = frame[_HEADER_BYTES:_HEADER_BYTES + size].numpy().tobytes()
-                else:
-                    received = torch.empty(size, dtype=torch.uint8)
-                    irecv(received, group=self.group, group_src=peer).wait()
-                    body = received.numpy().tobytes()
+                body = bytearray(size)
+                self.channels.receive_into(peer, memoryview(body))
                 pickled, metas = wire.metas_of(body)
                 if count != sum(meta[3] is None for meta in metas):
                     raise RuntimeError(f"a message from worker {self.workers[peer].name} is malformed")
                 tensors = [wire.tensor_of(meta) for meta in metas]
                 for tensor, meta in zip(tensors, metas, strict=True):
-                    if meta[3] is None and tensor.numel():
-                        irecv(wire.byte_view(tensor), group=self.group, group_src=peer).wait()
-            except Exception as error:      # the peer (or this group) is gone
+                    if meta[3] is None:
+                        self.channels.receive_into(peer, wire.byte_view(tensor))
+            except Exception as error:      # the peer (or this worker's agent) is gone
                 self._lose(peer, error)
                 return
             if not self._dispatch(peer, pickled, metas, tensors):
@@ -440,8 +421,7 @@ class RpcAgent:
                         self._outbox.append((peer, _STOP_MESSAGE))
                 self._outbox_ready.notify()
         else:
-            self.group.abort(RuntimeError(f"RPC shut down on worker {self.me.name} "
-                                          f"({'graceful=False' if late is None else late})"))
+            self.channels.wake_receivers()    # each receiver finds its socket ended: calls still waiting fail
         for thread in self._threads[:len(self._peers)]:      # the receivers: each ends at its peer's STOP
             thread.join()
         self._pool.shutdown(wait=True)
@@ -455,16 +435,10 @@ class RpcAgent:
             thread.join()
         for call in failed:
             call.future.set_exception(RuntimeError(f"{call.what}: RPC was shut down on worker {self.me.name}"))
+        self.channels.close()
         self._release()
         if late is not None:
             raise late
-
-
-def _blocking_wait(work: Work) -> None:
-    """Wait for `work` asleep, leaving the data to the transport's own thread: Work.wait would have this thread
-    move it, holding the GIL the pool's threads need. For a receiver's wait for the next message, which takes
-    most of its life; the rest of a message, known to be on its way, is waited for with Work.wait."""
-    work.get_future().wait()
 
 
 def _forward(done: torch.futures.Future, future: torch.futures.Future) -> None:

@@ -70,14 +70,16 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1, worl
     options = rpc_backend_options or TensorPipeRpcBackendOptions()
     world: World | None = current_world() if is_initialized() else None
     if world is not None and rank in (-1, world.rank) and world_size in (None, world.world_size):
+        connect_timeout = world.timeout          # the job's: the workers connect as its groups do
         group = new_group(timeout=_agent_timeout())
         prefix = f"{world.prefix}/rpc/{group.name}"
 
         def release() -> None:
             group.close()
     else:
+        connect_timeout = options.rpc_timeout or 600.0     # as long as the rendezvous may take
         store, rank, size = rendezvous(options.init_method or "env://", rank, -1 if world_size is None else world_size,
-                                       options.rpc_timeout or 600.0)
+                                       connect_timeout)
         # the count of this rank's inits over the store names the same generation on every rank (as World's)
         generation = store.add(f"spmd-rpc/inits/rank{rank}", 1)
         world = World(rank, size, store, "auto", _agent_timeout(), owns_store=True, prefix=f"spmd-rpc/{generation}")
@@ -86,7 +88,7 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1, worl
         release = world.destroy
     try:
         agent = RpcAgent(name, world.rank, world.world_size, group, world.store, prefix, options.num_worker_threads,
-                         options.rpc_timeout, release)
+                         options.rpc_timeout, release, connect_timeout)
     except BaseException:
         release()
         raise

@@ -3,9 +3,8 @@ straight from its memory into the receiver's (the transport's copy), instead of 
 
 Layer: rpc. A message is (body, tensors): the body pickles (the message's pickle, each tensor's dtype, shape and
 requires_grad, and the bytes of those under INLINE_BYTES) and the larger tensors follow as byte views. The agent
-sends the body in a FRAME_BYTES frame after its header when it fits, so a small call is one message each way.
-Only members of the job's group send messages (see
-agent.py); unpickling is as safe as the peers are.
+writes a header (the body's length and the tensors' count), the body, then the tensors' bytes. Only members of
+the job's group can connect to send messages (see channel.py); unpickling is as safe as the peers are.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ import torch
 from torch import Tensor
 
 Meta = tuple[str, tuple[int, ...], bool, bytes | None]     # dtype, shape, requires_grad, inline bytes
-INLINE_BYTES = 16 << 10      # tensors up to this size travel in the body (one message beats a copy)
-FRAME_BYTES = 4096           # the first message of every transfer: a header of 2 int64, then the body if it fits
+INLINE_BYTES = 16 << 10      # tensors up to this size travel in the body (one write beats a copy)
 
 
 class _Pickler(pickle.Pickler):
@@ -49,7 +47,7 @@ def encode(message: Any) -> tuple[bytes, list[Tensor]]:
         data = tensor.detach().contiguous()
         inline = data.nbytes <= INLINE_BYTES
         metas.append((str(data.dtype).removeprefix("torch."), tuple(data.shape), tensor.requires_grad,
-                      byte_view(data).numpy().tobytes() if inline else None))
+                      bytes(byte_view(data)) if inline else None))
         if not inline:
             apart.append(data)
     body = pickle.dumps((buffer.getvalue(), metas), protocol=pickle.HIGHEST_PROTOCOL)
@@ -71,9 +69,11 @@ def tensor_of(meta: Meta) -> Tensor:
         if data else torch.empty(shape, dtype=getattr(torch, dtype))
 
 
-def byte_view(tensor: Tensor) -> Tensor:
-    """The bytes of a contiguous tensor, as a flat uint8 tensor over the same memory."""
-    return tensor.reshape(-1).view(torch.uint8)
+def byte_view(tensor: Tensor) -> memoryview:
+    """The bytes of a contiguous tensor, as a writable flat memoryview over the same memory."""
+    if tensor.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
 class _Unpickler(pickle.Unpickler):
