@@ -1,5 +1,6 @@
 """spmd.rpc in real processes, rendezvousing by themselves (no spmd world: init_rpc's own, over the file store):
-calls and an RRef work across processes, and a worker SIGKILLed while another waits on its call fails that call
+calls, a 12 MiB tensor (copied out of the sender's memory where the kernel lets the receiver read it) and an RRef
+work across processes, and a worker SIGKILLed while another waits on its call fails that call
 fast, naming the lost worker, the survivor's later calls to it fail the same way, and its graceful shutdown does
 not wait for the dead worker; a thread the user starts calls through its process's agent."""
 
@@ -34,6 +35,8 @@ def _worker(rank: int, world_size: int, results: Any, store: str) -> None:
         while True:
             time.sleep(60)
     report: dict[str, Any] = {"scaled": rpc.rpc_sync("w1", _scale, (torch.arange(3.0), 2.0)).tolist()}
+    large = torch.arange(3 << 20, dtype=torch.float32)       # 12 MiB: read from this process's memory, and back
+    report["large"] = torch.equal(rpc.rpc_sync("w1", _scale, (large, 2.0)), large * 2)
     report["rref"] = rpc.remote("w1", _scale, (torch.ones(2), 3.0)).to_here().tolist()
     started = time.monotonic()
     for attempt in ("dying", "after"):
@@ -56,6 +59,7 @@ def test_calls_across_processes_and_a_killed_worker_fails_its_calls_naming_it(tm
         _reap(processes)
     assert processes[1].exitcode == -signal.SIGKILL
     assert report["scaled"] == [0.0, 2.0, 4.0] and report["rref"] == [3.0, 3.0]
+    assert report["large"]
     for attempt in ("dying", "after"):
         assert "rpc_async(_die) on worker w1 (rank 1) failed" in report[attempt], report[attempt]
     assert report["seconds"] < 30 and report["shutdown_seconds"] < 30, report

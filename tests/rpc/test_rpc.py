@@ -71,10 +71,14 @@ def test_calls_reach_the_worker_named_and_return_its_result(backend: str) -> Non
                 "async": rpc.rpc_async("w2", add, args=(3,), kwargs={"b": 4}).wait(),
                 "nested": rpc.rpc_sync("w1", relay, (10,)), "me": rpc.get_worker_info(), "w1": w1,
                 "large": rpc.rpc_sync("w2", add, (torch.arange(1 << 18, dtype=torch.float32), 1)),
+                "by_reference": rpc.rpc_sync("w2", add, (torch.arange(1 << 20, dtype=torch.float32), 1)),
+                "reads_me": rpc_api._agent.get().channels.reads_me,
                 "sockets": {sock.family for sock in rpc_api._agent.get().channels.sockets if sock is not None}}
 
     got = _run(body, backend=backend)[0]
     assert got["sockets"] == {socket.AF_UNIX}     # whatever the job's transport, on one host
+    assert got["reads_me"] == {1, 2}                # thread ranks read each other's memory: 4 MiB by reference
+    assert torch.equal(got["by_reference"], torch.arange(1 << 20, dtype=torch.float32) + 1)
     assert torch.equal(got["large"], torch.arange(1 << 18, dtype=torch.float32) + 1)      # out of band
     assert torch.equal(got["sync"], torch.full((2,), 3.0))
     assert got["who"] == ["w1", "w2", "w1", "w0"] and got["async"] == 7 and got["nested"] == 11

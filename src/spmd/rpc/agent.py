@@ -49,14 +49,31 @@ from spmd._core.errors import SpmdError, StoreTimeoutError
 from spmd.comm.group import ProcessGroup
 from spmd.comm.store import Store
 from spmd.rpc import wire
-from spmd.rpc.channel import Channels
+from spmd.rpc.channel import ONE_COPY_BYTES, Channels
 from spmd.rpc.functions import is_async_execution
 
 _STOP = -1
 _SHUTDOWN_SLICE_S = 1.0     # a graceful shutdown looks again for peers found dead this often
-_HEADER = struct.Struct("<qq")   # a message's body length (or _STOP), the count of its tensors sent apart
+_HEADER = struct.Struct("<qqq")  # a message's body length (or _STOP, _ACK), its tensors sent apart, its ack id
+_ADDRESS = struct.Struct("<q")   # per tensor sent apart: its address (by reference), or 0 (its bytes follow)
+_ACK = -2
 _Payload = tuple[bytes, list[torch.Tensor]]
 _STOP_MESSAGE: _Payload = (b"stop", [])     # queued (by identity) in place of a message: send the STOP header
+
+
+@dataclasses.dataclass(frozen=True)
+class _AckMessage:
+    """Queued in place of a message: acknowledge message `ack_id`, whose tensors by reference are copied."""
+
+    ack_id: int
+
+
+@dataclasses.dataclass
+class _PendingAck:
+    """A message sent with tensors by reference, whose sender waits (holding them) for the peer's ack."""
+
+    peer: int
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 class PeerState(enum.Enum):
@@ -119,7 +136,9 @@ class RpcAgent:
         self._peers = {peer: PeerState.OPEN for peer in range(world_size) if peer != rank}
         self._send_locks = {peer: threading.Lock() for peer in self._peers}
         self._peer_errors: dict[int, BaseException] = {}
-        self._outbox: collections.deque[tuple[int, _Payload]] = collections.deque()
+        self._outbox: collections.deque[tuple[int, _Payload | _AckMessage]] = collections.deque()
+        self._acks: dict[int, _PendingAck] = {}
+        self._ack_ids = itertools.count(1)
         self._outbox_ready = threading.Condition(self._lock)
         self._sending = 0            # messages taken from the outbox and not yet handed to the transport
         self._deadlines: list[tuple[float, int]] = []
@@ -191,10 +210,13 @@ class RpcAgent:
         if to.id == self.rank:
             self._pool.submit(self._context.copy().run, function, *args)
             return
-        payload = wire.encode(("notify", 0, function, args, {}))
+        self._queue(to.id, wire.encode(("notify", 0, function, args, {})))
+
+    def _queue(self, peer: int, message: _Payload | _AckMessage) -> None:
+        """Have the sender thread send `message` (never blocks); dropped once the agent stopped."""
         with self._lock:
-            if self._running and to.id not in self._peer_errors:
-                self._outbox.append((to.id, payload))
+            if self._running and peer not in self._peer_errors:
+                self._outbox.append((peer, message))
                 self._outbox_ready.notify()
 
     def _check_running(self, what: str) -> None:
@@ -229,21 +251,39 @@ class RpcAgent:
                 self._sending -= 1
                 self._outbox_ready.notify_all()
 
-    def _transmit(self, dst: int, payload: _Payload) -> None:
-        """Hand one message to the transport (a frame: the header, and the body if it fits; else the body; then
-        the tensors not inline; a STOP frame alone), waiting until it took each piece. On the calling thread
-        (a hand-off to the sender costs two thread wake-ups), one message to a peer at a time."""
+    def _transmit(self, dst: int, payload: _Payload | _AckMessage) -> None:
+        """Write one message to `dst` (the header, the body and the tensors' addresses, then the bytes of the
+        tensors sent by value; a STOP or an ack: the header alone). On the calling thread (a hand-off to the
+        sender costs two thread wake-ups), one message to a peer at a time; with tensors by reference, then wait
+        for the peer's ack before letting go of them (see Note: large tensors by reference in channel.py)."""
+        ack_id = 0
+        if isinstance(payload, tuple) and payload is not _STOP_MESSAGE and dst in self.channels.reads_me and \
+                any(tensor.nbytes >= ONE_COPY_BYTES for tensor in payload[1]):
+            ack_id = next(self._ack_ids)
+            with self._lock:
+                self._acks[ack_id] = pending = _PendingAck(dst)
+                if dst in self._peer_errors:      # lost already: nobody will ack
+                    pending.done.set()
         with self._send_locks[dst]:
-            self._transmit_locked(dst, payload)
+            self._transmit_locked(dst, payload, ack_id)
+        if ack_id:
+            pending.done.wait()          # set by the ack, or when the peer is lost
 
-    def _transmit_locked(self, dst: int, payload: _Payload) -> None:
+    def _transmit_locked(self, dst: int, payload: _Payload | _AckMessage, ack_id: int) -> None:
         try:
             if payload is _STOP_MESSAGE:
-                self.channels.send(dst, _HEADER.pack(_STOP, 0))
+                self.channels.send(dst, _HEADER.pack(_STOP, 0, 0))
+                return
+            if isinstance(payload, _AckMessage):
+                self.channels.send(dst, _HEADER.pack(_ACK, 0, payload.ack_id))
                 return
             body, tensors = payload
-            self.channels.send(dst, _HEADER.pack(len(body), len(tensors)) + body,
-                               *(wire.byte_view(tensor) for tensor in tensors if tensor.numel()))
+            by_reference = [bool(ack_id) and tensor.nbytes >= ONE_COPY_BYTES for tensor in tensors]
+            addresses = b"".join(_ADDRESS.pack(tensor.data_ptr() if ref else 0)
+                                 for tensor, ref in zip(tensors, by_reference, strict=True))
+            self.channels.send(dst, _HEADER.pack(len(body), len(tensors), ack_id) + body + addresses,
+                               *(wire.byte_view(tensor) for tensor, ref in zip(tensors, by_reference, strict=True)
+                                 if not ref and tensor.numel()))
         except Exception as error:     # the peer is gone: its calls fail
             self._lose(dst, error)
 
@@ -252,20 +292,29 @@ class RpcAgent:
         while True:
             try:
                 self.channels.receive_into(peer, memoryview(header))
-                size, count = _HEADER.unpack(header)
+                size, count, ack_id = _HEADER.unpack(header)
                 if size == _STOP:
                     with self._lock:
                         self._peers[peer] = PeerState.STOPPED
                     return
-                body = bytearray(size)
+                if size == _ACK:
+                    self._acked(ack_id)
+                    continue
+                body = bytearray(size + count * _ADDRESS.size)
                 self.channels.receive_into(peer, memoryview(body))
-                pickled, metas = wire.metas_of(body)
-                if count != sum(meta[3] is None for meta in metas):
-                    raise RuntimeError(f"a message from worker {self.workers[peer].name} is malformed")
+                pickled, metas = wire.metas_of(body[:size])
                 tensors = [wire.tensor_of(meta) for meta in metas]
-                for tensor, meta in zip(tensors, metas, strict=True):
-                    if meta[3] is None:
+                apart = [tensor for tensor, meta in zip(tensors, metas, strict=True) if meta[3] is None]
+                if count != len(apart):
+                    raise RuntimeError(f"a message from worker {self.workers[peer].name} is malformed")
+                for index, tensor in enumerate(apart):
+                    (address,) = _ADDRESS.unpack_from(body, size + index * _ADDRESS.size)
+                    if address:
+                        self.channels.read(peer, address, tensor.data_ptr(), tensor.nbytes)
+                    else:
                         self.channels.receive_into(peer, wire.byte_view(tensor))
+                if ack_id:
+                    self._queue(peer, _AckMessage(ack_id))
             except Exception as error:      # the peer (or this worker's agent) is gone
                 self._lose(peer, error)
                 return
@@ -345,9 +394,17 @@ class RpcAgent:
             call.future.set_exception(RemoteException(f"{call.what} on worker {where.name} (rank {where.id}) "
                                                       f"failed:\n{text}"))
 
-    def _lose(self, peer: int, error: BaseException) -> None:
-        """Peer `peer` is gone: every call waiting on it fails, naming it."""
+    def _acked(self, ack_id: int) -> None:
         with self._lock:
+            pending = self._acks.pop(ack_id, None)
+        if pending is not None:
+            pending.done.set()
+
+    def _lose(self, peer: int, error: BaseException) -> None:
+        """Peer `peer` is gone: every call waiting on it fails, naming it; senders waiting for its acks go on."""
+        with self._lock:
+            for ack_id in [a for a, pending in self._acks.items() if pending.peer == peer]:
+                self._acks.pop(ack_id).done.set()
             if self._peers.get(peer) is PeerState.STOPPED or peer in self._peer_errors:
                 return
             self._peers[peer] = PeerState.LOST

@@ -8,11 +8,19 @@ sockets when every worker is on one host (twice the bandwidth of TCP over loopba
 is written by the thread that sends it and read by the peer's receiver thread, with no transport thread in
 between: a point-to-point op of the group would cost two thread hand-offs on each side, most of a small call's
 time (see README: Performance, RPC).
+
+Note: large tensors by reference
+A socket copies a message's bytes twice (into the kernel, out of it). Between two workers of one host where the
+receiver may read the sender's memory (peer_memory.can_read, checked once per pair at set-up), a tensor of at
+least ONE_COPY_BYTES goes by reference instead: the sender writes its address, the receiver copies it straight
+into its own tensor (one copy), then acknowledges, and only then does the sender let go of it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import os
 import socket
 import struct
 import threading
@@ -20,8 +28,12 @@ import threading
 from spmd._core.deadline import Deadline
 from spmd.comm.group import ProcessGroup
 from spmd.comm.store import PrefixStore
+from spmd.comm.transports.base import TransportSpec
+from spmd.comm.transports.shm import peer_memory
 from spmd.comm.transports.tcp.connect import Connector
 from spmd.comm.transports.tcp.wire import recv_into
+
+ONE_COPY_BYTES = 1 << 20      # tensors from this size go by reference where the receiver can read the sender
 
 
 class Channels:
@@ -32,6 +44,8 @@ class Channels:
         spec = dataclasses.replace(spec, store=PrefixStore("rpc-channel", spec.store),
                                    group_name=f"{spec.group_name}-rpc")
         self.rank = spec.group_rank
+        self.pids: dict[int, int] = {}              # the process of each peer on this host
+        self.reads_me: set[int] = set()             # the peers that may read this process's memory
         self._cond = threading.Condition()
         self._closing = False
         self.sockets: list[socket.socket | None] = [None] * spec.group_size
@@ -44,6 +58,33 @@ class Channels:
             connector.close()
             raise
         connector.close()
+        self._learn_who_reads_whom(spec, timeout)
+
+    def _learn_who_reads_whom(self, spec: TransportSpec, timeout: float) -> None:
+        """Collective: each worker tries reading each peer of its host once (see Note: large tensors by
+        reference) and publishes whom it can read; `reads_me` becomes the peers that can read this worker."""
+        store, hosts, rank = spec.store, spec.hosts, spec.group_rank
+        self._probe = ctypes.c_int64(0)           # a word holding its own address, for peers to read
+        self._probe.value = ctypes.addressof(self._probe)
+        store.set(f"memory/{rank}", f"{os.getpid()}:{self._probe.value}")
+        local = [peer for peer in range(len(hosts)) if peer != rank and hosts[peer] == hosts[rank]]
+        store.wait([f"memory/{peer}" for peer in local], timeout=timeout)
+        readable = []
+        for peer in local:
+            pid, address = (int(part) for part in store.get(f"memory/{peer}").decode().split(":"))
+            self.pids[peer] = pid
+            if peer_memory.can_read(pid, address):
+                readable.append(peer)
+        store.set(f"reads/{rank}", ",".join(map(str, readable)))
+        store.wait([f"reads/{peer}" for peer in local], timeout=timeout)
+        for peer in local:
+            their = store.get(f"reads/{peer}").decode()
+            if their and rank in {int(part) for part in their.split(",")}:
+                self.reads_me.add(peer)
+
+    def read(self, peer: int, address: int, into: int, nbytes: int) -> None:
+        """Copy `nbytes` at `address` in `peer`'s memory to address `into` here; OSError if `peer` is gone."""
+        peer_memory.read(self.pids[peer], address, into, nbytes)
 
     def _register(self, peer: int, sock: socket.socket) -> None:
         # a send blocks for as long as its peer takes to read (no send timeout: a dead peer ends the socket)
