@@ -41,7 +41,7 @@ from spmd.ddp.api import _device_ids
 from spmd.ddp.bucket import GradBucket
 from spmd.ddp.comm_hooks import _compress_wrapper
 from spmd.ddp.powersgd import _split
-from spmd.testing import run_ranks
+from spmd.testing import run_ranks, seeded
 from tests.parity.models import MLP, batch, build, loss_fn
 from tests.procpool import ProcPool
 
@@ -621,3 +621,35 @@ def test_join_blocks_do_not_nest_and_end_cleanly() -> None:
         return model.reducer.div_factor
 
     assert run_ranks(body, 2, timeout=TIMEOUT) == [2, 2]
+
+
+def test_parameters_and_buffers_set_to_be_ignored_are_neither_broadcast_nor_reduced() -> None:
+    """torch's DistributedDataParallel._set_params_and_buffers_to_ignore_for_model: a parameter another
+    parallelism owns keeps each rank's own values and local gradient; an ignored buffer is not broadcast."""
+    class Model(nn.Module):
+        def __init__(self, rank: int) -> None:
+            super().__init__()
+            self.shared = nn.Linear(3, 2)
+            self.local = nn.Parameter(torch.full((2,), float(rank + 1)))
+            self.register_buffer("steps", torch.tensor(float(rank)))
+            self.register_buffer("mine", torch.tensor(float(rank)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.shared(x) * self.local
+
+    def body(rank: int, size: int) -> dict:
+        with seeded(rank):            # different initial values on each rank
+            model = Model(rank)
+        spmd.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["local", "mine"])
+        ddp = spmd.DistributedDataParallel(model)
+        after_init = {"local": model.local.detach().clone(), "shared": model.shared.weight.detach().clone(),
+                      "steps": model.steps.clone(), "mine": model.mine.clone()}
+        ddp(torch.ones(1, 3) * (rank + 1)).sum().backward()
+        return {**after_init, "local_grad": model.local.grad.clone(), "shared_grad": model.shared.weight.grad.clone()}
+
+    r0, r1 = run_ranks(body, 2, timeout=30)
+    assert torch.equal(r0["shared"], r1["shared"]) and torch.equal(r0["steps"], r1["steps"])      # rank 0's
+    assert r0["local"].tolist() == [1.0, 1.0] and r1["local"].tolist() == [2.0, 2.0]              # their own
+    assert r0["mine"].item() == 0.0 and r1["mine"].item() == 1.0
+    assert torch.equal(r0["shared_grad"], r1["shared_grad"])                                       # averaged
+    assert not torch.equal(r0["local_grad"], r1["local_grad"])                                     # local

@@ -26,7 +26,7 @@ from spmd.comm.world import resolve_group
 from spmd.ddp.bucket import FIRST_BUCKET_BYTES
 from spmd.ddp.join import DDPJoinHook, announce_sync
 from spmd.ddp.reducer import CommHook, Reducer
-from spmd.ddp.sync import broadcast_module_state
+from spmd.ddp.sync import IGNORE_ATTR, broadcast_module_state, ignored_names
 
 _MIB = 1 << 20
 
@@ -74,6 +74,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self._ignored = ignored_names(module)       # set before wrapping (_set_params_and_buffers_to_ignore...)
         named = _trainable(module, self.process_group)
         self._param_names = [name for name, _ in named]
         self._params = [param for _, param in named]
@@ -120,6 +121,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.reducer.arm()
         else:
             self.reducer.disarm()
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
+        """Have DDP leave alone the parameters and buffers of `module` named in `params_and_buffers_to_ignore`
+        (fully qualified names): not broadcast at construction or before forward, not reduced in backward (a
+        parameter another parallelism owns, a per-rank buffer). Call it before wrapping, as torch's."""
+        setattr(module, IGNORE_ATTR, list(params_and_buffers_to_ignore))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -173,7 +181,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     # -- internals ------------------------------------------------------------------------------------------
 
     def _check_parameters_unchanged(self) -> None:
-        current = [param for param in self.module.parameters() if param.requires_grad]
+        current = [param for name, param in self.module.named_parameters()
+                   if param.requires_grad and name not in self._ignored]
         same = len(current) == len(self._params) and all(
             a is b and a.shape == shape for a, b, shape in zip(current, self._params, self._param_shapes))
         if same:
@@ -206,7 +215,8 @@ def _resolve(process_group: ProcessGroup | NonMemberGroup | None, device_mesh: A
 def _trainable(module: nn.Module, group: ProcessGroup) -> list[tuple[str, nn.Parameter]]:
     if not isinstance(module, nn.Module):
         raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
-    named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
+    ignored = ignored_names(module)
+    named = [(name, param) for name, param in module.named_parameters() if param.requires_grad and name not in ignored]
     if not named:
         raise ValueError(
             f"DistributedDataParallel on rank {group.global_rank}: {type(module).__name__} has no parameter that "

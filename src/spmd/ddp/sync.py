@@ -14,13 +14,15 @@ from spmd.comm.group import ProcessGroup
 
 
 def broadcast_module_state(module: nn.Module, group: ProcessGroup, src: int, include_params: bool) -> None:
-    """Overwrite buffers (and parameters) with group rank `src`'s, one broadcast per dtype and device. Collective.
+    """Overwrite buffers (and parameters) with group rank `src`'s, one broadcast per dtype and device; those
+    named in the module's DDP ignore list (ignored_names) keep their own values. Collective.
 
     Every rank groups the same tensors the same way (same module, same order), so the broadcasts line up.
     """
-    tensors = [buf for buf in module.buffers()]
+    ignored = ignored_names(module)
+    tensors = [buf for name, buf in module.named_buffers() if name not in ignored]
     if include_params:
-        tensors = [param.detach() for param in module.parameters()] + tensors
+        tensors = [param.detach() for name, param in module.named_parameters() if name not in ignored] + tensors
     by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for tensor in tensors:
         by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
@@ -32,3 +34,12 @@ def broadcast_module_state(module: nn.Module, group: ProcessGroup, src: int, inc
             for tensor in same_kind:
                 tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
                 offset += tensor.numel()
+
+
+IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
+
+
+def ignored_names(module: nn.Module) -> set[str]:
+    """The names of the parameters and buffers DDP leaves alone in `module` (torch's
+    `_set_params_and_buffers_to_ignore_for_model`): not broadcast, not reduced."""
+    return set(getattr(module, IGNORE_ATTR, ()))
