@@ -191,3 +191,46 @@ def test_sequence_parallel_dropout_draws_the_one_process_mask() -> None:
         return y.full_tensor()
     for got in on_ranks(body, 4):
         torch.testing.assert_close(got, want)
+
+
+class _CheckpointedMLP(nn.Module):
+    """A colwise-rowwise MLP under reentrant activation checkpointing: it saves only its input for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(6, 10), nn.Linear(10, 6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(lambda y: self.down(torch.relu(self.up(y))), x, use_reentrant=True)
+
+
+def test_input_reshard_keeps_the_saved_input_sharded_and_gathers_it_for_backward() -> None:
+    from spmd.tensor.parallel.input_reshard import input_reshard
+    from tests.parity.test_ddp import count_collectives
+
+    def run(mesh, rank: int, reshard: bool) -> dict:
+        model = built(_CheckpointedMLP)
+        parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        if reshard:
+            input_reshard(model, mesh, input_reshard_dim=0)
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(3), requires_grad=True)   # 5 rows: uneven
+        saved: list[tuple] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            out = model(x)
+        counts = count_collectives(mesh.get_group())
+        out.sum().backward()
+        return {"grads": [x.grad] + [p.grad.full_tensor() for p in model.parameters()], "out": out.detach(),
+                "saved": saved, "gathers": counts.get("all_gather", 0)}
+
+    def body(mesh, rank: int) -> tuple[dict, dict, tuple]:
+        kept = _pack(mesh, 0, torch.ones(5, 6))      # what the module's hook keeps of a replicated 5 x 6 input
+        return run(mesh, rank, reshard=False), run(mesh, rank, reshard=True), tuple(kept.piece.to_local().shape)
+
+    from spmd.tensor.parallel.input_reshard import _pack
+    for rank, (plain, resharded, kept) in enumerate(on_ranks(body)):
+        assert kept == ((3, 6), (2, 6))[rank]        # this rank's rows only
+        torch.testing.assert_close(resharded["out"], plain["out"])
+        for got, want in zip(resharded["grads"], plain["grads"], strict=True):
+            torch.testing.assert_close(got, want)
+        assert plain["saved"] == [(5, 6)]            # what the outer hooks see: the module's own are innermost
+        assert resharded["gathers"] == plain["gathers"] + 1     # the saved input, gathered back in backward
