@@ -131,6 +131,7 @@ def test_policies_pick_the_units_and_names_stay_the_plain_models() -> None:
                 "size": sum(isinstance(m, FSDP) for m in by_size.modules()),
                 "units": len(FSDP.fsdp_modules(by_class)), "roots": FSDP.fsdp_modules(by_class, root_only=True),
                 "is_root": FSDP.fsdp_modules(by_class, root_only=True)[0] is by_class,
+                "check_is_root": [m.check_is_root() for m in FSDP.fsdp_modules(by_class)],   # the root's first
                 "params": [name for name, _ in by_class.named_parameters()],
                 "buffers": dict(by_class.named_buffers()), "scale": by_class.scale,
                 "item": type(by_class.blocks[0]).__name__, "repr": repr(by_class).splitlines()[0]}
@@ -139,6 +140,7 @@ def test_policies_pick_the_units_and_names_stay_the_plain_models() -> None:
         assert got["class"] == ["", "_fsdp_wrapped_module.blocks.0", "_fsdp_wrapped_module.blocks.1"]
         assert got["size"] == 3          # each block's fc (42 >= 40 parameters) and the root; each block's rest is 12
         assert got["units"] == 3 and len(got["roots"]) == 1 and got["is_root"]
+        assert got["check_is_root"] == [True, False, False]
         assert got["params"] == [name for name, _ in INITIAL.named_parameters()]
         assert got["scale"] == 1.5 and got["item"] == "FullyShardedDataParallel"
         assert got["repr"] == "FullyShardedDataParallel("

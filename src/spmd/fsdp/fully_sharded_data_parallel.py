@@ -270,6 +270,15 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
 
     # -- state dicts --------------------------------------------------------------------------------------
 
+    def check_is_root(self) -> bool:
+        """Whether this wrapper is the root of its tree (the outermost: its forward runs first). Before any forward
+        it initialises FSDP with this wrapper as the root, as torch's does. Collective then (the model check)."""
+        state = state_of(self)
+        assert state is not None
+        if state.root is None:
+            state._lazy_init()
+        return state.is_root
+
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
         """The wrappers in `module`'s tree (module included), parents first; with root_only, the outermost."""
