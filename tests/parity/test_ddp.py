@@ -653,3 +653,37 @@ def test_parameters_and_buffers_set_to_be_ignored_are_neither_broadcast_nor_redu
     assert r0["mine"].item() == 0.0 and r1["mine"].item() == 1.0
     assert torch.equal(r0["shared_grad"], r1["shared_grad"])                                       # averaged
     assert not torch.equal(r0["local_grad"], r1["local_grad"])                                     # local
+
+
+@pytest.mark.parametrize("gradient_as_bucket_view", [False, True])
+def test_optimizers_applied_in_backward_step_on_the_averaged_gradients(gradient_as_bucket_view: bool) -> None:
+    """torch's _apply_optimizer_in_backward under DDP: each parameter's optimizer steps once its bucket's average
+    is written back (not on the local gradient), then its gradient is freed; the same training as an ordinary
+    optimizer stepped after backward."""
+    from spmd.optim import _apply_optimizer_in_backward, _get_in_backward_optimizers
+
+    def train(rank: int, size: int, in_backward: bool) -> tuple[list[float], list[torch.Tensor], bool]:
+        model = build("mlp", seed=0)
+        if in_backward:
+            _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": LR, "momentum": 0.9})
+        ddp = spmd.DistributedDataParallel(model, gradient_as_bucket_view=gradient_as_bucket_view)
+        opt = None if in_backward else optimizer(ddp.parameters())
+        losses = []
+        for step in range(3):
+            x, y = batch("mlp", 2 * size, seed=step)
+            loss = loss_fn("mlp", ddp(x.chunk(size)[rank]), y.chunk(size)[rank])
+            loss.backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.item())
+        freed = all(p.grad is None for p in model.parameters())
+        assert len(_get_in_backward_optimizers(model)) == (len(list(model.parameters())) if in_backward else 0)
+        return losses, [p.detach().clone() for p in model.parameters()], freed
+
+    for (losses, params, freed), (want_losses, want_params, _) in run_ranks(
+            lambda rank, size: (train(rank, size, True), train(rank, size, False)), 2, timeout=30):
+        assert freed
+        torch.testing.assert_close(losses, want_losses)
+        for got, want in zip(params, want_params, strict=True):
+            torch.testing.assert_close(got, want)

@@ -25,7 +25,7 @@ from spmd.comm.objects import all_gather_object
 from spmd.comm.world import resolve_group
 from spmd.ddp.bucket import FIRST_BUCKET_BYTES
 from spmd.ddp.join import DDPJoinHook, announce_sync
-from spmd.ddp.reducer import CommHook, Reducer
+from spmd.ddp.reducer import STEPS_IN_BACKWARD, CommHook, Reducer
 from spmd.ddp.sync import IGNORE_ATTR, broadcast_module_state, ignored_names
 
 _MIB = 1 << 20
@@ -88,6 +88,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         bucket_bytes = int((25.0 if bucket_cap_mb is None else bucket_cap_mb) * _MIB)
         if bucket_bytes <= 0:
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        for param in self._params:
+            if hasattr(param, "_in_backward_optimizers"):   # step them once the average is in (see reducer.py)
+                setattr(param, STEPS_IN_BACKWARD, True)
         self.reducer = Reducer(self._params, self._param_names, self.process_group, bucket_bytes,
                                min(FIRST_BUCKET_BYTES, bucket_bytes), find_unused_parameters, static_graph,
                                gradient_as_bucket_view)

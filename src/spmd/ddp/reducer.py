@@ -41,6 +41,8 @@ from spmd.comm.work import Work
 from spmd.ddp.bucket import Bucket, GradBucket, assign_buckets
 
 CommHook = Callable[[object, GradBucket], torch.futures.Future]
+STEPS_IN_BACKWARD = "_ddp_steps_in_backward"   # on a parameter whose in-backward optimizers DDP steps (see
+                                               # optim/apply_optimizer_in_backward.py)
 
 
 class ReducerState(enum.Enum):
@@ -260,7 +262,9 @@ class Reducer:
         return {i for i, used in enumerate(used_map.tolist()) if used == 0}
 
     def _write_back(self, unused: set[int]) -> None:
-        """Step 5: the averaged buckets become .grad (aliased with gradient_as_bucket_view, else copied)."""
+        """Step 5: the averaged buckets become .grad (aliased with gradient_as_bucket_view, else copied); a
+        parameter with optimizers to step in backward (_apply_optimizer_in_backward) is stepped now, and its
+        gradient freed."""
         for bucket in self.buckets:
             for param, index, view in zip(bucket.params, bucket.param_indices, bucket.views):
                 if index in unused:
@@ -271,6 +275,10 @@ class Reducer:
                     param.grad = view.clone()
                 elif not _aliases(param.grad, view):
                     param.grad.copy_(view)
+                if getattr(param, STEPS_IN_BACKWARD, False):
+                    for optimizer in param._in_backward_optimizers:    # type: ignore[attr-defined]
+                        optimizer.step()
+                    param.grad = None
 
     def shadow_iteration(self) -> None:
         """Run the collectives of one iteration on zero gradients (a joined rank keeping pace; see join.py).
