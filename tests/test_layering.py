@@ -35,6 +35,7 @@ ALLOWED: dict[str, set[str]] = {
                 "pipelining", "amp", "optim", "checkpoint", "run", "rpc"},
     # aliases at torch's module paths: each sits in the layer of what it re-exports
     "distributed_c10d": {"_core", "comm"},
+    "constants": {"_core", "comm"},
     "_functional_collectives": {"_core", "comm", "device_mesh", "nn"},
     "_tensor": {"_core", "comm", "device_mesh", "tensor"},
     "tensor.experimental._attention": {"_core", "comm", "device_mesh", "tensor", "tensor.parallel"},

@@ -137,7 +137,7 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "nn.functional", "elastic.multiprocessing.errors", "launcher",
                  "launcher.api", "_tensor", "_composable.fsdp", "distributed_c10d", "_functional_collectives",
                  "fsdp._fully_shard", "fsdp._fully_shard._fsdp_api", "tensor.parallel.input_reshard",
-                 "optim.apply_optimizer_in_backward"]
+                 "optim.apply_optimizer_in_backward", "constants"]
 
 
 def _api_names(module: object) -> list[str]:
