@@ -47,27 +47,6 @@ def load_full(checkpoint: str | os.PathLike[str], only: str | None = None) -> tu
     return chosen, metadata
 
 
-def _nested(state: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
-    """The flat `state` put back into the nesting it was saved with (lists where it had list indices)."""
-    root: dict[Any, Any] = {}
-    for key, value in state.items():
-        path = metadata.paths.get(key, key.split("."))
-        node = root
-        for step in path[:-1]:
-            node = node.setdefault(step, {})
-        node[path[-1]] = value
-    return _lists(root)
-
-
-def _lists(node: Any) -> Any:
-    if not isinstance(node, dict):
-        return node
-    items = {key: _lists(value) for key, value in node.items()}
-    if items and all(isinstance(key, int) for key in items) and sorted(items) == list(range(len(items))):
-        return [items[index] for index in range(len(items))]
-    return items
-
-
 def dcp_to_file(checkpoint: str | os.PathLike[str], target: str | os.PathLike[str], only: str | None = None) -> None:
     """Write the checkpoint as one full state-dict file: .safetensors (flat) or .pt / .pth (torch.save, nested)."""
     state, metadata = load_full(checkpoint, only)
@@ -82,7 +61,7 @@ def dcp_to_file(checkpoint: str | os.PathLike[str], target: str | os.PathLike[st
             for tensor in tensors.values():
                 file.write(as_bytes(tensor))
     elif target.endswith((".pt", ".pth")):
-        torch.save(_nested(state, metadata) if only is None else state, target)
+        torch.save(metadata.nested(state) if only is None else state, target)
     else:
         raise CheckpointError(f"convert: can't tell the format of {target}; name it .safetensors, .pt or .pth")
 
@@ -115,7 +94,7 @@ def _read_torch_save(source: str | os.PathLike[str]) -> dict[str, Any]:
 def dcp_to_torch_save(dcp_checkpoint_dir: str | os.PathLike[str], torch_save_path: str | os.PathLike[str]) -> None:
     """torch's name: the checkpoint as one torch.save file of the nested state dict, whatever the file's name."""
     state, metadata = load_full(dcp_checkpoint_dir)
-    torch.save(_nested(state, metadata), torch_save_path)
+    torch.save(metadata.nested(state), torch_save_path)
 
 
 def torch_save_to_dcp(torch_save_path: str | os.PathLike[str], dcp_checkpoint_dir: str | os.PathLike[str]) -> None:

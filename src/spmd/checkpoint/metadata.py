@@ -146,6 +146,18 @@ class Metadata:
         """torch's name for what the default planners keep: each key's path in the nested state dict."""
         return {key: tuple(path) for key, path in self.paths.items()}
 
+    def nested(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The flat `state` (keys of this checkpoint) put back into the nesting it was saved with (lists where it
+        had list indices)."""
+        root: dict[Any, Any] = {}
+        for key, value in state.items():
+            path = self.paths.get(key, key.split("."))
+            node = root
+            for step in path[:-1]:
+                node = node.setdefault(step, {})
+            node[path[-1]] = value
+        return _lists(root)
+
     def to_json(self) -> bytes:
         body: dict[str, Any] = {
             "format": FORMAT_NAME, "version": self.version, "save_id": self.save_id, "files": self.files,
@@ -234,3 +246,12 @@ def decode_value(value: Any) -> Any:
 
 def _hashable(key: Any) -> Any:
     return tuple(_hashable(k) for k in key) if isinstance(key, (list, tuple)) else key
+
+
+def _lists(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    items = {key: _lists(value) for key, value in node.items()}
+    if items and all(isinstance(key, int) for key in items) and sorted(items) == list(range(len(items))):
+        return [items[index] for index in range(len(items))]
+    return items
