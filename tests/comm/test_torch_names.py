@@ -49,16 +49,10 @@ def test_every_public_torch_distributed_name_is_served_or_listed_with_why_not() 
 
 
 MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name: why spmd's has none}
-    "checkpoint": {
-        "CheckpointException": "spmd raises CheckpointError",
-        **dict.fromkeys(["load_sharded_optimizer_state_dict", "load_state_dict", "save_state_dict"],
-                        "long-deprecated in torch: use load / save and checkpoint.state_dict"),
-    },
+    "checkpoint": {"CheckpointException": "spmd raises CheckpointError"},
     "checkpoint.filesystem": dict.fromkeys(["FileSystem", "FileSystemBase", "SerializationFormat"],
                                            "torch's storage internals: spmd's format is safetensors files and a JSON "
                                            "index, written by FileSystemWriter"),
-    "checkpoint.state_dict_saver": {"save_state_dict": "long-deprecated in torch: use save"},
-    "checkpoint.state_dict_loader": {"load_state_dict": "long-deprecated in torch: use load"},
     "checkpoint.format_utils": dict.fromkeys(
         ["BroadcastingTorchSaveReader", "DynamicMetaLoadPlanner"],
         "DCP's reader and planner for loading a torch.save file in place: torch.load it on rank 0 and call "
@@ -137,7 +131,7 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "nn.functional", "elastic.multiprocessing.errors", "launcher",
                  "launcher.api", "_tensor", "_composable.fsdp", "distributed_c10d", "_functional_collectives",
                  "fsdp._fully_shard", "fsdp._fully_shard._fsdp_api", "tensor.parallel.input_reshard",
-                 "optim.apply_optimizer_in_backward", "constants"]
+                 "optim.apply_optimizer_in_backward", "constants", "checkpoint.optimizer"]
 
 
 def _api_names(module: object) -> list[str]:

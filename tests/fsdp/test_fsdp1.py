@@ -218,6 +218,44 @@ def test_optimizer_state_dicts_resume_training_exactly() -> None:
                 assert got["resumed"][form][key].equal(value), (form, key)
 
 
+def test_the_dcp_tutorials_sharded_optimizer_load_resumes_training_exactly(tmp_path) -> None:
+    """torch's FSDP1 checkpoint recipe, line for line (its older save_state_dict / load_state_dict names): save the
+    SHARDED model and optimizer state dicts; load the model's, then load_sharded_optimizer_state_dict and
+    optim_state_dict_to_load."""
+    import spmd.checkpoint as dist_cp
+    from spmd.fsdp import StateDictType
+
+    def body(rank: int, size: int) -> dict:
+        model = _wrap()
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        _train(model, opt, rank, steps=2)
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT), pytest.warns(FutureWarning):
+            dist_cp.save_state_dict(state_dict={"model": model.state_dict(),
+                                                "optimizer": FSDP.optim_state_dict(model, opt)},
+                                    storage_writer=dist_cp.FileSystemWriter(tmp_path))
+        fresh = _wrap()
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.05)
+        with FSDP.state_dict_type(fresh, StateDictType.SHARDED_STATE_DICT):
+            model_state_dict = fresh.state_dict()
+            checkpoint = {"model": model_state_dict}
+            with pytest.warns(FutureWarning):
+                dist_cp.load_state_dict(state_dict=checkpoint, storage_reader=dist_cp.FileSystemReader(tmp_path))
+            fresh.load_state_dict(checkpoint["model"])
+            optim_state = dist_cp.load_sharded_optimizer_state_dict(
+                model_state_dict, optimizer_key="optimizer", storage_reader=dist_cp.FileSystemReader(tmp_path))
+            fresh_opt.load_state_dict(FSDP.optim_state_dict_to_load(fresh, fresh_opt, optim_state["optimizer"]))
+        exp_avg = optim_state["optimizer"]["state"]["head.weight"]["exp_avg"]
+        _train(fresh, fresh_opt, rank, steps=1, first=2)
+        _train(model, opt, rank, steps=1, first=2)
+        return {"resumed": fresh.state_dict(), "uninterrupted": model.state_dict(),
+                "exp_avg": (type(exp_avg).__name__, tuple(exp_avg.to_local().shape))}
+
+    for rank, got in enumerate(run_ranks(body, 2, timeout=90)):
+        assert got["exp_avg"] == ("DTensor", ((2, 6), (1, 6))[rank])    # each rank read only its shard
+        for key, value in got["uninterrupted"].items():
+            assert got["resumed"][key].equal(value), key
+
+
 def test_no_sync_accumulates_and_the_next_backward_reduces_the_sum() -> None:
     def body(rank: int, size: int) -> dict[str, Tensor]:
         model = _wrap()

@@ -7,10 +7,11 @@ plain, DDP, FSDP2, tensor-parallel and pipeline-stage models.
 """
 
 from spmd._core.errors import CheckpointError
-from spmd.checkpoint.api import Stateful, async_save, load, save
+from spmd.checkpoint.api import Stateful, async_save, load, load_state_dict, save, save_state_dict
 from spmd.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from spmd.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from spmd.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, TensorStorageMetadata
+from spmd.checkpoint.optimizer import load_sharded_optimizer_state_dict
 from spmd.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from spmd.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
 from spmd.checkpoint.storage import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
@@ -19,5 +20,6 @@ __all__ = [
     "BytesStorageMetadata", "CheckpointError", "ChunkStorageMetadata", "DefaultLoadPlanner", "DefaultSavePlanner",
     "FileSystemReader", "FileSystemWriter", "HuggingFaceStorageReader", "HuggingFaceStorageWriter", "LoadPlan",
     "LoadPlanner", "Metadata", "QuantizedHuggingFaceStorageReader", "ReadItem", "SavePlan", "SavePlanner",
-    "Stateful", "StorageReader", "StorageWriter", "TensorStorageMetadata", "WriteItem", "async_save", "load", "save",
+    "Stateful", "StorageReader", "StorageWriter", "TensorStorageMetadata", "WriteItem", "async_save", "load",
+    "load_sharded_optimizer_state_dict", "load_state_dict", "save", "save_state_dict",
 ]

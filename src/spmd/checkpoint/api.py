@@ -50,6 +50,7 @@ import json
 import os
 import secrets
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -539,6 +540,23 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
             state_dict[key].load_state_dict(value)
         else:
             state_dict[key] = value
+
+
+def save_state_dict(state_dict: dict[str, Any], storage_writer: StorageWriter, process_group: AnyGroup | None = None,
+                    coordinator_rank: int = 0, no_dist: bool = False, planner: SavePlanner | None = None) -> Metadata:
+    """torch's older name of save, deprecated there too (older tutorials call it): the same save through
+    `storage_writer`. `coordinator_rank` is accepted: spmd's coordinator is the group's rank 0, with the same
+    result."""
+    warnings.warn("save_state_dict is deprecated; use save", FutureWarning, stacklevel=2)
+    return save(state_dict, storage_writer=storage_writer, planner=planner, process_group=process_group,
+                no_dist=no_dist)
+
+
+def load_state_dict(state_dict: dict[str, Any], storage_reader: StorageReader, process_group: AnyGroup | None = None,
+                    coordinator_rank: int = 0, no_dist: bool = False, planner: LoadPlanner | None = None) -> None:
+    """torch's older name of load, deprecated there too: the same load through `storage_reader`."""
+    warnings.warn("load_state_dict is deprecated; use load", FutureWarning, stacklevel=2)
+    load(state_dict, storage_reader=storage_reader, planner=planner, process_group=process_group, no_dist=no_dist)
 
 
 def _read_metadata(reader: StorageReader, where: str) -> Metadata:
