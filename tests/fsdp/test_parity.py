@@ -42,8 +42,8 @@ def test_matches_one_process(kind: str, world_size: int) -> None:
             assert isinstance(param, DTensor) and param.placements == (Shard(0),)
 
 
-@pytest.mark.parametrize("reshard_after_forward", [False, 2])
-def test_reshard_after_forward_options(reshard_after_forward: bool | int) -> None:
+@pytest.mark.parametrize("reshard_after_forward", [False, 2, None])
+def test_reshard_after_forward_options(reshard_after_forward: bool | int | None) -> None:
     def shard(model, mesh):
         shard_blocks_then_root(model, mesh, reshard_after_forward=reshard_after_forward)
     results = run_ranks(lambda rank, size: fsdp_train("gpt", rank, size, shard=shard), 4, timeout=TIMEOUT)
@@ -52,8 +52,9 @@ def test_reshard_after_forward_options(reshard_after_forward: bool | int) -> Non
     for result in results:
         step = result["counts"][0][0]
         # forward: one all-gather per group; backward: one per block resharded to the smaller group (those run
-        # on the post-forward groups, not the mesh's); never for the root or with reshard_after_forward=False
-        assert step["all_gather"] == blocks + 1
+        # on the post-forward groups, not the mesh's); never for the root or with reshard_after_forward=False;
+        # None (torch 2.13's default) reshards every block, so each is gathered again on the mesh in backward
+        assert step["all_gather"] == blocks + 1 + (blocks if reshard_after_forward is None else 0)
         assert step["reduce_scatter"] == blocks + 1
 
 

@@ -50,7 +50,7 @@ def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool | int = True, shard_placement_fn: ShardPlacementFn | None = None,
+                reshard_after_forward: bool | int | None = None, shard_placement_fn: ShardPlacementFn | None = None,
                 mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
                 offload_policy: OffloadPolicy = _NO_OFFLOAD,
                 ignored_params: set[nn.Parameter] | None = None,
@@ -64,12 +64,15 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     parent (dp, tp) mesh (see Note: FSDP over tensor parallelism in param.py). The call's parameters form one
     group: all-gathered in one collective before its forward (and again before backward when resharded),
     reduce-scattered in one after backward. The module's class becomes `FSDP<Class>`, a subclass of FSDPModule.
+    `reshard_after_forward` None (the default, torch 2.13's) is True, except for the root, which never reshards
+    after forward (backward needs its parameters first).
     With `dp_mesh_dims`, `mesh` is the job's whole mesh and the parameters are DTensors on it, Replicate on
     its data-parallel dims (torch 2.13's form): each becomes its tensor-parallel DTensor on the dim left (or a
     plain tensor), then is sharded as above over the data-parallel dims. Collective over the world (mesh groups
     are created).
     """
     modules = tuple(module) if isinstance(module, list) else (module,)
+    reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
     mesh = mesh if mesh is not None else _default_mesh()
     if dp_mesh_dims is not None:
         mesh = _from_spmd_mesh(modules, mesh, dp_mesh_dims, ignored_params or set())
