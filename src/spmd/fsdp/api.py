@@ -193,7 +193,7 @@ class FSDPModule:
         the sums wait, unreduced across replicas, until a backward with True all-reduces them all at once."""
         for state in self._fsdp_states(recurse):
             if state.group is not None:
-                state.group.requires_all_reduce = requires_all_reduce
+                state.group.options.requires_all_reduce = requires_all_reduce
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
                             stream: torch.Stream | None = None) -> None:
@@ -208,15 +208,15 @@ class FSDPModule:
         if stream is not None and group.replicate_group is not None:
             raise ValueError(f"set_all_reduce_hook: {self._fsdp_state().name} is sharded over an HSDP mesh, whose "
                              f"hook runs where the replicas' all-reduce does; pass no stream")
-        group.all_reduce_hook = hook
-        group.all_reduce_hook_stream = stream
+        group.options.all_reduce_hook = hook
+        group.options.all_reduce_hook_stream = stream
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """With True, gradients are summed by the collectives and divided only after the all-reduce hook (spmd's
         collectives always sum; this decides what the hook sees, as in torch)."""
         group = self._fsdp_state().group
         if group is not None:
-            group.force_sum_reduction = enable
+            group.options.force_sum = enable
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """With True, a group whose parameters got no gradient on this rank (control flow that differs across
@@ -224,7 +224,7 @@ class FSDPModule:
         Parameters without a gradient beside others with one always contribute zeros."""
         for state in self._fsdp_states(recurse):
             if state.group is not None:
-                state.group.reduce_unused = reduce_scatter_unused_params
+                state.group.options.reduce_unused = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """Let up to `max_input_buffers` reduce-scatters (each holding its group's gradient buffer) stay in flight
@@ -237,7 +237,7 @@ class FSDPModule:
                              f"{max_input_buffers}")
         for state in self._fsdp_states(recurse):
             if state.group is not None:
-                state.group.reductions_in_flight = max_input_buffers
+                state.group.options.in_flight = max_input_buffers
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """With False, backward does not gather this module's parameters again: for parameters backward never

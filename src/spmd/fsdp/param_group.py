@@ -78,6 +78,19 @@ class PostForwardMesh:
     position: int
 
 
+@dataclasses.dataclass
+class ReduceOptions:
+    """How a group's gradients are reduced beyond the defaults: torch's FSDPModule setters (see finish_reduction
+    and Note: when a group's backward is over)."""
+
+    requires_all_reduce: bool = True        # HSDP: False keeps the shard group's sums for a later all-reduce
+    all_reduce_hook: Callable[[Tensor], None] | None = None
+    all_reduce_hook_stream: torch.Stream | None = None
+    force_sum: bool = False                 # the hook sees sums, divided after it (else averages, as torch's)
+    reduce_unused: bool = False             # reduce-scatter zeros where no gradient arrived on this rank
+    in_flight: int = 1                      # reduce-scatters (each holding its input buffer) left in flight
+
+
 @dataclasses.dataclass(frozen=True)
 class GatherLayout:
     """How a group's parameters are gathered (see Note: the flat layouts in collectives.py): `buffered` into the
@@ -141,13 +154,7 @@ class FSDPParamGroup:
         self.reduce_scatter_comm: ReduceScatterComm = DefaultReduceScatter()
         self.reduce_scatter_group: ProcessGroup = self.shard_group   # or a group of its own, to overlap
         self.unshard_in_backward = True
-        # the reduction options of torch's FSDPModule setters (see finish_reduction)
-        self.requires_all_reduce = True                        # HSDP: False sums replicas' work only later
-        self.all_reduce_hook: Callable[[Tensor], None] | None = None
-        self.all_reduce_hook_stream: torch.Stream | None = None
-        self.force_sum_reduction = False
-        self.reduce_unused = False                             # reduce-scatter zeros when no gradient arrived
-        self.reductions_in_flight = 1                          # reduce-scatters left in flight (input buffers)
+        self.options = ReduceOptions()
         self._partial: Tensor | None = None                   # HSDP: reduce-scattered sums not yet all-reduced
         self._unsharded: Tensor | None = None                  # parameter-major buffer (see Note: the flat layouts)
         self._gather: AllGather | None = None
@@ -339,7 +346,7 @@ class FSDPParamGroup:
     def expect_input_grads(self, inputs: list[Tensor]) -> None:
         """A training forward of the group's modules took `inputs`: with frozen parameters, post-backward also
         waits for backward to pass through it (see Note: when a group's backward is over)."""
-        if not (self.has_frozen or self.reduce_unused):
+        if not (self.has_frozen or self.options.reduce_unused):
             return
         if not torch.is_grad_enabled() or after_backward_through(inputs, self._on_input_grads) is None:
             self._inputs_untracked = True
@@ -364,9 +371,9 @@ class FSDPParamGroup:
         grads_done = not self._awaiting_grads
         passed = self._inputs_seen > 0 and self._inputs_pending == 0 and not self._inputs_untracked
         if self.has_frozen:                  # frozen parameters may be read until backward has passed
-            over = passed and (grads_done or self.reduce_unused)
+            over = passed and (grads_done or self.options.reduce_unused)
         else:                                # unused parameters reduced: gradients that never come are zeros
-            over = grads_done or (self.reduce_unused and passed)
+            over = grads_done or (self.options.reduce_unused and passed)
         if over:
             self.post_backward()
 
@@ -377,10 +384,10 @@ class FSDPParamGroup:
             reduce = self.requires_gradient_sync
         if self.reshard_after_backward:
             self.reshard()                   # first: the reduction needs the gradients, not the parameters
-        if reduce and self.grad_params and (self.reduce_unused or
+        if reduce and self.grad_params and (self.options.reduce_unused or
                                             any(param.unsharded_grad() is not None for param in self.grad_params)):
             # bounds memory: by default at most one group's reduction stays in flight
-            self.reductions.finish_beyond(self.reductions_in_flight - 1)
+            self.reductions.finish_beyond(self.options.in_flight - 1)
             reduction = start_reduce_scatter(self.grad_params, self.reduce_dtype, self.device,
                                              self.reduce_scatter_group, self.reduce_scatter_comm, self.custom_reduce,
                                              predivide_factor(self.reduce_dtype, self.divide_factor))
@@ -402,22 +409,22 @@ class FSDPParamGroup:
             return
         hybrid = self.replicate_group is not None and self.replicate_group.size() > 1
         with torch.no_grad():
-            if hybrid and not self.requires_all_reduce:
+            if hybrid and not self.options.requires_all_reduce:
                 self._partial = output if self._partial is None else self._partial.add_(output)
                 return
             if self._partial is not None:
                 output.add_(self._partial)
                 self._partial = None
             remaining = self.divide_factor / reduction.pre_divided
-            hook = self.all_reduce_hook
-            if hook is not None and not self.force_sum_reduction and output.dtype in (torch.float32, torch.bfloat16):
+            hook = self.options.all_reduce_hook
+            if hook is not None and not self.options.force_sum and output.dtype in (torch.float32, torch.bfloat16):
                 output.div_(remaining)
                 remaining = 1.0
             if hybrid:
                 assert self.replicate_group is not None
                 all_reduce(output, ReduceOp.SUM, group=self.replicate_group)
             if hook is not None:
-                with self.all_reduce_hook_stream or contextlib.nullcontext():
+                with self.options.all_reduce_hook_stream or contextlib.nullcontext():
                     hook(output)
             if remaining != 1:
                 output.div_(remaining)
