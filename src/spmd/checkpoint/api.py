@@ -94,6 +94,7 @@ from spmd.checkpoint.storage import (
     WrittenBoxes,
 )
 from spmd.checkpoint.torch_format import TorchCheckpointReader, is_torch_checkpoint
+from spmd.comm.collectives import is_wrapper_subclass
 from spmd.comm.group import ProcessGroup
 from spmd.comm.objects import all_gather_bytes
 from spmd.comm.world import AnyGroup, is_initialized, new_group, resolve_group
@@ -676,5 +677,6 @@ class _Loader:
 
 
 def _readable_into(data: Tensor) -> bool:
-    """Whether a storage can read bytes straight into `data`'s memory."""
-    return data.device.type == "cpu" and data.is_contiguous() and data.numel() > 0
+    """Whether a storage can read bytes straight into `data`'s memory (not a wrapper subclass's: its copy_ takes
+    the values)."""
+    return data.device.type == "cpu" and data.is_contiguous() and data.numel() > 0 and not is_wrapper_subclass(data)

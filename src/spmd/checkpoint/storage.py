@@ -27,12 +27,14 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from spmd._core.errors import CheckpointError
 from spmd.checkpoint import format as tensor_format
 from spmd.checkpoint.metadata import METADATA_FILE, Chunk, Metadata
 from spmd.checkpoint.planner import SavePlan, WriteItem
+from spmd.comm.collectives import is_wrapper_subclass
 
 PARTIAL_SUFFIX = ".partial"
 _WRITEBACK_BYTES = 16 << 20   # every this many bytes written, the disk is asked to start writing them out
@@ -254,8 +256,11 @@ class FileSystemReader(StorageReader):
 
 
 def host_contiguous(data: Tensor) -> Tensor:
-    """`data` as a contiguous CPU tensor (a copy only where it is not one already)."""
+    """`data` as a contiguous plain CPU tensor (a copy only where it is not one already); a wrapper subclass (an
+    all-gather extension's weight) as a plain copy of its value, made by its own copy_."""
     data = data.detach()
+    if is_wrapper_subclass(data):
+        return torch.empty(data.shape, dtype=data.dtype, device="cpu").copy_(data)
     if data.device.type != "cpu":
         data = data.to("cpu")
     return data.contiguous()
