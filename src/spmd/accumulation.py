@@ -93,9 +93,7 @@ def _wrappers(model: nn.Module, strategy: Reduce) -> tuple[list[DistributedDataP
                              f"shard) mesh), but {flat[0]} is sharded over a 1-d mesh; use 'last' or 'each'")
     covered = {id(p) for m in ddp for p in m.parameters()}
     for module in fsdp:
-        group = state_of(module).group   # type: ignore[union-attr]
-        if group is not None:
-            covered.update(id(param.sharded_param) for param in group.params)
+        covered.update(id(param.sharded_param) for param in state_of(module).params)   # type: ignore[union-attr]
     outside = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
     if outside:
         raise ValueError(f"spmd.accumulate: trainable parameters of {type(model).__name__} are outside every "
@@ -105,8 +103,7 @@ def _wrappers(model: nn.Module, strategy: Reduce) -> tuple[list[DistributedDataP
 
 
 def _is_flat(module: FSDPModule) -> bool:
-    group = state_of(module).group   # type: ignore[union-attr]
-    return group is not None and group.replicate_group is None
+    return any(group.replicate_group is None for group in state_of(module).groups)   # type: ignore[union-attr]
 
 
 def _set(ddp: list[DistributedDataParallel], fsdp: list[FSDPModule], strategy: Reduce, last: bool) -> None:

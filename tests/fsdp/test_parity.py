@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from spmd.fsdp import MixedPrecisionPolicy, fully_shard
-from spmd.tensor import DTensor, Shard
+from spmd.tensor import DTensor, Replicate, Shard
 from spmd.tensor.random import manual_seed
 from spmd.testing import run_ranks
 from tests.fsdp.harness import (
@@ -343,3 +343,53 @@ def test_an_optimizer_stepped_in_backward_by_post_accumulate_grad_hooks_matches_
     assert_parity(results, reference("gpt", 2))
     for result in results:
         assert all(p.grad is None for p in result["model"].parameters())   # each hook stepped and freed its own
+
+
+def test_parameters_placed_on_another_mesh_by_shard_placement_fn_train_like_one_process() -> None:
+    """torch 2.13's per-parameter mesh (a mixture-of-experts block's experts on their own mesh): shard_placement_fn
+    returns a ShardPlacementResult for the middle layer, which is sharded HSDP-style over a (2, 2) mesh while the
+    rest is sharded over all 4 ranks; one fully_shard call, one group per mesh, the same training."""
+    from spmd.device_mesh import init_device_mesh
+    from spmd.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, ShardPlacementResult
+
+    def shard(model: nn.Module, mesh) -> None:
+        experts = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+        middle = {id(p) for p in model.layers[1].parameters()}
+
+        def place(param: nn.Parameter):
+            if id(param) in middle:
+                return ShardPlacementResult(Shard(0), HSDPMeshInfo(experts, shard_mesh_dim=1, replicate_mesh_dim=0))
+            return None
+        fully_shard(model, mesh=mesh, shard_placement_fn=place)
+
+    results = run_ranks(lambda rank, size: fsdp_train("mlp", rank, size, shard=shard), 4, timeout=TIMEOUT)
+    assert_parity(results, reference("mlp", 4))
+    for result in results:
+        model = result["model"]
+        assert len(model._fsdp_state().groups) == 2
+        placements = {name: param.placements for name, param in model.named_parameters()}
+        assert placements["layers.1.weight"] == (Replicate(), Shard(0))
+        assert placements["layers.0.weight"] == placements["layers.2.bias"] == (Shard(0),)
+        step = result["counts"][0][0]
+        assert step["all_gather"] == step["reduce_scatter"] == 1        # the call's own mesh: one of each
+
+
+def test_what_several_meshes_in_one_call_cannot_serve_is_refused() -> None:
+    from spmd.device_mesh import init_device_mesh
+    from spmd.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+
+    def body(rank: int, size: int) -> None:
+        mesh = init_device_mesh("cpu", (size,))
+        other = init_device_mesh("cpu", (2, 2))
+        with pytest.raises(ValueError, match=r"shards over a 1-d mesh \(shard_mesh_dim=0\) or a 2-d \(replicate, "):
+            FSDPMeshInfo(other, shard_mesh_dim=0)
+        on_other = ShardPlacementResult(None, FSDPMeshInfo(other, shard_mesh_dim=1, replicate_mesh_dim=0))
+        with pytest.raises(ValueError, match="reshard_after_forward=int reshards to a part of `mesh`"):
+            fully_shard(build("mlp"), mesh=mesh, reshard_after_forward=2,
+                        shard_placement_fn=lambda p: on_other if p.ndim == 1 else None)
+        model = fully_shard(build("mlp"), mesh=mesh, shard_placement_fn=lambda p: on_other if p.ndim == 1 else None)
+        model(batch("mlp", 2, seed=0)[0])               # names the module by its path
+        with pytest.raises(ValueError, match=r"set_all_reduce_hook: <root> \(FSDPMLP\) has parameters on 2 meshes"):
+            model.set_all_reduce_hook(lambda output: None)
+
+    run_ranks(body, 4, timeout=TIMEOUT)

@@ -21,6 +21,7 @@ from spmd.device_mesh import DeviceMesh, init_device_mesh
 from spmd.fsdp.comm import AllGather as AllGatherComm
 from spmd.fsdp.comm import ReduceScatter as ReduceScatterComm
 from spmd.fsdp.extension import has_extension
+from spmd.fsdp.mesh_info import ShardPlacementResult
 from spmd.fsdp.param import FSDPParam, ShardMesh, Slot
 from spmd.fsdp.param_group import FSDPParamGroup, GroupState, PostForwardMesh
 from spmd.fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -28,7 +29,7 @@ from spmd.fsdp.state import FSDPState, state_of
 from spmd.tensor import DTensor
 from spmd.tensor.placement import Replicate, Shard
 
-ShardPlacementFn = Callable[[nn.Parameter], Shard | None]
+ShardPlacementFn = Callable[[nn.Parameter], "Shard | ShardPlacementResult | None"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +84,18 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     shard_device = torch.device("cpu") if offload else shard_mesh.device
     pin_memory = offload and offload_policy.pin_memory and torch.accelerator.is_available()
     _move_buffers(modules, shard_mesh.device)
-    params = [FSDPParam(param, slots, fqn, shard_mesh, _shard_dim(shard_placement_fn, param, fqn),
-                        mp_policy.param_dtype, shard_device, pin_memory)
-              for param, slots, fqn in _managed_params(modules, ignored_params or set(), mesh)]
+    by_mesh: dict[ShardMesh, list[FSDPParam]] = {shard_mesh: []}
+    for param, slots, fqn in _managed_params(modules, ignored_params or set(), mesh):
+        dim, param_mesh = _placement(shard_placement_fn, param, fqn, shard_mesh)
+        by_mesh.setdefault(param_mesh, []).append(
+            FSDPParam(param, slots, fqn, param_mesh, dim, mp_policy.param_dtype, shard_device, pin_memory))
     name = "/".join(type(m).__name__ for m in modules)
-    group = _build_group(params, shard_mesh, mp_policy, post_forward_mesh, name) if params else None
-    FSDPState(modules, group, mp_policy, reshard_after_forward, name)
+    if post_forward_mesh is not None and len(by_mesh) > 1:
+        raise ValueError(f"fully_shard({name}): reshard_after_forward=int reshards to a part of `mesh`, but "
+                         f"shard_placement_fn put parameters on other meshes too; pass True or False")
+    groups = [_build_group(params, param_mesh, mp_policy, post_forward_mesh if param_mesh is shard_mesh else None,
+                           name) for param_mesh, params in by_mesh.items() if params]
+    FSDPState(modules, groups, mp_policy, reshard_after_forward, name)
     for m in modules:
         _become_fsdp_module(m)
     return list(modules) if isinstance(module, list) else module
@@ -97,13 +104,13 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
 class UnshardHandle:
     """An `unshard(async_op=True)` in flight; `wait()` makes the module hold its full parameters."""
 
-    def __init__(self, group: FSDPParamGroup | None) -> None:
-        self._group = group
+    def __init__(self, groups: list[FSDPParamGroup]) -> None:
+        self._groups = groups
 
     def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
+        for group in self._groups:
+            group.wait_for_unshard()
+        self._groups = []
 
 
 class FSDPModule:
@@ -126,10 +133,10 @@ class FSDPModule:
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters now (collective); with async_op, return a handle to wait on."""
-        group = self._fsdp_state().group
-        if group is not None:
+        groups = self._fsdp_state().groups
+        for group in groups:
             group.unshard(async_op=True)
-        handle = UnshardHandle(group)
+        handle = UnshardHandle(groups)
         if not async_op:
             handle.wait()
             return None
@@ -137,16 +144,15 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free this module's full parameters; the module holds its shards again."""
-        group = self._fsdp_state().group
-        if group is not None:
+        for group in self._fsdp_state().groups:
             group.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """With False, backward keeps accumulating unsharded gradients without a reduce-scatter (gradient
         accumulation); the next backward with True reduces the sum."""
         for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.requires_gradient_sync = requires_gradient_sync
+            for group in state.groups:
+                group.requires_gradient_sync = requires_gradient_sync
 
     def reduce_accumulated_gradients(self, *, recurse: bool = True) -> None:
         """Reduce-scatter now the unsharded gradients that backwards accumulated (with gradient sync off, or
@@ -154,8 +160,8 @@ class FSDPModule:
         reshard (when resharding after backward). Collective over the shard group; a group with no gradients
         only reshards."""
         for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.reduce_accumulated()
+            for group in state.groups:
+                group.reduce_accumulated()
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         for state in self._fsdp_states(recurse):
@@ -166,8 +172,8 @@ class FSDPModule:
         """With False, parameters stay unsharded after backward (no all-gather in the next micro-batch's forward;
         only valid while no optimizer step changes the shards)."""
         for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.reshard_after_backward = reshard_after_backward
+            for group in state.groups:
+                group.reshard_after_backward = reshard_after_backward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """With False, the end of backward leaves the last reduce-scatters in flight (micro-batching); the sharded
@@ -179,8 +185,8 @@ class FSDPModule:
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be positive, got {factor}")
         for state in self._fsdp_states(recurse=True):
-            if state.group is not None:
-                state.group.divide_factor = float(factor)
+            for group in state.groups:
+                group.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """torch's older name of set_gradient_divide_factor (deprecated there too)."""
@@ -192,8 +198,8 @@ class FSDPModule:
         """HSDP gradient accumulation: with False, each backward still reduce-scatters within the shard group, but
         the sums wait, unreduced across replicas, until a backward with True all-reduces them all at once."""
         for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.options.requires_all_reduce = requires_all_reduce
+            for group in state.groups:
+                group.options.requires_all_reduce = requires_all_reduce
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
                             stream: torch.Stream | None = None) -> None:
@@ -202,7 +208,7 @@ class FSDPModule:
         torchft's). In float32/bfloat16 the output is already averaged unless sums are forced
         (set_force_sum_reduction_for_comms), as torch shows it; `stream`, not with HSDP, is the stream to run
         it on."""
-        group = self._fsdp_state().group
+        group = self._single_group("set_all_reduce_hook")
         if group is None:
             return
         if stream is not None and group.replicate_group is not None:
@@ -211,11 +217,19 @@ class FSDPModule:
         group.options.all_reduce_hook = hook
         group.options.all_reduce_hook_stream = stream
 
+    def _single_group(self, what: str) -> FSDPParamGroup | None:
+        """This module's one parameter group (None without parameters); a ValueError when shard_placement_fn put
+        its parameters on several meshes, where a per-module setting would be ambiguous (as torch's)."""
+        state = self._fsdp_state()
+        if len(state.groups) > 1:
+            raise ValueError(f"{what}: {state.name} has parameters on {len(state.groups)} meshes (from "
+                             f"shard_placement_fn), so which of its groups it applies to is ambiguous")
+        return state.groups[0] if state.groups else None
+
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """With True, gradients are summed by the collectives and divided only after the all-reduce hook (spmd's
         collectives always sum; this decides what the hook sees, as in torch)."""
-        group = self._fsdp_state().group
-        if group is not None:
+        for group in self._fsdp_state().groups:
             group.options.force_sum = enable
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
@@ -223,8 +237,8 @@ class FSDPModule:
         ranks, as in mixture-of-experts) still reduce-scatters (zeros), so every rank runs the same collectives.
         Parameters without a gradient beside others with one always contribute zeros."""
         for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.options.reduce_unused = reduce_scatter_unused_params
+            for group in state.groups:
+                group.options.reduce_unused = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """Let up to `max_input_buffers` reduce-scatters (each holding its group's gradient buffer) stay in flight
@@ -236,15 +250,14 @@ class FSDPModule:
             raise ValueError(f"set_reduce_scatter_max_input_buffers: max_input_buffers must be at least 1, got "
                              f"{max_input_buffers}")
         for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.options.in_flight = max_input_buffers
+            for group in state.groups:
+                group.options.in_flight = max_input_buffers
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """With False, backward does not gather this module's parameters again: for parameters backward never
         reads, such as an embedding table's (its gradient needs only the indices). Their gradients are still
         reduced."""
-        group = self._fsdp_state().group
-        if group is not None:
+        for group in self._fsdp_state().groups:
             group.unshard_in_backward = unshard_in_backward
 
     def set_post_optim_event(self, event: torch.Event) -> None:
@@ -266,14 +279,14 @@ class FSDPModule:
     def set_custom_all_gather(self, comm: AllGatherComm) -> None:
         """Gather this module's parameters through `comm` (spmd.fsdp.comm.AllGather, torch's Comm protocol): its
         `allocate` makes the output buffer and its call issues the collective."""
-        group = self._fsdp_state().group
+        group = self._single_group("set_custom_all_gather")
         if group is not None:
             group.all_gather_comm = comm
 
     def set_custom_reduce_scatter(self, comm: ReduceScatterComm) -> None:
         """Reduce-scatter this module's gradients through `comm` (spmd.fsdp.comm.ReduceScatter), which spmd calls
         with ReduceOp.SUM (it divides afterwards)."""
-        group = self._fsdp_state().group
+        group = self._single_group("set_custom_reduce_scatter")
         if group is not None:
             group.reduce_scatter_comm = comm
 
@@ -282,10 +295,7 @@ class FSDPModule:
         ranks), so they proceed beside backward's all-gathers instead of queuing behind them on one group; False
         goes back to the shard group. Collective over each shard group's ranks, in the same order."""
         made: dict[tuple[int, ...], ProcessGroup] = {}
-        for state in self._fsdp_states(recurse):
-            group = state.group
-            if group is None:
-                continue
+        for group in (group for state in self._fsdp_states(recurse) for group in state.groups):
             if not enable:
                 group.reduce_scatter_group = group.shard_group
                 continue
@@ -308,14 +318,13 @@ class FSDPModule:
         """nn.Module._apply (to_empty, to, ...), then re-adopt the converted shards as the managed parameters."""
         states = self._fsdp_states(recurse=True)
         for state in states:
-            if state.group is not None and state.group.state is not GroupState.SHARDED:
+            if any(group.state is not GroupState.SHARDED for group in state.groups):
                 raise RuntimeError(f"{type(self).__name__}._apply (to/to_empty/...): {state.name} holds its "
                                    f"full parameters; call reshard() first")
         result = super()._apply(fn, recurse)   # type: ignore[misc]
         for state in states:
-            if state.group is not None:
-                for param in state.group.params:
-                    param.reset_sharded_param()
+            for param in state.params:
+                param.reset_sharded_param()
         return result
 
 
@@ -371,15 +380,14 @@ def _become_fsdp_module(module: nn.Module) -> None:
 
 def _reshard_before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     state = state_of(module)
-    if state is not None and state.group is not None:
-        state.group.reshard()
+    for group in state.groups if state is not None else []:
+        group.reshard()
 
 
 def _readopt_after_load(module: nn.Module, incompatible_keys: Any) -> None:
     state = state_of(module)
-    if state is not None and state.group is not None:
-        for param in state.group.params:
-            param.reset_sharded_param()
+    for param in state.params if state is not None else []:
+        param.reset_sharded_param()
 
 
 # -- the steps of fully_shard --------------------------------------------------------------------------------
@@ -561,26 +569,31 @@ def _unowned_modules(module: nn.Module) -> Iterable[tuple[str, nn.Module]]:
 def _owned_by_fsdp(param: DTensor, module: nn.Module) -> bool:
     for sub in module.modules():
         state = state_of(sub)
-        if state is not None and state.group is not None and any(p.sharded_param is param
-                                                                 for p in state.group.params):
+        if state is not None and any(p.sharded_param is param for p in state.params):
             return True
     return False
 
 
-def _shard_dim(shard_placement_fn: ShardPlacementFn | None, param: nn.Parameter, fqn: str) -> int:
-    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
-    if placement is None:
-        placement = Shard(0)
+def _placement(shard_placement_fn: ShardPlacementFn | None, param: nn.Parameter, fqn: str,
+               default: ShardMesh) -> tuple[int, ShardMesh]:
+    """The dim to shard `param` on and the mesh to shard it over: what shard_placement_fn returns (None:
+    Shard(0); a Shard; or a ShardPlacementResult naming another mesh), on `default` unless it names one."""
+    result = shard_placement_fn(param) if shard_placement_fn is not None else None
+    shard_mesh = default
+    if isinstance(result, ShardPlacementResult):
+        shard_mesh = _check_mesh(result.mesh_info.mesh, ())
+        result = result.placement
+    placement = Shard(0) if result is None else result
     if not isinstance(placement, Shard):
-        raise ValueError(f"fully_shard: shard_placement_fn returned {placement!r} for {fqn}; return a Shard(dim) "
-                         f"or None (Shard(0))")
+        raise ValueError(f"fully_shard: shard_placement_fn returned {placement!r} for {fqn}; return a Shard(dim), "
+                         f"a ShardPlacementResult or None (Shard(0))")
     if param.ndim == 0:
         raise ValueError(f"fully_shard: {fqn} is a scalar (0-d) parameter, which can't be sharded (nor can torch's "
                          f"fully_shard); make it a 1-d tensor of one element")
     dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
     if not 0 <= dim < param.ndim:
         raise ValueError(f"fully_shard: cannot shard {fqn} of shape {tuple(param.shape)} on dim {placement.dim}")
-    return dim
+    return dim, shard_mesh
 
 
 def _build_group(params: list[FSDPParam], shard_mesh: ShardMesh, mp_policy: MixedPrecisionPolicy,

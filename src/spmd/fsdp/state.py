@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from spmd._autograd import at_backward_end, in_backward, on_backward_reaching
 from spmd.comm.objects import all_gather_object
+from spmd.fsdp.param import FSDPParam
 from spmd.fsdp.param_group import FSDPParamGroup, GroupState, PendingReductions
 from spmd.fsdp.policy import MixedPrecisionPolicy
 
@@ -53,12 +54,15 @@ def state_of(module: nn.Module) -> FSDPState | None:
 
 
 class FSDPState:
-    """One fully_shard call's modules, their parameter group (None when they own no parameters) and hooks."""
+    """One fully_shard call's modules, their parameter groups (one per mesh their parameters are sharded over;
+    none when they own no parameters) and hooks."""
 
-    def __init__(self, modules: tuple[nn.Module, ...], group: FSDPParamGroup | None, mp_policy: MixedPrecisionPolicy,
+    def __init__(self, modules: tuple[nn.Module, ...], groups: list[FSDPParamGroup], mp_policy: MixedPrecisionPolicy,
                  reshard_after_forward: bool | int, name: str) -> None:
         self.modules = modules
-        self.group = group
+        self.groups = groups
+        self.group = groups[0] if groups else None    # the call's mesh's (the only one, unless shard_placement_fn
+                                                       # put parameters on other meshes)
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward
         self.name = name
@@ -84,6 +88,10 @@ class FSDPState:
     def is_root(self) -> bool:
         return self.root is self
 
+    @property
+    def params(self) -> list[FSDPParam]:
+        return [param for group in self.groups for param in group.params]
+
     # -- lazy init ------------------------------------------------------------------------------------------
 
     def _lazy_init(self) -> None:
@@ -102,9 +110,9 @@ class FSDPState:
         _name_by_path(self)
         for state in tree:
             state.root = self
-            if state.group is not None:
-                state.group.reductions = self.reductions
-                _check_materialised(state)
+            for group in state.groups:
+                group.reductions = self.reductions
+            _check_materialised(state)
         self.tree = tree
         self.reshard_after_forward = False    # backward needs the root's parameters first
         _check_same_model_on_every_rank(self)
@@ -115,8 +123,8 @@ class FSDPState:
         if self.root is None:
             self._lazy_init()
         if in_backward():                     # recomputation (see Note: one training step under FSDP)
-            if self.group is not None:
-                self.group.pre_backward()     # reentrant checkpointing: no output hook ran pre-backward
+            for group in self.groups:
+                group.pre_backward()          # reentrant checkpointing: no output hook ran pre-backward
             return args, kwargs
         root = self.root
         assert root is not None
@@ -125,12 +133,13 @@ class FSDPState:
                 self.post_optim_event.wait()          # the stream the all-gathers run on waits for the step
                 self.post_optim_event = None
             for state in root.tree:
-                if state.group is not None:
-                    state.group.drop_post_forward_copy()
-        if self.group is not None:
-            self.group.wait_for_unshard()
-            if module.training:
-                self.group.expect_input_grads([t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)])
+                for group in state.groups:
+                    group.drop_post_forward_copy()
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)] if module.training else None
+        for group in self.groups:
+            group.wait_for_unshard()
+            if inputs is not None:
+                group.expect_input_grads(inputs)
         if not root._order_recorded and self not in root.forward_order:
             root.forward_order.append(self)
         self._prefetch(self._forward_prefetch_targets())
@@ -146,8 +155,8 @@ class FSDPState:
         self._finished_forward.add(id(module))
         if len(self._finished_forward) == len(self.modules):
             self._finished_forward.clear()
-            if self.group is not None:
-                self.group.reshard_after_forward(self.reshard_after_forward)
+            for group in self.groups:
+                group.reshard_after_forward(self.reshard_after_forward)
             if not root._order_recorded and self not in root.post_forward_order:
                 root.post_forward_order.append(self)
             if self.is_root:
@@ -176,9 +185,9 @@ class FSDPState:
         if root.backward_pass is BackwardPass.IDLE:
             root.backward_pass = BackwardPass.RUNNING
             at_backward_end(root._finish_backward)
-        if self.group is not None:
-            self.group.pre_backward()
-        self._prefetch(self._backward_prefetch_targets())
+        for group in self.groups:
+            group.pre_backward()
+        self._prefetch(self._backward_prefetch_targets(), backward=True)
 
     def _backward_prefetch_targets(self) -> list[FSDPState]:
         if self.backward_prefetch is not None:
@@ -187,7 +196,7 @@ class FSDPState:
             order = self.root.post_forward_order if self.root is not None else []
             index = order.index(self) if self in order else -1
             targets = order[index - 1: index] if index >= 1 else []
-        return [state for state in targets if state.group is None or state.group.unshard_in_backward]
+        return targets
 
     def reset_iteration(self) -> None:
         """Root only: after an exception cut a forward or backward short, wait for what is in flight, reshard every
@@ -198,24 +207,25 @@ class FSDPState:
                 reduction.work.wait()
         for state in self.tree or [self]:
             state._finished_forward.clear()
-            if state.group is not None:
-                state.group.abandon_iteration()
+            for group in state.groups:
+                group.abandon_iteration()
         self.backward_pass = BackwardPass.IDLE
 
     def _finish_backward(self) -> None:
         """Root only, once at the end of each backward (see Note: one training step under FSDP, step 6)."""
         for state in self.tree:
-            if state.group is not None:
-                state.group.finish_backward()
+            for group in state.groups:
+                group.finish_backward()
         if self.is_last_backward:
             self.reductions.finish_all()
         self.backward_pass = BackwardPass.IDLE
 
     @staticmethod
-    def _prefetch(states: list[FSDPState]) -> None:
-        for state in states:
-            if state.group is not None and state.group.state in (GroupState.SHARDED, GroupState.SHARDED_POST_FORWARD):
-                state.group.unshard(async_op=True)
+    def _prefetch(states: list[FSDPState], backward: bool = False) -> None:
+        for group in (group for state in states for group in state.groups):
+            if group.state in (GroupState.SHARDED, GroupState.SHARDED_POST_FORWARD) and \
+                    (group.unshard_in_backward or not backward):
+                group.unshard(async_op=True)
 
 
 def _name_by_path(root: FSDPState) -> None:
@@ -225,10 +235,10 @@ def _name_by_path(root: FSDPState) -> None:
         if state is None or state.modules[0] is not sub:
             continue
         state.name = f"{path or '<root>'} ({type(sub).__name__})"
-        if state.group is not None:
-            state.group.name = state.name
-            if path and not state.group.params[0].fqn.startswith(f"{path}."):
-                for param in state.group.params:
+        for index, group in enumerate(state.groups):
+            group.name = state.name if index == 0 else f"{state.name} [mesh {index}]"
+            if path and not group.params[0].fqn.startswith(f"{path}."):
+                for param in group.params:
                     param.fqn = f"{path}.{param.fqn}"
 
 
@@ -237,8 +247,7 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 
 
 def _check_materialised(state: FSDPState) -> None:
-    assert state.group is not None
-    for param in state.group.params:
+    for param in state.params:
         param.check_slots_hold(param.sharded_param)
         if param.local_shard.device.type == "meta":
             raise RuntimeError(f"fully_shard: parameter {param.fqn} is still on the meta device at the first "
@@ -248,7 +257,7 @@ def _check_materialised(state: FSDPState) -> None:
 def _check_same_model_on_every_rank(root: FSDPState) -> None:
     """Every rank of the root's mesh sharded the same parameters (names, shapes, dtypes), so that collectives
     match; else a ValueError naming the first difference. Collective over each mesh dim's group."""
-    groups = [state.group for state in root.tree if state.group is not None]
+    groups = [group for state in root.tree for group in state.groups]
     if not groups:
         return
     signature = [(group.name, [(p.fqn, tuple(p.shape), str(p.orig_dtype)) for p in group.params])

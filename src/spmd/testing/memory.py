@@ -121,8 +121,8 @@ def fsdp_categories(model: torch.nn.Module,
                 if key is not None:
                     names.setdefault(key, category)
 
-        groups = [state.group for sub in model.modules() if (state := state_of(sub)) is not None
-                  and state.group is not None and state.modules[0] is sub]
+        groups = [group for sub in model.modules() if (state := state_of(sub)) is not None
+                  and state.modules[0] is sub for group in state.groups]
         sharded = [param.sharded_param for group in groups for param in group.params]
         name(sharded, "sharded parameters")          # the modules may hold unsharded ones right now
         name((p.grad for p in sharded if p.grad is not None), "sharded gradients")
