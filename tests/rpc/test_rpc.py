@@ -146,6 +146,11 @@ def read_through(rref: rpc.RRef) -> Any:
     return rref.rpc_sync().bump(0), rref.owner_name(), rref.is_owner()
 
 
+def held_by_owner(rref: rpc.RRef) -> tuple[bool, int]:
+    """On the owner: an RRef of its own sent back to it (counted as it is unpickled, no fork call)."""
+    return rref.is_owner(), rref.local_value().value
+
+
 def owner_count(rref_id: tuple[int, int]) -> int:
     table = rpc_api._table()
     with table.lock:
@@ -172,6 +177,7 @@ def test_rrefs_reach_their_value_and_the_owner_drops_it_with_the_last_rref() -> 
         got["local"] = (local.is_owner(), local.local_value(), local.to_here())
         rref_id = counter._id
         got["counted"] = rpc.rpc_sync("w1", owner_count, (rref_id,))
+        got["at_owner"] = [rpc.rpc_sync("w1", held_by_owner, (counter,)) for _ in range(3)]
         del counter
         gc.collect()
         got["released"] = rpc.rpc_sync("w1", wait_released, (rref_id,))
@@ -181,7 +187,8 @@ def test_rrefs_reach_their_value_and_the_owner_drops_it_with_the_last_rref() -> 
     assert (got["to_here"], got["bumped"], got["async"], got["remote"]) == (5, 7, 10, 11)
     assert got["owner"] == "w1" and not got["mine"] and got["third"] == (10, "w1", False)
     assert got["local"][0] and torch.equal(got["local"][1], torch.arange(3))
-    assert got["counted"] == 1 and got["released"]     # the fork to w2 was counted and released again
+    assert got["at_owner"] == [(True, 11)] * 3
+    assert got["counted"] == 1 and got["released"]     # the fork to w2 and the copies sent to w1 came and went
 
 
 def test_bad_arguments_are_refused_naming_them() -> None:

@@ -57,6 +57,8 @@ _SHUTDOWN_SLICE_S = 1.0     # a graceful shutdown looks again for peers found de
 _HEADER = struct.Struct("<qqq")  # a message's body length (or _STOP, _ACK), its tensors sent apart, its ack id
 _ADDRESS = struct.Struct("<q")   # per tensor sent apart: its address (by reference), or 0 (its bytes follow)
 _ACK = -2
+DESTINATION: contextvars.ContextVar[int | None] = contextvars.ContextVar("spmd_rpc_destination", default=None)
+"""The rank a request being pickled goes to (set while `call` encodes it)."""
 _Payload = tuple[bytes, list[torch.Tensor]]
 _STOP_MESSAGE: _Payload = (b"stop", [])     # queued (by identity) in place of a message: send the STOP header
 
@@ -189,7 +191,11 @@ class RpcAgent:
             self._pool.submit(self._context.copy().run, self._run_local, future, function, args, kwargs, what)
             return future
         call_id = next(self._call_ids)
-        payload = wire.encode(("request", call_id, function, args, kwargs))
+        token = DESTINATION.set(to.id)       # for what pickles itself differently toward its owner (an RRef)
+        try:
+            payload = wire.encode(("request", call_id, function, args, kwargs))
+        finally:
+            DESTINATION.reset(token)
         with self._lock:
             self._check_running(what)
             lost = self._peer_errors.get(to.id)

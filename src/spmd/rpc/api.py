@@ -26,7 +26,7 @@ import torch
 
 from spmd.comm.world import World, current_world, is_initialized, new_group, rendezvous
 from spmd.rpc import dist_autograd
-from spmd.rpc.agent import RpcAgent, WorkerInfo
+from spmd.rpc.agent import DESTINATION, RpcAgent, WorkerInfo
 from spmd.rpc.options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions
 
 T = TypeVar("T")
@@ -302,6 +302,10 @@ class RRef(Generic[T]):
     def __reduce__(self) -> tuple:
         if self.is_owner():
             _table().count(self._id, 1)
+        elif DESTINATION.get() == self._owner.id:
+            # going to its owner: the owner counts the copy as it unpickles it, before it reads any later message
+            # of ours (a release of this RRef among them), so no fork call is needed
+            return _unpickle_at_owner, (self._owner, self._id)
         else:
             self._agent.call(self._owner, _owner_count, (self._id, 1), {}, self._agent.rpc_timeout,
                              "RRef fork").wait()
@@ -322,6 +326,11 @@ class RRef(Generic[T]):
 
     def __repr__(self) -> str:
         return f"{'OwnerRRef' if self.is_owner() else 'UserRRef'}(owner={self._owner.name}, id={self._id})"
+
+
+def _unpickle_at_owner(owner: WorkerInfo, rref_id: tuple[int, int]) -> RRef:
+    _table().count(rref_id, 1)
+    return RRef._user(owner, rref_id, None)
 
 
 def _unpickle_rref(owner: WorkerInfo, rref_id: tuple[int, int]) -> RRef:
