@@ -655,18 +655,22 @@ def test_parameters_and_buffers_set_to_be_ignored_are_neither_broadcast_nor_redu
     assert not torch.equal(r0["local_grad"], r1["local_grad"])                                     # local
 
 
-@pytest.mark.parametrize("gradient_as_bucket_view", [False, True])
-def test_optimizers_applied_in_backward_step_on_the_averaged_gradients(gradient_as_bucket_view: bool) -> None:
-    """torch's _apply_optimizer_in_backward under DDP: each parameter's optimizer steps once its bucket's average
-    is written back (not on the local gradient), then its gradient is freed; the same training as an ordinary
-    optimizer stepped after backward."""
+@pytest.mark.parametrize("how", ["apply_in_backward", "fused", "apply_in_backward, bucket view"])
+def test_optimizers_applied_in_backward_step_on_the_averaged_gradients(how: str) -> None:
+    """torch's _apply_optimizer_in_backward under DDP, and DDP's _register_fused_optim: each parameter's optimizer
+    steps once its bucket's average is written back (not on the local gradient), then its gradient is freed; the
+    same training as an ordinary optimizer stepped after backward."""
     from spmd.optim import _apply_optimizer_in_backward, _get_in_backward_optimizers
 
     def train(rank: int, size: int, in_backward: bool) -> tuple[list[float], list[torch.Tensor], bool]:
         model = build("mlp", seed=0)
-        if in_backward:
+        if in_backward and how != "fused":
             _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": LR, "momentum": 0.9})
-        ddp = spmd.DistributedDataParallel(model, gradient_as_bucket_view=gradient_as_bucket_view)
+        ddp = spmd.DistributedDataParallel(model, gradient_as_bucket_view=how.endswith("bucket view"))
+        if in_backward and how == "fused":
+            ddp._register_fused_optim(torch.optim.SGD, LR, momentum=0.9)
+            with pytest.raises(RuntimeError, match="an optimizer is already registered on this wrapper"):
+                ddp._register_fused_optim(torch.optim.SGD, LR)
         opt = None if in_backward else optimizer(ddp.parameters())
         losses = []
         for step in range(3):

@@ -75,6 +75,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._ignored = ignored_names(module)       # set before wrapping (_set_params_and_buffers_to_ignore...)
+        self._fused_optim_registered = False
         named = _trainable(module, self.process_group)
         self._param_names = [name for name, _ in named]
         self._params = [param for _, param in named]
@@ -124,6 +125,28 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.reducer.arm()
         else:
             self.reducer.disarm()
+
+    def _register_fused_optim(self, optim: type[torch.optim.Optimizer], *args: Any,
+                              optim_params: Any = None, **kwargs: Any) -> None:
+        """torch's optimizer overlapped with DDP: `optim(param, *args, **kwargs)` for each of `optim_params` (by
+        default every parameter DDP reduces), stepped as soon as that parameter's averaged gradient is written
+        back, which then frees the gradient (as _apply_optimizer_in_backward's). Once per wrapper, as torch's.
+        Unlike torch's, it composes with comm hooks and no_sync (the step waits for the synced backward)."""
+        if self._fused_optim_registered:
+            raise RuntimeError("DistributedDataParallel._register_fused_optim: an optimizer is already registered on "
+                               "this wrapper; register one, once (as torch)")
+        params = list(optim_params) if optim_params is not None else self._params
+        reduced = {id(param) for param in self._params}
+        outside = [param for param in params if id(param) not in reduced]
+        if outside:
+            raise ValueError(f"DistributedDataParallel._register_fused_optim: {len(outside)} of optim_params are not "
+                             f"parameters this wrapper reduces")
+        for param in params:
+            if not hasattr(param, "_in_backward_optimizers"):
+                param._in_backward_optimizers = []    # type: ignore[attr-defined]
+            param._in_backward_optimizers.append(optim([param], *args, **kwargs))   # type: ignore[attr-defined]
+            setattr(param, STEPS_IN_BACKWARD, True)
+        self._fused_optim_registered = True
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
