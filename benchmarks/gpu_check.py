@@ -149,8 +149,24 @@ def _parallel_steps(rows: list[Row], rank: int, world: int, device: torch.device
         for got, expected in zip(model.parameters(), want, strict=True):
             _expect(got.full_tensor(), expected, "FSDP2 parameter", rtol=1e-5)
 
+    def fsdp_mixed_dtypes() -> None:
+        from spmd.device_mesh import init_device_mesh
+
+        model = _mlp().to(device)        # a frozen int64 table beside float32 weights: the byte all-gather path
+        model.register_parameter("table", torch.nn.Parameter(torch.arange(64, device=device), requires_grad=False))
+        mesh = init_device_mesh("cuda", (world,))
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        model(x.chunk(world)[rank]).square().mean().backward()
+        optimizer.step()
+        params = [p for name, p in model.named_parameters() if name != "table"]
+        for got, expected in zip(params, want, strict=True):
+            _expect(got.full_tensor(), expected, "FSDP2 parameter", rtol=1e-5)
+        _expect(model.table.full_tensor(), torch.arange(64), "frozen int64 table")
+
     _check(rows, "DDP step vs one process", ddp)
     _check(rows, "FSDP2 step vs one process", fsdp)
+    _check(rows, "FSDP2 step, frozen int64 beside float32 (byte all-gather)", fsdp_mixed_dtypes)
 
 
 def _nccl_rank(rank: int, world: int, port: int, out_file: str) -> None:
