@@ -66,7 +66,7 @@ class _TimedWaits:
     """Wraps the collectives spmd's FSDP issues so that every wait on them is timed (the exposed communication)."""
 
     def __init__(self) -> None:
-        from spmd.fsdp import comm     # the default all-gather and reduce-scatter call these
+        from spmd.fsdp import comm  # the default all-gather and reduce-scatter call these
 
         self.seconds = 0.0
         for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
