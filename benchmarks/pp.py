@@ -2,7 +2,8 @@
 of recorded steps against the validator's prediction.
 
     python benchmarks/pp.py [--steps 10] [--repeats 2] [--schedules GPipe:4,1F1B:8] [--render timeline.svg]
-    python benchmarks/pp.py --layers 2 --width 64 --steps 2 --repeats 1 --bubble-steps 1 --blocks 1,1 --zb-blocks 1,1,0,0   # smoke
+    python benchmarks/pp.py --layers 2 --width 64 --steps 2 --repeats 1 --bubble-steps 1 \\
+        --blocks 1,1 --zb-blocks 1,1,0,0   # smoke check
 
 The GPT of examples/gpt.py (default: 4 layers, width 256, 4 heads, context 128, vocabulary 4096: 5.3 M
 parameters), AdamW, cut into 2 stages on 2 ranks x 1 torch thread, a global batch of 8 sequences of 128 tokens.
