@@ -343,10 +343,16 @@ class FSDPParamGroup:
         if self.unshard_in_backward:
             self.wait_for_unshard()
 
+    @property
+    def watches_inputs(self) -> bool:
+        """Whether post-backward also waits for backward to pass its modules' inputs (see Note: when a group's
+        backward is over)."""
+        return self.has_frozen or self.options.reduce_unused
+
     def expect_input_grads(self, inputs: list[Tensor]) -> None:
         """A training forward of the group's modules took `inputs`: with frozen parameters, post-backward also
         waits for backward to pass through it (see Note: when a group's backward is over)."""
-        if not (self.has_frozen or self.options.reduce_unused):
+        if not self.watches_inputs:
             return
         if not torch.is_grad_enabled() or after_backward_through(inputs, self._on_input_grads) is None:
             self._inputs_untracked = True

@@ -135,10 +135,11 @@ class FSDPState:
             for state in root.tree:
                 for group in state.groups:
                     group.drop_post_forward_copy()
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)] if module.training else None
+        watching = module.training and any(group.watches_inputs for group in self.groups)
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)] if watching else []
         for group in self.groups:
             group.wait_for_unshard()
-            if inputs is not None:
+            if watching:
                 group.expect_input_grads(inputs)
         if not root._order_recorded and self not in root.forward_order:
             root.forward_order.append(self)
@@ -191,12 +192,10 @@ class FSDPState:
 
     def _backward_prefetch_targets(self) -> list[FSDPState]:
         if self.backward_prefetch is not None:
-            targets = self.backward_prefetch
-        else:
-            order = self.root.post_forward_order if self.root is not None else []
-            index = order.index(self) if self in order else -1
-            targets = order[index - 1: index] if index >= 1 else []
-        return targets
+            return self.backward_prefetch
+        order = self.root.post_forward_order if self.root is not None else []
+        index = order.index(self) if self in order else -1
+        return order[index - 1: index] if index >= 1 else []
 
     def reset_iteration(self) -> None:
         """Root only: after an exception cut a forward or backward short, wait for what is in flight, reshard every
