@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from spmd.device_mesh import DeviceMesh
 from spmd.fsdp.policy import MixedPrecisionPolicy
+from spmd.fsdp.storage import alloc_storage, free_storage, holds_memory
 from spmd.tensor.spec import contiguous_stride
 
 _PRE = "fsdp_pre_all_gather"
@@ -100,7 +101,7 @@ class GatherExtension:
             self.outputs = [torch.empty(group_size * shape.numel(), dtype=dtype, device=device)
                             for shape, dtype in zip(self.input_shapes, self.input_dtypes, strict=True)]
         for tensor in self.outputs:
-            _alloc_storage(tensor)
+            alloc_storage(tensor)
         return [tensor.view(torch.uint8).view(group_size, -1) for tensor in self.outputs]
 
     def unsharded(self, local: Tensor, param_dtype: torch.dtype, out: Tensor | None) -> Tensor | None:
@@ -112,7 +113,7 @@ class GatherExtension:
         metadata, self.metadata = self.metadata, None
         if out is not None:
             for tensor in self.inner:
-                _alloc_storage(tensor)
+                alloc_storage(tensor)
             # the refill restores what autograd saved in forward (see Note: FSDP tensors in param.py)
             with torch.autograd._unsafe_preserve_version_counter(out):
                 post(outputs, metadata, param_dtype, out=out)
@@ -128,13 +129,11 @@ class GatherExtension:
     def free(self) -> None:
         """Free the storage of the gather outputs and the inner tensors (the tensors themselves stay)."""
         for tensor in (*self.outputs, *self.inner):
-            storage = tensor.untyped_storage()
-            if storage.nbytes():
-                storage.resize_(0)
+            free_storage(tensor)
 
     def held(self) -> list[Tensor]:
         """The tensors holding memory now, for memory accounting."""
-        return [t for t in (*self.outputs, *self.inner) if t.untyped_storage().nbytes()]
+        return [t for t in (*self.outputs, *self.inner) if holds_memory(t)]
 
 
 def _padded(tensor: Tensor, local_shape: torch.Size, padded_shape: torch.Size) -> Tensor:
@@ -146,9 +145,3 @@ def _padded(tensor: Tensor, local_shape: torch.Size, padded_shape: torch.Size) -
     padded[: tensor.shape[0]].copy_(tensor)
     return padded
 
-
-def _alloc_storage(tensor: Tensor) -> None:
-    nbytes = tensor.numel() * tensor.element_size()
-    storage = tensor.untyped_storage()
-    if storage.nbytes() != nbytes:
-        storage.resize_(nbytes)

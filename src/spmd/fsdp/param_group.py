@@ -52,6 +52,7 @@ from spmd.fsdp.comm import ReduceScatter as ReduceScatterComm
 from spmd.fsdp.extension import GatherExtension
 from spmd.fsdp.param import FSDPParam, ShardMesh
 from spmd.fsdp.policy import MixedPrecisionPolicy
+from spmd.fsdp.storage import alloc_storage, free_storage, holds_memory
 
 
 class GroupState(enum.Enum):
@@ -180,7 +181,7 @@ class FSDPParamGroup:
         if self._partial is not None:
             comm.append(self._partial)
         unsharded = [] if self._unsharded is None else [self._unsharded]
-        unsharded += [t for t in self._separate if t.untyped_storage().nbytes()]
+        unsharded += [t for t in self._separate if holds_memory(t)]
         unsharded += [t for extension in self._extensions for t in extension.held()]
         return {"unsharded parameters": unsharded,
                 "unsharded gradients": [g for g in (p.unsharded_grad() for p in self.grad_params) if g is not None],
@@ -305,9 +306,7 @@ class FSDPParamGroup:
             for param, segment in zip(plain, self._unsharded.split(sizes), strict=True):
                 param.init_unsharded(segment)
         else:
-            storage = self._unsharded.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(total * self._unsharded.element_size())
+            alloc_storage(self._unsharded)
         return self._unsharded
 
     def _allocate_separate(self, params: list[FSDPParam]) -> list[Tensor]:
@@ -319,16 +318,12 @@ class FSDPParamGroup:
             for param, buffer in zip(params, self._separate, strict=True):
                 param.init_unsharded(buffer)
         for buffer in self._separate:
-            nbytes = buffer.numel() * buffer.element_size()
-            if buffer.untyped_storage().nbytes() != nbytes:
-                buffer.untyped_storage().resize_(nbytes)
+            alloc_storage(buffer)
         return self._separate
 
     def _free_unsharded(self) -> None:
-        if self._unsharded is not None:
-            self._unsharded.untyped_storage().resize_(0)
-        for buffer in self._separate:
-            buffer.untyped_storage().resize_(0)
+        for buffer in ([] if self._unsharded is None else [self._unsharded]) + self._separate:
+            free_storage(buffer)
         for extension in self._extensions:
             extension.free()
 
