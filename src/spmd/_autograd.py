@@ -1,5 +1,6 @@
 """Autograd plumbing for the data-parallel wrappers: run code when a backward pass reaches given tensors, when a
-parameter's gradient has been accumulated, and once when the running backward pass ends.
+parameter's gradient has been accumulated, and once when the running backward pass ends; and the optimizers a
+parameter steps in backward (torch's `_in_backward_optimizers` protocol), which DDP and the optim package share.
 
 Layer: _autograd (beside _core, below comm). It imports torch and nothing from spmd, so that DDP and FSDP,
 siblings at layer 4 that must not import each other, share it. Nothing here communicates. It is not in `_core`
@@ -90,3 +91,33 @@ def _indexed(callback: Callable[[int], None], index: int) -> Callable[[Tensor], 
     def hook(_param: Tensor) -> None:
         callback(index)
     return hook
+
+
+# -- optimizers stepped in backward (torch's protocol: a parameter's `_in_backward_optimizers` list) -------------
+
+DDP_STEPS_IN_BACKWARD = "_ddp_steps_in_backward"   # on a parameter whose in-backward optimizers DDP steps, after
+                                                  # its bucket's average is written back (ddp/reducer.py)
+
+
+def add_in_backward_optimizer(param: Tensor, optimizer: torch.optim.Optimizer, optimizer_class: type,
+                              optimizer_kwargs: dict) -> None:
+    """Attach `optimizer` to `param` as torch's _apply_optimizer_in_backward does (its class and kwargs beside it,
+    for checkpointing)."""
+    if not hasattr(param, "_in_backward_optimizers"):
+        param._in_backward_optimizers = []      # type: ignore[attr-defined]
+        param._optimizer_classes = []           # type: ignore[attr-defined]
+        param._optimizer_kwargs = []            # type: ignore[attr-defined]
+    param._in_backward_optimizers.append(optimizer)   # type: ignore[attr-defined]
+    param._optimizer_classes.append(optimizer_class)  # type: ignore[attr-defined]
+    param._optimizer_kwargs.append(optimizer_kwargs)  # type: ignore[attr-defined]
+
+
+def in_backward_optimizers(param: Tensor) -> list[torch.optim.Optimizer]:
+    return getattr(param, "_in_backward_optimizers", [])
+
+
+def step_in_backward(param: Tensor) -> None:
+    """Step `param`'s in-backward optimizers on its gradient, then free the gradient."""
+    for optimizer in in_backward_optimizers(param):
+        optimizer.step()
+    param.grad = None

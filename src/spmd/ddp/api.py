@@ -19,13 +19,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from spmd._autograd import DDP_STEPS_IN_BACKWARD, add_in_backward_optimizer, in_backward_optimizers
 from spmd.comm.group import NonMemberGroup, ProcessGroup
 from spmd.comm.join import Join, Joinable, JoinHook
 from spmd.comm.objects import all_gather_object
 from spmd.comm.world import resolve_group
 from spmd.ddp.bucket import FIRST_BUCKET_BYTES
 from spmd.ddp.join import DDPJoinHook, announce_sync
-from spmd.ddp.reducer import STEPS_IN_BACKWARD, CommHook, Reducer
+from spmd.ddp.reducer import CommHook, Reducer
 from spmd.ddp.sync import IGNORE_ATTR, broadcast_module_state, ignored_names
 
 _MIB = 1 << 20
@@ -90,8 +91,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if bucket_bytes <= 0:
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be positive, got {bucket_cap_mb}")
         for param in self._params:
-            if hasattr(param, "_in_backward_optimizers"):   # step them once the average is in (see reducer.py)
-                setattr(param, STEPS_IN_BACKWARD, True)
+            if in_backward_optimizers(param):   # step them once the average is in (see reducer.py)
+                setattr(param, DDP_STEPS_IN_BACKWARD, True)
         self.reducer = Reducer(self._params, self._param_names, self.process_group, bucket_bytes,
                                min(FIRST_BUCKET_BYTES, bucket_bytes), find_unused_parameters, static_graph,
                                gradient_as_bucket_view)
@@ -142,10 +143,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise ValueError(f"DistributedDataParallel._register_fused_optim: {len(outside)} of optim_params are not "
                              f"parameters this wrapper reduces")
         for param in params:
-            if not hasattr(param, "_in_backward_optimizers"):
-                param._in_backward_optimizers = []    # type: ignore[attr-defined]
-            param._in_backward_optimizers.append(optim([param], *args, **kwargs))   # type: ignore[attr-defined]
-            setattr(param, STEPS_IN_BACKWARD, True)
+            add_in_backward_optimizer(param, optim([param], *args, **kwargs), optim, kwargs)
+            setattr(param, DDP_STEPS_IN_BACKWARD, True)
         self._fused_optim_registered = True
 
     @staticmethod

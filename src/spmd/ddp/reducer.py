@@ -32,7 +32,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from spmd._autograd import at_backward_end, on_backward_reaching, on_grad_accumulated
+from spmd._autograd import (
+    DDP_STEPS_IN_BACKWARD,
+    at_backward_end,
+    on_backward_reaching,
+    on_grad_accumulated,
+    step_in_backward,
+)
 from spmd._core.errors import SpmdError
 from spmd.comm.collectives import all_reduce
 from spmd.comm.group import ProcessGroup
@@ -41,8 +47,6 @@ from spmd.comm.work import Work
 from spmd.ddp.bucket import Bucket, GradBucket, assign_buckets
 
 CommHook = Callable[[object, GradBucket], torch.futures.Future]
-STEPS_IN_BACKWARD = "_ddp_steps_in_backward"   # on a parameter whose in-backward optimizers DDP steps (see
-                                               # optim/apply_optimizer_in_backward.py)
 
 
 class ReducerState(enum.Enum):
@@ -275,10 +279,8 @@ class Reducer:
                     param.grad = view.clone()
                 elif not _aliases(param.grad, view):
                     param.grad.copy_(view)
-                if getattr(param, STEPS_IN_BACKWARD, False):
-                    for optimizer in param._in_backward_optimizers:    # type: ignore[attr-defined]
-                        optimizer.step()
-                    param.grad = None
+                if getattr(param, DDP_STEPS_IN_BACKWARD, False):
+                    step_in_backward(param)
 
     def shadow_iteration(self) -> None:
         """Run the collectives of one iteration on zero gradients (a joined rank keeping pace; see join.py).

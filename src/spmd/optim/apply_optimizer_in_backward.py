@@ -5,7 +5,8 @@ Layer 4. The step runs in the parameter's post-accumulate-grad hook. Under data 
 reduced first: FSDP2 runs the sharded parameter's hooks once its gradient is reduced (so the hook steps the
 shard with the average), and DistributedDataParallel, finding the optimizers on its parameters (the
 `_in_backward_optimizers` attribute, as torch's DDP looks for), defers them: the hook stands aside
-(`_ddp_steps_in_backward`) and DDP steps them once each bucket's average is written back.
+(`_ddp_steps_in_backward`) and DDP steps them once each bucket's average is written back. The protocol itself
+lives in spmd._autograd, which DDP shares.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-DDP_STEPS = "_ddp_steps_in_backward"     # set on a parameter by DDP (reducer.py): its all-reduce first, then the step
+from spmd._autograd import DDP_STEPS_IN_BACKWARD, add_in_backward_optimizer, in_backward_optimizers, step_in_backward
 
 
 def _apply_optimizer_in_backward(optimizer_class: type[torch.optim.Optimizer], params: Iterable[nn.Parameter],
@@ -26,28 +27,18 @@ def _apply_optimizer_in_backward(optimizer_class: type[torch.optim.Optimizer], p
     nothing to step). With register_hook=False the optimizers are only attached (`_in_backward_optimizers`), for
     a wrapper that steps them itself."""
     for param in params:
-        optimizer = optimizer_class([param], **optimizer_kwargs)
-        if not hasattr(param, "_in_backward_optimizers"):
-            param._in_backward_optimizers = []      # type: ignore[attr-defined]
-            param._optimizer_classes = []           # type: ignore[attr-defined]
-            param._optimizer_kwargs = []            # type: ignore[attr-defined]
+        add_in_backward_optimizer(param, optimizer_class([param], **optimizer_kwargs), optimizer_class,
+                                  optimizer_kwargs)
         if register_hook and not getattr(param, "_in_backward_hooked", False):
-            param.register_post_accumulate_grad_hook(_step_in_backward)     # one hook steps them all
+            param.register_post_accumulate_grad_hook(_step_unless_ddp_does)     # one hook steps them all
             param._in_backward_hooked = True        # type: ignore[attr-defined]
-        param._in_backward_optimizers.append(optimizer)   # type: ignore[attr-defined]
-        param._optimizer_classes.append(optimizer_class)  # type: ignore[attr-defined]
-        param._optimizer_kwargs.append(optimizer_kwargs)  # type: ignore[attr-defined]
 
 
-def _step_in_backward(param: torch.Tensor) -> None:
-    if getattr(param, DDP_STEPS, False):
-        return
-    for optimizer in param._in_backward_optimizers:      # type: ignore[attr-defined]
-        optimizer.step()
-    param.grad = None
+def _step_unless_ddp_does(param: torch.Tensor) -> None:
+    if not getattr(param, DDP_STEPS_IN_BACKWARD, False):
+        step_in_backward(param)
 
 
 def _get_in_backward_optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:
     """The in-backward optimizers of `module`'s parameters (for checkpointing their state; not to be stepped)."""
-    return [optimizer for param in module.parameters()
-            for optimizer in getattr(param, "_in_backward_optimizers", [])]
+    return [optimizer for param in module.parameters() for optimizer in in_backward_optimizers(param)]
