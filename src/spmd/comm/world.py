@@ -97,13 +97,9 @@ class World:
         if self.rank not in ranks:
             group: AnyGroup = NonMemberGroup(name, ranks, self.rank)
         else:
-            group_store = PrefixStore(f"{self.prefix}/group/{name}", self.store)
-            spec = TransportSpec(store=group_store, group_name=name, group_rank=ranks.index(self.rank),
-                                 global_ranks=tuple(ranks), hosts=tuple(self.hosts[r] for r in ranks),
-                                 timeout=timeout, token=self.token,
-                                 host_names=tuple(self.host_names[r] for r in ranks))
+            spec = self.transport_spec(ranks, name, timeout)
             transport = create_transport(transport_name, spec)
-            group = ProcessGroup(name, ranks, ranks.index(self.rank), transport, group_store, self.store, timeout,
+            group = ProcessGroup(name, ranks, ranks.index(self.rank), transport, spec.store, self.store, timeout,
                                  self.recorder, transport.name, self.observers)
         self.requested_backends[name] = backend
         torch_name = torch_style_name(backend)
@@ -111,6 +107,19 @@ class World:
             self.torch_backend_names[name] = torch_name
         self.groups.append(group)
         return group
+
+    def transport_spec(self, ranks: list[int], name: str, timeout: float) -> TransportSpec:
+        """What a transport of the group `name` of `ranks` (this rank among them) needs: its private store
+        prefix, the members' hosts and the world's token."""
+        return TransportSpec(store=PrefixStore(f"{self.prefix}/group/{name}", self.store), group_name=name,
+                             group_rank=ranks.index(self.rank), global_ranks=tuple(ranks),
+                             hosts=tuple(self.hosts[r] for r in ranks), timeout=timeout, token=self.token,
+                             host_names=tuple(self.host_names[r] for r in ranks))
+
+    def next_group_name(self) -> str:
+        """The name of the next group made on every rank (new_group's): the same on each, never reused."""
+        self.groups_made += 1
+        return str(self.groups_made)
 
     def destroy(self) -> None:
         self.retire()
@@ -380,8 +389,7 @@ def new_group(ranks: list[int] | None = None, timeout: float | datetime.timedelt
         world.local_groups_made[key] += 1   # names it the same on every member, never on anyone else
         name = f"local/{'-'.join(map(str, key))}/{world.local_groups_made[key]}"
     else:
-        world.groups_made += 1
-        name = str(world.groups_made)
+        name = world.next_group_name()
     return world.create_group(members, as_seconds(timeout, world.timeout), backend or world.backend, name)
 
 
