@@ -1,4 +1,4 @@
-"""The RPC agent of one worker: messages to and from every other worker over a group of spmd's own transports,
+"""The RPC agent of one worker: messages to and from every other worker over a socket per pair (channel.py),
 requests run on a pool of threads, calls completed through torch Futures.
 
 Layer: rpc (over comm). A message is a tuple, written on the socket to its peer (channel.py): its header (two
@@ -23,7 +23,7 @@ Note: graceful shutdown
      that calls on is the caller's own call, finished before the caller reaches step 1), while the receivers
      and the pool keep serving until then;
   3. send STOP to every peer, wait for every peer's STOP (all messages before it handled), stop the pool, close
-     the sockets and release the group.
+     the sockets and release what init_rpc set up.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from typing import Any
 import torch
 
 from spmd._core.errors import SpmdError, StoreTimeoutError
-from spmd.comm.group import ProcessGroup
 from spmd.comm.store import Store
+from spmd.comm.transports.base import TransportSpec
 from spmd.rpc import wire
 from spmd.rpc.channel import ONE_COPY_BYTES, Channels
 from spmd.rpc.functions import is_async_execution
@@ -113,12 +113,11 @@ def _error_message(worker: WorkerInfo, what: str, error: BaseException) -> str:
 class RpcAgent:
     """One worker's agent; see the Notes above."""
 
-    def __init__(self, name: str, rank: int, world_size: int, group: ProcessGroup, store: Store, prefix: str,
+    def __init__(self, name: str, rank: int, world_size: int, spec: TransportSpec, store: Store, prefix: str,
                  num_worker_threads: int, rpc_timeout: float, release: Callable[[], None],
                  connect_timeout: float) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.group = group
         self.store = store
         self.prefix = prefix
         self.rpc_timeout = rpc_timeout
@@ -147,7 +146,7 @@ class RpcAgent:
         self._timer_wake = threading.Condition(self._lock)
         self._running = self._sender_running = True
         self._pool = concurrent.futures.ThreadPoolExecutor(num_worker_threads, thread_name_prefix=f"spmd-rpc{rank}")
-        self.channels = Channels(group, connect_timeout)
+        self.channels = Channels(spec, connect_timeout)
         self._context = contextvars.copy_context()
         self._threads: list[threading.Thread] = []
 
@@ -467,7 +466,7 @@ class RpcAgent:
 
     def shutdown(self, graceful: bool, timeout: float) -> None:
         """Stop this worker (Note: graceful shutdown); `timeout` bounds the barrier (0: none). Not graceful, or
-        past the timeout (then raised after): the group is aborted at once, failing every call still waiting."""
+        past the timeout (then raised after): the sockets are shut at once, failing every call still waiting."""
         late: TimeoutError | None = None
         if graceful:
             with self._lock:

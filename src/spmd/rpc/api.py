@@ -24,7 +24,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from spmd.comm.world import World, current_world, is_initialized, new_group, rendezvous
+from spmd.comm.world import World, current_world, is_initialized, rendezvous
 from spmd.rpc import dist_autograd
 from spmd.rpc.agent import DESTINATION, RpcAgent, WorkerInfo
 from spmd.rpc.options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions
@@ -71,11 +71,12 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1, worl
     world: World | None = current_world() if is_initialized() else None
     if world is not None and rank in (-1, world.rank) and world_size in (None, world.world_size):
         connect_timeout = world.timeout          # the job's: the workers connect as its groups do
-        group = new_group(timeout=_agent_timeout())
-        prefix = f"{world.prefix}/rpc/{group.name}"
+        name_of_group = world.next_group_name()  # collective, like new_group: the agent's sockets are its group
+        spec = world.transport_spec(list(range(world.world_size)), name_of_group, connect_timeout)
+        prefix = f"{world.prefix}/rpc/{name_of_group}"
 
         def release() -> None:
-            group.close()
+            pass                                  # the world is the job's; the agent closes its own sockets
     else:
         connect_timeout = options.rpc_timeout or 600.0     # as long as the rendezvous may take
         store, rank, size = rendezvous(options.init_method or "env://", rank, -1 if world_size is None else world_size,
@@ -83,11 +84,11 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1, worl
         # the count of this rank's inits over the store names the same generation on every rank (as World's)
         generation = store.add(f"spmd-rpc/inits/rank{rank}", 1)
         world = World(rank, size, store, "auto", _agent_timeout(), owns_store=True, prefix=f"spmd-rpc/{generation}")
-        group = world.default_group
+        spec = world.default_group.transport.spec
         prefix = f"{world.prefix}/rpc"
         release = world.destroy
     try:
-        agent = RpcAgent(name, world.rank, world.world_size, group, world.store, prefix, options.num_worker_threads,
+        agent = RpcAgent(name, world.rank, world.world_size, spec, world.store, prefix, options.num_worker_threads,
                          options.rpc_timeout, release, connect_timeout)
     except BaseException:
         release()
@@ -99,8 +100,8 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1, worl
 
 
 def _agent_timeout() -> float:
-    """The RPC group's timeout: a receiver waits for a peer's next message for as long as the job runs (each
-    call has its own timeout; a dead peer fails its calls through the transport)."""
+    """The timeout of the world init_rpc makes for itself: its group lives as long as the job (each call has its
+    own timeout; a dead peer fails its calls as its socket ends)."""
     return 10 * 365 * 24 * 3600.0
 
 

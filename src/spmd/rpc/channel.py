@@ -26,7 +26,6 @@ import struct
 import threading
 
 from spmd._core.deadline import Deadline
-from spmd.comm.group import ProcessGroup
 from spmd.comm.store import PrefixStore
 from spmd.comm.transports.base import TransportSpec
 from spmd.comm.transports.shm import peer_memory
@@ -37,10 +36,9 @@ ONE_COPY_BYTES = 1 << 20      # tensors from this size go by reference where the
 
 
 class Channels:
-    """This worker's socket to every other worker of `group`; built collectively (every worker constructs it)."""
+    """This worker's socket to every other worker `spec` names; built collectively (every worker constructs it)."""
 
-    def __init__(self, group: ProcessGroup, timeout: float) -> None:
-        spec = group.transport.spec
+    def __init__(self, spec: TransportSpec, timeout: float) -> None:
         spec = dataclasses.replace(spec, store=PrefixStore("rpc-channel", spec.store),
                                    group_name=f"{spec.group_name}-rpc")
         self.rank = spec.group_rank
@@ -49,7 +47,7 @@ class Channels:
         self._cond = threading.Condition()
         self._closing = False
         self.sockets: list[socket.socket | None] = [None] * spec.group_size
-        connector = Connector(spec, f"the RPC agent of {group.description}", self._cond, self.sockets,
+        connector = Connector(spec, f"the RPC agent of ranks {list(spec.global_ranks)}", self._cond, self.sockets,
                               lambda: self._closing, self._register, local_sockets=True)
         try:
             connector.connect(Deadline(timeout))
