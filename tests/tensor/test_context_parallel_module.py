@@ -226,12 +226,16 @@ def test_misuse_raises_before_anything_is_sent() -> None:
             _context_parallel_shard(mesh, [torch.zeros(1, 5)], [1])
         with pytest.raises(NotImplementedError, match=r"a str .* is not served yet"):
             _context_parallel_shard(mesh, ["mask"], [0])
+        # the dispatcher is process-wide: no thread rank turns it on (or off) while another still checks the
+        # other state (a rank that saw it on would run the ring attention alone, waiting for its peer)
+        spmd.barrier()
         _enable_context_parallel_dispatcher()
         try:
             replicated = DTensor.from_local(q, mesh, [Replicate()])
             with pytest.raises(ValueError, match=r"a DTensor argument placed \[Replicate\(\)\]"):
                 attention(replicated, replicated, replicated)
         finally:
+            spmd.barrier()
             _disable_context_parallel_dispatcher()
 
     run_on_mesh((2,), body, timeout=TIMEOUT)
