@@ -40,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "_tensor": {"_core", "comm", "device_mesh", "tensor"},
     "tensor.experimental._attention": {"_core", "comm", "device_mesh", "tensor", "tensor.parallel"},
     "tensor.experimental._context_parallel": {"_core", "comm", "device_mesh", "tensor", "tensor.parallel"},
-    "_composable": {"_core", "_autograd", "comm", "device_mesh", "tensor", "fsdp"},
+    "_composable": {"_core", "_autograd", "comm", "device_mesh", "tensor", "ddp", "fsdp"},
     "algorithms": {"_core", "_autograd", "comm", "device_mesh", "ddp", "fsdp"},
     "elastic": {"_core", "comm", "run"},
     "launch": {"_core", "comm", "run"},

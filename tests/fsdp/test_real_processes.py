@@ -1,7 +1,8 @@
 """FSDP2 in real rank processes: spmd's fully_shard on the shared-memory transport and torch's own FSDP2 on gloo,
 side by side in the same two processes, on the same model, data and optimizer: same losses and parameters to
 1e-5, and both equal to one process; again with weights that all-gather through FSDP2's extension
-(tests/fsdp/gather_extensions.py). Pool workers (tests/procpool.py) spare the torch import per test."""
+(tests/fsdp/gather_extensions.py), and with both libraries' replicate on FSDP2's machinery. Pool workers
+(tests/procpool.py) spare the torch import per test."""
 
 from __future__ import annotations
 
@@ -13,19 +14,22 @@ import torch
 import spmd
 from tests.fsdp.gather_extensions import split_precision_weights
 from tests.fsdp.harness import BATCH_PER_RANK, STEPS, assert_parity, fsdp_train, optimizer, reference
+from tests.fsdp.test_replicate import replicate_blocks_then_root
 from tests.parity.models import batch, build, loss_fn
 from tests.procpool import ProcPool, free_port
 
 
-def _torch_fsdp2_train(rank: int, world_size: int, extension: bool = False) -> dict[str, Any]:
+def _torch_fsdp2_train(rank: int, world_size: int, extension: bool = False, replicated: bool = False) -> dict[str, Any]:
+    from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model = split_precision_weights(build("gpt")) if extension else build("gpt")
     mesh = init_device_mesh("cpu", (world_size,))
+    apply = replicate if replicated else fully_shard
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        apply(block, mesh=mesh)
+    apply(model, mesh=mesh)
     opt = optimizer(model.parameters())
     losses = []
     for step in range(STEPS):
@@ -49,8 +53,12 @@ def _spmd_and_torch(rank: int, world_size: int, gloo_port: int) -> dict[str, Any
         ours.pop("model")
         ours_extended = fsdp_train("gpt", rank, world_size, model=split_precision_weights(build("gpt")))
         ours_extended.pop("model")
+        ours_replicated = fsdp_train("gpt", rank, world_size, shard=replicate_blocks_then_root)
+        ours_replicated.pop("model")
         return {"spmd": ours, "torch": _torch_fsdp2_train(rank, world_size),
-                "spmd extension": ours_extended, "torch extension": _torch_fsdp2_train(rank, world_size, True)}
+                "spmd extension": ours_extended, "torch extension": _torch_fsdp2_train(rank, world_size, True),
+                "spmd replicate": ours_replicated,
+                "torch replicate": _torch_fsdp2_train(rank, world_size, replicated=True)}
     finally:
         tdist.destroy_process_group()
         spmd.destroy_process_group()
@@ -61,7 +69,9 @@ def test_matches_torch_fsdp2_on_gloo_and_one_process(procpool: ProcPool) -> None
     results = procpool.run(_spmd_and_torch, 2, timeout=150, args=(free_port(),))
     assert_parity([r["spmd"] for r in results], reference("gpt", 2))
     assert_parity([r["spmd extension"] for r in results], reference("gpt", 2))
+    assert_parity([r["spmd replicate"] for r in results], reference("gpt", 2))
     for result in results:
-        for ours, theirs in (("spmd", "torch"), ("spmd extension", "torch extension")):
+        for ours, theirs in (("spmd", "torch"), ("spmd extension", "torch extension"),
+                             ("spmd replicate", "torch replicate")):
             torch.testing.assert_close(result[ours]["losses"], result[theirs]["losses"], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(result[ours]["params"], result[theirs]["params"], rtol=1e-5, atol=1e-6)

@@ -353,7 +353,7 @@ def test_dp_mesh_dims_refuse_what_they_cannot_shard() -> None:
     def body(rank: int, size: int) -> None:
         mesh = mesh_2d()
         for dims, message in [(DataParallelMeshDims(shard="pp"), "the mesh has no dim 'pp'"),
-                              (DataParallelMeshDims(replicate="dp"), "replicating only is DDP")]:
+                              (DataParallelMeshDims(replicate="dp"), "replicating only is")]:
             with pytest.raises(ValueError, match=message):
                 fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=dims)
         linear = nn.Linear(4, 4)

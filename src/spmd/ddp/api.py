@@ -101,9 +101,19 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._pre_forward()
-        if self.device_ids is not None:
-            inputs, kwargs = _to_device((inputs, kwargs), self.device)
-        output = self.module(*inputs, **kwargs)
+        inputs, kwargs = self._inputs_to_device(inputs, kwargs)
+        return self._post_forward(self.module(*inputs, **kwargs))
+
+    def _inputs_to_device(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...],
+                                                                                          dict[str, Any]]:
+        """The forward's inputs, moved to the module's device when `device_ids` names one (as torch's)."""
+        if self.device_ids is None:
+            return inputs, kwargs
+        return _to_device((inputs, kwargs), self.device)
+
+    def _post_forward(self, output: Any) -> Any:
+        """After the module ran: in a training forward that syncs, watch the outputs, so the reducer learns
+        which parameters the backward from them will reach."""
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.reducer.watch_outputs(output)
         return output

@@ -76,16 +76,31 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
     mesh = mesh if mesh is not None else _default_mesh()
     if dp_mesh_dims is not None:
+        if not dp_mesh_dims.shard:
+            raise ValueError(f"fully_shard(dp_mesh_dims={dp_mesh_dims}): name the dim(s) FSDP shards over "
+                             f"(shard=...); replicating only is spmd._composable.replicate_with_fsdp.replicate")
         mesh = _from_spmd_mesh(modules, mesh, dp_mesh_dims, ignored_params or set())
     shard_mesh = _check_mesh(mesh, modules)
     _check_not_initialised(modules)
     post_forward_mesh = _post_forward_mesh(reshard_after_forward, mesh, modules)
+    manage(modules, shard_mesh, reshard_after_forward, post_forward_mesh, shard_placement_fn, mp_policy,
+           offload_policy, ignored_params or set(), FSDPModule)
+    return list(modules) if isinstance(module, list) else module
+
+
+def manage(modules: tuple[nn.Module, ...], shard_mesh: ShardMesh, reshard_after_forward: bool | int,
+           post_forward_mesh: PostForwardMesh | None, shard_placement_fn: ShardPlacementFn | None,
+           mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy, ignored_params: set[nn.Parameter],
+           module_class: type[FSDPModule]) -> FSDPState:
+    """The steps fully_shard and replicate share, once their mesh is checked: turn the parameters `modules` own
+    into FSDPParams over `shard_mesh` (or the meshes shard_placement_fn names), group them, attach the state,
+    and make each module's class a subclass of `module_class`."""
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     shard_device = torch.device("cpu") if offload else shard_mesh.device
     pin_memory = offload and offload_policy.pin_memory and torch.accelerator.is_available()
     _move_buffers(modules, shard_mesh.device)
     by_mesh: dict[ShardMesh, list[FSDPParam]] = {shard_mesh: []}
-    for param, slots, fqn in _managed_params(modules, ignored_params or set(), mesh):
+    for param, slots, fqn in _managed_params(modules, ignored_params, shard_mesh.mesh):
         dim, param_mesh = _placement(shard_placement_fn, param, fqn, shard_mesh)
         by_mesh.setdefault(param_mesh, []).append(
             FSDPParam(param, slots, fqn, param_mesh, dim, mp_policy.param_dtype, shard_device, pin_memory))
@@ -95,10 +110,10 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                          f"shard_placement_fn put parameters on other meshes too; pass True or False")
     groups = [_build_group(params, param_mesh, mp_policy, post_forward_mesh if param_mesh is shard_mesh else None,
                            name) for param_mesh, params in by_mesh.items() if params]
-    FSDPState(modules, groups, mp_policy, reshard_after_forward, name)
+    state = FSDPState(modules, groups, mp_policy, reshard_after_forward, name)
     for m in modules:
-        _become_fsdp_module(m)
-    return list(modules) if isinstance(module, list) else module
+        _become_module_class(m, module_class)
+    return state
 
 
 class UnshardHandle:
@@ -296,7 +311,7 @@ class FSDPModule:
         goes back to the shard group. Collective over each shard group's ranks, in the same order."""
         made: dict[tuple[int, ...], ProcessGroup] = {}
         for group in (group for state in self._fsdp_states(recurse) for group in state.groups):
-            if not enable:
+            if not enable or group.shard_group is None:     # a replicate-only group scatters nothing
                 group.reduce_scatter_group = group.shard_group
                 continue
             ranks = tuple(group.shard_group.ranks)
@@ -364,16 +379,19 @@ def _state_for_prefetch(module: object, method: str) -> FSDPState:
     return state
 
 
-_FSDP_CLASSES: dict[type, type] = {}
+_MODULE_CLASSES: dict[tuple[type, type], type] = {}
 
 
-def _become_fsdp_module(module: nn.Module) -> None:
+def _become_module_class(module: nn.Module, module_class: type[FSDPModule]) -> None:
+    """Make `module` an instance of `<prefix><Class>`, a subclass of `module_class` (FSDPModule: `FSDP`, or
+    ReplicateModule: `Replicate`) and of its class; hook its state dict."""
     cls = type(module)
     if not issubclass(cls, FSDPModule):      # FullyShardedDataParallel already is one
-        fsdp_cls = _FSDP_CLASSES.get(cls)
-        if fsdp_cls is None:
-            fsdp_cls = _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-        module.__class__ = fsdp_cls
+        made = _MODULE_CLASSES.get((module_class, cls))
+        if made is None:
+            prefix = module_class.__name__.removesuffix("Module")
+            made = _MODULE_CLASSES[(module_class, cls)] = type(f"{prefix}{cls.__name__}", (module_class, cls), {})
+        module.__class__ = made
     module.register_state_dict_pre_hook(_reshard_before_state_dict)
     module.register_load_state_dict_post_hook(_readopt_after_load)
 
@@ -403,11 +421,11 @@ def _default_mesh() -> DeviceMesh:
 
 
 def _from_spmd_mesh(modules: tuple[nn.Module, ...], mesh: DeviceMesh, dims: DataParallelMeshDims,
-                    ignored: set[nn.Parameter]) -> DeviceMesh:
+                    ignored: set[nn.Parameter], caller: str = "fully_shard") -> DeviceMesh:
     """The data-parallel mesh `dims` names in the full `mesh`; the parameters that are DTensors on `mesh` are
     replaced (in every slot: tied ones stay tied) by their DTensor on the one dim left, or by their local
     tensor when no dim is left."""
-    where = f"fully_shard({', '.join(type(m).__name__ for m in modules)}, dp_mesh_dims={dims})"
+    where = f"{caller}({', '.join(type(m).__name__ for m in modules)}, dp_mesh_dims={dims})"
     names = mesh.mesh_dim_names or ()
 
     def named(field: str | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -418,10 +436,7 @@ def _from_spmd_mesh(modules: tuple[nn.Module, ...], mesh: DeviceMesh, dims: Data
         return chosen
 
     shard, replicate = named(dims.shard), named(dims.replicate)
-    if not shard:
-        raise ValueError(f"{where}: name the dim(s) FSDP shards over (shard=...); replicating only is DDP "
-                         f"(spmd.DistributedDataParallel)")
-    if replicate and (len(shard) > 1 or len(replicate) > 1):
+    if shard and replicate and (len(shard) > 1 or len(replicate) > 1):
         raise ValueError(f"{where}: HSDP takes one replicate dim and one shard dim; flatten several first "
                          f"(mesh[...].flatten(name)) and name the flattened dims")
     rest = [name for name in names if name not in (*shard, *replicate)]
@@ -447,8 +462,9 @@ def _from_spmd_mesh(modules: tuple[nn.Module, ...], mesh: DeviceMesh, dims: Data
                                                    shape=param.shape, stride=param.stride())
                     replaced[id(param)] = nn.Parameter(local.detach(), requires_grad=param.requires_grad)
                 setattr(sub, name, replaced[id(param)])
-    if len(shard) > 1:
-        return mesh[shard].flatten("_".join(shard))
+    for several in (shard, replicate if not shard else ()):
+        if len(several) > 1:
+            return mesh[several].flatten("_".join(several))
     return mesh[(*replicate, *shard)]
 
 

@@ -11,6 +11,9 @@ is rank-major, (group_size, sum(piece_numels)); the unsharded buffer is paramete
 group_size pieces together), so copy-out is one strided copy, `split_with_sizes_copy` along dim 1. The
 reduce-scatter input is the same rank-major layout built from the unsharded gradients, and its output is this
 rank's padded pieces end to end, again parameter after parameter.
+A group whose mesh only replicates (the composable `replicate`) has no shard group (`group` None): each rank is a
+group of one, so its gather output is its input and its reduce-scatter output the gradients, with no
+collective; its replicas' all-reduce follows (param_group.py).
 A group with frozen parameters of other dtypes or with all-gather extensions (extension.py) gathers bytes in the
 same single collective: each rank's block is the buffered parameters' pieces (in the group's dtype, at the
 block's start, so they view as it), then each other-dtype piece and each extension input as bytes, then padding
@@ -46,31 +49,45 @@ class AllGather:
     split_sizes: list[int]
 
 
-def start_all_gather(params: list[FSDPParam], dtype: torch.dtype, device: torch.device, group: ProcessGroup,
+def start_all_gather(params: list[FSDPParam], dtype: torch.dtype, device: torch.device, group: ProcessGroup | None,
                      comm: AllGatherComm, pieces: Tensor | None = None,
                      piece_numels: list[int] | None = None) -> AllGather:
     """Issue, through `comm`, the all-gather of `params`: from their sharded parameters (copied, cast to `dtype`,
     straight into this rank's block of the output: an in-place all-gather needs no input buffer), or from
-    `pieces`, an all-gather input already laid out (the shards kept after forward for a smaller group)."""
+    `pieces`, an all-gather input already laid out (the shards kept after forward for a smaller group). With no
+    `group` (a rank alone), the copy is the output and nothing is issued."""
+    size, rank = _size_and_rank(group)
     if pieces is None:
         piece_numels = [param.padded_numel for param in params]
         total = sum(piece_numels)
-        output = comm.allocate((total * group.size(),), dtype=dtype, device=device)
-        pieces = output.narrow(0, total * group.rank(), total)     # in place: this rank's block of the output
+        output = _allocate(comm, group, total * size, dtype, device)
+        pieces = output.narrow(0, total * rank, total)     # in place: this rank's block of the output
         for param, piece in zip(params, pieces.split(piece_numels), strict=True):
             param.copy_shard_into(piece)
     else:
-        output = comm.allocate((pieces.numel() * group.size(),), dtype=pieces.dtype, device=pieces.device)
+        output = _allocate(comm, group, pieces.numel() * size, pieces.dtype, pieces.device)
     assert piece_numels is not None
-    work = comm(output_tensor=output, input_tensor=pieces, group=group, async_op=True)
-    return AllGather(work, pieces, output, group.size(), piece_numels)
+    work = None if group is None else comm(output_tensor=output, input_tensor=pieces, group=group, async_op=True)
+    return AllGather(work, pieces, output, size, piece_numels)
+
+
+def _size_and_rank(group: ProcessGroup | None) -> tuple[int, int]:
+    return (1, 0) if group is None else (group.size(), group.rank())
+
+
+def _allocate(comm: AllGatherComm | ReduceScatterComm, group: ProcessGroup | None, numel: int, dtype: torch.dtype,
+              device: torch.device) -> Tensor:
+    """A collective's output buffer from `comm`; a rank alone (no group) issues no collective, so a plain one."""
+    if group is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    return comm.allocate((numel,), dtype=dtype, device=device)
 
 
 _BLOCK_ALIGNMENT = 16   # bytes: every rank's block starts aligned, so the plain pieces at its start view as `dtype`
 
 
 def start_byte_all_gather(params: list[FSDPParam], dtype: torch.dtype, others: list[Tensor],
-                          device: torch.device, group: ProcessGroup, comm: AllGatherComm) -> AllGather:
+                          device: torch.device, group: ProcessGroup | None, comm: AllGatherComm) -> AllGather:
     """Issue one all-gather of `params`' pieces (cast to `dtype`) and `others` (flat tensors of any dtypes: other
     dtypes' pieces, extension inputs) as bytes: this rank's block is the pieces, then each of the others, then
     padding to the alignment (see Note: the flat layouts). Split sizes are in bytes, one per piece and per other
@@ -80,8 +97,9 @@ def start_byte_all_gather(params: list[FSDPParam], dtype: torch.dtype, others: l
     sizes += [t.numel() * t.element_size() for t in others]
     sizes.append(-sum(sizes) % _BLOCK_ALIGNMENT)
     total = sum(sizes)
-    output = comm.allocate((total * group.size(),), dtype=torch.uint8, device=device)
-    block = output.narrow(0, total * group.rank(), total)
+    size, rank = _size_and_rank(group)
+    output = _allocate(comm, group, total * size, torch.uint8, device)
+    block = output.narrow(0, total * rank, total)
     plain_bytes = sum(sizes[: len(params)])
     pieces = block[:plain_bytes].view(dtype).split(piece_numels)
     for param, piece in zip(params, pieces, strict=True):
@@ -89,8 +107,8 @@ def start_byte_all_gather(params: list[FSDPParam], dtype: torch.dtype, others: l
     items = block.split(sizes)[len(params):]
     for item, tensor in zip(items, others, strict=False):
         item.copy_(tensor.view(torch.uint8))
-    work = comm(output_tensor=output, input_tensor=block, group=group, async_op=True)
-    return AllGather(work, block, output, group.size(), sizes)
+    work = None if group is None else comm(output_tensor=output, input_tensor=block, group=group, async_op=True)
+    return AllGather(work, block, output, size, sizes)
 
 
 def finish_all_gather(gather: AllGather, targets: list[Tensor]) -> None:
@@ -118,6 +136,16 @@ class ReduceScatter:
     params: list[FSDPParam]
     reduced: bool = False      # a custom reduction made `output` final (no replicate all-reduce, no division)
     pre_divided: float = 1.0   # the gradients were divided by this before the sum (float16; see predivide_factor)
+    replicas: ReplicaSum | None = None   # its sum over the replicas, once started (param_group.py)
+
+
+@dataclasses.dataclass
+class ReplicaSum:
+    """A reduction's next step: the all-reduce of its output over the replicas (HSDP, replicate) when `work` is
+    not None, then the division still owed (`remaining`)."""
+
+    work: Work | None
+    remaining: float
 
 
 CustomReduce = Callable[[Tensor, Tensor], None]
@@ -138,14 +166,14 @@ def predivide_factor(dtype: torch.dtype, divide_factor: float) -> float:
 
 
 def start_reduce_scatter(params: list[FSDPParam], dtype: torch.dtype, device: torch.device,
-                         group: ProcessGroup, comm: ReduceScatterComm, custom: CustomReduce | None = None,
+                         group: ProcessGroup | None, comm: ReduceScatterComm, custom: CustomReduce | None = None,
                          pre_divide: float = 1.0) -> ReduceScatter:
     """Move the unsharded gradients of `params` into one rank-major buffer (cast to `dtype`, padding zeroed; each
     gradient is dropped once copied, so the two never both hold the whole group), divide it by `pre_divide`, and
     issue its SUM reduce-scatter over `group` through `comm`, or run `custom` on it (which finishes the
-    reduction itself)."""
+    reduction itself). With no `group` (a rank alone) the buffer is the output, and nothing is issued."""
     piece_numels = [param.padded_numel for param in params]
-    flat = torch.empty(group.size(), sum(piece_numels), dtype=dtype, device=device)
+    flat = torch.empty(_size_and_rank(group)[0], sum(piece_numels), dtype=dtype, device=device)
     with torch.no_grad():
         for param, rows in zip(params, flat.split(piece_numels, dim=1), strict=True):
             param.copy_grad_into(rows)
@@ -155,9 +183,11 @@ def start_reduce_scatter(params: list[FSDPParam], dtype: torch.dtype, device: to
         output = flat.new_empty(sum(piece_numels))
         custom(flat.view(-1), output)
         return ReduceScatter(None, flat, output, params, reduced=True)
-    output = comm.allocate((sum(piece_numels),), dtype=dtype, device=device)
     if pre_divide != 1:
         flat.div_(pre_divide)
+    if group is None:
+        return ReduceScatter(None, flat, flat.view(-1), params, pre_divided=pre_divide)
+    output = comm.allocate((sum(piece_numels),), dtype=dtype, device=device)
     work = comm(output_tensor=output, input_tensor=flat.view(-1), group=group, op=ReduceOp.SUM, async_op=True)
     return ReduceScatter(work, flat, output, params, pre_divided=pre_divide)
 

@@ -13,6 +13,8 @@ A parameter of global shape S, sharded on tensor dim d over the group_size ranks
   unsharded buffer, where group_size padded pieces lie end to end (rank order): narrowing away the padding and
   moving dim d back gives the full parameter with no copy. The module holds it from the all-gather until the
   reshard, and autograd accumulates its gradient, which the reduce-scatter turns into the sharded gradient.
+Under the composable `replicate` the mesh only replicates: the "shard" is the whole parameter, a Replicate()
+DTensor (group_size 1, no padding), and the unsharded parameter is its copy, cast to the forward's dtype.
 The unsharded parameter object lives as long as the FSDPParam: freeing it frees its group's buffer storage
 (resize to 0 bytes) and the next all-gather re-allocates and refills the same storage. So the tensors autograd
 saved in forward, views of that storage, hold the right values again once backward's all-gather has run.
@@ -78,26 +80,34 @@ class Slot:
 @dataclasses.dataclass(frozen=True)
 class ShardMesh:
     """The mesh FSDP shards over: parameters are sharded along its last dim; on a 2-d (replicate, shard) mesh
-    (HSDP) they are replicated along the first, and gradients are all-reduced over it."""
+    (HSDP) they are replicated along the first, and gradients are all-reduced over it. `replicate_only` (the
+    composable `replicate`, DDP on FSDP's machinery): a 1-d mesh of replicas, each holding whole parameters, so
+    nothing is gathered or scattered and gradients are all-reduced over the mesh."""
 
     mesh: DeviceMesh
     device: torch.device
+    replicate_only: bool = False
 
     @property
-    def shard_mesh_dim(self) -> int:
-        return self.mesh.ndim - 1
+    def shard_mesh_dim(self) -> int | None:
+        return None if self.replicate_only else self.mesh.ndim - 1
 
     @property
     def group_size(self) -> int:
-        return self.mesh.size(self.shard_mesh_dim)
+        return 1 if self.replicate_only else self.mesh.size(self.mesh.ndim - 1)
 
     @property
     def group_rank(self) -> int:
-        return self.mesh.get_local_rank(self.shard_mesh_dim)
+        return 0 if self.replicate_only else self.mesh.get_local_rank(self.mesh.ndim - 1)
 
     @property
     def is_hybrid(self) -> bool:
         return self.mesh.ndim == 2
+
+    @property
+    def has_replicas(self) -> bool:
+        """Whether gradients are summed over a replicate mesh dim (HSDP's first dim, or the whole mesh)."""
+        return self.is_hybrid or self.replicate_only
 
     @functools.cached_property
     def dim_mesh(self) -> DeviceMesh:
@@ -106,11 +116,13 @@ class ShardMesh:
             return self.mesh
         if self.mesh.mesh_dim_names is not None:
             return self.mesh[self.mesh.mesh_dim_names[-1]]
-        return self.mesh._sub_mesh([self.shard_mesh_dim], None)
+        return self.mesh._sub_mesh([self.mesh.ndim - 1], None)
 
     def placements(self, shard_dim: int, split_factor: int = 1) -> tuple[Placement, ...]:
         """The placements on this mesh of a parameter sharded on `shard_dim`: a _StridedShard when tensor
         parallelism already split that dim into `split_factor` pieces (see Note: FSDP over tensor parallelism)."""
+        if self.replicate_only:
+            return (Replicate(),)
         shard = Shard(shard_dim) if split_factor == 1 else _StridedShard(shard_dim, split_factor=split_factor)
         return (Replicate(), shard) if self.is_hybrid else (shard,)
 
@@ -240,6 +252,9 @@ class FSDPParam:
         materialised and any methods patched on); a ValueError for a layout FSDP cannot gather it in."""
         if self.extension is not None or not has_extension(self.local_shard, self.fqn):
             return
+        if self.shard_mesh.replicate_only:
+            raise ValueError(f"replicate: parameter {self.fqn} has an all-gather extension, which replicate does not "
+                             f"run (it gathers nothing); use fully_shard for it")
         if self.shard_dim != 0:
             raise ValueError(f"fully_shard: parameter {self.fqn} has an all-gather extension and is sharded on "
                              f"dim {self.shard_dim}; extensions are gathered along dim 0 (return Shard(0) from "

@@ -1,7 +1,8 @@
 """FSDPParamGroup: the parameters of one `fully_shard` call, communicated together; unshard, reshard, reduce.
 
 Layer: fsdp. The group's collectives run over the shard mesh dim (all-gather, reduce-scatter) and, on an HSDP
-mesh, the replicate mesh dim (the gradient all-reduce). Every method that communicates is collective: every rank
+mesh, the replicate mesh dim (the gradient all-reduce); a group of the composable `replicate` only all-reduces
+its gradients, which it starts as soon as its backward is over. Every method that communicates is collective: every rank
 of those groups calls it in the same order, which FSDP's hooks guarantee by running the same model on every rank.
 
 Note: when a group's backward is over
@@ -39,6 +40,7 @@ from spmd.fsdp.collectives import (
     AllGather,
     CustomReduce,
     ReduceScatter,
+    ReplicaSum,
     add_reduced,
     finish_all_gather,
     predivide_factor,
@@ -138,8 +140,10 @@ class FSDPParamGroup:
         self.shard_mesh = shard_mesh
         self.device = shard_mesh.device
         mesh: DeviceMesh = shard_mesh.mesh
-        self.shard_group: ProcessGroup = mesh.get_group(shard_mesh.shard_mesh_dim)
-        self.replicate_group: ProcessGroup | None = mesh.get_group(0) if shard_mesh.is_hybrid else None
+        # None for a replicate-only mesh: each rank holds whole parameters, a shard group of its own
+        self.shard_group: ProcessGroup | None = (None if shard_mesh.shard_mesh_dim is None
+                                                 else mesh.get_group(shard_mesh.shard_mesh_dim))
+        self.replicate_group: ProcessGroup | None = mesh.get_group(0) if shard_mesh.has_replicas else None
         self.gather_dtype = gather_dtype
         self.reduce_dtype = reduce_dtype
         self.post_forward_mesh = post_forward_mesh
@@ -153,7 +157,7 @@ class FSDPParamGroup:
         self.custom_reduce: CustomReduce | None = None         # FSDP1's comm hook, in place of the collectives
         self.all_gather_comm: AllGatherComm = DefaultAllGather()
         self.reduce_scatter_comm: ReduceScatterComm = DefaultReduceScatter()
-        self.reduce_scatter_group: ProcessGroup = self.shard_group   # or a group of its own, to overlap
+        self.reduce_scatter_group: ProcessGroup | None = self.shard_group   # or a group of its own, to overlap
         self.unshard_in_backward = True
         self.options = ReduceOptions()
         self._partial: Tensor | None = None                   # HSDP: reduce-scattered sums not yet all-reduced
@@ -392,44 +396,66 @@ class FSDPParamGroup:
             reduction = start_reduce_scatter(self.grad_params, self.reduce_dtype, self.device,
                                              self.reduce_scatter_group, self.reduce_scatter_comm, self.custom_reduce,
                                              predivide_factor(self.reduce_dtype, self.divide_factor))
-            self.reductions.push(self, reduction)
+            if self.shard_group is not None or reduction.reduced:
+                self.reductions.push(self, reduction)
+            else:       # nothing was scattered: start the replicas' all-reduce now, overlapping the rest of backward
+                reduction.replicas = self._sum_over_replicas(reduction)
+                if reduction.replicas is not None:
+                    self.reductions.push(self, reduction)
         self._late_grads = False
         self.backward_state = BackwardState.REDUCED
 
     def finish_reduction(self, reduction: ReduceScatter) -> None:
-        """Wait for `reduction`; on an HSDP mesh sum it over the replicas (or, with all-reduce off, keep adding it
-        up for a later one); run the all-reduce hook; divide; add the pieces into the sharded gradients.
-
-        The hook sees what torch's FSDP2 shows it: in float32 and bfloat16, unless sums are forced, torch's
-        collectives average, so the output is divided before the hook; otherwise after it."""
+        """Wait for `reduction`; sum it over the replicas (HSDP, replicate), or with all-reduce off keep adding it up
+        for a later one; run the all-reduce hook; divide; add the pieces into the sharded gradients."""
         if reduction.work is not None:
             reduction.work.wait()
         output = reduction.output
         if reduction.reduced:
             add_reduced(reduction.params, output)
             return
-        hybrid = self.replicate_group is not None and self.replicate_group.size() > 1
-        with torch.no_grad():
-            if hybrid and not self.options.requires_all_reduce:
-                self._partial = output if self._partial is None else self._partial.add_(output)
+        if reduction.replicas is None:
+            reduction.replicas = self._sum_over_replicas(reduction)
+            if reduction.replicas is None:
                 return
+        replicas = reduction.replicas
+        if replicas.work is not None:
+            replicas.work.wait()
+        with torch.no_grad():
+            hook = self.options.all_reduce_hook
+            if hook is not None:
+                with self.options.all_reduce_hook_stream or contextlib.nullcontext():
+                    hook(output)
+            if replicas.remaining != 1:
+                output.div_(replicas.remaining)
+        add_reduced(reduction.params, output)
+
+    def _sum_over_replicas(self, reduction: ReduceScatter) -> ReplicaSum | None:
+        """Start the all-reduce of `reduction`'s output over the replicas (when the mesh has them), after adding
+        the sums held from backwards without it; None when all-reduce is off (set_requires_all_reduce(False)):
+        the output is then held, to be added to the next one.
+
+        The hook sees what torch's FSDP2 shows it: in float32 and bfloat16, unless sums are forced, torch's
+        collectives average, so the output is divided before the all-reduce and the hook; otherwise after
+        them."""
+        output = reduction.output
+        replicas = self.replicate_group is not None and self.replicate_group.size() > 1
+        with torch.no_grad():
+            if replicas and not self.options.requires_all_reduce:
+                self._partial = output if self._partial is None else self._partial.add_(output)
+                return None
             if self._partial is not None:
                 output.add_(self._partial)
                 self._partial = None
             remaining = self.divide_factor / reduction.pre_divided
-            hook = self.options.all_reduce_hook
-            if hook is not None and not self.options.force_sum and output.dtype in (torch.float32, torch.bfloat16):
+            if self.options.all_reduce_hook is not None and not self.options.force_sum \
+                    and output.dtype in (torch.float32, torch.bfloat16):
                 output.div_(remaining)
                 remaining = 1.0
-            if hybrid:
-                assert self.replicate_group is not None
-                all_reduce(output, ReduceOp.SUM, group=self.replicate_group)
-            if hook is not None:
-                with self.options.all_reduce_hook_stream or contextlib.nullcontext():
-                    hook(output)
-            if remaining != 1:
-                output.div_(remaining)
-        add_reduced(reduction.params, output)
+            work = None
+            if replicas:
+                work = all_reduce(output, ReduceOp.SUM, group=self.replicate_group, async_op=True)
+        return ReplicaSum(work, remaining)
 
     def reduce_accumulated(self) -> None:
         """Post-backward now, reducing even with gradient sync off: for gradients accumulated where no hook of

@@ -202,8 +202,9 @@ class FSDPState:
         group and forget the iteration, so the next one runs as normal (see FSDPModule.reset_iter_state)."""
         while self.reductions.in_flight:
             _, reduction = self.reductions.in_flight.pop(0)
-            if reduction.work is not None:
-                reduction.work.wait()
+            for work in (reduction.work, reduction.replicas.work if reduction.replicas is not None else None):
+                if work is not None:
+                    work.wait()
         for state in self.tree or [self]:
             state._finished_forward.clear()
             for group in state.groups:
