@@ -521,14 +521,10 @@ def test_buffers_follow_rank_zero_each_training_forward() -> None:
 
 # -- against torch's own DDP -------------------------------------------------------------------------------
 
-def _torch_ddp_worker(rank: int, world_size: int) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    # The gloo group is left for the pool to discard with the process (it replaces a worker that leaves
-    # torch.distributed initialized): gloo's teardown here, at destroy or at interpreter exit, hung or aborted
-    # one run in a few ("terminate called without an active exception").
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    model = nn.parallel.DistributedDataParallel(build("gpt", seed=100 * rank), bucket_cap_mb=0.01)
+def _train_wrapped(rank: int, world_size: int, wrap: Callable[[nn.Module], nn.Module]) -> dict[str, Any]:
+    """Train `wrap`'s data-parallel form of a GPT (each rank initialised differently: construction syncs them),
+    small buckets; the losses and the parameters by name, without a wrapper's `module.` prefix."""
+    model = wrap(build("gpt", seed=100 * rank))
     opt = optimizer(model.parameters())
     losses = []
     for step in range(STEPS):
@@ -538,18 +534,38 @@ def _torch_ddp_worker(rank: int, world_size: int) -> dict[str, Any]:
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return {"losses": losses, "params": [p.detach().clone() for p in model.module.parameters()]}
+    return {"losses": losses, "params": {name.removeprefix("module."): p.detach().clone()
+                                         for name, p in model.named_parameters()}}
 
 
-def test_matches_torch_ddp(procpool: ProcPool) -> None:
+def _torch_ddp_worker(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed._composable.replicate import replicate
+
+    # The gloo group is left for the pool to discard with the process (it replaces a worker that leaves
+    # torch.distributed initialized): gloo's teardown here, at destroy or at interpreter exit, hung or aborted
+    # one run in a few ("terminate called without an active exception").
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    return {"ddp": _train_wrapped(rank, world_size,
+                                  lambda m: nn.parallel.DistributedDataParallel(m, bucket_cap_mb=0.01)),
+            "replicate": _train_wrapped(rank, world_size, lambda m: replicate(m, bucket_cap_mb=0.01))}
+
+
+def test_matches_torch_ddp_and_its_composable_replicate(procpool: ProcPool) -> None:
     # torch's ranks run in the worker pool's processes, not as threads: two gloo groups in one process hung once,
     # beyond pytest-timeout's reach.
-    ours = run_ranks(lambda rank, size: ddp_train("gpt", rank, size, bucket_cap_mb=0.01), 2, timeout=TIMEOUT)
+    from spmd._composable import replicate
+
+    ours = run_ranks(lambda rank, size: {
+        "ddp": _train_wrapped(rank, size, lambda m: spmd.DistributedDataParallel(m, bucket_cap_mb=0.01)),
+        "replicate": _train_wrapped(rank, size, lambda m: replicate(m, bucket_cap_mb=0.01))}, 2, timeout=TIMEOUT)
     theirs = procpool.run(_torch_ddp_worker, 2, timeout=TIMEOUT)
     for rank in range(2):
-        torch.testing.assert_close(torch.tensor(ours[rank]["losses"]), torch.tensor(theirs[rank]["losses"]),
-                                   rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(ours[rank]["params"], theirs[rank]["params"], rtol=1e-5, atol=1e-6)
+        for kind in ("ddp", "replicate"):
+            torch.testing.assert_close(torch.tensor(ours[rank][kind]["losses"]),
+                                       torch.tensor(theirs[rank][kind]["losses"]), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(ours[rank][kind]["params"], theirs[rank][kind]["params"], rtol=1e-5,
+                                       atol=1e-6)
 
 
 # -- lifetime ------------------------------------------------------------------------------------------------
