@@ -14,6 +14,8 @@ For each: median step time and tokens/s, and how long backward waits on communic
   overlapped = total - exposed (communication hidden behind backward compute)
 A third run is torch's own DDP on a torch process group of the "spmd" backend (spmd.comm.torch_backend: torch's
 collectives running on spmd's groups), the way a user keeps torch's DDP and gets spmd's transports.
+With --replicate, two more: each library's `replicate` on FSDP2's machinery (`_composable.replicate_with_fsdp`,
+applied to each block, then the root, as TorchTitan does), spmd's on its world, torch's on gloo.
 The implementations live in the same two rank processes (each rank joins an spmd world and a gloo world
 and holds one model per implementation), and their steps alternate one by one (A, B, B, A, ...), so machine
 noise hits both alike. Every step starts after a barrier, and a step's time is the slowest rank's. Medians
@@ -86,6 +88,20 @@ class _Impl:
             self.group = dist.new_group(backend=torch_backend.BACKEND)
             self.model = torch.nn.parallel.DistributedDataParallel(raw, bucket_cap_mb=bucket_cap_mb,
                                                                    process_group=self.group)
+        elif name in ("spmd-replicate", "torch-replicate"):     # after "spmd" / "torch", whose worlds they use
+            if name == "spmd-replicate":
+                import spmd
+                from spmd._composable.replicate_with_fsdp import replicate
+
+                self.lib, self.backend = spmd, spmd.get_backend()
+            else:
+                import torch.distributed as dist
+                from torch.distributed._composable.replicate_with_fsdp import replicate
+
+                self.lib, self.backend = dist, "gloo"
+            for block in raw.blocks:
+                replicate(block)
+            self.model = replicate(raw)
         else:
             self.lib = None
             self.backend = "none"
@@ -95,7 +111,17 @@ class _Impl:
         self.generator = torch.Generator().manual_seed(rank)   # the same batches for every implementation
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        if self.name.endswith("-replicate"):
+            return self._without_gradient_sync()
         return self.model.no_sync() if self.lib is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _without_gradient_sync(self) -> Any:
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
 
     def step(self, micro_batch: int, sync: bool) -> tuple[float, float]:
         """One training step, started in step with the other ranks: (step seconds, backward seconds)."""
@@ -124,7 +150,8 @@ class _Impl:
             self.lib.barrier()
 
     def close(self) -> None:
-        if self.lib is not None and self.group is None:     # torch-spmd's group goes with torch's world
+        if self.lib is not None and self.group is None and not self.name.endswith("-replicate"):
+            # torch-spmd's group goes with torch's world, and the replicates' with their libraries' worlds
             self.lib.barrier()   # gloo aborts a rank whose peer tears down while it still talks to it
             self.lib.destroy_process_group()
 
@@ -185,6 +212,8 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket cap, the same for both")
+    parser.add_argument("--replicate", action="store_true",
+                        help="also both libraries' replicate on FSDP2's machinery (replicate_with_fsdp)")
     args = parser.parse_args()
     world_size = 2
     print(f"GPT 4x256, 4 heads, context {CONTEXT}, vocab {VOCAB}; {world_size} ranks x 1 thread; "
@@ -192,7 +221,8 @@ def main() -> None:
     for setting in args.settings:
         micro = SETTINGS[setting]
         global_batch = micro * world_size
-        runs = [_run(["spmd", "torch", "torch-spmd"], world_size, micro, args) for _ in range(args.repeats)]
+        names = ["spmd", "torch", "torch-spmd"] + (["spmd-replicate", "torch-replicate"] if args.replicate else [])
+        runs = [_run(names, world_size, micro, args) for _ in range(args.repeats)]
         singles = [_run(["single"], 1, global_batch, args) for _ in range(args.repeats if setting == "compute" else 0)]
         spmd, ref = _summary(runs, "spmd", global_batch), _summary(runs, "torch", global_batch)
         per_run = [_summary([run], "spmd", global_batch)["tokens_s"] /
@@ -211,6 +241,15 @@ def main() -> None:
         print(f"  torch's DDP over the \"spmd\" backend: {over_spmd['step_ms']:.1f} ms, {over_spmd['tokens_s']:.0f} "
               f"tokens/s, allreduce {over_spmd['comm_ms']:.1f} ms: {over_spmd['tokens_s'] / ref['tokens_s']:.2f}x "
               f"torch's DDP over gloo")
+        if args.replicate:
+            ours = _summary(runs, "spmd-replicate", global_batch)
+            theirs = _summary(runs, "torch-replicate", global_batch)
+            per_run = [_summary([run], "spmd-replicate", global_batch)["tokens_s"] /
+                       _summary([run], "torch-replicate", global_batch)["tokens_s"] for run in runs]
+            print(f"  replicate (FSDP2's machinery, per block then root): spmd {ours['step_ms']:.1f} ms "
+                  f"(exposed {ours['exposed_ms']:.1f}), torch {theirs['step_ms']:.1f} ms (exposed "
+                  f"{theirs['exposed_ms']:.1f}): {ours['tokens_s'] / theirs['tokens_s']:.2f}x (per launch: "
+                  f"{', '.join(f'{r:.2f}x' for r in per_run)})")
         if singles:
             single = _summary(singles, "single", global_batch)
             print(f"  one process, one thread, batch {global_batch}: {single['tokens_s']:.0f} tokens/s; scaling "
