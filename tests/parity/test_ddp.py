@@ -41,6 +41,8 @@ from spmd.ddp.api import _device_ids
 from spmd.ddp.bucket import GradBucket
 from spmd.ddp.comm_hooks import _compress_wrapper
 from spmd.ddp.powersgd import _split
+from spmd.device_mesh import init_device_mesh
+from spmd.tensor import Shard, distribute_tensor
 from spmd.testing import run_ranks, seeded
 from tests.parity.models import MLP, batch, build, loss_fn
 from tests.procpool import ProcPool
@@ -478,6 +480,13 @@ def test_bad_use_gives_clear_errors() -> None:
         frozen.requires_grad_(False)
         with pytest.raises(ValueError, match="MLP has no parameter that requires grad"):
             spmd.DistributedDataParallel(frozen)
+
+        tensor_parallel = MLP()
+        tensor_parallel.layers[0].weight = nn.Parameter(distribute_tensor(
+            tensor_parallel.layers[0].weight.detach(), init_device_mesh("cpu", (size,)), [Shard(0)]))
+        with pytest.raises(ValueError, match=r"parameters \['layers\.0\.weight'\] are tensor subclasses.*"
+                                             r"replicate_with_fsdp"):
+            spmd.DistributedDataParallel(tensor_parallel)
 
         group = spmd.new_group([0])
         if rank == 1:

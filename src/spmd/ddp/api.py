@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from spmd._autograd import DDP_STEPS_IN_BACKWARD, add_in_backward_optimizer, in_backward_optimizers
+from spmd.comm.collectives import is_wrapper_subclass
 from spmd.comm.group import NonMemberGroup, ProcessGroup
 from spmd.comm.join import Join, Joinable, JoinHook
 from spmd.comm.objects import all_gather_object
@@ -251,6 +252,15 @@ def _trainable(module: nn.Module, group: ProcessGroup) -> list[tuple[str, nn.Par
     if not isinstance(module, nn.Module):
         raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
     ignored = ignored_names(module)
+    wrapped = [name for name, param in module.named_parameters() if name not in ignored and is_wrapper_subclass(param)]
+    if wrapped:
+        raise ValueError(
+            f"DistributedDataParallel on rank {group.global_rank}: parameters {wrapped[:5]}"
+            f"{' ...' if len(wrapped) > 5 else ''} are tensor subclasses (DTensors: tensor parallel, or sharded), "
+            f"whose gradients DDP's buckets cannot hold. For data parallelism over tensor parallelism use "
+            f"spmd._composable.replicate_with_fsdp.replicate(module, mesh=mesh['dp']) (or fully_shard over "
+            f"mesh['dp']); to have DDP leave them to another parallelism, name them in "
+            f"DistributedDataParallel._set_params_and_buffers_to_ignore_for_model first")
     named = [(name, param) for name, param in module.named_parameters() if param.requires_grad and name not in ignored]
     if not named:
         raise ValueError(
