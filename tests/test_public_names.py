@@ -60,6 +60,7 @@ TORCH_PATHS: dict[str, tuple[str, ...]] = {
     "tensor.parallel": ("parallelize_module", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
                         "PrepareModuleInput", "loss_parallel"),
     "tensor.debug": ("CommDebugMode",),
+    "tensor._utils": ("compute_local_shape_and_global_offset", "normalize_to_torch_size"),
     "_tensor": ("DTensor", "Shard", "Replicate", "Partial", "distribute_tensor", "DeviceMesh", "init_device_mesh"),
     "_tensor.api": ("DTensor", "distribute_tensor", "distribute_module"),
     "_tensor.device_mesh": ("DeviceMesh", "init_device_mesh"),
