@@ -2,7 +2,9 @@
 calls, a 12 MiB tensor (copied out of the sender's memory where the kernel lets the receiver read it) and an RRef
 work across processes, and a worker SIGKILLed while another waits on its call fails that call
 fast, naming the lost worker, the survivor's later calls to it fail the same way, and its graceful shutdown does
-not wait for the dead worker; a thread the user starts calls through its process's agent."""
+not wait for the dead worker; a call whose large tensor waits for a worker that is alive but stopped fails at its
+timeout, and the worker, resumed, serves the next call; a thread the user starts calls through its process's
+agent."""
 
 from __future__ import annotations
 
@@ -84,3 +86,45 @@ def test_a_thread_the_user_starts_calls_through_the_processs_agent(tmp_path) -> 
         assert inbox.get(timeout=90) == [5.0]
     finally:
         _reap(processes)
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def _stopped_peer(rank: int, world_size: int, results: Any, store: str) -> None:
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{store}", rpc_timeout=60)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
+    if rank == 0:
+        from spmd.rpc.api import _agent
+
+        report: dict[str, Any] = {"by_reference": 1 in _agent.get().channels.reads_me}
+        peer = rpc.rpc_sync("w1", _pid)
+        large = torch.arange(3 << 20, dtype=torch.float32)     # 12 MiB: by reference, acknowledged once read
+        os.kill(peer, signal.SIGSTOP)
+        started = time.monotonic()
+        try:
+            rpc.rpc_sync("w1", _scale, (large, 2.0), timeout=1.0)
+        except TimeoutError as error:
+            report["error"] = str(error)
+        report["seconds"] = time.monotonic() - started
+        os.kill(peer, signal.SIGCONT)
+        report["after"] = torch.equal(rpc.rpc_sync("w1", _scale, (large, 3.0)), large * 3)
+        results.send(report)
+    rpc.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_call_to_a_stopped_worker_fails_at_its_timeout_and_the_resumed_worker_serves_the_next(tmp_path) -> None:
+    processes, inbox = _spawn(_stopped_peer, 2, str(tmp_path / "store"))
+    try:
+        report = inbox.get(timeout=90)
+    finally:
+        for process in processes:
+            if process.pid is not None and process.is_alive():
+                os.kill(process.pid, signal.SIGCONT)
+        _reap(processes)
+    assert report["by_reference"], "this host's kernel lets no worker read another's memory: nothing to test"
+    assert "_scale" in report["error"] and "w1" in report["error"] and "past its timeout" in report["error"], report
+    assert report["seconds"] < 10, report
+    assert report["after"], report

@@ -72,9 +72,12 @@ class _AckMessage:
 
 @dataclasses.dataclass
 class _PendingAck:
-    """A message sent with tensors by reference, whose sender waits (holding them) for the peer's ack."""
+    """A message sent with tensors by reference, whose sender waits (holding them) for the peer's ack. A call's
+    sender stops waiting at the call's deadline; the message's tensors then stay held here until the ack or the
+    peer's loss, so the peer never reads freed memory."""
 
     peer: int
+    payload: _Payload
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
@@ -205,8 +208,8 @@ class RpcAgent:
                     self._timer_wake.notify()
         if lost is not None:
             future.set_exception(RuntimeError(_error_message(to, what, lost)))
-        else:
-            self._transmit(to.id, payload)
+        else:    # past the deadline (a peer alive but not reading), the timer fails the call
+            self._transmit(to.id, payload, time.monotonic() + timeout if timeout > 0 else None)
         return future
 
     def notify(self, to: WorkerInfo, function: Callable[..., Any], args: tuple) -> None:
@@ -256,23 +259,24 @@ class RpcAgent:
                 self._sending -= 1
                 self._outbox_ready.notify_all()
 
-    def _transmit(self, dst: int, payload: _Payload | _AckMessage) -> None:
+    def _transmit(self, dst: int, payload: _Payload | _AckMessage, deadline: float | None = None) -> None:
         """Write one message to `dst` (the header, the body and the tensors' addresses, then the bytes of the
         tensors sent by value; a STOP or an ack: the header alone). On the calling thread (a hand-off to the
         sender costs two thread wake-ups), one message to a peer at a time; with tensors by reference, then wait
-        for the peer's ack before letting go of them (see Note: large tensors by reference in channel.py)."""
+        for the peer's ack before letting go of them (see Note: large tensors by reference in channel.py), until
+        `deadline` (time.monotonic()) at most: the pending ack keeps holding them after that."""
         ack_id = 0
         if isinstance(payload, tuple) and payload is not _STOP_MESSAGE and dst in self.channels.reads_me and \
                 any(tensor.nbytes >= ONE_COPY_BYTES for tensor in payload[1]):
             ack_id = next(self._ack_ids)
             with self._lock:
-                self._acks[ack_id] = pending = _PendingAck(dst)
+                self._acks[ack_id] = pending = _PendingAck(dst, payload)
                 if dst in self._peer_errors:      # lost already: nobody will ack
                     pending.done.set()
         with self._send_locks[dst]:
             self._transmit_locked(dst, payload, ack_id)
-        if ack_id:
-            pending.done.wait()          # set by the ack, or when the peer is lost
+        if ack_id:                       # set by the ack, or when the peer is lost
+            pending.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _transmit_locked(self, dst: int, payload: _Payload | _AckMessage, ack_id: int) -> None:
         try:
