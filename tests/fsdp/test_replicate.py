@@ -94,6 +94,48 @@ def test_mixed_precision_runs_forward_in_bf16_and_keeps_fp32_parameters_and_grad
         assert all(p.dtype == torch.float32 for p in result["model"].parameters())
 
 
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+def test_forward_uses_the_parameters_own_storage_unless_it_needs_another_dtype(param_dtype: torch.dtype | None
+                                                                               ) -> None:
+    """Without mixed precision, replicate holds each parameter once: the module's parameter in forward is the
+    replica's own storage (torch's copies it); in bf16 it is a copy."""
+
+    def body(rank: int, size: int) -> tuple[bool, bool, int]:
+        with seeded(0):
+            model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+        replicate(model[0], mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype))
+        replicate(model, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype))
+        shard = model[0]._fsdp_state().params[0].local_shard
+        seen = []
+        model[0].register_forward_hook(lambda m, args, out: seen.append(m.weight.data_ptr() == shard.data_ptr()))
+        for _ in range(2):
+            model(torch.randn(2, 3)).sum().backward()
+        unsharded = sum(t.numel() for t in model[0]._fsdp_state().groups[0].held_tensors()["unsharded parameters"])
+        return seen[0], seen[1], unsharded
+
+    for first, second, unsharded in run_ranks(body, 2, timeout=TIMEOUT):
+        assert first == second == (param_dtype is None)
+        assert (unsharded == 0) == (param_dtype is None)
+
+
+def test_a_model_built_on_meta_then_materialised_trains_like_one_process() -> None:
+    """TorchTitan's order: replicate on the meta device, then to_empty and initialise; forward then uses the new
+    shards' storage (and backward reaches their hooks)."""
+
+    def materialise(model: nn.Module) -> None:
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for param, initial in zip(model.parameters(), build("mlp", seed=0).parameters(), strict=True):
+                param.to_local().copy_(initial)
+
+    def body(rank: int, size: int) -> dict[str, Any]:
+        with torch.device("meta"):
+            model = build("mlp", seed=0)
+        return fsdp_train("mlp", rank, size, model=model, shard=replicate_blocks_then_root, setup=materialise)
+
+    assert_parity(run_ranks(body, 2, timeout=TIMEOUT), reference("mlp", 2))
+
+
 def test_gradient_divide_factor_one_leaves_the_sum() -> None:
     def body(rank: int, size: int) -> torch.Tensor:
         with seeded(0):

@@ -14,7 +14,9 @@ A parameter of global shape S, sharded on tensor dim d over the group_size ranks
   moving dim d back gives the full parameter with no copy. The module holds it from the all-gather until the
   reshard, and autograd accumulates its gradient, which the reduce-scatter turns into the sharded gradient.
 Under the composable `replicate` the mesh only replicates: the "shard" is the whole parameter, a Replicate()
-DTensor (group_size 1, no padding), and the unsharded parameter is its copy, cast to the forward's dtype.
+DTensor (group_size 1, no padding), and the unsharded parameter is a Parameter over the shard's own storage (no
+copy, no memory of its own), or, where forward wants another dtype (mixed precision) or device (CPU offload), its
+copy as above.
 The unsharded parameter object lives as long as the FSDPParam: freeing it frees its group's buffer storage
 (resize to 0 bytes) and the next all-gather re-allocates and refills the same storage. So the tensors autograd
 saved in forward, views of that storage, hold the right values again once backward's all-gather has run.
@@ -296,6 +298,26 @@ class FSDPParam:
         if self.tp_spec is not None:      # the TP-local tensor of the DTensor the module sees
             full = DTensor(full, self.tp_spec)
         self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
+
+    def can_alias_shard(self, device: torch.device) -> bool:
+        """Whether the unsharded parameter may be the shard itself: on a replicate-only mesh, where forward wants
+        the shard's dtype and device."""
+        return (self.shard_mesh.replicate_only and self.unsharded_dtype == self.orig_dtype
+                and self.local_shard.device == device)
+
+    def alias_shard(self) -> bool:
+        """Make the unsharded parameter a Parameter over the shard's own storage (see can_alias_shard), unless it
+        already is; True when it made a new one."""
+        current = self.unsharded_param
+        if isinstance(current, DTensor):
+            current = current._local_tensor
+        if current is not None and current.data_ptr() == self.local_shard.data_ptr():
+            return False
+        data: Tensor = self.local_shard.detach()
+        if self.tp_spec is not None:
+            data = DTensor(data, self.tp_spec)
+        self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
+        return True
 
     def to_unsharded(self) -> None:
         self._expect(ParamState.SHARDED)

@@ -98,12 +98,19 @@ class ReduceOptions:
 class GatherLayout:
     """How a group's parameters are gathered (see Note: the flat layouts in collectives.py): `buffered` into the
     group's unsharded buffer, in the group's dtype; `separate`, frozen parameters of another dtype, each into a
-    buffer of its own; `extended` through their all-gather extension (extension.py). Fixed at the group's first
-    all-gather, once the shards are materialised and any extension methods patched on."""
+    buffer of its own; `extended` through their all-gather extension (extension.py); `aliased`, on a
+    replicate-only mesh, not at all: the unsharded parameter is the whole shard itself, where forward needs no
+    other dtype or device. Fixed at the group's first all-gather, once the shards are materialised and any
+    extension methods patched on."""
 
     buffered: list[FSDPParam]
     separate: list[FSDPParam]
     extended: list[FSDPParam]
+    aliased: list[FSDPParam]
+
+    @property
+    def gathers(self) -> bool:
+        return bool(self.buffered or self.separate or self.extended)
 
 
 class PendingReductions:
@@ -197,7 +204,9 @@ class FSDPParamGroup:
         """Start gathering the full parameters (no-op when they are gathered or on their way). Collective."""
         if self.state is GroupState.SHARDED:
             layout = self._fix_layout()
-            if layout.separate or layout.extended:
+            if not layout.gathers:
+                self._gather = None
+            elif layout.separate or layout.extended:
                 inputs = [param.padded_piece(self.device) for param in layout.separate]
                 inputs += [t for param in layout.extended for t in param.extension_inputs(self.device)]
                 self._gather = start_byte_all_gather(layout.buffered, self.gather_dtype, inputs, self.device,
@@ -224,11 +233,15 @@ class FSDPParamGroup:
             self.unshard(async_op=True)
         if self.state is not GroupState.GATHERING:
             return
-        assert self._gather is not None
-        finish_all_gather(self._gather, self._gather_targets(self._gather))
-        self._gather = None
-        for param in self._fix_layout().extended:
+        if self._gather is not None:
+            finish_all_gather(self._gather, self._gather_targets(self._gather))
+            self._gather = None
+        layout = self._fix_layout()
+        for param in layout.extended:
             param.finish_extension_gather()
+        if any([param.alias_shard() for param in layout.aliased]) and self._grad_hooks is not None:
+            self._grad_hooks.remove()         # a new shard (to_empty, a load by assignment): hook its alias
+            self._grad_hooks = None
         if self._grad_hooks is None:
             self._grad_hooks = on_grad_accumulated([param.unsharded_param for param in self.grad_params],
                                                    self._on_grad_accumulated)
@@ -241,10 +254,12 @@ class FSDPParamGroup:
         if self.layout is None:
             for param in self.params:
                 param.bind_extension(self.mp_policy, post_forward_resharding=self.post_forward_mesh is not None)
-            plain = [param for param in self.params if param.extension is None]
+            aliased = [param for param in self.params if param.extension is None and param.can_alias_shard(self.device)]
+            plain = [param for param in self.params if param.extension is None and param not in aliased]
             self.layout = GatherLayout(buffered=[p for p in plain if p.unsharded_dtype == self.gather_dtype],
                                        separate=[p for p in plain if p.unsharded_dtype != self.gather_dtype],
-                                       extended=[p for p in self.params if p.extension is not None])
+                                       extended=[p for p in self.params if p.extension is not None],
+                                       aliased=aliased)
             self._extensions = [param.extension for param in self.params if param.extension is not None]
         return self.layout
 
