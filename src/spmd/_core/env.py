@@ -86,3 +86,14 @@ def socket_ifname() -> str | None:
     """The interface whose IPv4 address this process's tcp transport publishes (SPMD_SOCKET_IFNAME), unless
     SPMD_SOCKET_ADDR names the address itself."""
     return optional_str("SPMD_SOCKET_IFNAME")
+
+
+def file_timer_enabled() -> bool:
+    """Whether spmdrun runs a file timer server for its workers' `expires` blocks (torchrun's
+    TORCHELASTIC_ENABLE_FILE_TIMER=1)."""
+    return optional_str("TORCHELASTIC_ENABLE_FILE_TIMER", "0") == "1"
+
+
+def timer_file() -> str | None:
+    """Where the file timer server's FIFO is to be (TORCHELASTIC_TIMER_FILE; by default spmdrun picks one)."""
+    return optional_str("TORCHELASTIC_TIMER_FILE")

@@ -26,6 +26,7 @@ import tempfile
 import time
 import types
 
+from spmd._core import env as environment
 from spmd._core.errors import StoreAuthError, StoreError
 from spmd.comm.store.base import HashStore, Store
 from spmd.comm.transports.shm.names import remove_orphan_segments
@@ -34,6 +35,7 @@ from spmd.run.config import EntryKind, LaunchConfig, Std
 from spmd.run.failure import WorkerFailure, format_summary, root_cause
 from spmd.run.process import Console, Watchdog, WorkerGroup, WorkerSpec
 from spmd.run.rendezvous import Coordinator, Heartbeat, NodeInfo, Outcome, RendezvousClient, Round
+from spmd.run.timer import FileTimerRequest, FileTimerServer
 
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap.py")
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -131,6 +133,8 @@ class Agent:
         self.address_source = ""   # where self.me's address came from, for the workers' errors
         self.workers: WorkerGroup | None = None
         self.watchdog: Watchdog | None = None
+        self.timer_server: FileTimerServer | None = None   # the workers' `expires` timers (TORCHELASTIC_ENABLE_...)
+        self.timer_file: str | None = None
         self._raise_on_signal = True
         self._member = False  # whether this node is in the latest round (else it waits, and may leave alone)
         self.outcome: Outcome | None = None  # how the job ended, once it has
@@ -143,6 +147,7 @@ class Agent:
         try:
             try:
                 self.watchdog = Watchdog()
+                self._start_timer_server()
                 return self._run()
             finally:
                 self._raise_on_signal = False  # from here on a signal can't interrupt the cleanup
@@ -161,6 +166,8 @@ class Agent:
             self._stop_workers(signal.SIGTERM)
             if self.watchdog is not None:
                 self.watchdog.close()
+            if self.timer_server is not None:
+                self.timer_server.stop()
             self._shut_down()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -335,6 +342,8 @@ class Agent:
                 "TORCHELASTIC_RESTART_COUNT": str(current.restart_count),
                 "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts), "TORCHELASTIC_RUN_ID": config.rdzv_id,
             })
+            if self.timer_file is not None:   # where FileTimerClient sends its `expires` timers
+                env["TORCHELASTIC_TIMER_FILE"] = self.timer_file
             if config.kind is EntryKind.CALLABLE:  # where the worker leaves its return value (launcher.api)
                 env["SPMD_RESULT_FILE"] = result_file(config.entrypoint, rank)
             if config.is_multinode:  # its workers publish the address it chose (spmd.comm.transports.tcp.address)
@@ -351,6 +360,28 @@ class Agent:
                 stderr_to_console=shown and not redirect & Std.ERR))
         self.last_ranks = [spec.rank for spec in specs]
         return specs
+
+    def _start_timer_server(self) -> None:
+        """With TORCHELASTIC_ENABLE_FILE_TIMER=1 (torchrun's switch), serve the workers' expiration timers (see
+        spmd.run.timer) from a FIFO, at TORCHELASTIC_TIMER_FILE or in this node's log directory."""
+        if not environment.file_timer_enabled():
+            return
+        path = environment.timer_file() or os.path.join(self._log_root, "timer.fifo")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.timer_server = FileTimerServer(path, self.config.rdzv_id, max_interval=0.1, log_event=self._timer_event)
+        self.timer_server.start()
+        self.timer_file = path
+
+    def _timer_event(self, name: str, request: FileTimerRequest | None) -> None:
+        """A worker's timer expired: say which rank and which block, before the server kills it."""
+        if name != "timer expired" or request is None:
+            return
+        workers = self.workers.workers if self.workers is not None else []
+        ranks = [worker.spec.rank for worker in workers if worker.pid == request.worker_pid]
+        who = f"worker rank {ranks[0]}" if ranks else "a worker"
+        how = signal.Signals(request.signal).name if request.signal > 0 else "no signal (its client asked for none)"
+        self._say(f"{who} (pid {request.worker_pid}): its timer for {request.scope_id!r} expired; killing it with "
+                  f"{how}")
 
     def _stop_workers(self, signum: int) -> None:
         """Stop this node's workers; then remove the shared-memory names of any killed in group set-up."""
