@@ -46,6 +46,9 @@ def test_the_file_server_kills_the_worker_past_its_deadline_and_spares_the_one_t
                              log_event=lambda name, request: events.append((name, request)))
     server.start()
     try:
+        fd = os.open(tmp_path / "timer.fifo", os.O_WRONLY | os.O_NONBLOCK)
+        os.write(fd, b"not a request\n")      # a stranger's line: reported, and the rest still served
+        os.close(fd)
         children = {name: subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path / "timer.fifo"), *args],
                                            stdout=subprocess.PIPE, text=True)
                     for name, args in {"stuck": ("spmd", "1.5", "stuck loader", "120"),
@@ -59,6 +62,7 @@ def test_the_file_server_kills_the_worker_past_its_deadline_and_spares_the_one_t
     assert "left in time" in outputs["in time"]
     expired = {request.scope_id: request.worker_pid for name, request in events if name == "timer expired"}
     assert expired == {"stuck loader": children["stuck"].pid, "torch scope": children["torch's client"].pid}
+    assert any(name.startswith("unreadable request b'not a request'") for name, _ in events), events
     assert not (tmp_path / "timer.fifo").exists()
 
 

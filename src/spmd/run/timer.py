@@ -116,6 +116,31 @@ class _Timers:
             self.by_worker.pop(worker, None)
 
 
+class _Rounds:
+    """A server's thread: `round()` again and again until stopped."""
+
+    def __init__(self, round: Callable[[], None], name: str, daemon: bool) -> None:
+        self._round = round
+        self._name = name
+        self._daemon = daemon
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=self._name, daemon=self._daemon)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._round()
+
+
 def _process_running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -193,11 +218,9 @@ class FileTimerServer:
         self._file_path = file_path
         self._run_id = run_id
         self._max_interval = max_interval
-        self._daemon = daemon
         self._log_event = log_event or (lambda name, request: None)
         self._timers = _Timers()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._rounds = _Rounds(lambda: self._round(self._max_interval), "spmd-file-timer-server", daemon)
         self._fd: int | None = None
         self._pending = b""
         self._last_progress_time = time.time()
@@ -208,15 +231,11 @@ class FileTimerServer:
     def start(self) -> None:
         """Start reading and checking on a thread of its own."""
         self._open()
-        self._thread = threading.Thread(target=self._loop, name="spmd-file-timer-server", daemon=self._daemon)
-        self._thread.start()
+        self._rounds.start()
 
     def stop(self) -> None:
         """Stop the thread and remove the FIFO."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._rounds.stop()
         self._close()
 
     def run_once(self) -> None:
@@ -242,10 +261,6 @@ class FileTimerServer:
             self._fd = None
         with contextlib.suppress(FileNotFoundError):
             os.remove(self._file_path)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._round(self._max_interval)
 
     def _round(self, wait: float) -> None:
         self._timers.register(self._read(wait))
@@ -278,9 +293,12 @@ class FileTimerServer:
         *lines, self._pending = (self._pending + data).split(b"\n")
         requests = []
         for line in lines:
-            fields = json.loads(line)
-            requests.append(FileTimerRequest(int(fields["pid"]), str(fields["scope_id"]),
-                                             float(fields["expiration_time"]), int(fields["signal"])))
+            try:
+                fields = json.loads(line)
+                requests.append(FileTimerRequest(int(fields["pid"]), str(fields["scope_id"]),
+                                                 float(fields["expiration_time"]), int(fields["signal"])))
+            except (ValueError, KeyError, TypeError):      # not a client's request: the others still count
+                self._log_event(f"unreadable request {line[:200]!r}", None)
         return requests
 
 
@@ -326,9 +344,7 @@ class TimerServer(abc.ABC):
     def __init__(self, request_queue: RequestQueue, max_interval: float, daemon: bool = True) -> None:
         self._request_queue = request_queue
         self._max_interval = max_interval
-        self._daemon = daemon
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._rounds = _Rounds(self._run_watchdog, "spmd-timer-server", daemon)
 
     @abc.abstractmethod
     def register_timers(self, timer_requests: list[TimerRequest]) -> None:
@@ -347,18 +363,10 @@ class TimerServer(abc.ABC):
         """Kill the worker; whether it is gone."""
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="spmd-timer-server", daemon=self._daemon)
-        self._thread.start()
+        self._rounds.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._run_watchdog()
+        self._rounds.stop()
 
     def _run_watchdog(self) -> None:
         self.register_timers(self._request_queue.get(self._request_queue.size(), self._max_interval))
