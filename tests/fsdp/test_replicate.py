@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import spmd
 from spmd._composable import _get_registry
 from spmd._composable.replicate_with_fsdp import ReplicateModule, is_composable_with_replicate, replicate
 from spmd.checkpoint.state_dict import get_model_state_dict
@@ -134,6 +135,38 @@ def test_a_model_built_on_meta_then_materialised_trains_like_one_process() -> No
         return fsdp_train("mlp", rank, size, model=model, shard=replicate_blocks_then_root, setup=materialise)
 
     assert_parity(run_ranks(body, 2, timeout=TIMEOUT), reference("mlp", 2))
+
+
+@pytest.mark.parametrize(("mixed", "mode"), [(False, "last"), (False, "each"), (False, "scatter_each"),
+                                             (True, "last"), (True, "each")])
+def test_accumulate_drives_replicate_alone_and_under_a_root_over_fully_shard_blocks(mixed: bool, mode: str) -> None:
+    """spmd.accumulate sets every replicate module (and fully_shard one, when a replicate root sits over
+    fully_shard blocks, as a small model's head over sharded blocks); the gradient is the big batch's."""
+
+    def build_model() -> nn.Module:
+        with seeded(0):
+            return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def inputs() -> list[torch.Tensor]:
+        return [torch.randn(4, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    def body(rank: int, size: int) -> list[torch.Tensor]:
+        model = build_model()
+        if mixed:
+            fully_shard(model[0])
+        else:
+            replicate(model[0])
+            replicate(model[2])
+        replicate(model)
+        for x in spmd.accumulate(model, [x.chunk(size)[rank] for x in inputs()], reduce=mode):
+            (model(x).square().mean() / 3).backward()
+        return [p.grad.full_tensor() for p in model.parameters()]
+
+    model = build_model()
+    (sum(model(x).square().mean() for x in inputs()) / 3).backward()
+    for grads in run_ranks(body, 2, timeout=TIMEOUT):
+        for got, param in zip(grads, model.parameters(), strict=True):
+            torch.testing.assert_close(got, param.grad)
 
 
 def test_gradient_divide_factor_one_leaves_the_sum() -> None:
