@@ -38,6 +38,7 @@ ALLOWED: dict[str, set[str]] = {
     "constants": {"_core", "comm"},
     "_functional_collectives": {"_core", "comm", "device_mesh", "nn"},
     "_tensor": {"_core", "comm", "device_mesh", "tensor"},
+    "_state_dict_utils": {"_core", "comm", "device_mesh", "tensor"},
     "tensor.experimental._attention": {"_core", "comm", "device_mesh", "tensor", "tensor.parallel"},
     "tensor.experimental._context_parallel": {"_core", "comm", "device_mesh", "tensor", "tensor.parallel"},
     "_composable": {"_core", "_autograd", "comm", "device_mesh", "tensor", "ddp", "fsdp"},
