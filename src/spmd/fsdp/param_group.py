@@ -239,6 +239,7 @@ class FSDPParamGroup:
         layout = self._fix_layout()
         for param in layout.extended:
             param.finish_extension_gather()
+        # a list, not a generator: every aliased parameter must be (re)made, not only those up to the first new one
         if any([param.alias_shard() for param in layout.aliased]) and self._grad_hooks is not None:
             self._grad_hooks.remove()         # a new shard (to_empty, a load by assignment): hook its alias
             self._grad_hooks = None
