@@ -91,12 +91,14 @@ from spmd.checkpoint.storage import (
     FileSystemWriter,
     StorageReader,
     StorageWriter,
+    WriteResult,
     WrittenBoxes,
+    speaks_torch_protocol,
 )
 from spmd.checkpoint.torch_format import TorchCheckpointReader, is_torch_checkpoint
 from spmd.comm.collectives import is_wrapper_subclass
 from spmd.comm.group import ProcessGroup
-from spmd.comm.objects import all_gather_bytes
+from spmd.comm.objects import all_gather_bytes, all_gather_object
 from spmd.comm.world import AnyGroup, is_initialized, new_group, resolve_group
 from spmd.tensor.api import DTensor
 
@@ -307,6 +309,8 @@ _ALONE = _AsyncSaver(None)      # a process saving by itself
 
 def _writer(checkpoint_id: str | os.PathLike[str] | None, storage_writer: StorageWriter | None) -> StorageWriter:
     if storage_writer is not None:
+        if checkpoint_id is not None:
+            storage_writer.reset(checkpoint_id)
         return storage_writer
     if checkpoint_id is None:
         raise ValueError("save: pass checkpoint_id (a directory or an fsspec URL) or storage_writer")
@@ -346,8 +350,9 @@ def _plan(state_dict: Mapping[str, Any], group: ProcessGroup | None, planner: Sa
     rank = 0 if group is None else group.group_rank
     proposed, local, error = None, None, None
     try:
-        planner.set_up_planner(_resolved(state_dict), StorageMeta(checkpoint_id), rank == 0)
-        proposed = planner.create_local_plan()
+        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=group is not None)
+        planner.set_up_planner(_resolved(state_dict), writer.storage_meta() or StorageMeta(checkpoint_id), rank == 0)
+        proposed = writer.prepare_local_plan(planner.create_local_plan())
         local = json.dumps(_encode_save_plan(proposed))
     except Exception as failure:          # exchanged, so every rank raises it
         error = f"rank {rank}'s {type(planner).__name__} could not plan: {type(failure).__name__}: {failure}"
@@ -459,22 +464,34 @@ def _decode_save_plan(body: dict[str, Any]) -> SavePlan:
 
 
 def _write_and_commit(plan: _SavePlan, writer: StorageWriter, group: ProcessGroup | None) -> Metadata:
-    """Steps 3-6 of the save protocol."""
+    """Steps 3-6 of the save protocol (a writer of torch's: see Note: torch's storage protocol in storage.py)."""
+    torch_protocol = speaks_torch_protocol(writer)
     report: dict[str, Any] = {"error": plan.error, "files": {}, "boxes": [], "values": plan.values,
                               "blobs": {key: base64.b64encode(blob).decode() for key, blob in plan.blobs.items()}}
+    results: list[WriteResult] = []
     try:
-        if plan.error is None:
+        if plan.error is None and torch_protocol:
+            results = _write_data(writer, plan)
+            report["boxes"] = [["", name, box.item.index.fqn, list(box.item.tensor_data.chunk.offsets),
+                                list(box.item.tensor_data.chunk.sizes), None] for name, box in plan.writes.items()
+                               if box.item.tensor_data is not None]
+        elif plan.error is None:
             report.update(_encode_written(writer.write_boxes(plan.rank, plan.save_id, plan.writes,
                                                              plan.storage_data)))
     except Exception as error:                # reported in step 4, so no rank waits for this one
         report["error"] = f"rank {plan.rank} could not write its data file: {type(error).__name__}: {error}"
     reports = _exchange(group, report)
+    every_result = _gather_results(group, results) if torch_protocol else []
     outcome: dict[str, Any] = {"error": next((r["error"] for r in reports if r["error"]), None), "metadata": None}
     metadata = None
     if plan.rank == 0 and outcome["error"] is None:
         try:
             assert plan.metadata is not None     # the coordinator's, from step 2
-            metadata = writer.finish(_metadata(plan.metadata, plan.save_id, reports), plan.storage_data)
+            metadata = _metadata(plan.metadata, plan.save_id, reports)
+            if torch_protocol:
+                writer.finish(metadata, every_result)
+            else:
+                metadata = writer.finish(metadata, plan.storage_data)
             outcome["metadata"] = metadata.to_json().decode()
         except Exception as error:
             outcome["error"] = f"rank 0 could not commit the checkpoint: {type(error).__name__}: {error}"
@@ -482,6 +499,36 @@ def _write_and_commit(plan: _SavePlan, writer: StorageWriter, group: ProcessGrou
     if final["error"] is not None:
         raise _failed(plan.save_id, final["error"])
     return metadata if plan.rank == 0 else Metadata.from_json(final["metadata"].encode(), f"save {plan.save_id}")
+
+
+class _ResolvedData:
+    """The save planner torch's write_data is given: what this rank's plan resolved for each item."""
+
+    def __init__(self, writes: Mapping[str, BoxWrite]) -> None:
+        self._data = {id(box.item): box.data for box in writes.values()}
+
+    def resolve_data(self, write_item: WriteItem) -> Tensor:
+        return self._data[id(write_item)]
+
+
+def _write_data(writer: StorageWriter, plan: _SavePlan) -> list[WriteResult]:
+    """Step 3 for a writer of torch's protocol: its write_data on this rank's tensor items; their WriteResults."""
+    items = [box.item for box in plan.writes.values()]
+    results = list(writer.write_data(SavePlan(items, plan.storage_data), _ResolvedData(plan.writes)).wait())
+    if len(results) != len(items) or not all(isinstance(result, WriteResult) for result in results):
+        raise CheckpointError(f"{type(writer).__name__}.write_data gave {len(results)} results for {len(items)} "
+                              f"items; it must give one WriteResult per item")
+    return results
+
+
+def _gather_results(group: ProcessGroup | None, results: list[WriteResult]) -> list[list[WriteResult]]:
+    """Every rank's WriteResults, in rank order (pickled: a storage's storage_data may be any object; the peers
+    are the group's authenticated members)."""
+    if group is None:
+        return [results]
+    every: list[Any] = [None] * group.size()
+    all_gather_object(every, results, group=group)
+    return every
 
 
 def _encode_written(written: WrittenBoxes) -> dict[str, Any]:
@@ -526,14 +573,31 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
     naming the key, file or mismatch."""
     planner = planner if planner is not None else DefaultLoadPlanner()
     reader = storage_reader if storage_reader is not None else _reader(checkpoint_id)
+    if storage_reader is not None and checkpoint_id is not None:
+        storage_reader.reset(checkpoint_id)
     where = os.fspath(checkpoint_id) if checkpoint_id is not None else type(reader).__name__
     group = _group(process_group, no_dist)
+    coordinator = group is None or group.group_rank == 0
+    torch_protocol = speaks_torch_protocol(reader)
     try:
         metadata = _read_metadata(reader, where)
         resolved = _resolved(state_dict)
-        planner.set_up_planner(resolved, metadata, group is None or group.group_rank == 0)
-        plan = planner.finish_plan(planner.create_global_plan([planner.create_local_plan()])[0])
-        _Loader(reader, metadata, where).run(plan, planner)
+        if torch_protocol:
+            reader.set_up_storage_reader(metadata, coordinator, rank=0 if group is None else group.group_rank,
+                                         use_collectives=False)
+        planner.set_up_planner(resolved, metadata, coordinator)
+        local = planner.create_local_plan()
+        if torch_protocol:
+            local = reader.prepare_local_plan(local)
+        central = planner.create_global_plan([local])
+        if torch_protocol:
+            central = reader.prepare_global_plan(central)
+        plan = planner.finish_plan(central[0])
+        loader = _Loader(reader, metadata, where)
+        if torch_protocol:
+            loader.run_through_read_data(plan, planner)
+        else:
+            loader.run(plan, planner)
     finally:
         reader.close()
     for key, value in resolved.items():
@@ -599,6 +663,17 @@ class _Loader:
                 target = planner.resolve_tensor(item)
                 self._fill(item, target)
             planner.commit_tensor(item, target)
+
+    def run_through_read_data(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """A reader of torch's protocol: values from the metadata, the tensor items through its read_data."""
+        tensors = []
+        for item in plan.items:
+            if item.type is LoadItemType.BYTE_IO:
+                planner.load_bytes(item, self._value(item.storage_index.fqn))
+            else:
+                tensors.append(item)
+        if tensors:
+            self.reader.read_data(LoadPlan(tensors, plan.storage_data, plan.planner_data), planner).wait()
 
     def _value(self, key: str) -> io.BytesIO:
         if key in self.metadata.values:

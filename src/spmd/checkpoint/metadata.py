@@ -129,6 +129,9 @@ class Metadata:
     casts_on_load: bool = dataclasses.field(default=False, compare=False, repr=False)
     """Whether a load casts a tensor saved in another dtype to the state dict's (a Hugging Face checkpoint's
     bfloat16 weights into float32 parameters); spmd's own checkpoints refuse the mismatch (not saved)."""
+    storage_data: Any = dataclasses.field(default=None, compare=False, repr=False)
+    """torch's: where a storage of torch's protocol put each item ({MetadataIndex: its WriteResult's
+    storage_data}), set by that writer's finish and kept by however it stores this object (not in spmd's JSON)."""
 
     @property
     def state_dict_metadata(self) -> dict[str, STORAGE_TYPES]:

@@ -7,6 +7,18 @@ another format (hf_storage.py) overrides the three steps of the save protocol a 
 prepare_global_plan, write_boxes and finish; by default they write spmd's own format through write_file and
 commit.
 
+Note: torch's storage protocol
+A storage written for torch's DCP ports too: a StorageWriter subclass that defines write_data(plan, planner)
+(returning a Future of WriteResults) and finish(metadata, results), and a StorageReader subclass that defines
+read_metadata() and read_data(plan, planner), are driven as torch drives them (reset, set_up_storage_writer /
+set_up_storage_reader, prepare_local_plan, prepare_global_plan), around spmd's planning: write_data gets this
+rank's tensor items and a planner whose resolve_data gives their data; the coordinator's finish gets every
+rank's WriteResults (gathered from authenticated peers) and spmd's Metadata, which such a writer stores as it
+likes (typically setting metadata.storage_data and pickling it); read_data gets the tensor items of this rank's
+load plan and the load planner (resolve_tensor, commit_tensor). Values (non-tensor entries) travel inside the
+Metadata, not through write_data and read_data. Each rank's load plan is its own (prepare_global_plan sees one
+plan): spmd's load is not collective.
+
 Note: never lose the last good checkpoint
 A data file is written under a hidden temporary name, flushed to disk, then renamed to its final name, which
 carries the save's id, so no file of an earlier checkpoint in the same directory is ever overwritten. The
@@ -32,8 +44,8 @@ from torch import Tensor
 
 from spmd._core.errors import CheckpointError
 from spmd.checkpoint import format as tensor_format
-from spmd.checkpoint.metadata import METADATA_FILE, Chunk, Metadata
-from spmd.checkpoint.planner import SavePlan, WriteItem
+from spmd.checkpoint.metadata import METADATA_FILE, Chunk, Metadata, MetadataIndex, StorageMeta
+from spmd.checkpoint.planner import LoadPlan, SavePlan, WriteItem
 from spmd.comm.collectives import is_wrapper_subclass
 
 PARTIAL_SUFFIX = ".partial"
@@ -63,6 +75,16 @@ class WrittenBox:
     crc32: int | None
 
 
+@dataclasses.dataclass(frozen=True)
+class WriteResult:
+    """What a writer of torch's protocol reports for one item it wrote (torch's name): the item's index, how many
+    bytes it took and where the writer put it (any picklable value; its finish and its reader interpret it)."""
+
+    index: MetadataIndex
+    size_in_bytes: int
+    storage_data: Any
+
+
 @dataclasses.dataclass(slots=True)
 class WrittenBoxes:
     """What a rank's write_boxes stored: the files it wrote to, with their sizes, and where each box went."""
@@ -71,8 +93,34 @@ class WrittenBoxes:
     boxes: list[WrittenBox]
 
 
-class StorageWriter(abc.ABC):
-    """Writes one checkpoint (see Note: never lose the last good checkpoint)."""
+class StorageWriter:
+    """Writes one checkpoint (see Note: never lose the last good checkpoint). A subclass implements write_file and
+    commit (spmd's protocol), or write_data and finish(metadata, results) (torch's: see Note: torch's storage
+    protocol)."""
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """(each rank, before a save given a checkpoint_id) Start a new checkpoint at `checkpoint_id`; torch's."""
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """(each rank, step 1) Get ready for this save (`rank`, `use_collectives` come as keywords); torch's."""
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """(each rank, step 1) This rank's plan, with whatever this storage adds; torch's. By default as it is."""
+        return plan
+
+    def storage_meta(self) -> StorageMeta | None:
+        """What the save planner's set_up_planner is told about this storage (None: the checkpoint_id alone)."""
+        return None
+
+    def write_data(self, plan: SavePlan, planner: Any) -> torch.futures.Future[list[WriteResult]]:
+        """(torch's protocol, each rank, step 3) Store the data `planner.resolve_data(item)` gives for each of
+        `plan`'s items; a Future of one WriteResult per item."""
+        raise _neither(self)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether this storage can hold a checkpoint at `checkpoint_id` (torch's hook for choosing storages)."""
+        return True
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """(coordinator, step 2 of the save protocol, after the planner's global plan) The plans, with whatever
@@ -107,28 +155,54 @@ class StorageWriter(abc.ABC):
         self.commit(metadata.to_json(), list(metadata.files))
         return metadata
 
-    @abc.abstractmethod
     def write_file(self, name: str, parts: Iterable[memoryview]) -> int:
         """(each writing rank) Store file `name` as the concatenation of `parts`, durably, invisible to readers
         until complete; returns its size in bytes."""
+        raise _neither(self)
 
-    @abc.abstractmethod
     def commit(self, metadata: bytes, files: Iterable[str]) -> None:
         """(coordinator, after every rank's write_file returned) Store the metadata, atomically, last; then drop
         what an earlier checkpoint at the same place left and `files` doesn't name."""
+        raise _neither(self)
 
 
 class StorageReader(abc.ABC):
-    """Reads one checkpoint."""
+    """Reads one checkpoint. A subclass implements read_metadata and read (spmd's protocol), or read_metadata and
+    read_data (torch's: see Note: torch's storage protocol)."""
 
     @abc.abstractmethod
     def read_metadata(self) -> bytes | Metadata:
         """The metadata's bytes (or, for a format of another kind, the Metadata built from what it holds); raises
         CheckpointError if there is none (not a checkpoint, or a save that did not finish)."""
 
-    @abc.abstractmethod
     def read(self, name: str, offset: int, length: int) -> memoryview:
         """Bytes [offset, offset + length) of file `name` (a view valid until close)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither spmd's storage protocol (read) nor "
+                                  f"torch's (read_data)")
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """(before a load given a checkpoint_id) Read the checkpoint at `checkpoint_id`; torch's."""
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """(torch's protocol) Get ready to read the checkpoint `metadata` describes."""
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """(torch's protocol) This rank's load plan, with whatever this storage adds. By default as it is."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """(torch's protocol) The load plans, as this storage wants them. By default as they are."""
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: Any) -> torch.futures.Future[None]:
+        """(torch's protocol) Read each of `plan`'s items into `planner.resolve_tensor(item)`, then
+        `planner.commit_tensor(item, tensor)`; a Future done when all are."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement read_data (torch's storage protocol)")
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether this storage can read a checkpoint at `checkpoint_id` (torch's hook for choosing storages)."""
+        return True
 
     def read_into(self, name: str, offset: int, buffer: memoryview) -> None:
         """Fill `buffer` with the bytes of file `name` from `offset` on (a storage that can read straight into
@@ -148,6 +222,19 @@ class StorageReader(abc.ABC):
 
     def close(self) -> None:
         """Release what the reads hold (maps, handles)."""
+
+
+def _neither(writer: StorageWriter) -> NotImplementedError:
+    return NotImplementedError(f"{type(writer).__name__} implements neither spmd's storage protocol (write_file and "
+                               f"commit) nor torch's (write_data and finish)")
+
+
+def speaks_torch_protocol(storage: StorageWriter | StorageReader) -> bool:
+    """Whether `storage` is written to torch's storage protocol (see Note: torch's storage protocol): it defines
+    write_data or read_data itself."""
+    if isinstance(storage, StorageWriter):
+        return type(storage).write_data is not StorageWriter.write_data
+    return type(storage).read_data is not StorageReader.read_data
 
 
 class FileSystemWriter(StorageWriter):
