@@ -3,8 +3,9 @@ calls, a 12 MiB tensor (copied out of the sender's memory where the kernel lets 
 work across processes, and a worker SIGKILLed while another waits on its call fails that call
 fast, naming the lost worker, the survivor's later calls to it fail the same way, and its graceful shutdown does
 not wait for the dead worker; a call whose large tensor waits for a worker that is alive but stopped fails at its
-timeout, and the worker, resumed, serves the next call; a thread the user starts calls through its process's
-agent."""
+timeout, and the worker, resumed, serves the next call; a response whose large tensor waits for a caller that
+is stopped frees its server thread at the server's rpc_timeout, and the caller, resumed, still gets it; a thread
+the user starts calls through its process's agent."""
 
 from __future__ import annotations
 
@@ -128,3 +129,51 @@ def test_a_call_to_a_stopped_worker_fails_at_its_timeout_and_the_resumed_worker_
     assert "_scale" in report["error"] and "w1" in report["error"] and "past its timeout" in report["error"], report
     assert report["seconds"] < 10, report
     assert report["after"], report
+
+
+_CALLER_STOPPED = threading.Event()
+_STOPPED_PIDS: list[int] = []
+
+
+def _stop_my_caller_then_answer_large(caller: int) -> torch.Tensor:
+    os.kill(caller, signal.SIGSTOP)
+    _STOPPED_PIDS.append(caller)
+    _CALLER_STOPPED.set()
+    return torch.arange(3 << 20, dtype=torch.float32)      # by reference: its ack waits for the stopped caller
+
+
+def _stopped_caller(rank: int, world_size: int, results: Any, store: str) -> None:
+    # the server answers on its one pool thread and gives a response 1 s to be taken
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{store}", num_worker_threads=1,
+                                              rpc_timeout=1 if rank == 0 else 60)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
+    if rank == 1:
+        answer = rpc.rpc_async("w0", _stop_my_caller_then_answer_large, (os.getpid(),))
+        results.send({"answer": torch.equal(answer.wait(), torch.arange(3 << 20, dtype=torch.float32))})
+    else:
+        assert _CALLER_STOPPED.wait(60)
+        started = time.monotonic()
+        try:       # served by the pool's one thread: free once the response's wait reached its bound
+            report: dict[str, Any] = {"served": rpc.rpc_sync("w0", _pid, timeout=30) == os.getpid()}
+        except TimeoutError as error:
+            report = {"served": False, "error": str(error)}
+        report["seconds"] = time.monotonic() - started
+        os.kill(_STOPPED_PIDS[0], signal.SIGCONT)
+        results.send(report)
+    rpc.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_response_to_a_stopped_caller_frees_its_server_thread_and_reaches_the_resumed_caller(tmp_path) -> None:
+    processes, inbox = _spawn(_stopped_caller, 2, str(tmp_path / "store"))
+    try:
+        reports = [inbox.get(timeout=90), inbox.get(timeout=90)]
+    finally:
+        for process in processes:
+            if process.pid is not None and process.is_alive():
+                os.kill(process.pid, signal.SIGCONT)
+        _reap(processes)
+    server = next(report for report in reports if "served" in report)
+    caller = next(report for report in reports if "answer" in report)
+    assert server["served"] and server["seconds"] < 10, server
+    assert caller["answer"], caller

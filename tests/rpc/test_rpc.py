@@ -111,12 +111,15 @@ def test_a_call_past_its_timeout_fails_and_the_worker_goes_on() -> None:
     def body(rank: int) -> Any:
         if rank != 0:
             return None
-        with pytest.raises(TimeoutError, match=r"rpc_async\(wait_for_release\) on worker w1 \(rank 1\) ran past"):
-            rpc.rpc_sync("w1", wait_for_release, timeout=0.2)
-        _release.set()
-        return rpc.rpc_sync("w1", wait_for_release)
+        for to in ("w1", "w0"):       # a call to this worker itself keeps its timeout too
+            _release.clear()
+            with pytest.raises(TimeoutError, match=rf"rpc_async\(wait_for_release\) on worker {to} \(rank "
+                                                   rf"{to[1]}\) ran past"):
+                rpc.rpc_sync(to, wait_for_release, timeout=0.2)
+            _release.set()
+        return [rpc.rpc_sync(to, wait_for_release) for to in ("w1", "w0")]
 
-    assert _run(body, world_size=2)[0] == "released"
+    assert _run(body, world_size=2)[0] == ["released", "released"]
 
 
 @rpc.functions.async_execution

@@ -189,10 +189,13 @@ class RpcAgent:
         """Run function(*args, **kwargs) on `to`; a Future of its result (or its error). `timeout` seconds (0:
         none) until the call fails with a TimeoutError."""
         future: torch.futures.Future = torch.futures.Future()
-        if to.id == self.rank:                     # to itself: through the pool, as a peer's request would run
-            self._pool.submit(self._context.copy().run, self._run_local, future, function, args, kwargs, what)
-            return future
         call_id = next(self._call_ids)
+        if to.id == self.rank:                     # to itself: through the pool, as a peer's request would run
+            with self._lock:
+                self._check_running(what)
+                self._register_call(call_id, _Call(future, to.id, what), timeout)
+            self._pool.submit(self._context.copy().run, self._run_local, call_id, function, args, kwargs)
+            return future
         token = DESTINATION.set(to.id)       # for what pickles itself differently toward its owner (an RRef)
         try:
             payload = wire.encode(("request", call_id, function, args, kwargs))
@@ -202,10 +205,7 @@ class RpcAgent:
             self._check_running(what)
             lost = self._peer_errors.get(to.id)
             if lost is None:
-                self._calls[call_id] = _Call(future, to.id, what)
-                if timeout > 0:
-                    heapq.heappush(self._deadlines, (time.monotonic() + timeout, call_id))
-                    self._timer_wake.notify()
+                self._register_call(call_id, _Call(future, to.id, what), timeout)
         if lost is not None:
             future.set_exception(RuntimeError(_error_message(to, what, lost)))
         else:    # past the deadline (a peer alive but not reading), the timer fails the call
@@ -227,21 +227,48 @@ class RpcAgent:
                 self._outbox.append((peer, message))
                 self._outbox_ready.notify()
 
+    def _register_call(self, call_id: int, call: _Call, timeout: float) -> None:
+        """Track `call` until it completes, fails with its peer or (timeout > 0) runs past its deadline. Under
+        the agent's lock."""
+        self._calls[call_id] = call
+        if timeout > 0:
+            heapq.heappush(self._deadlines, (time.monotonic() + timeout, call_id))
+            self._timer_wake.notify()
+
     def _check_running(self, what: str) -> None:
         if not self._running:
             raise RuntimeError(f"{what} on worker {self.me.name}: RPC was shut down on this worker")
 
-    def _run_local(self, future: torch.futures.Future, function: Callable[..., Any], args: tuple, kwargs: dict,
-                   what: str) -> None:
+    def _run_local(self, call_id: int, function: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         try:
             result = function(*args, **kwargs)
         except BaseException as error:      # the caller gets it through the future
-            future.set_exception(error)
+            self._finish_local(call_id, error=error)
             return
         if isinstance(result, torch._C.Future) and is_async_execution(function):
-            result.add_done_callback(lambda done: _forward(done, future))
+            result.add_done_callback(lambda done: self._finish_local_from(call_id, done))
         else:
-            future.set_result(result)
+            self._finish_local(call_id, value=result)
+
+    def _finish_local_from(self, call_id: int, done: torch.futures.Future) -> None:
+        try:
+            value = done.wait()
+        except BaseException as error:
+            self._finish_local(call_id, error=error)
+            return
+        self._finish_local(call_id, value=value)
+
+    def _finish_local(self, call_id: int, value: Any = None, error: BaseException | None = None) -> None:
+        """A call to this worker itself is done: complete its Future (unless it timed out already)."""
+        with self._lock:
+            call = self._calls.pop(call_id, None)
+            self._outbox_ready.notify_all()
+        if call is None:
+            return
+        if error is not None:
+            call.future.set_exception(error)
+        else:
+            call.future.set_result(value)
 
     # -- the threads -----------------------------------------------------------------------------------------
 
@@ -381,8 +408,8 @@ class RpcAgent:
                 pickle.loads(pickle.dumps(error))       # it must come back to life on the caller too
             except Exception:
                 payload = wire.encode(("error", call_id, (None, text)))
-        if peer not in self._peer_errors:
-            self._transmit(peer, payload)
+        if peer not in self._peer_errors:    # a caller alive but not reading holds this pool thread rpc_timeout at most
+            self._transmit(peer, payload, time.monotonic() + self.rpc_timeout if self.rpc_timeout > 0 else None)
 
     def _complete(self, call_id: int, kind: str, body: Any) -> None:
         with self._lock:
@@ -505,10 +532,3 @@ class RpcAgent:
         self._release()
         if late is not None:
             raise late
-
-
-def _forward(done: torch.futures.Future, future: torch.futures.Future) -> None:
-    try:
-        future.set_result(done.wait())
-    except BaseException as error:
-        future.set_exception(error)
