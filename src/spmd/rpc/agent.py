@@ -17,6 +17,16 @@ Note: the agent's threads
 All of them run in the worker's context (contextvars), so on thread ranks each sees its own world and agent.
 A peer found dead (its socket ends or fails) fails every call waiting on it, naming it.
 
+Note: a peer that does not read
+A peer alive but not reading (stopped, stuck, in a debugger) must not hold a caller past its call's timeout, nor
+a pool thread past the agent's rpc_timeout. So a call or a response, sent with its deadline, waits for the peer's
+send lock only until then (having sent nothing, it fails by its timer); stops writing at the deadline, and the
+rest of the message, copied at once, is written by a thread of its own holding that lock until the message is
+whole (the peer's stream stays in step: the next message follows it); and waits for the ack of tensors by
+reference only until then, the pending ack holding them until the ack or the peer's loss. A timed-out call may
+still run on its worker once it reads, as in torch. Messages queued for the sender thread (acks, releases,
+STOPs) have no deadline.
+
 Note: graceful shutdown
   1. wait for this worker's own calls and queued messages;
   2. barrier through the store: every worker got there, so no call is in flight anywhere (a call served here
@@ -290,9 +300,13 @@ class RpcAgent:
         """Write one message to `dst` (the header, the body and the tensors' addresses, then the bytes of the
         tensors sent by value; a STOP or an ack: the header alone). On the calling thread (a hand-off to the
         sender costs two thread wake-ups), one message to a peer at a time; with tensors by reference, then wait
-        for the peer's ack before letting go of them (see Note: large tensors by reference in channel.py), until
-        `deadline` (time.monotonic()) at most: the pending ack keeps holding them after that."""
-        ack_id = 0
+        for the peer's ack before letting go of them (see Note: large tensors by reference in channel.py).
+        With a `deadline` (time.monotonic(): a call's, a response's), the caller stops at it (see Note: a peer
+        that does not read)."""
+        lock = self._send_locks[dst]
+        if not lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            return                       # nothing was sent: the call fails at its deadline
+        ack_id, pending = 0, None
         if isinstance(payload, tuple) and payload is not _STOP_MESSAGE and dst in self.channels.reads_me and \
                 any(tensor.nbytes >= ONE_COPY_BYTES for tensor in payload[1]):
             ack_id = next(self._ack_ids)
@@ -300,28 +314,56 @@ class RpcAgent:
                 self._acks[ack_id] = pending = _PendingAck(dst, payload)
                 if dst in self._peer_errors:      # lost already: nobody will ack
                     pending.done.set()
-        with self._send_locks[dst]:
-            self._transmit_locked(dst, payload, ack_id)
-        if ack_id:                       # set by the ack, or when the peer is lost
+        unsent: list[memoryview] = []
+        try:
+            unsent = self._transmit_locked(dst, payload, ack_id, deadline)
+        finally:
+            if unsent:
+                self._finish_later(dst, unsent, lock)
+            else:
+                lock.release()
+        if pending is not None:          # set by the ack, or when the peer is lost
             pending.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
-    def _transmit_locked(self, dst: int, payload: _Payload | _AckMessage, ack_id: int) -> None:
+    def _finish_later(self, dst: int, unsent: list[memoryview], lock: threading.Lock) -> None:
+        """The rest of a message its sender's deadline cut short: copied now (the sender's tensors may change once
+        it returns), written by a thread of its own, which holds the peer's send lock until the message is whole."""
+        copies = [bytes(view) for view in unsent]
+
+        def finish() -> None:
+            try:
+                self.channels.send(dst, *copies)
+            except Exception as error:     # the peer is gone: its calls fail
+                self._lose(dst, error)
+            finally:
+                lock.release()
+
+        self._thread(finish, f"spmd-rpc{self.rank}-finish-to{dst}").start()
+
+    def _transmit_locked(self, dst: int, payload: _Payload | _AckMessage, ack_id: int,
+                         deadline: float | None) -> list[memoryview]:
+        """Write the message; what a `deadline` left unwritten (see _transmit)."""
         try:
             if payload is _STOP_MESSAGE:
                 self.channels.send(dst, _HEADER.pack(_STOP, 0, 0))
-                return
+                return []
             if isinstance(payload, _AckMessage):
                 self.channels.send(dst, _HEADER.pack(_ACK, 0, payload.ack_id))
-                return
+                return []
             body, tensors = payload
             by_reference = [bool(ack_id) and tensor.nbytes >= ONE_COPY_BYTES for tensor in tensors]
             addresses = b"".join(_ADDRESS.pack(tensor.data_ptr() if ref else 0)
                                  for tensor, ref in zip(tensors, by_reference, strict=True))
-            self.channels.send(dst, _HEADER.pack(len(body), len(tensors), ack_id) + body + addresses,
-                               *(wire.byte_view(tensor) for tensor, ref in zip(tensors, by_reference, strict=True)
-                                 if not ref and tensor.numel()))
+            pieces = [_HEADER.pack(len(body), len(tensors), ack_id) + body + addresses,
+                      *(wire.byte_view(tensor) for tensor, ref in zip(tensors, by_reference, strict=True)
+                        if not ref and tensor.numel())]
+            if deadline is None:
+                self.channels.send(dst, *pieces)
+                return []
+            return self.channels.send_until(dst, pieces, deadline)
         except Exception as error:     # the peer is gone: its calls fail
             self._lose(dst, error)
+            return []
 
     def _receive(self, peer: int) -> None:
         header = bytearray(_HEADER.size)

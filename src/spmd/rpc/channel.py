@@ -21,9 +21,11 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import select
 import socket
 import struct
 import threading
+import time
 
 from spmd._core.deadline import Deadline
 from spmd.comm.store import PrefixStore
@@ -98,6 +100,27 @@ class Channels:
         assert sock is not None
         for piece in pieces:
             sock.sendall(piece)
+
+    def send_until(self, peer: int, pieces: list[bytes | memoryview], deadline: float) -> list[memoryview]:
+        """Write `pieces` to `peer` as `send` does, but only until `deadline` (time.monotonic()): the bytes not yet
+        written, as views into `pieces` (empty once all are), for the caller to finish; OSError if the peer is
+        gone."""
+        sock = self.sockets[peer]
+        assert sock is not None
+        pending = [memoryview(piece).cast("B") for piece in pieces if len(piece)]
+        while pending:
+            try:                 # first as much as the socket takes now: a small message never waits
+                sent = sock.send(pending[0], socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return pending
+                select.select([], [sock], [], remaining)
+                continue
+            pending[0] = pending[0][sent:]
+            if not len(pending[0]):
+                pending.pop(0)
+        return []
 
     def receive_into(self, peer: int, view: memoryview) -> None:
         """Fill `view` with the next bytes from `peer` (blocking); an error at its end of stream."""
