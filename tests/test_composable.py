@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+import spmd
 from spmd._composable import _get_registry, checkpoint, contract, replicate
 from spmd._composable.contract import _State
 from spmd.ddp import allreduce_hook
@@ -91,6 +92,35 @@ def test_replicate_accumulates_without_sync() -> None:
     assert_parity(results, reference("mlp", 2, micro_steps=2))
     for result in results:       # counted from the first micro-step on: one bucket, one all-reduce per step
         assert result["counts"]["all_reduce"] == STEPS
+
+
+@pytest.mark.parametrize("mode", ["last", "each"])
+def test_accumulate_drives_replicate_and_refuses_its_ignored_modules(mode: str) -> None:
+    def inputs() -> list[Tensor]:
+        return [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    def build_model() -> nn.Module:
+        with seeded(0):
+            return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
+
+    def body(rank: int, size: int) -> list[Tensor]:
+        model = replicate(build_model())
+        counts = None
+        for x in spmd.accumulate(model, [x.chunk(size)[rank] for x in inputs()], reduce=mode):
+            (model(x).square().mean() / 3).backward()
+            counts = counts if counts is not None else count_collectives(replicate.state(model)._ddp.process_group)
+        with pytest.raises(ValueError, match=r"outside every data-parallel module, .*: 2\.weight, 2\.bias"):
+            holdout = build_model()
+            replicate(holdout, ignored_modules=[holdout[2]])
+            next(iter(spmd.accumulate(holdout, [1])))
+        assert counts["all_reduce"] == (2 if mode == "each" else 1)     # counted from the first micro-batch on
+        return [p.grad for p in model.parameters()]
+
+    model = build_model()
+    (sum(model(x).square().mean() for x in inputs()) / 3).backward()
+    for grads in run_ranks(body, 2, timeout=TIMEOUT):
+        for got, param in zip(grads, model.parameters(), strict=True):
+            torch.testing.assert_close(got, param.grad)
 
 
 def test_replicate_comm_hook_registered_before_the_first_forward_runs() -> None:

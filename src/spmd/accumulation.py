@@ -27,6 +27,7 @@ from typing import TypeVar
 from torch import nn
 
 from spmd.ddp import DistributedDataParallel
+from spmd.ddp.composable import replicate_state_of
 from spmd.fsdp import FSDPModule
 from spmd.fsdp.state import state_of
 
@@ -42,10 +43,10 @@ class Reduce(enum.Enum):
 
 
 def accumulate(model: nn.Module, micro_batches: Iterable[T], reduce: Reduce | str = Reduce.LAST) -> Iterator[T]:
-    """Yield the micro-batches of one optimizer step, each with every data-parallel module of `model` (DDP, FSDP2
-    and FSDP1 modules) set to reduce as `reduce` says; run forward and backward on each, dividing its loss by
-    their number. Leaving the loop early leaves the modules reducing every backward again, and the
-    gradients accumulated so far unreduced.
+    """Yield the micro-batches of one optimizer step, each with every data-parallel module of `model` (DDP, FSDP2,
+    FSDP1 and the composable replicates' modules) set to reduce as `reduce` says; run forward and backward on
+    each, dividing its loss by their number. Leaving the loop early leaves the modules reducing every backward
+    again, and the gradients accumulated so far unreduced.
 
         for micro_batch in spmd.accumulate(model, batch.chunk(4), reduce="each"):
             (loss_fn(model(micro_batch)) / 4).backward()
@@ -75,9 +76,10 @@ def _strategy(reduce: Reduce | str) -> Reduce:
             from None
 
 
-def _wrappers(model: nn.Module, strategy: Reduce) -> tuple[list[DistributedDataParallel], list[FSDPModule]]:
-    """The DDP and FSDP modules of `model`, checked to cover its trainable parameters and to serve `strategy`."""
-    ddp = [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
+def _wrappers(model: nn.Module, strategy: Reduce) -> tuple[list[nn.Module], list[FSDPModule]]:
+    """The DDP modules (DistributedDataParallel wrappers, and modules the composable replicate made data parallel
+    by DDP) and FSDP modules of `model`, checked to cover its trainable parameters and to serve `strategy`."""
+    ddp = [m for m in model.modules() if isinstance(m, DistributedDataParallel) or replicate_state_of(m) is not None]
     fsdp = [m for m in model.modules() if isinstance(m, FSDPModule) and state_of(m) is not None]
     if not ddp and not fsdp:
         raise ValueError(f"spmd.accumulate: {type(model).__name__} has no DistributedDataParallel or fully_shard "
@@ -85,13 +87,13 @@ def _wrappers(model: nn.Module, strategy: Reduce) -> tuple[list[DistributedDataP
     if strategy is Reduce.SCATTER_EACH:
         if ddp:
             raise ValueError(f"spmd.accumulate: reduce='scatter_each' needs HSDP (fully_shard on a 2-d mesh); "
-                             f"{type(ddp[0].module).__name__} is under DistributedDataParallel, which has no "
-                             f"reduce-scatter; use 'last' or 'each'")
+                             f"{_name(ddp[0])} is under DistributedDataParallel, which has no reduce-scatter; use "
+                             f"'last' or 'each'")
         flat = [state_of(m).name for m in fsdp if _is_flat(m)]   # type: ignore[union-attr]
         if flat:
             raise ValueError(f"spmd.accumulate: reduce='scatter_each' needs HSDP (fully_shard on a 2-d (replicate, "
                              f"shard) mesh), but {flat[0]} is sharded over a 1-d mesh; use 'last' or 'each'")
-    covered = {id(p) for m in ddp for p in m.parameters()}
+    covered = {id(p) for m in ddp for p in _reduced_by(m)}
     for module in fsdp:
         covered.update(id(param.sharded_param) for param in state_of(module).params)   # type: ignore[union-attr]
     outside = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
@@ -102,14 +104,31 @@ def _wrappers(model: nn.Module, strategy: Reduce) -> tuple[list[DistributedDataP
     return ddp, fsdp
 
 
+def _name(module: nn.Module) -> str:
+    return type(module.module if isinstance(module, DistributedDataParallel) else module).__name__
+
+
+def _reduced_by(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters a DDP module averages: a wrapper's, or a replicated module's but its ignored modules'."""
+    replicated = replicate_state_of(module)
+    if replicated is None:
+        return list(module.parameters())
+    ignored = {id(p) for m in replicated.ignored_modules for p in m.parameters()}
+    return [p for p in module.parameters() if id(p) not in ignored]
+
+
 def _is_flat(module: FSDPModule) -> bool:
     return any(group.replicate_group is None for group in state_of(module).groups)   # type: ignore[union-attr]
 
 
-def _set(ddp: list[DistributedDataParallel], fsdp: list[FSDPModule], strategy: Reduce, last: bool) -> None:
+def _set(ddp: list[nn.Module], fsdp: list[FSDPModule], strategy: Reduce, last: bool) -> None:
     """Set every module for a micro-batch: the last (or any micro-batch under 'each') reduces in full."""
     for module in ddp:
-        module.require_backward_grad_sync = last or strategy is Reduce.EACH
+        sync = last or strategy is Reduce.EACH
+        if isinstance(module, DistributedDataParallel):
+            module.require_backward_grad_sync = sync
+        else:
+            module.set_requires_gradient_sync(sync)   # type: ignore[operator]
     for module in fsdp:
         module.set_requires_gradient_sync(last or strategy is not Reduce.LAST, recurse=False)
         module.set_requires_all_reduce(last or strategy is not Reduce.SCATTER_EACH, recurse=False)
