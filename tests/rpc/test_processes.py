@@ -123,16 +123,22 @@ def _stopped_peer(rank: int, world_size: int, results: Any, store: str) -> None:
     rpc.shutdown()
 
 
-@pytest.mark.timeout(120)
-def test_calls_to_a_stopped_worker_fail_at_their_timeout_and_the_resumed_worker_serves_the_next(tmp_path) -> None:
-    processes, inbox = _spawn(_stopped_peer, 2, str(tmp_path / "store"))
+def _reports_resuming_the_stopped(target: Any, tmp_path: Any, count: int) -> list[dict[str, Any]]:
+    """Run `target` on 2 processes and take `count` reports; whatever happens, resume any process the test
+    stopped before reaping them."""
+    processes, inbox = _spawn(target, 2, str(tmp_path / "store"))
     try:
-        report = inbox.get(timeout=90)
+        return [inbox.get(timeout=90) for _ in range(count)]
     finally:
         for process in processes:
             if process.pid is not None and process.is_alive():
                 os.kill(process.pid, signal.SIGCONT)
         _reap(processes)
+
+
+@pytest.mark.timeout(120)
+def test_calls_to_a_stopped_worker_fail_at_their_timeout_and_the_resumed_worker_serves_the_next(tmp_path) -> None:
+    (report,) = _reports_resuming_the_stopped(_stopped_peer, tmp_path, 1)
     assert report["by_reference"], "this host's kernel lets no worker read another's memory: nothing to test"
     for how in ("by reference", "by value"):
         error = report.get(f"error {how}", "")
@@ -175,14 +181,7 @@ def _stopped_caller(rank: int, world_size: int, results: Any, store: str) -> Non
 
 @pytest.mark.timeout(120)
 def test_a_response_to_a_stopped_caller_frees_its_server_thread_and_reaches_the_resumed_caller(tmp_path) -> None:
-    processes, inbox = _spawn(_stopped_caller, 2, str(tmp_path / "store"))
-    try:
-        reports = [inbox.get(timeout=90), inbox.get(timeout=90)]
-    finally:
-        for process in processes:
-            if process.pid is not None and process.is_alive():
-                os.kill(process.pid, signal.SIGCONT)
-        _reap(processes)
+    reports = _reports_resuming_the_stopped(_stopped_caller, tmp_path, 2)
     server = next(report for report in reports if "served" in report)
     caller = next(report for report in reports if "answer" in report)
     assert server["served"] and server["seconds"] < 10, server
