@@ -209,6 +209,8 @@ def test_registry_and_composability_with_fully_shard() -> None:
     def body(rank: int, size: int) -> None:
         mesh = init_device_mesh("cpu", (size,))
         sharded, replicated = fully_shard(nn.Linear(2, 2), mesh=mesh), replicate(nn.Linear(2, 2), mesh=mesh)
+        assert fully_shard.state(sharded) is not None and replicate.state(replicated) is not None
+        assert fully_shard.state(nn.Linear(2, 2)) is None
         assert set(_get_registry(sharded)) == {"fully_shard"}
         assert set(_get_registry(replicated)) == {"replicate"}
         assert _get_registry(nn.Linear(2, 2)) is None

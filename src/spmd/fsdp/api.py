@@ -116,6 +116,9 @@ def manage(modules: tuple[nn.Module, ...], shard_mesh: ShardMesh, reshard_after_
     return state
 
 
+fully_shard.state = state_of   # type: ignore[attr-defined]   # torch's `fully_shard.state(module)` (contract's)
+
+
 class UnshardHandle:
     """An `unshard(async_op=True)` in flight; `wait()` makes the module hold its full parameters."""
 

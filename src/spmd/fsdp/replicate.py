@@ -83,6 +83,9 @@ def replicate(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = 
     return list(modules) if isinstance(module, list) else module
 
 
+replicate.state = state_of   # type: ignore[attr-defined]   # torch's `replicate.state(module)` (contract's)
+
+
 def _start_equal(state: FSDPState, mesh: DeviceMesh) -> None:
     """Overwrite the call's parameters and its modules' own buffers with group rank 0's, one broadcast per dtype
     and device (meta tensors, not yet initialised, are left). Collective over the mesh."""
