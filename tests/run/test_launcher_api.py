@@ -66,3 +66,29 @@ def test_torchs_fields_map_to_spmdruns() -> None:
     assert (elastic.rdzv_host, elastic.rdzv_port, elastic.is_elastic) == ("node0", 29400, True)
     assert elastic.timeouts.join_timeout == 60
     assert LaunchConfig(1, 1, 1).max_restarts == 3 and LaunchConfig(1, 1, 1).rdzv_backend == "etcd"   # torch's
+
+
+def test_logs_specs_send_each_ranks_output_to_its_log_file(tmp_path, capfd: pytest.CaptureFixture[str]) -> None:
+    from spmd.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+    logs = DefaultLogsSpecs(log_dir=str(tmp_path / "logs"), redirects={1: Std.OUT}, tee=Std.NONE)
+    elastic_launch(_config(run_id="job", logs_specs=logs), sys.executable)(
+        "-c", "import os; print('worker', os.environ['RANK'])")
+    assert (tmp_path / "logs" / "job" / "attempt_0" / "1" / "stdout.log").read_text().strip() == "worker 1"
+    out = capfd.readouterr().out
+    assert "[rank0]: worker 0" in out and "worker 1" not in out       # rank 1's output went to its file only
+    with pytest.raises(TypeError, match="logs_specs must be a LogsSpecs"):
+        elastic_launch(_config(logs_specs="logs"), sys.executable)()
+
+
+def test_std_parses_as_torchs() -> None:
+    from torch.distributed.elastic.multiprocessing import Std as TorchStd
+
+    from spmd.elastic.multiprocessing import Std
+
+    for text in ("0", "3", "0:3,1:0,2:1,3:2"):
+        ours, theirs = Std.from_str(text), TorchStd.from_str(text)
+        if isinstance(theirs, dict):
+            assert {rank: int(flag) for rank, flag in ours.items()} == {rank: int(f) for rank, f in theirs.items()}
+        else:
+            assert int(ours) == int(theirs)

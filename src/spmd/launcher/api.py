@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from spmd.run.cli import parse_endpoint
-from spmd.run.config import DEFAULT_RDZV_PORT, EntryKind, RendezvousTimeouts
+from spmd.run.config import DEFAULT_RDZV_PORT, EntryKind, LogsSpecs, RendezvousTimeouts
 from spmd.run.config import LaunchConfig as AgentConfig
 from spmd.run.failure import ChildFailedError, WorkerFailure
 
@@ -37,7 +37,8 @@ class LaunchConfig:
     """torch's launch configuration, field for field. Served: the node counts (min_nodes < max_nodes is an
     elastic job), nproc_per_node, run_id, rdzv_endpoint ("" for a one-node job), rdzv_backend ("c10d" or
     "static"), rdzv_configs' "join_timeout" / "last_call_timeout" / "timeout" (seconds), rdzv_timeout,
-    max_restarts, monitor_interval, local_addr and shutdown_timeout. The rest (logs_specs, role, start_method,
+    max_restarts, monitor_interval, local_addr, shutdown_timeout and logs_specs (a LogsSpecs: log directory,
+    redirects, tee, local ranks shown; spmdrun's directory layout). The rest (role, start_method,
     log_line_prefix_template, metrics_cfg, event_log_handler, numa_options, signals_to_handle, the duplicate
     filters, virtual_local_rank) are accepted for torch's signature and change nothing: spmd's workers always
     start fresh (torch's "spawn") and their output reaches the console prefixed with their rank."""
@@ -150,7 +151,13 @@ def _agent_config(config: LaunchConfig, target: str, kind: EntryKind, argv: tupl
         timeouts["join_timeout"] = float(join)
     if "last_call_timeout" in config.rdzv_configs:
         timeouts["last_call_timeout"] = float(config.rdzv_configs["last_call_timeout"])
-    extra = {"rdzv_id": config.run_id} if config.run_id else {}
+    extra: dict[str, Any] = {"rdzv_id": config.run_id} if config.run_id else {}
+    if isinstance(config.logs_specs, LogsSpecs):
+        redirects, tee, shown = config.logs_specs.policies()
+        extra.update(log_dir=config.logs_specs.root_log_dir, redirects=redirects, tee=tee, local_ranks_filter=shown)
+    elif config.logs_specs is not None:
+        raise TypeError(f"spmd.launcher.api: logs_specs must be a LogsSpecs (spmd.elastic.multiprocessing's "
+                        f"DefaultLogsSpecs), got {type(config.logs_specs).__name__}")
     return AgentConfig(
         entrypoint=target, args=argv, kind=kind, nproc_per_node=config.nproc_per_node,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, rdzv_host=host, rdzv_port=port,

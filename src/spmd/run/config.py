@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import uuid
 
 DEFAULT_RDZV_PORT = 29400
@@ -30,6 +31,47 @@ class Std(enum.IntFlag):
     ERR = 2
     ALL = 3
 
+    @classmethod
+    def from_str(cls, text: str) -> Std | dict[int, Std]:
+        """torch's parser: '3' is one Std for every rank, '0:3,1:0' one per local rank."""
+        policy = StdPolicy.parse(text, "Std.from_str")
+        return dict(policy.per_rank) if ":" in text else policy.default
+
+
+class LogsSpecs:
+    """Where a launch's per-rank logs go (torch's `elastic.multiprocessing` name): `log_dir`, the streams that go
+    there only (`redirects`) or there and to the console (`tee`), a Std or one per local rank, and the local ranks
+    whose output reaches the console (`local_ranks_filter`; None: all). spmdrun's layout:
+    <log_dir>/<run id>/attempt_<k>/<local rank>/{stdout,stderr}.log."""
+
+    def __init__(self, log_dir: str | None = None, redirects: Std | dict[int, Std] = Std.NONE,
+                 tee: Std | dict[int, Std] = Std.NONE, local_ranks_filter: set[int] | None = None) -> None:
+        self._root_log_dir = log_dir
+        self._redirects = redirects
+        self._tee = tee
+        self._local_ranks_filter = local_ranks_filter
+
+    @property
+    def root_log_dir(self) -> str | None:
+        return self._root_log_dir
+
+    def policies(self) -> tuple[StdPolicy, StdPolicy, frozenset[int] | None]:
+        """(redirects, tee, local ranks shown) as spmdrun's configuration holds them."""
+        shown = None if self._local_ranks_filter is None else frozenset(self._local_ranks_filter)
+        return StdPolicy.of(self._redirects), StdPolicy.of(self._tee), shown
+
+
+class DefaultLogsSpecs(LogsSpecs):
+    """LogsSpecs whose `log_dir` is made if missing (a file there is refused), as torch's."""
+
+    def __init__(self, log_dir: str | None = None, redirects: Std | dict[int, Std] = Std.NONE,
+                 tee: Std | dict[int, Std] = Std.NONE, local_ranks_filter: set[int] | None = None) -> None:
+        if log_dir and log_dir != os.devnull:
+            if os.path.isfile(log_dir):
+                raise NotADirectoryError(f"log_dir: {log_dir} is a file")
+            os.makedirs(log_dir, exist_ok=True)
+        super().__init__(log_dir, redirects, tee, local_ranks_filter)
+
 
 @dataclasses.dataclass(frozen=True)
 class StdPolicy:
@@ -40,6 +82,13 @@ class StdPolicy:
 
     def for_rank(self, local_rank: int) -> Std:
         return dict(self.per_rank).get(local_rank, self.default)
+
+    @staticmethod
+    def of(flags: Std | dict[int, Std]) -> StdPolicy:
+        """One Std for every rank, or one per local rank (the others: none)."""
+        if isinstance(flags, dict):
+            return StdPolicy(per_rank=tuple(sorted((rank, Std(flag)) for rank, flag in flags.items())))
+        return StdPolicy(default=Std(flags))
 
     def any(self) -> bool:
         return bool(self.default) or any(flag for _, flag in self.per_rank)

@@ -1,1 +1,7 @@
-"""torch's elastic multiprocessing path; see `errors`. Layer: run."""
+"""torch's `elastic.multiprocessing` names a launch takes: `Std` and the log specs (`LogsSpecs`,
+`DefaultLogsSpecs`) that elastic_launch's LaunchConfig(logs_specs=...) carries. Layer: run (an alias; the
+classes are spmd.run.config's)."""
+
+from spmd.run.config import DefaultLogsSpecs, LogsSpecs, Std
+
+__all__ = ["DefaultLogsSpecs", "LogsSpecs", "Std"]
