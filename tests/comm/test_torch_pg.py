@@ -61,6 +61,11 @@ def test_subgroups_and_mesh_groups_each_get_their_own_torch_group() -> None:
         cols = torch.full((2,), float(rank))
         spmd.all_reduce(cols, group=mesh.get_group(0))
         assert mine.backend == "torch:gloo"
+        # gloo's backend has no allocator of its own: the group's buffer is a plain one, and it works
+        assert mine.transport.allocate_tensor(4, torch.float32, torch.device("cpu")) is None
+        buffer = mine.allocate_tensor(4, torch.float32, torch.device("cpu"))
+        spmd.all_reduce(buffer.fill_(1.0), group=mine)
+        assert buffer.tolist() == [2.0] * 4
         return [t[0].item(), rows[0].item(), cols[0].item()]
 
     results = run_ranks(body, 4, timeout=60, backend="torch:gloo")

@@ -215,3 +215,38 @@ def test_reduce_scatters_on_a_group_of_their_own() -> None:
     for result in results:
         assert result["groups"] == [([0, 1], False)]            # one new group, shared by every module
         assert "reduce_scatter" not in result["counts"][0][0]    # none left on the shard group
+
+
+def test_buffers_come_from_the_process_groups_allocator_where_asked() -> None:
+    """set_allocate_memory_from_process_group_for_comm: every group's collective buffers are asked of its process
+    group, whose transport gives them where it has an allocator of its own (here a counting one stands in for
+    NCCL's); training is unchanged. Refused beside a custom comm; symmetric memory is refused, named."""
+
+    def body(rank: int, size: int) -> tuple[dict, int]:
+        asked = []
+
+        def setup(model: nn.Module) -> None:
+            transport = model._fsdp_state().group.shard_group.transport
+
+            def allocate(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+                asked.append(numel)
+                return torch.empty(numel, dtype=dtype, device=device)
+
+            transport.allocate_tensor = allocate       # this rank's group object only
+            for module in (*blocks_of(model), model):
+                module.set_allocate_memory_from_process_group_for_comm(True)
+            with pytest.raises(NotImplementedError, match="does not serve NCCL symmetric memory"):
+                model.set_symm_mem_for_comm()
+
+        result = fsdp_train("gpt", rank, size, setup=setup)
+        block = blocks_of(result["model"])[0]
+        block.set_custom_all_gather(_PersistentAllGather())
+        with pytest.raises(ValueError, match="custom all-gather or reduce-scatter comm"):
+            block.set_allocate_memory_from_process_group_for_comm(True)
+        return result, len(asked)
+
+    results = run_ranks(body, 2, timeout=TIMEOUT)
+    assert_parity([result for result, _ in results], reference("gpt", 2))
+    for result, asked in results:
+        collectives = sum(result["counts"][0][0].get(op, 0) for op in ("all_gather", "reduce_scatter"))
+        assert asked >= collectives * 3 > 0     # every all-gather and reduce-scatter buffer, every step

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 from spmd._core.deadline import Deadline
 from spmd._core.errors import CommError, CommTimeoutError, GroupAbortedError, SpmdError, StoreError
@@ -295,6 +296,12 @@ class ProcessGroup:
         error = self._explain(error, record.fingerprint)
         self.abort(error)
         return error
+
+    def allocate_tensor(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A flat buffer of `numel` elements for this group's collectives: from its transport's own allocator where
+        it has one for `device` (NCCL's registered memory), else a plain torch.empty."""
+        made = self.transport.allocate_tensor(numel, dtype, device)
+        return made if made is not None else torch.empty(numel, dtype=dtype, device=device)
 
     # -- lifetime -------------------------------------------------------------------------------------------
 

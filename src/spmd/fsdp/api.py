@@ -19,6 +19,12 @@ from spmd.comm.group import ProcessGroup
 from spmd.comm.world import current_world, is_initialized, new_group
 from spmd.device_mesh import DeviceMesh, init_device_mesh
 from spmd.fsdp.comm import AllGather as AllGatherComm
+from spmd.fsdp.comm import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+    GroupAllocAllGather,
+    GroupAllocReduceScatter,
+)
 from spmd.fsdp.comm import ReduceScatter as ReduceScatterComm
 from spmd.fsdp.extension import has_extension
 from spmd.fsdp.mesh_info import ShardPlacementResult
@@ -308,6 +314,29 @@ class FSDPModule:
         if group is not None:
             group.reduce_scatter_comm = comm
 
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """With True, the all-gather and reduce-scatter buffers of this module's groups come from their process
+        groups' allocator: the transport's own where it has one (torch:nccl's registered memory, for NCCL's
+        zero-copy paths), else torch's as before (spmd's own transports have none). Not with a custom comm, whose
+        buffers are its own (as torch's)."""
+        for group in self._fsdp_state().groups:
+            comms = (group.all_gather_comm, group.reduce_scatter_comm)
+            if any(type(comm) not in _BUILT_IN_COMMS for comm in comms):
+                raise ValueError(f"set_allocate_memory_from_process_group_for_comm: {self._fsdp_state().name} has a "
+                                 f"custom all-gather or reduce-scatter comm, which allocates its own buffers")
+            gather_group, scatter_group = group.shard_group, group.reduce_scatter_group
+            group.all_gather_comm = GroupAllocAllGather(gather_group) if enable and gather_group is not None \
+                else DefaultAllGather()
+            group.reduce_scatter_comm = GroupAllocReduceScatter(scatter_group) \
+                if enable and scatter_group is not None else DefaultReduceScatter()
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """torch's NCCL symmetric-memory buffers for the all-gather: not served (spmd's torch:nccl transport does
+        not set up symmetric memory); refused, so a script does not believe it runs on them."""
+        raise NotImplementedError(f"set_symm_mem_for_comm({backend!r}): spmd does not serve NCCL symmetric memory; "
+                                  f"set_allocate_memory_from_process_group_for_comm(True) gives NCCL's registered "
+                                  f"buffers over the torch:nccl transport")
+
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Run gradient reduce-scatters on a process group of their own over the shard ranks (one per set of
         ranks), so they proceed beside backward's all-gathers instead of queuing behind them on one group; False
@@ -382,6 +411,7 @@ def _state_for_prefetch(module: object, method: str) -> FSDPState:
     return state
 
 
+_BUILT_IN_COMMS = (DefaultAllGather, DefaultReduceScatter, GroupAllocAllGather, GroupAllocReduceScatter)
 _MODULE_CLASSES: dict[tuple[type, type], type] = {}
 
 

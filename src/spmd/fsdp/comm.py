@@ -10,6 +10,7 @@ always reduce-scatters with ReduceOp.SUM and divides afterwards.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -46,6 +47,35 @@ class ReduceScatter(Comm):
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: ProcessGroup, op: ReduceOp,
                  async_op: bool = False) -> Work | None:
         """Reduce `input_tensor` over the group with `op` and leave this rank's chunk in `output_tensor`."""
+
+
+class GroupAllocAllGather(AllGather):
+    """spmd's all_gather_into_tensor, its output allocated by the process group (set_allocate_memory_from_process_
+    group_for_comm): from the transport's own allocator where it has one, as torch's ProcessGroupAllocAllGather."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return self.group.allocate_tensor(math.prod(size), dtype, device).view(*size)
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: ProcessGroup,
+                 async_op: bool = False) -> Work | None:
+        return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class GroupAllocReduceScatter(ReduceScatter):
+    """spmd's reduce_scatter_tensor, its output allocated by the process group (see GroupAllocAllGather)."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return self.group.allocate_tensor(math.prod(size), dtype, device).view(*size)
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: ProcessGroup, op: ReduceOp,
+                 async_op: bool = False) -> Work | None:
+        return reduce_scatter_tensor(output_tensor, input_tensor, op, group=group, async_op=async_op)
 
 
 class DefaultAllGather(AllGather):

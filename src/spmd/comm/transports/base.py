@@ -31,6 +31,7 @@ import abc
 import dataclasses
 import importlib
 
+import torch
 from torch import Tensor
 
 from spmd._core.deadline import Deadline
@@ -133,6 +134,12 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def irecv(self, tensor: Tensor, src: int, tag: int, work: Work) -> None:
         """Start receiving the next message from group rank src with `tag` into tensor; complete `work` then."""
+
+    def allocate_tensor(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+        """A flat buffer from this transport's own allocator, where its collectives on it run faster (NCCL's
+        registered memory: torch's `supports_tensor_alloc` / `allocate_tensor`); None where it has none, as spmd's
+        own transports: a caller then allocates as usual."""
+        return None
 
     @abc.abstractmethod
     def abort(self, error: BaseException) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch import Tensor
 
 from spmd.comm.reduce_op import ReduceOp
@@ -69,6 +70,10 @@ class DeviceMapTransport(Transport):
             self.close()
             raise
         self.name = ",".join(f"{device}:{transport.name}" for device, transport in self._by_device.items())
+
+    def allocate_tensor(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+        transport = self._by_device.get(device.type)
+        return None if transport is None else transport.allocate_tensor(numel, dtype, device)
 
     def _for(self, op: str, *tensors: Tensor | None) -> Transport:
         kinds = {tensor.device.type for tensor in tensors if tensor is not None}

@@ -154,6 +154,12 @@ class TorchProcessGroupTransport(Transport):
         except Exception as error:
             raise self._translate(error, "connecting the group", spec.timeout) from error
 
+    def allocate_tensor(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+        """torch's group's own allocator, where its backend has one for `device` (NCCL's; gloo's has none)."""
+        if not self._pg.supports_tensor_alloc(device):
+            return None
+        return self._pg.allocate_tensor(numel, dtype=dtype, device=device)
+
     @abc.abstractmethod
     def _create_group(self, store: dist.Store, timeout: datetime.timedelta) -> dist.ProcessGroup:
         """Build this rank's torch group on `store` (collective over the group's ranks)."""
