@@ -9,7 +9,9 @@ least one) as spawned processes, backend "nccl" (spmd's torch:nccl transport), e
     send/recv around the ranks (with 2 or more), barrier; each timed;
   - a DDP step (spmd.DistributedDataParallel, device_ids=[rank]) and an FSDP2 step (spmd.fsdp.fully_shard) on a
     small MLP, each against the same training in one process on the same device: the parameters after one
-    SGD step must match to 1e-5 (SGD: Adam's first step would blow reduction-order noise up).
+    SGD step must match to 1e-5 (SGD: Adam's first step would blow reduction-order noise up); the same FSDP2 step
+    with the collective buffers from NCCL's own allocator (set_allocate_memory_from_process_group_for_comm), with
+    a frozen int64 table (the byte all-gather), and replicate on FSDP2's machinery.
   - with one GPU only, also 2 ranks sharing it over spmd's shared-memory transport ("shm", which has to stage
     CUDA tensors through host memory): an all_reduce on CUDA tensors, expected to work or to fail with a clear
     error naming the transport's devices.
@@ -124,6 +126,7 @@ def _one_process_step(device: torch.device, world: int) -> list[torch.Tensor]:
 
 def _parallel_steps(rows: list[Row], rank: int, world: int, device: torch.device) -> None:
     import spmd
+    from spmd._composable.replicate_with_fsdp import replicate
     from spmd.fsdp import fully_shard
 
     want = _one_process_step(device, world)
@@ -137,12 +140,14 @@ def _parallel_steps(rows: list[Row], rank: int, world: int, device: torch.device
         for got, expected in zip(model.module.parameters(), want, strict=True):
             _expect(got, expected, "DDP parameter", rtol=1e-5)
 
-    def fsdp() -> None:
+    def fsdp(apply: Callable[..., Any] = fully_shard, group_buffers: bool = False) -> None:
         from spmd.device_mesh import init_device_mesh
 
         model = _mlp().to(device)
-        mesh = init_device_mesh("cuda", (world,))
-        fully_shard(model, mesh=mesh)
+        mesh = init_device_mesh(device.type, (world,))
+        apply(model, mesh=mesh)
+        if group_buffers:          # NCCL's own allocator for the collective buffers
+            model.set_allocate_memory_from_process_group_for_comm(True)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         model(x.chunk(world)[rank]).square().mean().backward()
         optimizer.step()
@@ -154,7 +159,7 @@ def _parallel_steps(rows: list[Row], rank: int, world: int, device: torch.device
 
         model = _mlp().to(device)        # a frozen int64 table beside float32 weights: the byte all-gather path
         model.register_parameter("table", torch.nn.Parameter(torch.arange(64, device=device), requires_grad=False))
-        mesh = init_device_mesh("cuda", (world,))
+        mesh = init_device_mesh(device.type, (world,))
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
         model(x.chunk(world)[rank]).square().mean().backward()
@@ -166,6 +171,8 @@ def _parallel_steps(rows: list[Row], rank: int, world: int, device: torch.device
 
     _check(rows, "DDP step vs one process", ddp)
     _check(rows, "FSDP2 step vs one process", fsdp)
+    _check(rows, "FSDP2 step, buffers from the group's allocator", lambda: fsdp(group_buffers=True))
+    _check(rows, "replicate (FSDP2's machinery) step vs one process", lambda: fsdp(replicate))
     _check(rows, "FSDP2 step, frozen int64 beside float32 (byte all-gather)", fsdp_mixed_dtypes)
 
 
