@@ -17,8 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from spmd.comm.collectives import broadcast
-from spmd.comm.group import ProcessGroup
+from spmd.comm.collectives import broadcast_coalesced
 from spmd.comm.objects import all_gather_object
 from spmd.comm.world import AnyGroup, resolve_group
 
@@ -169,23 +168,8 @@ def _sync_params_and_buffers(process_group: AnyGroup | None, module_states: list
                              broadcast_bucket_size: int, src: int) -> None:
     """Overwrite `module_states` with group rank `src`'s, broadcast in flat buckets of at most
     `broadcast_bucket_size` bytes per dtype and device (a tensor larger than that goes alone). Collective."""
-    group: ProcessGroup = resolve_group(process_group, "_sync_params_and_buffers")   # type: ignore[assignment]
-    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for tensor in module_states:
-        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    with torch.no_grad():
-        for same_kind in by_kind.values():
-            bucket: list[Tensor] = []
-            for tensor in [*same_kind, None]:
-                size = sum(t.numel() * t.element_size() for t in bucket)
-                if bucket and (tensor is None or size + tensor.numel() * tensor.element_size() > broadcast_bucket_size):
-                    flat = torch.cat([t.reshape(-1) for t in bucket])
-                    broadcast(flat, group=group, group_src=src)
-                    for target, values in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
-                        target.copy_(values.view_as(target))
-                    bucket = []
-                if tensor is not None:
-                    bucket.append(tensor)
+    broadcast_coalesced(module_states, group=resolve_group(process_group, "_sync_params_and_buffers"), group_src=src,
+                        bucket_bytes=broadcast_bucket_size)
 
 
 def _sync_module_states(module: nn.Module, process_group: AnyGroup | None, broadcast_bucket_size: int, src: int,

@@ -200,6 +200,31 @@ def broadcast(tensor: Tensor, src: int | None = None, group: AnyGroup | None = N
     return _run(pg, "broadcast", tensor, tuple(tensor.shape), body, [tensor], async_op, root=root)
 
 
+def broadcast_coalesced(tensors: list[Tensor], group: AnyGroup | None = None, group_src: int = 0,
+                        bucket_bytes: int | None = None) -> None:
+    """Overwrite `tensors` (any dtypes and devices) with group rank `group_src`'s: one broadcast per flat bucket of
+    one dtype and device, of at most `bucket_bytes` (None: one bucket per dtype and device; a larger tensor goes
+    alone). Every rank passes tensors of the same shapes in the same order (torch's `_broadcast_coalesced`, which
+    DDP's and replicate's start and `utils._sync_module_states` use). Collective."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[list[Tensor]]] = {}
+    filled: dict[tuple[torch.dtype, torch.device], int] = {}      # bytes in each kind's last bucket
+    for tensor in tensors:
+        kind = (tensor.dtype, tensor.device)
+        buckets = by_kind.setdefault(kind, [[]])
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket_bytes is not None and buckets[-1] and filled[kind] + nbytes > bucket_bytes:
+            buckets.append([])
+            filled[kind] = 0
+        buckets[-1].append(tensor)
+        filled[kind] = filled.get(kind, 0) + nbytes
+    with torch.no_grad():
+        for bucket in (bucket for buckets in by_kind.values() for bucket in buckets):
+            flat = torch.cat([tensor.reshape(-1) for tensor in bucket])
+            broadcast(flat, group=group, group_src=group_src)
+            for tensor, values in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+                tensor.copy_(values.view_as(tensor))
+
+
 def reduce(tensor: Tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM, group: AnyGroup | None = None,
            async_op: bool = False, group_dst: int | None = None) -> Work | None:
     """Reduce `tensor` over the group into `dst`'s tensor; other ranks' tensors are left unchanged."""

@@ -6,10 +6,9 @@ Layer: ddp. Collective over the group passed in.
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
-from spmd.comm.collectives import broadcast
+from spmd.comm.collectives import broadcast_coalesced
 from spmd.comm.group import ProcessGroup
 
 
@@ -23,17 +22,7 @@ def broadcast_module_state(module: nn.Module, group: ProcessGroup, src: int, inc
     tensors = [buf for name, buf in module.named_buffers() if name not in ignored]
     if include_params:
         tensors = [param.detach() for name, param in module.named_parameters() if name not in ignored] + tensors
-    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for tensor in tensors:
-        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    with torch.no_grad():
-        for same_kind in by_kind.values():
-            flat = torch.cat([tensor.reshape(-1) for tensor in same_kind])
-            broadcast(flat, group=group, group_src=src)
-            offset = 0
-            for tensor in same_kind:
-                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
+    broadcast_coalesced(tensors, group=group, group_src=src)
 
 
 IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"

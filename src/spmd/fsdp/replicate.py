@@ -13,10 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, overload
 
-import torch
 from torch import nn
 
-from spmd.comm.collectives import broadcast
+from spmd.comm.collectives import broadcast_coalesced
 from spmd.device_mesh import DeviceMesh
 from spmd.fsdp.api import (
     _NO_MIXED_PRECISION,
@@ -95,16 +94,7 @@ def _start_equal(state: FSDPState, mesh: DeviceMesh) -> None:
     tensors = [param.local_shard for param in state.params]
     tensors += [buffer for m in state.modules for _, sub in _unowned_modules(m)
                 for buffer in sub._buffers.values() if buffer is not None]
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        if tensor.device.type != "meta":
-            by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    with torch.no_grad():
-        for same_kind in by_kind.values():
-            flat = torch.cat([tensor.reshape(-1) for tensor in same_kind])
-            broadcast(flat, group=group, group_src=0)
-            for tensor, values in zip(same_kind, flat.split([t.numel() for t in same_kind]), strict=True):
-                tensor.copy_(values.view_as(tensor))
+    broadcast_coalesced([tensor for tensor in tensors if tensor.device.type != "meta"], group=group, group_src=0)
 
 
 def is_composable_with_replicate(module: nn.Module) -> bool:

@@ -2,12 +2,12 @@
 import from. Layer: fsdp (an alias; it holds no logic)."""
 
 from spmd.fsdp.api import (
-           DataParallelMeshDims,
-           FSDPModule,
-           UnshardHandle,
-           fully_shard,
-           register_fsdp_forward_method,
-           share_comm_ctx,
+    DataParallelMeshDims,
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
 )
 from spmd.fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
