@@ -578,23 +578,17 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
     where = os.fspath(checkpoint_id) if checkpoint_id is not None else type(reader).__name__
     group = _group(process_group, no_dist)
     coordinator = group is None or group.group_rank == 0
-    torch_protocol = speaks_torch_protocol(reader)
     try:
         metadata = _read_metadata(reader, where)
         resolved = _resolved(state_dict)
-        if torch_protocol:
-            reader.set_up_storage_reader(metadata, coordinator, rank=0 if group is None else group.group_rank,
-                                         use_collectives=False)
+        reader.set_up_storage_reader(metadata, coordinator, rank=0 if group is None else group.group_rank,
+                                     use_collectives=False)
         planner.set_up_planner(resolved, metadata, coordinator)
-        local = planner.create_local_plan()
-        if torch_protocol:
-            local = reader.prepare_local_plan(local)
-        central = planner.create_global_plan([local])
-        if torch_protocol:
-            central = reader.prepare_global_plan(central)
+        central = reader.prepare_global_plan(planner.create_global_plan([reader.prepare_local_plan(
+            planner.create_local_plan())]))
         plan = planner.finish_plan(central[0])
         loader = _Loader(reader, metadata, where)
-        if torch_protocol:
+        if speaks_torch_protocol(reader):
             loader.run_through_read_data(plan, planner)
         else:
             loader.run(plan, planner)

@@ -184,14 +184,14 @@ class StorageReader(abc.ABC):
         """(before a load given a checkpoint_id) Read the checkpoint at `checkpoint_id`; torch's."""
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """(torch's protocol) Get ready to read the checkpoint `metadata` describes."""
+        """(each load, once the metadata is read) Get ready to read the checkpoint `metadata` describes; torch's."""
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """(torch's protocol) This rank's load plan, with whatever this storage adds. By default as it is."""
+        """This rank's load plan, with whatever this storage adds; torch's. By default as it is."""
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """(torch's protocol) The load plans, as this storage wants them. By default as they are."""
+        """The load plans, as this storage wants them; torch's. By default as they are."""
         return plans
 
     def read_data(self, plan: LoadPlan, planner: Any) -> torch.futures.Future[None]:
