@@ -33,6 +33,24 @@ SPMD = types.SimpleNamespace(ColwiseParallel=ColwiseParallel, RowwiseParallel=Ro
                              Replicate=Replicate, Shard=Shard)
 
 
+def torch_api() -> types.SimpleNamespace:
+    """The same names from torch.distributed.tensor (the oracle tests build the identical plans with them)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    return types.SimpleNamespace(ColwiseParallel=ColwiseParallel, RowwiseParallel=RowwiseParallel,
+                                 SequenceParallel=SequenceParallel, PrepareModuleInput=PrepareModuleInput,
+                                 PrepareModuleOutput=PrepareModuleOutput, parallelize_module=parallelize_module,
+                                 Replicate=Replicate, Shard=Shard)
+
+
 class Layout(enum.Enum):
     TP = "tp"                          # Megatron: one all-reduce after attention and one after the MLP
     TP_SP = "tp+sp"                    # sequence parallel: norms on sequence shards, all-gather / reduce-scatter

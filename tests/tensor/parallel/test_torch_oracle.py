@@ -9,7 +9,6 @@ import per test.
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -19,27 +18,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tests.procpool import ProcPool, free_port
-from tests.tensor.parallel.plans import Layout, parallelize
+from tests.tensor.parallel.plans import Layout, parallelize, torch_api
 from tests.tensor.parallel.test_parity import ATOL, RTOL, STEPS, batch, fresh, reference
 
 CASES = [("gpt", layout) for layout in Layout] + [("llama", layout) for layout in Layout]
-
-
-def _torch_api() -> types.SimpleNamespace:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    return types.SimpleNamespace(ColwiseParallel=ColwiseParallel, RowwiseParallel=RowwiseParallel,
-                                 SequenceParallel=SequenceParallel, PrepareModuleInput=PrepareModuleInput,
-                                 PrepareModuleOutput=PrepareModuleOutput, parallelize_module=parallelize_module,
-                                 Replicate=Replicate, Shard=Shard)
 
 
 def _full(value: Tensor) -> Tensor:
@@ -79,7 +61,7 @@ def _spmd_and_torch(rank: int, world_size: int, gloo_port: int, cases: list[tupl
     try:
         ours = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))["tp"]
         theirs = torch_init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))["tp"]
-        api = _torch_api()
+        api = torch_api()
         results = {}
         for kind, layout in cases:
             lp = layout.loss_parallel
