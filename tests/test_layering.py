@@ -20,7 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "device_mesh": {"_core", "comm"},
     "tensor": {"_core", "comm", "device_mesh"},
     "tensor.parallel": {"_core", "comm", "device_mesh", "tensor"},
-    "ddp": {"_core", "_autograd", "comm", "device_mesh"},
+    "ddp": {"_core", "_autograd", "comm", "device_mesh", "tensor"},
     "fsdp": {"_core", "_autograd", "comm", "device_mesh", "tensor"},
     "pipelining": {"_core", "comm", "device_mesh", "tensor"},
     "amp": {"_core", "comm", "device_mesh", "tensor"},

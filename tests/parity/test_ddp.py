@@ -484,9 +484,9 @@ def test_bad_use_gives_clear_errors() -> None:
         tensor_parallel = MLP()
         tensor_parallel.layers[0].weight = nn.Parameter(distribute_tensor(
             tensor_parallel.layers[0].weight.detach(), init_device_mesh("cpu", (size,)), [Shard(0)]))
-        with pytest.raises(ValueError, match=r"parameters \['layers\.0\.weight'\] are tensor subclasses.*"
-                                             r"replicate_with_fsdp"):
-            spmd.DistributedDataParallel(tensor_parallel)
+        with pytest.raises(ValueError, match=r"parameter 'layers\.0\.weight' is laid out \[Shard\(0\)\].*split "
+                                             r"along mesh dims \[0\] across ranks of DDP's group \[0, 1\]"):
+            spmd.DistributedDataParallel(tensor_parallel)    # sharded over DDP's own ranks
 
         group = spmd.new_group([0])
         if rank == 1:

@@ -1,6 +1,6 @@
 """DistributedDataParallel: replicate a module on every rank and average its gradients during backward.
 
-Layer: ddp (parallel, L4). May import _core, comm and device_mesh; never tensor.
+Layer: ddp (parallel, L4). May import _core, comm, device_mesh and tensor (DTensor parameters: dtensor_params.py).
 
 Construction is collective: every rank of the group wraps the same model, in the same order.
   1. (all ranks) resolve the group; collect the parameters that require grad (error if none)
@@ -26,9 +26,11 @@ from spmd.comm.join import Join, Joinable, JoinHook
 from spmd.comm.objects import all_gather_object
 from spmd.comm.world import resolve_group
 from spmd.ddp.bucket import FIRST_BUCKET_BYTES
+from spmd.ddp.dtensor_params import check_replicated_across
 from spmd.ddp.join import DDPJoinHook, announce_sync
 from spmd.ddp.reducer import CommHook, Reducer
 from spmd.ddp.sync import IGNORE_ATTR, broadcast_module_state, ignored_names
+from spmd.tensor import DTensor
 
 _MIB = 1 << 20
 
@@ -252,16 +254,16 @@ def _trainable(module: nn.Module, group: ProcessGroup) -> list[tuple[str, nn.Par
     if not isinstance(module, nn.Module):
         raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
     ignored = ignored_names(module)
-    wrapped = [name for name, param in module.named_parameters() if name not in ignored and is_wrapper_subclass(param)]
+    wrapped = [name for name, param in module.named_parameters()
+               if name not in ignored and is_wrapper_subclass(param) and not isinstance(param, DTensor)]
     if wrapped:
         raise ValueError(
             f"DistributedDataParallel on rank {group.global_rank}: parameters {wrapped[:5]}"
-            f"{' ...' if len(wrapped) > 5 else ''} are tensor subclasses (DTensors: tensor parallel, or sharded), "
-            f"whose gradients DDP's buckets cannot hold. For data parallelism over tensor parallelism use "
-            f"spmd._composable.replicate_with_fsdp.replicate(module, mesh=mesh['dp']) (or fully_shard over "
-            f"mesh['dp']); to have DDP leave them to another parallelism, name them in "
+            f"{' ...' if len(wrapped) > 5 else ''} are tensor subclasses other than DTensor, whose data DDP's "
+            f"buckets cannot read. To have DDP leave them to another parallelism, name them in "
             f"DistributedDataParallel._set_params_and_buffers_to_ignore_for_model first")
     named = [(name, param) for name, param in module.named_parameters() if param.requires_grad and name not in ignored]
+    check_replicated_across(named, group)
     if not named:
         raise ValueError(
             f"DistributedDataParallel on rank {group.global_rank}: {type(module).__name__} has no parameter that "
@@ -301,7 +303,7 @@ def _index(device: int | torch.device) -> int | None:
 
 def _check_same_parameters(named: list[tuple[str, nn.Parameter]], group: ProcessGroup) -> None:
     """Step 2 of construction: every rank must wrap the same parameters. Collective."""
-    mine = [(name, tuple(param.shape), str(param.dtype)) for name, param in named]
+    mine = [(name, tuple(param.shape), str(param.dtype), _layout(param)) for name, param in named]
     everyone: list[Any] = [None] * group.size()
     all_gather_object(everyone, mine, group=group)
     reference = everyone[0]
@@ -312,13 +314,21 @@ def _check_same_parameters(named: list[tuple[str, nn.Parameter]], group: Process
         if len(theirs) != len(reference):
             problems.append(f"rank {group.ranks[group_rank]} has {len(theirs)} trainable parameters, rank "
                             f"{group.ranks[0]} has {len(reference)}")
-        differ = [f"{a[0]} {a[1]} {a[2]} vs {b[0]} {b[1]} {b[2]}" for a, b in zip(theirs, reference) if a != b]
+        differ = [f"{a[0]} {a[1]} {a[2]}{a[3]} vs {b[0]} {b[1]} {b[2]}{b[3]}" for a, b in zip(theirs, reference)
+                  if a != b]
         if differ:
             problems.append(f"rank {group.ranks[group_rank]} vs rank {group.ranks[0]}: " + "; ".join(differ[:5])
                             + ("; ..." if len(differ) > 5 else ""))
     if problems:
         raise ValueError(f"DistributedDataParallel on rank {group.global_rank} of {group.description}: the ranks "
                          f"wrapped different models: " + " | ".join(problems))
+
+
+def _layout(param: nn.Parameter) -> str:
+    """'' for a plain parameter; a DTensor's placements and local shape (equal on the replicas of one shard)."""
+    if not isinstance(param, DTensor):
+        return ""
+    return f" {list(param.placements)} local {tuple(param._local_tensor.shape)}"
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from spmd.comm.group import ProcessGroup
+from spmd.ddp.dtensor_params import local_of
 
 FIRST_BUCKET_BYTES = 1 << 20
 
@@ -38,7 +39,7 @@ def assign_buckets(params: list[nn.Parameter], bucket_bytes: int, first_bucket_b
         kind = (param.dtype, param.device)
         members, size = open_bucket.get(kind, ([], 0))
         members.append(index)
-        size += param.numel() * param.element_size()
+        size += local_of(param).numel() * param.element_size()
         cap = first_bucket_bytes if closed_per_kind.get(kind, 0) == 0 else bucket_bytes
         if size >= cap:
             buckets.append(members)
@@ -53,19 +54,21 @@ def assign_buckets(params: list[nn.Parameter], bucket_bytes: int, first_bucket_b
 
 
 class Bucket:
-    """One flat gradient buffer and the per-parameter views into it."""
+    """One flat gradient buffer and the per-parameter views into it, each shaped like its parameter's local tensor
+    (a DTensor parameter's shard: see Note: DDP over DTensor parameters in dtensor_params.py)."""
 
     def __init__(self, index: int, param_indices: list[int], params: list[nn.Parameter]) -> None:
         self.index = index
         self.param_indices = param_indices
         self.params = [params[i] for i in param_indices]
-        numel = sum(p.numel() for p in self.params)
+        shards = [local_of(p) for p in self.params]
+        numel = sum(local.numel() for local in shards)
         self.buffer = torch.zeros(numel, dtype=self.params[0].dtype, device=self.params[0].device)
         self.views: list[Tensor] = []
         offset = 0
-        for param in self.params:
-            self.views.append(self.buffer[offset:offset + param.numel()].view(param.shape))
-            offset += param.numel()
+        for local in shards:
+            self.views.append(self.buffer[offset:offset + local.numel()].view(local.shape))
+            offset += local.numel()
         self.pending = len(self.params)
 
 

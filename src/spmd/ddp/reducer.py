@@ -45,6 +45,7 @@ from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import Work
 from spmd.ddp.bucket import Bucket, GradBucket, assign_buckets
+from spmd.ddp.dtensor_params import local_grad, local_of, set_grad
 
 CommHook = Callable[[object, GradBucket], torch.futures.Future]
 
@@ -161,7 +162,7 @@ class Reducer:
         param = self.params[index]
         bucket_index, slot = self.locate[index]
         view = self.buckets[bucket_index].views[slot]
-        grad = param.grad
+        grad = local_grad(param)
         divide = self.comm_hook is None   # the default reduction averages here, in the copy; hooks divide themselves
         if grad is None:
             view.zero_()
@@ -174,15 +175,15 @@ class Reducer:
             else:
                 view.copy_(grad)
             if self.as_view:
-                param.grad = view
+                set_grad(param, view)
 
     def _mark_unused(self, index: int) -> None:
         """Zero this parameter's slot (keeping any stale .grad it aliases) and count it ready."""
         param = self.params[index]
         bucket_index, slot = self.locate[index]
         view = self.buckets[bucket_index].views[slot]
-        if param.grad is not None and _aliases(param.grad, view):
-            param.grad = param.grad.clone()
+        if param.grad is not None and _aliases(local_of(param.grad), view):
+            set_grad(param, view.clone())
         view.zero_()
         self._mark_ready(index)
 
@@ -274,11 +275,11 @@ class Reducer:
                 if index in unused:
                     continue
                 if self.as_view:
-                    param.grad = view
+                    set_grad(param, view)
                 elif param.grad is None:
-                    param.grad = view.clone()
-                elif not _aliases(param.grad, view):
-                    param.grad.copy_(view)
+                    set_grad(param, view.clone())
+                elif not _aliases(local_of(param.grad), view):
+                    local_of(param.grad).copy_(view)
                 if getattr(param, DDP_STEPS_IN_BACKWARD, False):
                     step_in_backward(param)
 

@@ -10,18 +10,22 @@ from torch import nn
 
 from spmd.comm.collectives import broadcast_coalesced
 from spmd.comm.group import ProcessGroup
+from spmd.ddp.dtensor_params import local_of
 
 
 def broadcast_module_state(module: nn.Module, group: ProcessGroup, src: int, include_params: bool) -> None:
     """Overwrite buffers (and parameters) with group rank `src`'s, one broadcast per dtype and device; those
     named in the module's DDP ignore list (ignored_names) keep their own values. Collective.
 
-    Every rank groups the same tensors the same way (same module, same order), so the broadcasts line up.
+    Every rank groups the same tensors the same way (same module, same order), so the broadcasts line up. A
+    DTensor's local shard is what is sent: the group's ranks hold replicas of it (see Note: DDP over DTensor
+    parameters).
     """
     ignored = ignored_names(module)
-    tensors = [buf for name, buf in module.named_buffers() if name not in ignored]
+    tensors = [local_of(buf) for name, buf in module.named_buffers() if name not in ignored]
     if include_params:
-        tensors = [param.detach() for name, param in module.named_parameters() if name not in ignored] + tensors
+        tensors = [local_of(param.detach()) for name, param in module.named_parameters()
+                   if name not in ignored] + tensors
     broadcast_coalesced(tensors, group=group, group_src=src)
 
 
