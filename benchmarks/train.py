@@ -6,15 +6,16 @@ layout built with torch.distributed, in the same rank processes, and the Trainer
 
 The anchors' GPT of examples/gpt.py (4 layers, width 256, 4 heads, context 128, vocabulary 4096: 5.3 M
 parameters), AdamW, one global batch of 8 sequences of 128 tokens (the same tokens, weights and seed for both
-libraries), --world rank processes x 1 torch thread. Layouts (on 4 ranks; on 2 the same with 2, FSDP x TP left
-out): DDP 4, FSDP2 4, TP 4 (Megatron's plan), PP 4 (--pp-schedule, --microbatches), FSDP 2 x TP 2.
+libraries), --world rank processes x 1 torch thread. Layouts (on 4 ranks; on 2 the same with 2, the 2-D ones left
+out): DDP 4, FSDP2 4, TP 4 (Megatron's plan), PP 4 (--pp-schedule, --microbatches), FSDP 2 x TP 2, DDP 2 x TP 2.
   - spmd: the trainer's own layout code, parallelize.py's Layout, build_mesh and ParallelGPT (its train_step:
     forward, loss and backward, or the pipeline schedule's step), then the optimizer step; spmd on its default
     transport ("auto": shared memory on one host).
   - torch: the same layout with torch's pieces on gloo: DistributedDataParallel, fully_shard per block then the
     root, parallelize_module with ColwiseParallel / RowwiseParallel on the same plan, torch.distributed.pipelining
     on the same stage cut with the same schedule and microbatches, and TP on a 2-D mesh's "tp" dim with
-    fully_shard on its "dp" dim. A layout torch can't run here shows torch's error instead of a number.
+    fully_shard, or DDP (device_mesh=mesh["dp"]), on its "dp" dim. A layout torch can't run here shows torch's
+    error instead of a number.
   - timing: per layout both are built, warmed up (--warmup steps each), then --repeats rounds each time --steps
     steps of one library and then of the other (the order alternating per round), each block started and ended
     by a barrier and timed as the slowest rank's; tokens/s is the median over rounds, the ratio spmd / torch
@@ -55,7 +56,7 @@ from _common import free_port, machine_line, run_saving_processes
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 VOCAB = 4096
-LAYOUT_NAMES = ("DDP", "FSDP2", "TP", "PP", "FSDP x TP")
+LAYOUT_NAMES = ("DDP", "FSDP2", "TP", "PP", "FSDP x TP", "DDP x TP")
 LIBRARIES = ("spmd", "torch")
 
 
@@ -66,8 +67,10 @@ def _examples() -> None:
 
 def degrees(name: str, world: int) -> dict[str, int] | None:
     """The mesh degrees of layout `name` on `world` ranks (None: the layout needs more ranks)."""
-    if name == "FSDP x TP":
-        return {"dp_shard": world // 2, "tp": 2} if world >= 4 and world % 2 == 0 else None
+    if name in ("FSDP x TP", "DDP x TP"):
+        if world < 4 or world % 2:
+            return None
+        return {"dp_shard" if name == "FSDP x TP" else "dp_replicate": world // 2, "tp": 2}
     return {"DDP": {"dp_replicate": world}, "FSDP2": {"dp_shard": world}, "TP": {"tp": world},
             "PP": {"pp": world}}[name]
 
@@ -166,6 +169,11 @@ class _Torch:
                 fully_shard(block, mesh=mesh["dp"])
             fully_shard(model, mesh=mesh["dp"])
             self.modules, self.batch = [model], _slice(batch, world // 2, mesh["dp"].get_local_rank())
+        elif name == "DDP x TP":
+            mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+            _tensor_parallel(model, mesh["tp"])
+            self.modules = [nn.parallel.DistributedDataParallel(model, device_mesh=mesh["dp"])]
+            self.batch = _slice(batch, world // 2, mesh["dp"].get_local_rank())
         else:   # PP: the trainer's stage cut (GPTStage is model code), torch's stages and schedule
             _examples()
             import parallelize

@@ -11,9 +11,9 @@ exists). `parallelize` applies, in this order (TorchTitan's, and for the same re
      on the block stay outside, parameter names unchanged; under TP the DTensor ops run eagerly between the
      compiled plain-tensor pieces: spmd.tensor.api, Note: DTensors under torch.compile);
   4. data parallelism last, on the already tensor-parallel parameters: fully_shard per block and then the root
-     (the stage module under PP) over mesh["dp_shard"] (FSDP) or mesh["dp_replicate", "dp_shard"] (HSDP; also
-     pure replication composed with TP, as HSDP with one shard, so that one fully_shard reduces the DTensor
-     gradients), or DDP over mesh["dp_replicate"] when nothing is tensor parallel or sharded.
+     (the stage module under PP) over mesh["dp_shard"] (FSDP) or mesh["dp_replicate", "dp_shard"] (HSDP), or,
+     when nothing is sharded, DDP over mesh["dp_replicate"] (over TP too: Megatron's TP x DP, each rank's
+     DTensor shards averaged over their replicas).
 `ParallelGPT` then runs a step (microbatched through a pipeline schedule under PP, gradient accumulation
 otherwise), the validation loss, clipping over sharded gradients, and the full model for sampling.
 """
@@ -94,7 +94,7 @@ class Layout:
             parts.append(f"HSDP {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else
                          f"FSDP {self.dp_shard}")
         elif self.dp_replicate > 1:
-            parts.append(f"{'HSDP' if self.tp > 1 else 'DDP'} {self.dp_replicate}")
+            parts.append(f"DDP {self.dp_replicate}")
         if self.tp > 1:
             parts.append(f"TP {self.tp}" + "".join(f" +{flag}" for flag, on in (
                 ("SP", self.sequence_parallel), ("loss parallel", self.loss_parallel)) if on))
@@ -131,8 +131,8 @@ class Layout:
 
     @property
     def uses_fsdp(self) -> bool:
-        """fully_shard carries the data parallelism: something is sharded, or replication composes with TP."""
-        return self.dp_shard > 1 or (self.dp_replicate > 1 and self.tp > 1)
+        """fully_shard carries the data parallelism: something is sharded (DDP replicates otherwise)."""
+        return self.dp_shard > 1
 
 
 def build_mesh(layout: Layout) -> DeviceMesh:
@@ -274,7 +274,7 @@ def parallelize(model: GPT, mesh: DeviceMesh, layout: Layout) -> dict[int, nn.Mo
             apply_fsdp(part, mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"],
                        layout)
         elif layout.dp_replicate > 1:
-            parts[index] = spmd.DistributedDataParallel(part, process_group=mesh.get_group("dp_replicate"))
+            parts[index] = spmd.DistributedDataParallel(part, device_mesh=mesh["dp_replicate"])
     return parts
 
 
