@@ -16,7 +16,9 @@ from spmd.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState,
 from spmd.algorithms.model_averaging.averagers import PeriodicModelAverager
 from spmd.algorithms.model_averaging.hierarchical_model_averager import HierarchicalModelAverager
 from spmd.algorithms.model_averaging.utils import average_parameters, get_params_to_average
+from spmd.device_mesh import init_device_mesh
 from spmd.optim import PostLocalSGDOptimizer
+from spmd.tensor import Shard, distribute_tensor
 from spmd.testing import run_ranks
 from tests.parity.models import build
 from tests.parity.test_ddp import count_collectives
@@ -182,6 +184,22 @@ def test_average_parameters_skips_parameters_without_gradients_and_keeps_storage
         return trained[0].item(), frozen[0].item(), trained.data_ptr() == storage
 
     assert run_ranks(body, 2, timeout=60) == [(0.5, 0.0, True), (0.5, 1.0, True)]
+
+
+def test_averaging_tensor_parallel_parameters_averages_each_shard_over_its_replicas() -> None:
+    """DDP x TP's parameters under post-local SGD: a DTensor sharded over "tp" is averaged over "dp", shard by
+    shard, in place; its layout is unchanged."""
+    def body(rank: int, size: int) -> tuple[list[float], tuple, bool]:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dp_rank = mesh.get_local_rank("dp")
+        whole = torch.arange(4.0) + 10 * dp_rank             # the replicas on the two dp ranks differ
+        param = nn.Parameter(distribute_tensor(whole, mesh["tp"], [Shard(0)]))
+        storage = param._local_tensor.data_ptr()
+        average_parameters(iter([param]), mesh.get_group("dp"))
+        return param.full_tensor().tolist(), param.placements, param._local_tensor.data_ptr() == storage
+
+    for values, placements, same_storage in run_ranks(body, 4, timeout=60):
+        assert values == [5.0, 6.0, 7.0, 8.0] and placements == (Shard(0),) and same_storage
 
 
 def test_new_subgroups_splits_a_group_and_defaults_to_the_hosts_ranks() -> None:

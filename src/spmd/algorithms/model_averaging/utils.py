@@ -2,7 +2,9 @@
 
 Layer: algorithms. One all-reduce of all the parameters flattened together; the average is written back into
 each parameter in place, so it keeps its storage (optimizer state, views and hooks stay attached; torch's
-rebinds `param.data` instead). As torch, each value is divided by the group size before the sum.
+rebinds `param.data` instead). As torch, each value is divided by the group size before the sum. A DTensor
+parameter (tensor parallel under DDP) averages its local shard over the group, which holds its replicas (see
+Note: DDP over DTensor parameters in spmd/ddp/dtensor_params.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from spmd.comm.collectives import all_reduce
 from spmd.comm.group import NonMemberGroup
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.world import AnyGroup, resolve_group
+from spmd.ddp.dtensor_params import local_of
 
 __all__ = ["average_parameters", "average_parameters_or_parameter_groups", "get_params_to_average"]
 
@@ -31,14 +34,15 @@ def average_parameters(params: Iterator[nn.Parameter], process_group: AnyGroup |
     params = list(params)
     if not params:
         return
+    shards = [local_of(p) for p in params]     # a DTensor's local shard, averaged over its replicas (as DDP's)
     with torch.no_grad():
-        flat = torch.cat([p.reshape(-1) for p in params])
+        flat = torch.cat([shard.reshape(-1) for shard in shards])
         flat /= group.size()
         all_reduce(flat, ReduceOp.SUM, group=group)
         offset = 0
-        for p in params:
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for shard in shards:
+            shard.copy_(flat[offset:offset + shard.numel()].view_as(shard))
+            offset += shard.numel()
 
 
 def get_params_to_average(params: Params) -> list[nn.Parameter]:
