@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from spmd.run.agent import Agent
-from spmd.run.cli import parse_args
+from spmd.run.cli import launch_config
 from spmd.run.process import Console
 
 SPMDRUN = (sys.executable, "-m", "spmd.run")
@@ -43,7 +43,7 @@ def run_agent(*argv: str, cwd: str | None = None) -> tuple[int, str, str]:
     try:
         if cwd is not None:
             os.chdir(cwd)
-        code = Agent(parse_args(list(argv), environ={}), console=Console(out, err)).run()
+        code = Agent(launch_config(list(argv), environ={}), console=Console(out, err)).run()
     finally:
         os.chdir(here)
     return code, out.getvalue().decode(), err.getvalue().decode()

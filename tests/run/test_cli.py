@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from spmd.run.cli import parse_args, parse_endpoint, parse_nnodes
+from spmd.run.cli import launch_config, parse_endpoint, parse_nnodes
 from spmd.run.config import DEFAULT_RDZV_PORT, EntryKind, LaunchConfig, RendezvousTimeouts, Std, StdPolicy
 from spmd.run.slurm import detect, expand_hostlist, in_srun_step
 
 
 def test_script_arguments_pass_through_untouched() -> None:
-    config = parse_args(["--nproc-per-node", "4", "train.py", "--lr", "1e-3", "--nnodes", "7", "-m"], environ={})
+    config = launch_config(["--nproc-per-node", "4", "train.py", "--lr", "1e-3", "--nnodes", "7", "-m"], environ={})
     assert config.entrypoint == "train.py"
     assert config.args == ("--lr", "1e-3", "--nnodes", "7", "-m")
     assert config.nproc_per_node == 4
@@ -20,30 +20,30 @@ def test_script_arguments_pass_through_untouched() -> None:
 
 
 def test_torchrun_spellings_module_and_no_python() -> None:
-    config = parse_args(["--nproc_per_node=2", "--max_restarts", "3", "-m", "pkg.train", "x"], environ={})
+    config = launch_config(["--nproc_per_node=2", "--max_restarts", "3", "-m", "pkg.train", "x"], environ={})
     assert (config.kind, config.entrypoint, config.args, config.max_restarts) == (EntryKind.MODULE, "pkg.train",
                                                                                   ("x",), 3)
-    assert parse_args(["--no-python", "echo", "hi"], environ={}).kind is EntryKind.BINARY
+    assert launch_config(["--no-python", "echo", "hi"], environ={}).kind is EntryKind.BINARY
     with pytest.raises(ValueError, match="exclude each other"):
-        parse_args(["-m", "--no-python", "x"], environ={})
+        launch_config(["-m", "--no-python", "x"], environ={})
 
 
 def test_multinode_flags() -> None:
-    config = parse_args(["--nnodes", "1:4", "--rdzv-endpoint", "node0:1234", "--rdzv-conf",
+    config = launch_config(["--nnodes", "1:4", "--rdzv-endpoint", "node0:1234", "--rdzv-conf",
                          "join_timeout=5,last_call_timeout=0.5", "t.py"], environ={})
     assert (config.min_nodes, config.max_nodes, config.is_elastic) == (1, 4, True)
     assert (config.rdzv_host, config.rdzv_port, config.rdzv_id) == ("node0", 1234, "default")
     assert config.timeouts.join_timeout == 5 and config.timeouts.last_call_timeout == 0.5
-    fixed = parse_args(["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h", "--rdzv-id", "j", "t.py"],
+    fixed = launch_config(["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h", "--rdzv-id", "j", "t.py"],
                        environ={})
     assert (fixed.node_rank, fixed.rdzv_port, fixed.rdzv_id) == (1, DEFAULT_RDZV_PORT, "j")
 
 
 def test_nproc_auto_and_cpu() -> None:
-    assert parse_args(["--nproc-per-node", "cpu", "t.py"], environ={}).nproc_per_node >= 1
-    assert parse_args(["--nproc-per-node", "auto", "t.py"], environ={}).nproc_per_node >= 1
+    assert launch_config(["--nproc-per-node", "cpu", "t.py"], environ={}).nproc_per_node >= 1
+    assert launch_config(["--nproc-per-node", "auto", "t.py"], environ={}).nproc_per_node >= 1
     with pytest.raises(ValueError, match="--nproc-per-node 'lots'"):
-        parse_args(["--nproc-per-node", "lots", "t.py"], environ={})
+        launch_config(["--nproc-per-node", "lots", "t.py"], environ={})
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -65,12 +65,12 @@ def test_nproc_auto_and_cpu() -> None:
 ])
 def test_bad_arguments_say_what_to_fix(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        parse_args(argv, environ={})
+        launch_config(argv, environ={})
 
 
 def test_missing_script_is_an_argparse_error() -> None:
     with pytest.raises(SystemExit):
-        parse_args(["--nproc-per-node", "2"], environ={})
+        launch_config(["--nproc-per-node", "2"], environ={})
 
 
 def test_endpoint_and_nnodes_parsing() -> None:
@@ -87,7 +87,7 @@ def test_std_policies() -> None:
     mixed = StdPolicy.parse("0:3,1:1", "--redirects")
     assert (mixed.for_rank(0), mixed.for_rank(1), mixed.for_rank(2)) == (Std.ALL, Std.OUT, Std.NONE)
     assert mixed.any() and not StdPolicy.parse("0", "--tee").any()
-    config = parse_args(["-r", "1", "-t", "2", "--log-dir", "/tmp/x", "--local-ranks-filter", "0,2", "t.py"],
+    config = launch_config(["-r", "1", "-t", "2", "--log-dir", "/tmp/x", "--local-ranks-filter", "0,2", "t.py"],
                         environ={})
     assert config.redirects.default is Std.OUT and config.tee.default is Std.ERR
     assert config.local_ranks_filter == frozenset({0, 2}) and config.log_dir == "/tmp/x"
@@ -128,10 +128,10 @@ def test_slurm_step_gives_the_node_set() -> None:
     found = detect(SRUN_ENV)
     assert (found.nnodes, found.node_rank, found.host) == (3, 2, "gpu007")
     assert found.port == DEFAULT_RDZV_PORT + 4242 % 1000
-    config = parse_args(["--nproc-per-node", "8", "train.py"], environ=SRUN_ENV)
+    config = launch_config(["--nproc-per-node", "8", "train.py"], environ=SRUN_ENV)
     assert (config.min_nodes, config.max_nodes, config.node_rank) == (3, 3, 2)
     assert (config.rdzv_host, config.rdzv_port, config.rdzv_id) == ("gpu007", found.port, "slurm-4242.0")
-    explicit = parse_args(["--nnodes", "1", "train.py"], environ=SRUN_ENV)  # flags win over Slurm
+    explicit = launch_config(["--nnodes", "1", "train.py"], environ=SRUN_ENV)  # flags win over Slurm
     assert not explicit.is_multinode
 
 
@@ -147,15 +147,15 @@ def test_rendezvous_token_comes_from_the_flag_the_environment_or_a_private_file(
     token_file.write_text("from-file\n")
     token_file.chmod(0o600)
     args = ["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-token-file", str(token_file), "t.py"]
-    assert parse_args(args, environ={}).rdzv_token == "from-file"
-    assert parse_args(args, environ={"SPMD_STORE_TOKEN": "from-env"}).rdzv_token == "from-env"
-    assert parse_args(["--rdzv-token", "flag", *args], environ={"SPMD_STORE_TOKEN": "e"}).rdzv_token == "flag"
-    assert "from-file" not in repr(parse_args(args, environ={}))
+    assert launch_config(args, environ={}).rdzv_token == "from-file"
+    assert launch_config(args, environ={"SPMD_STORE_TOKEN": "from-env"}).rdzv_token == "from-env"
+    assert launch_config(["--rdzv-token", "flag", *args], environ={"SPMD_STORE_TOKEN": "e"}).rdzv_token == "flag"
+    assert "from-file" not in repr(launch_config(args, environ={}))
     token_file.chmod(0o644)
     with pytest.raises(ValueError, match=r"open to others.*chmod 600"):
-        parse_args(args, environ={})
+        launch_config(args, environ={})
     with pytest.raises(ValueError, match="can't read --rdzv-token-file"):
-        parse_args(["--rdzv-token-file", str(tmp_path / "missing"), "t.py"], environ={})
+        launch_config(["--rdzv-token-file", str(tmp_path / "missing"), "t.py"], environ={})
 
 
 def test_torchs_legacy_launcher_passes_local_rank_and_meets_at_the_master_address() -> None:
@@ -164,7 +164,7 @@ def test_torchs_legacy_launcher_passes_local_rank_and_meets_at_the_master_addres
     config = launch.parse_args(["--nproc_per_node=2", "train.py", "--lr", "1"], environ={})
     assert config.local_rank_arg and config.args == ("--lr", "1") and not config.is_multinode
     assert not launch.parse_args(["--use_env", "train.py"], environ={}).local_rank_arg
-    assert not parse_args(["train.py"], environ={}).local_rank_arg            # spmdrun: LOCAL_RANK only
+    assert not launch_config(["train.py"], environ={}).local_rank_arg            # spmdrun: LOCAL_RANK only
     multinode = launch.parse_args(["--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.5", "train.py"], environ={})
     assert (multinode.rdzv_host, multinode.rdzv_port, multinode.node_rank) == ("10.0.0.5", 29500, 1)
     assert multinode.master_addr is None and multinode.master_port is None    # the workers' store: a free port

@@ -1,6 +1,6 @@
 """The `spmdrun` command line: argv -> LaunchConfig, then one agent runs it.
 
-Layer: run. `parse_args` has no side effects beyond reading the environment it is given (Slurm's variables,
+Layer: run. `launch_config` has no side effects beyond reading the environment it is given (Slurm's variables,
 SPMD_STORE_TOKEN) and a --rdzv-token-file, so it is tested directly; `main` is the console script (`spmdrun`,
 `python -m spmd.run`). Flags follow torchrun's names (both `--nproc-per-node` and `--nproc_per_node` spellings);
 everything after the script is passed to it untouched.
@@ -135,14 +135,14 @@ def rendezvous_token(flag: str | None, token_file: str | None, environ: Mapping[
     return read_token_file(token_file) if token_file is not None else None
 
 
-def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> LaunchConfig:
+def launch_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> LaunchConfig:
     """Turn `spmdrun` arguments into a LaunchConfig. Slurm's variables in `environ` fill in the node set when
     no rendezvous flag was given."""
     return config_from(build_parser().parse_args(list(argv)), environ)
 
 
 def config_from(ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchConfig:
-    """The LaunchConfig of parsed `spmdrun` arguments (see parse_args)."""
+    """The LaunchConfig of parsed `spmdrun` arguments (see launch_config)."""
     environ = os.environ if environ is None else environ
     kind = EntryKind.MODULE if ns.module else EntryKind.BINARY if ns.no_python else EntryKind.SCRIPT
     if ns.module and ns.no_python:
@@ -182,7 +182,7 @@ def config_from(ns: argparse.Namespace, environ: Mapping[str, str] | None = None
 
 
 def main(argv: Sequence[str] | None = None,
-         parse: Callable[[Sequence[str]], LaunchConfig] = parse_args) -> None:
+         parse: Callable[[Sequence[str]], LaunchConfig] = launch_config) -> None:
     """The `spmdrun` console script: exits with the job's status (0 when every worker succeeded). `parse`
     reads the arguments (spmd.launch passes the legacy launcher's)."""
     from spmd.run.agent import Agent  # after parsing, so `spmdrun --help` and argument errors are instant
