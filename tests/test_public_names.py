@@ -81,6 +81,7 @@ TORCH_PATHS: dict[str, tuple[str, ...]] = {
     "algorithms.ddp_comm_hooks.default_hooks": ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"),
     "algorithms.ddp_comm_hooks.powerSGD_hook": ("PowerSGDState", "powerSGD_hook"),
     "elastic.multiprocessing.errors": ("record", "ChildFailedError"),
+    "run": ("main", "run", "get_args_parser", "parse_args"),
     "elastic.multiprocessing": ("Std", "DefaultLogsSpecs", "LogsSpecs"),
     "elastic.timer": ("expires", "configure", "FileTimerClient", "FileTimerServer", "LocalTimerClient",
                       "LocalTimerServer", "TimerClient", "TimerRequest"),

@@ -25,7 +25,6 @@ from typing import Any
 from spmd.run.cli import parse_endpoint
 from spmd.run.config import DEFAULT_RDZV_PORT, EntryKind, LogsSpecs, RendezvousTimeouts
 from spmd.run.config import LaunchConfig as AgentConfig
-from spmd.run.failure import ChildFailedError, WorkerFailure
 
 __all__ = ["LaunchConfig", "elastic_launch", "launch_agent"]
 
@@ -92,16 +91,8 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable[..., Any] | str | No
             target, kind, argv = _pickle_call(entrypoint, tuple(args), workdir), EntryKind.CALLABLE, ()
         else:
             target, kind, argv = str(entrypoint), EntryKind.BINARY, tuple(str(a) for a in args)
-        agent_config = _agent_config(config, target, kind, argv)
-        agent = Agent(agent_config)
-        status = agent.run()
-        outcome = agent.outcome
-        if status != 0:
-            failures = [WorkerFailure.from_json(f) for f in (outcome.failures if outcome is not None else [])]
-            message = outcome.message if outcome is not None else "the agent stopped"
-            if failures:
-                raise ChildFailedError(failures, f"elastic_launch run {agent_config.rdzv_id}; {message}")
-            raise RuntimeError(f"spmd.launcher.api: run {agent_config.rdzv_id} failed: {message}")
+        agent = Agent(_agent_config(config, target, kind, argv))
+        agent.raise_if_failed(agent.run(), "elastic_launch")
         ranks = sorted(agent.last_ranks)
         if kind is not EntryKind.CALLABLE:
             return dict.fromkeys(ranks)

@@ -1,4 +1,5 @@
-"""The launcher: `spmdrun` / `python -m spmd.run` (one agent per node) and `spawn` for launching from Python.
+"""The launcher: `spmdrun` / `python -m spmd.run` (one agent per node), `spawn` for launching from Python, and
+torch.distributed.run's `main` / `run` / `get_args_parser` / `parse_args` (spmd.run.torchrun).
 
 Layer: run (L5). Imports only spmd._core and spmd.comm (stores), never tensor or parallel code, so the launcher
 starts fast. See spmd.run.agent for the agent, spmd.run.rendezvous for how nodes agree on rounds.
@@ -13,8 +14,9 @@ from spmd.run.failure import (
     WorkerFailure,
 )
 from spmd.run.spawn import SpawnContext, spawn
+from spmd.run.torchrun import get_args_parser, main, parse_args, run
 
 __all__ = [
     "ChildFailedError", "LaunchConfig", "ProcessException", "ProcessExitedException", "ProcessRaisedException",
-    "SpawnContext", "WorkerFailure", "spawn",
+    "SpawnContext", "WorkerFailure", "get_args_parser", "main", "parse_args", "run", "spawn",
 ]

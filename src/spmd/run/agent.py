@@ -32,7 +32,7 @@ from spmd.comm.store.base import HashStore, Store
 from spmd.comm.transports.shm.names import remove_orphan_segments
 from spmd.comm.transports.tcp.address import AddressChoice, choose_address
 from spmd.run.config import EntryKind, LaunchConfig, Std
-from spmd.run.failure import WorkerFailure, format_summary, root_cause
+from spmd.run.failure import ChildFailedError, WorkerFailure, format_summary, root_cause
 from spmd.run.process import Console, Watchdog, WorkerGroup, WorkerSpec
 from spmd.run.rendezvous import Coordinator, Heartbeat, NodeInfo, Outcome, RendezvousClient, Round
 from spmd.run.timer import FileTimerRequest, FileTimerServer
@@ -171,6 +171,18 @@ class Agent:
             self._shut_down()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+    def raise_if_failed(self, status: int, what: str) -> None:
+        """For launches from Python: nothing if `status` (run()'s) is 0, else ChildFailedError naming the workers
+        that failed, or RuntimeError with the agent's reason when none did (a lost rendezvous, a signal)."""
+        if status == 0:
+            return
+        outcome = self.outcome
+        failures = [WorkerFailure.from_json(f) for f in (outcome.failures if outcome is not None else [])]
+        message = outcome.message if outcome is not None else "the agent stopped"
+        if failures:
+            raise ChildFailedError(failures, f"{what} run {self.config.rdzv_id}; {message}")
+        raise RuntimeError(f"{what}: run {self.config.rdzv_id} failed: {message}")
 
     def _on_signal(self, signum: int, frame: types.FrameType | None) -> None:
         if self._raise_on_signal:  # once: later signals let the stop that is already running finish

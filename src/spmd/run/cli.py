@@ -181,6 +181,13 @@ def config_from(ns: argparse.Namespace, environ: Mapping[str, str] | None = None
         omp_num_threads=1 if nproc > 1 else None, **extra)
 
 
+def check_entrypoint(config: LaunchConfig) -> None:
+    """ValueError, before anything starts, if the training script to run does not exist."""
+    if config.kind is EntryKind.SCRIPT and not os.path.isfile(config.entrypoint):
+        raise ValueError(f"spmdrun: the training script {config.entrypoint!r} does not exist (working "
+                         f"directory {os.getcwd()}); use -m for a module or --no-python for a program")
+
+
 def main(argv: Sequence[str] | None = None,
          parse: Callable[[Sequence[str]], LaunchConfig] = launch_config) -> None:
     """The `spmdrun` console script: exits with the job's status (0 when every worker succeeded). `parse`
@@ -189,9 +196,7 @@ def main(argv: Sequence[str] | None = None,
 
     try:
         config = parse(sys.argv[1:] if argv is None else argv)
-        if config.kind is EntryKind.SCRIPT and not os.path.isfile(config.entrypoint):
-            raise ValueError(f"spmdrun: the training script {config.entrypoint!r} does not exist (working "
-                             f"directory {os.getcwd()}); use -m for a module or --no-python for a program")
+        check_entrypoint(config)
     except ValueError as error:
         print(error, file=sys.stderr)
         raise SystemExit(2) from None
