@@ -14,7 +14,7 @@ import torch
 import spmd.checkpoint as dcp
 from spmd.checkpoint.metadata import METADATA_FILE
 from spmd.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager, StagingOptions
-from spmd.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from spmd.checkpoint.state_dict_saver import AsyncSaveResponse
 from spmd.device_mesh import init_device_mesh
 from spmd.tensor import Shard, distribute_tensor
 from spmd.testing import run_ranks
@@ -104,15 +104,12 @@ def test_a_users_stager_stages_the_state_dict_itself(tmp_path, background: bool)
         assert got == ([0.0, 2.0, 4.0, 6.0, 8.0, 10.0], 7) and synchronized == (0 if background else 1)
 
 
-def test_errors_reach_both_futures_and_a_process_checkpointer_is_refused(tmp_path) -> None:
+def test_errors_reach_both_futures(tmp_path) -> None:
     response = dcp.async_save({"bad": object()}, checkpoint_id=str(tmp_path / "e"), async_stager=DefaultStager(),
                               no_dist=True)
     for future in (response.staging_completion, response.upload_completion):
         with pytest.raises(Exception, match="bad"):
             future.result(timeout=TIMEOUT)
-    with pytest.raises(ValueError, match=r"AsyncCheckpointerType\.PROCESS is not served"):
-        dcp.async_save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "f"), no_dist=True,
-                       async_checkpointer_type=AsyncCheckpointerType.PROCESS)
     assert not (tmp_path / "e" / METADATA_FILE).exists()
 
 

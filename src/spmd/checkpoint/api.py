@@ -84,6 +84,7 @@ from spmd.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from spmd.checkpoint.save_process import CheckpointProcess
 from spmd.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager
 from spmd.checkpoint.storage import (
     BoxWrite,
@@ -158,7 +159,8 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
 
 
 class AsyncCheckpointerType(enum.Enum):
-    """Where async_save writes: on a thread (spmd's, and torch's default) or in a process (torch's; not served)."""
+    """Where async_save writes: on a thread (the default) or in a daemon process of this rank's (see Note: the
+    checkpoint process in save_process.py), out of the training process's way."""
 
     THREAD = "thread"
     PROCESS = "process"
@@ -189,13 +191,14 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
     With a stager that stages in the background (DefaultStager(), or a stager of the user's whose stage returns
     a Future), it returns at once an AsyncSaveResponse: wait for its staging_completion before changing the
     tensors (the optimizer step), and for its upload_completion for the checkpoint.
+
+    `async_checkpointer_type=AsyncCheckpointerType.PROCESS`: the writing runs in a daemon process of this rank's
+    instead of a thread (see Note: the checkpoint process in save_process.py); the writer must be picklable.
     """
-    if async_checkpointer_type is not AsyncCheckpointerType.THREAD:
-        raise ValueError("async_save: AsyncCheckpointerType.PROCESS is not served: spmd writes on a thread (the "
-                         "file writes release the GIL); leave async_checkpointer_type at THREAD")
     writer = _writer(checkpoint_id, storage_writer)
     group = _group(process_group, no_dist)
     saver = _AsyncSaver.of(group)
+    saver.in_process = AsyncCheckpointerType(async_checkpointer_type) is AsyncCheckpointerType.PROCESS
     pin_memory, staged_by_user = True, False
     if isinstance(async_stager, DefaultStager):
         pin_memory = async_stager.config.use_pinned_memory
@@ -217,7 +220,7 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
 
     def run() -> None:
         try:
-            future.set_result(_write_and_commit(plan, writer, saver.group))
+            future.set_result(saver.write(plan, writer))
         except BaseException as error:     # the caller sees it through the future
             future.set_exception(error)
 
@@ -247,7 +250,7 @@ def _save_staging_in_background(state_dict: dict[str, Any] | concurrent.futures.
             if stager is None:
                 plan.writes = saver.stage(plan.writes, pin_memory)
             staging.set_result(None)
-            upload.set_result(_write_and_commit(plan, writer, saver.group))
+            upload.set_result(saver.write(plan, writer))
         except BaseException as error:     # the caller sees it through the futures
             if not staging.done():
                 staging.set_exception(error)
@@ -263,12 +266,24 @@ _SAVERS_LOCK = threading.Lock()
 class _AsyncSaver:
     """What async saves of one rank keep: the group their background exchanges run on (made, collectively, at
     the first one, so they never interleave with the training's collectives), the host buffers they stage into,
-    and the save still writing from those buffers."""
+    the save still writing from those buffers, and where the current save writes (on its thread, or through
+    the checkpoint process, started by the group's first save there)."""
 
     def __init__(self, group: ProcessGroup | None) -> None:
         self.group = group
         self.buffers: dict[str, Tensor] = {}
         self.writing: concurrent.futures.Future[Metadata] | None = None
+        self.in_process = False
+        self._process: CheckpointProcess | None = None
+
+    def write(self, plan: _SavePlan, writer: StorageWriter) -> Metadata:
+        """Steps 3-6 of the save protocol for `plan`, on the calling (background) thread or in the checkpoint
+        process. Collective over the group; every rank of it chose the same way."""
+        if not self.in_process:
+            return _write_and_commit(plan, writer, self.group)
+        if self._process is None:
+            self._process = CheckpointProcess(self.group)
+        return self._process.write(plan, writer)
 
     @classmethod
     def of(cls, group: ProcessGroup | None) -> _AsyncSaver:
