@@ -28,7 +28,9 @@ shards, 1e9 bytes a GB) / that time; medians over --repeats repetitions, the spm
     its clean pages without root, or with --drop-caches the whole machine's clean page cache through
     /proc/sys/vm/drop_caches, root only) and warm (the same load again: its files now all in the page cache).
   - async_save: blocked = how long dcp.async_save(...) takes to return (the time training would be held), total
-    = until its future's .result() returns plus the same fsync pass as save (nothing else runs meanwhile).
+    = until its future's .result() returns plus the same fsync pass as save (nothing else runs meanwhile); with
+    --checkpointer process both libraries write in their checkpoint processes (AsyncCheckpointerType.PROCESS),
+    spawned by the first repetition's save, which so takes seconds longer (the medians leave it out).
   - disk: each rank writes a file as large as its shard of the state with 16 MiB os.write calls from a random
     buffer, then fsyncs it, both ranks at once (as the ranks save), and rank 0 alone; each rank then reads its
     file back with 16 MiB readinto calls, cold (evicted as above) and warm.
@@ -47,6 +49,7 @@ deleted at its end and the whole temporary directory at exit.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import pathlib
 import shutil
@@ -193,6 +196,8 @@ class _Side:
         self.bytes = sum(t.numel() * t.element_size() for t in self.local)
         self.written = self.bytes // world_size if args.layout == "ddp" else self.bytes   # its share of the state
         self.planner = self.dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=args.dedup_save_to_lowest_rank)
+        saver = importlib.import_module(f"{self.dcp.__name__}.state_dict_saver")
+        self.checkpointer = saver.AsyncCheckpointerType[args.checkpointer.upper()]
         with torch.no_grad():
             self.sums = torch.stack([t.double().sum() for t in self.local])
 
@@ -227,7 +232,8 @@ class _Side:
         """Seconds async_save blocked, and until its future completed and the checkpoint was fsynced."""
         self.barrier()
         start = time.perf_counter()
-        future = self.dcp.async_save(self.state, checkpoint_id=directory, planner=self.planner)
+        future = self.dcp.async_save(self.state, checkpoint_id=directory, planner=self.planner,
+                                     async_checkpointer_type=self.checkpointer)
         blocked = time.perf_counter() - start
         future.result()
         _fsync_tree(directory)
@@ -388,6 +394,9 @@ def main() -> None:
                         help="both libraries' DefaultSavePlanner(dedup_save_to_lowest_rank=True): with --layout ddp, "
                              "rank 0 writes the whole state")
     parser.add_argument("--train-steps", type=int, default=2, help="AdamW steps before the state is saved")
+    parser.add_argument("--checkpointer", choices=["thread", "process"], default="thread",
+                        help="where both libraries' async_save writes (AsyncCheckpointerType): the first save "
+                             "with 'process' includes spawning the checkpoint processes")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary checkpoint directory goes")
     parser.add_argument("--impls", type=lambda s: s.split(","), default=["spmd", "torch"],
                         help="comma-separated, from spmd,torch")

@@ -47,6 +47,7 @@ import enum
 import gc
 import io
 import json
+import math
 import os
 import secrets
 import threading
@@ -275,6 +276,7 @@ class _AsyncSaver:
         self.writing: concurrent.futures.Future[Metadata] | None = None
         self.in_process = False
         self._process: CheckpointProcess | None = None
+        self._layout: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None   # of `buffers`
 
     def write(self, plan: _SavePlan, writer: StorageWriter) -> Metadata:
         """Steps 3-6 of the save protocol for `plan`, on the calling (background) thread or in the checkpoint
@@ -302,21 +304,36 @@ class _AsyncSaver:
         return saver
 
     def stage(self, writes: dict[str, BoxWrite], pin_memory: bool) -> dict[str, BoxWrite]:
-        """`writes` with their data copied into this saver's host buffers (allocated at the first save, or when
-        a tensor's shape or dtype changed; page-locked for accelerator tensors with `pin_memory`). The save
-        that wrote from them must have finished."""
-        kept, staged = {}, {}
+        """`writes` with their data copied into this saver's host buffers: views of one flat buffer per dtype
+        (allocated at the first save, or when the boxes' keys, shapes or dtypes changed; page-locked for
+        accelerator tensors with `pin_memory`), so the checkpoint process receives one shared storage per
+        dtype, not one per tensor. The save that wrote from them must have finished."""
+        layout = [(key, item.data.dtype, tuple(item.data.shape)) for key, item in writes.items()]
+        if layout != self._layout:
+            self.buffers = _flat_buffers(layout, pin_memory and any(
+                item.data.device.type == "cuda" for item in writes.values()))
+            self._layout = layout
+        staged = {}
         for key, item in writes.items():
-            data = item.data.detach()
-            buffer = self.buffers.get(key)
-            if buffer is None or buffer.shape != data.shape or buffer.dtype != data.dtype:
-                buffer = torch.empty(data.shape, dtype=data.dtype,
-                                     pin_memory=pin_memory and data.device.type == "cuda")
-            buffer.copy_(data)
-            kept[key] = buffer
+            buffer = self.buffers[key]
+            buffer.copy_(item.data.detach())
             staged[key] = dataclasses.replace(item, data=buffer)
-        self.buffers = kept
         return staged
+
+
+def _flat_buffers(layout: list[tuple[str, torch.dtype, tuple[int, ...]]], pin_memory: bool) -> dict[str, Tensor]:
+    """A host buffer shaped like each box of `layout`: views of one flat tensor per dtype."""
+    sizes: dict[torch.dtype, int] = {}
+    for _, dtype, shape in layout:
+        sizes[dtype] = sizes.get(dtype, 0) + math.prod(shape)
+    flat = {dtype: torch.empty(size, dtype=dtype, pin_memory=pin_memory) for dtype, size in sizes.items()}
+    offsets = dict.fromkeys(sizes, 0)
+    buffers = {}
+    for key, dtype, shape in layout:
+        start = offsets[dtype]
+        offsets[dtype] = start + math.prod(shape)
+        buffers[key] = flat[dtype][start:offsets[dtype]].view(shape)
+    return buffers
 
 
 _SAVERS: weakref.WeakKeyDictionary[ProcessGroup, _AsyncSaver] = weakref.WeakKeyDictionary()   # group -> its saver
