@@ -10,6 +10,7 @@ import gc
 import json
 import os
 import sys
+import traceback
 from typing import Any
 
 import pytest
@@ -255,20 +256,23 @@ def test_a_rank_failing_mid_save_fails_every_rank_and_leaves_the_last_checkpoint
     path = str(tmp_path / "ckpt")
     mesh_shape = (2,)
 
-    def body(rank: int, world_size: int) -> str:
+    def body(rank: int, world_size: int) -> tuple[str, dict]:
         mesh = init_device_mesh("cpu", mesh_shape)
         dcp.save({"w": distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])}, checkpoint_id=path)
-        with pytest.raises(CheckpointError) as raised:
+        with pytest.raises(dcp.CheckpointException) as raised:     # torch's name for it
             dcp.save({"w": distribute_tensor(torch.zeros(8), mesh, [Shard(0)])},
                      storage_writer=_FailingWriter(path))
         target = distribute_tensor(torch.full((8,), -1.0), mesh, [Shard(0)])
         dcp.load({"w": target}, checkpoint_id=path)
         assert torch.equal(target.full_tensor(), torch.arange(8.0))      # the first save, whole
-        return str(raised.value)
+        return str(raised.value), raised.value.failures
 
-    for message in run_ranks(body, world_size=2, timeout=TIMEOUT):
+    for message, failures in run_ranks(body, world_size=2, timeout=TIMEOUT):
         assert "rank 1 could not write its data file: OSError: [Errno 28] No space left on device" in message
         assert "no checkpoint was written" in message
+        assert list(failures) == [1]                                    # by group rank, as torch's failures
+        error, trace = failures[1]
+        assert "No space left on device" in str(error) and isinstance(trace, traceback.StackSummary)
 
 
 def test_saving_over_a_checkpoint_replaces_it_and_removes_its_files(saved: str) -> None:

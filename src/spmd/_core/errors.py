@@ -5,6 +5,8 @@ Layer: core. Callers catch these types; messages carry what was expected, what w
 
 from __future__ import annotations
 
+import traceback
+
 
 class SpmdError(RuntimeError):
     """Base of every error spmd raises on purpose (a RuntimeError, as torch.distributed's are).
@@ -68,7 +70,17 @@ class GroupAbortedError(CommError):
 
 class CheckpointError(SpmdError):
     """A checkpoint can't be written or read: incomplete, corrupted, from a newer format version, or not matching
-    the state it is loaded into."""
+    the state it is loaded into. torch's CheckpointException: `failures` maps each group rank whose failure made a
+    collective save fail to (its error, an empty traceback: the text crossed ranks, not the frames); it is empty
+    for an error this rank found by itself."""
+
+    def __init__(self, message: str, failures: dict[int, tuple[BaseException, traceback.StackSummary]] | None = None
+                 ) -> None:
+        super().__init__(message)
+        self.failures = failures or {}
+
+    def __reduce__(self) -> tuple:      # the checkpoint process sends it as text; keep it picklable regardless
+        return type(self), (str(self), self.failures)
 
 
 def abort_text(error: BaseException, me: str) -> str:

@@ -7,7 +7,7 @@ plain, DDP, FSDP2, tensor-parallel and pipeline-stage models.
 """
 
 from spmd._core.errors import CheckpointError
-from spmd.checkpoint.api import Stateful, async_save, load, load_state_dict, save, save_state_dict
+from spmd.checkpoint.api import CheckpointException, Stateful, async_save, load, load_state_dict, save, save_state_dict
 from spmd.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from spmd.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from spmd.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, TensorStorageMetadata
@@ -17,9 +17,10 @@ from spmd.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageRead
 from spmd.checkpoint.storage import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
 
 __all__ = [
-    "BytesStorageMetadata", "CheckpointError", "ChunkStorageMetadata", "DefaultLoadPlanner", "DefaultSavePlanner",
-    "FileSystemReader", "FileSystemWriter", "HuggingFaceStorageReader", "HuggingFaceStorageWriter", "LoadPlan",
-    "LoadPlanner", "Metadata", "QuantizedHuggingFaceStorageReader", "ReadItem", "SavePlan", "SavePlanner",
-    "Stateful", "StorageReader", "StorageWriter", "TensorStorageMetadata", "WriteItem", "async_save", "load",
-    "load_sharded_optimizer_state_dict", "load_state_dict", "save", "save_state_dict",
+    "BytesStorageMetadata", "CheckpointError", "CheckpointException", "ChunkStorageMetadata", "DefaultLoadPlanner",
+    "DefaultSavePlanner", "FileSystemReader", "FileSystemWriter", "HuggingFaceStorageReader",
+    "HuggingFaceStorageWriter", "LoadPlan", "LoadPlanner", "Metadata", "QuantizedHuggingFaceStorageReader",
+    "ReadItem", "SavePlan", "SavePlanner", "Stateful", "StorageReader", "StorageWriter", "TensorStorageMetadata",
+    "WriteItem", "async_save", "load", "load_sharded_optimizer_state_dict", "load_state_dict", "save",
+    "save_state_dict",
 ]

@@ -51,6 +51,7 @@ import math
 import os
 import secrets
 import threading
+import traceback
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -368,8 +369,17 @@ def _exchange(group: ProcessGroup | None, mine: dict[str, Any]) -> list[dict[str
     return [json.loads(part) for part in all_gather_bytes(data, group=group)]
 
 
-def _failed(save_id: str, error: str) -> CheckpointError:
-    return CheckpointError(f"save {save_id} failed: {error}; no checkpoint was written")
+CheckpointException = CheckpointError     # torch's name (torch.distributed.checkpoint.api)
+
+def _failed(save_id: str, errors: dict[int, str]) -> CheckpointError:
+    """The save's error, naming the first failing group rank's reason; `failures` holds every one's (torch's
+    CheckpointException.failures)."""
+    failures = {rank: (CheckpointError(error), traceback.StackSummary()) for rank, error in sorted(errors.items())}
+    return CheckpointError(f"save {save_id} failed: {errors[min(errors)]}; no checkpoint was written", failures)
+
+
+def _errors_by_rank(reports: list[dict[str, Any]]) -> dict[int, str]:
+    return {rank: report["error"] for rank, report in enumerate(reports) if report["error"]}
 
 
 def _plan(state_dict: Mapping[str, Any], group: ProcessGroup | None, planner: SavePlanner | None,
@@ -390,9 +400,9 @@ def _plan(state_dict: Mapping[str, Any], group: ProcessGroup | None, planner: Sa
         error = f"rank {rank}'s {type(planner).__name__} could not plan: {type(failure).__name__}: {failure}"
     described = _exchange(group, {"id": secrets.token_hex(8), "plan": local, "error": error})
     save_id = described[0]["id"]
-    errors = [report["error"] for report in described if report["error"]]
+    errors = _errors_by_rank(described)
     if errors:
-        raise _failed(save_id, errors[0])
+        raise _failed(save_id, errors)
     assert proposed is not None
     decided: dict[str, Any] = {"plans": None, "error": None}
     metadata, final = None, None
@@ -413,7 +423,7 @@ def _plan(state_dict: Mapping[str, Any], group: ProcessGroup | None, planner: Sa
             decided["error"] = f"rank 0's {maker} could not make the global plan: {type(failure).__name__}: {failure}"
     decided = _exchange(group, decided)[0] if group is not None else decided
     if decided["error"]:
-        raise _failed(save_id, decided["error"])
+        raise _failed(save_id, {0: decided["error"]})
     if final is None:
         final = _decode_decided(json.loads(decided["plans"][rank]), proposed)
     plan = _SavePlan(group, rank, save_id, {}, {}, {}, metadata, final.storage_data, None)
@@ -514,9 +524,9 @@ def _write_and_commit(plan: _SavePlan, writer: StorageWriter, group: ProcessGrou
         report["error"] = f"rank {plan.rank} could not write its data file: {type(error).__name__}: {error}"
     reports = _exchange(group, report)
     every_result = _gather_results(group, results) if torch_protocol else []
-    outcome: dict[str, Any] = {"error": next((r["error"] for r in reports if r["error"]), None), "metadata": None}
+    outcome: dict[str, Any] = {"errors": _errors_by_rank(reports), "metadata": None}
     metadata = None
-    if plan.rank == 0 and outcome["error"] is None:
+    if plan.rank == 0 and not outcome["errors"]:
         try:
             assert plan.metadata is not None     # the coordinator's, from step 2
             metadata = _metadata(plan.metadata, plan.save_id, reports)
@@ -526,10 +536,10 @@ def _write_and_commit(plan: _SavePlan, writer: StorageWriter, group: ProcessGrou
                 metadata = writer.finish(metadata, plan.storage_data)
             outcome["metadata"] = metadata.to_json().decode()
         except Exception as error:
-            outcome["error"] = f"rank 0 could not commit the checkpoint: {type(error).__name__}: {error}"
+            outcome["errors"] = {0: f"rank 0 could not commit the checkpoint: {type(error).__name__}: {error}"}
     final = _exchange(group, outcome)[0] if group is not None else outcome
-    if final["error"] is not None:
-        raise _failed(plan.save_id, final["error"])
+    if final["errors"]:          # JSON's keys are strings
+        raise _failed(plan.save_id, {int(rank): error for rank, error in final["errors"].items()})
     return metadata if plan.rank == 0 else Metadata.from_json(final["metadata"].encode(), f"save {plan.save_id}")
 
 

@@ -14,7 +14,7 @@ towards MASTER_ADDR). A process saving alone (no_dist) gets a daemon that joins 
 staged in the training process as on a thread (api.py, Note: the save protocol, steps 1-2); then the plan, its
 staged boxes and the storage writer go to the daemon over the pipe (torch's multiprocessing moves a staging
 buffer into shared memory the first time, and later saves send the same pages again), and the daemon writes
-and commits with the other daemons (steps 3-6) and answers with the metadata or the error's text. The writer
+and commits with the other daemons (steps 3-6) and answers with the metadata or the error. The writer
 must be picklable, as for torch's process checkpointer. A daemon that dies fails its rank's save (its peers'
 exchanges fail naming it); the training process goes on, and the next PROCESS save of the group fails at
 once, saying so.
@@ -94,7 +94,7 @@ class CheckpointProcess:
         except (EOFError, ConnectionError):
             raise self._dead() from None
         if status == "error":
-            raise CheckpointError(body)
+            raise body if isinstance(body, CheckpointError) else CheckpointError(body)
         return body
 
     def _dead(self) -> CheckpointError:
@@ -174,7 +174,7 @@ def _write_saves(pipe: Connection, rank: int, group: Any, write_and_commit: Any)
         _, plan, writer = message
         try:
             pipe.send(("ok", write_and_commit(plan, writer, group)))
-        except Exception as error:
-            pipe.send(("error", str(error) if isinstance(error, CheckpointError)
+        except Exception as error:       # a CheckpointError as itself (its failures by rank), others as text
+            pipe.send(("error", error if isinstance(error, CheckpointError)
                        else f"rank {rank}'s checkpoint process: {type(error).__name__}: {error}"))
         del plan, writer, message
