@@ -90,6 +90,8 @@ TORCH_PATHS: dict[str, tuple[str, ...]] = {
     "elastic.timer.api": ("expires", "configure", "TimerClient", "TimerServer", "RequestQueue"),
     "checkpoint": ("save", "load", "async_save", "FileSystemWriter", "FileSystemReader", "CheckpointException"),
     "checkpoint.api": ("CheckpointException",),
+    "checkpoint.format_utils": ("dcp_to_torch_save", "torch_save_to_dcp", "BroadcastingTorchSaveReader",
+                                "DynamicMetaLoadPlanner"),
     "checkpoint.state_dict": ("get_state_dict", "set_state_dict", "get_model_state_dict", "StateDictOptions"),
     "checkpoint.stateful": ("Stateful",),
     "pipelining": ("PipelineStage", "ScheduleGPipe", "Schedule1F1B"),
