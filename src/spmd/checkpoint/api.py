@@ -200,18 +200,18 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
     writer = _writer(checkpoint_id, storage_writer)
     group = _group(process_group, no_dist)
     saver = _AsyncSaver.of(group)
-    saver.in_process = AsyncCheckpointerType(async_checkpointer_type) is AsyncCheckpointerType.PROCESS
+    checkpointer = AsyncCheckpointerType(async_checkpointer_type)
     pin_memory, staged_by_user = True, False
     if isinstance(async_stager, DefaultStager):
         pin_memory = async_stager.config.use_pinned_memory
         if async_stager.config.use_async_staging:
             return _save_staging_in_background(_resolved(state_dict), writer, saver, None, pin_memory, planner,
-                                               checkpoint_id)
+                                               checkpoint_id, checkpointer)
     elif async_stager is not None and not isinstance(async_stager, BlockingAsyncStager):
         staged = async_stager.stage(_resolved(state_dict))
         if isinstance(staged, concurrent.futures.Future):
             return _save_staging_in_background(staged, writer, saver, async_stager, pin_memory, planner,
-                                               checkpoint_id)
+                                               checkpoint_id, checkpointer)
         state_dict, staged_by_user = staged, True
     plan = _plan(state_dict, group, planner, writer, checkpoint_id)
     if saver.writing is not None:
@@ -222,7 +222,7 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
 
     def run() -> None:
         try:
-            future.set_result(saver.write(plan, writer))
+            future.set_result(saver.write(plan, writer, checkpointer))
         except BaseException as error:     # the caller sees it through the future
             future.set_exception(error)
 
@@ -236,7 +236,8 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
 def _save_staging_in_background(state_dict: dict[str, Any] | concurrent.futures.Future[dict[str, Any]],
                                 writer: StorageWriter, saver: _AsyncSaver, stager: AsyncStager | None,
                                 pin_memory: bool, planner: SavePlanner | None,
-                                checkpoint_id: str | os.PathLike[str] | None) -> AsyncSaveResponse:
+                                checkpoint_id: str | os.PathLike[str] | None,
+                                checkpointer: AsyncCheckpointerType) -> AsyncSaveResponse:
     """async_save with every step on the saver's thread and group: wait for the previous save, plan, stage
     (into the saver's buffers, unless `stager` staged `state_dict` itself), write and commit."""
     staging: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -252,7 +253,7 @@ def _save_staging_in_background(state_dict: dict[str, Any] | concurrent.futures.
             if stager is None:
                 plan.writes = saver.stage(plan.writes, pin_memory)
             staging.set_result(None)
-            upload.set_result(saver.write(plan, writer))
+            upload.set_result(saver.write(plan, writer, checkpointer))
         except BaseException as error:     # the caller sees it through the futures
             if not staging.done():
                 staging.set_exception(error)
@@ -268,21 +269,20 @@ _SAVERS_LOCK = threading.Lock()
 class _AsyncSaver:
     """What async saves of one rank keep: the group their background exchanges run on (made, collectively, at
     the first one, so they never interleave with the training's collectives), the host buffers they stage into,
-    the save still writing from those buffers, and where the current save writes (on its thread, or through
-    the checkpoint process, started by the group's first save there)."""
+    the save still writing from those buffers, and the checkpoint process (started by the group's first save
+    that writes there)."""
 
     def __init__(self, group: ProcessGroup | None) -> None:
         self.group = group
         self.buffers: dict[str, Tensor] = {}
         self.writing: concurrent.futures.Future[Metadata] | None = None
-        self.in_process = False
         self._process: CheckpointProcess | None = None
         self._layout: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None   # of `buffers`
 
-    def write(self, plan: _SavePlan, writer: StorageWriter) -> Metadata:
+    def write(self, plan: _SavePlan, writer: StorageWriter, checkpointer: AsyncCheckpointerType) -> Metadata:
         """Steps 3-6 of the save protocol for `plan`, on the calling (background) thread or in the checkpoint
-        process. Collective over the group; every rank of it chose the same way."""
-        if not self.in_process:
+        process, as that save's caller chose. Collective over the group; every rank of it chose the same way."""
+        if checkpointer is AsyncCheckpointerType.THREAD:
             return _write_and_commit(plan, writer, self.group)
         if self._process is None:
             self._process = CheckpointProcess(self.group)

@@ -19,6 +19,7 @@ would average different shards.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from spmd.comm.group import ProcessGroup
@@ -38,7 +39,8 @@ def local_grad(param: nn.Parameter) -> Tensor | None:
     if not isinstance(grad, DTensor) or not isinstance(param, DTensor):
         return grad
     if grad._local_tensor.shape != param._local_tensor.shape:
-        grad = grad.redistribute(param.device_mesh, param.placements)
+        with torch.no_grad():
+            grad = grad.redistribute(param.device_mesh, param.placements)
         param.grad = grad
     return grad._local_tensor
 
