@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 from spmd.device_mesh import DeviceMesh
 from spmd.tensor import DTensor, Partial, Placement, Replicate, Shard, redistribute
@@ -155,6 +156,21 @@ def test_foreach_step_reduces_a_partial_gradient_once_in_place(monkeypatch: pyte
         torch.testing.assert_close(param.grad.full_tensor(), GRADS[0][0])
     on_meshes(body, [(2,)])
     assert sorted(calls) == ["spmd-rank0", "spmd-rank1"]      # one all-reduce per rank
+
+
+def test_optimizers_default_to_foreach_for_dtensors_where_they_do_for_plain_tensors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's optimizers choose foreach by default on accelerators, for the tensor types they list (torch's
+    DTensor among them): spmd's DTensor is listed too, so a CUDA run steps its parameters one dispatch per op,
+    not one per parameter per op. Checked on CPU by counting it as a foreach device."""
+    monkeypatch.setattr(torch_optimizer, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
+
+    def body(mesh: DeviceMesh) -> None:
+        plain = torch.nn.Parameter(INIT[0].clone())
+        param = torch.nn.Parameter(make_dtensor(INIT[0], mesh, [Shard(0)]))
+        assert torch_optimizer._default_to_fused_or_foreach([plain], False) == (False, True)
+        assert torch_optimizer._default_to_fused_or_foreach([param, plain], False) == (False, True)
+    on_meshes(body, [(2,)])
 
 
 @pytest.mark.parametrize("foreach", [True, False])

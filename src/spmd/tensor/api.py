@@ -40,6 +40,7 @@ import torch.utils._foreach_utils
 from torch import Tensor, nn
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch._ops import OpOverload
+from torch.optim.optimizer import _foreach_supported_types as _optimizer_foreach_types
 
 from spmd.comm.collectives import broadcast
 from spmd.device_mesh import DeviceMesh
@@ -210,11 +211,13 @@ class DTensor(torch.Tensor):
         return replicated.to_local(grad_placements=grad_placements)
 
 
-# torch's optimizers and clip_grad_norm_ take their fast multi-tensor (foreach) path only for the tensor types
-# listed here, as torch's own DTensor is; spmd's DTensor has foreach rules (ops/foreach.py), one dispatch per op
-# for the whole parameter list instead of one per parameter.
-if DTensor not in torch.utils._foreach_utils._foreach_supported_types:
-    torch.utils._foreach_utils._foreach_supported_types.append(DTensor)
+# torch's optimizers (torch.optim.optimizer's list: their default foreach on accelerators) and clip_grad_norm_
+# (torch.utils._foreach_utils's) take their fast multi-tensor (foreach) path only for the tensor types listed, as
+# torch's own DTensor is in both; spmd's DTensor has foreach rules (ops/foreach.py), one dispatch per op for the
+# whole parameter list instead of one per parameter.
+for _supported in (torch.utils._foreach_utils._foreach_supported_types, _optimizer_foreach_types):
+    if DTensor not in _supported:
+        _supported.append(DTensor)
 
 
 _dispatch_under_compile = eager_under_compile(dispatch)   # DTensor.__torch_dispatch__ checks first: no wrapper
