@@ -31,16 +31,20 @@ _GROUP_REGISTRY: weakref.WeakKeyDictionary[World, dict[tuple[tuple[int, ...], st
 def _group_for(ranks: tuple[int, ...], world: World, backend: str | None = None) -> AnyGroup:
     """The group of `ranks` (on `backend`, or the world's), created on first use. Collective over the world
     (see Note: mesh groups...)."""
-    registry = _GROUP_REGISTRY.setdefault(world, {})
-    group = registry.get((ranks, backend))
+    group = _existing_group(ranks, world, backend)
     if group is None:
-        if ranks == tuple(range(world.world_size)) and backend is None:
-            group = world.default_group
-        else:
-            group = new_group(list(ranks), backend=backend)
-            if not isinstance(group, NonMemberGroup) and list(group.ranks) != list(ranks):
-                raise ValueError(f"DeviceMesh: a mesh row must list ranks in ascending order; got {list(ranks)}")
-        registry[(ranks, backend)] = group
+        group = new_group(list(ranks), backend=backend)
+        if not isinstance(group, NonMemberGroup) and list(group.ranks) != list(ranks):
+            raise ValueError(f"DeviceMesh: a mesh row must list ranks in ascending order; got {list(ranks)}")
+        _GROUP_REGISTRY.setdefault(world, {})[(ranks, backend)] = group
+    return group
+
+
+def _existing_group(ranks: tuple[int, ...], world: World, backend: str | None) -> AnyGroup | None:
+    """The group of `ranks` if this world has it already (the default group for the whole world), else None."""
+    group = _GROUP_REGISTRY.get(world, {}).get((ranks, backend))
+    if group is None and ranks == tuple(range(world.world_size)) and backend is None:
+        group = world.default_group
     return group
 
 
@@ -125,6 +129,11 @@ class DeviceMesh:
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __reduce__(self) -> tuple:
+        """Pickled as its ranks, names and backends; unpickled with the groups its world already has (see
+        _unpickled_mesh), as torch's mesh finds its groups by name."""
+        return _unpickled_mesh, (self.device_type, self.mesh.tolist(), self.mesh_dim_names, self._backends)
 
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, DeviceMesh) and self._key == other._key)
@@ -303,6 +312,35 @@ class DeviceMesh:
             raise ValueError(f"DeviceMesh._concatenate: the meshes' dims {names} must be distinct dims of the root "
                              f"mesh {root}, in its order {root.mesh_dim_names}")
         return root if tuple(names) == root.mesh_dim_names else root[tuple(names)]
+
+
+def _unpickled_mesh(device_type: str, ranks: Any, mesh_dim_names: tuple[str, ...] | None,
+                    backends: tuple[str | None, ...]) -> DeviceMesh:
+    """A DeviceMesh unpickled (torch.load of DTensors) in this rank's world: its groups are the ones the world
+    made for the same rows already, so nothing is collective; a row the world has no group for yet is an error
+    saying to build the mesh first."""
+    if not is_initialized():
+        raise RuntimeError(f"torch.load: a DTensor's DeviceMesh({device_type!r}, {ranks}) needs this rank's spmd "
+                           f"world: call spmd.init_process_group() and build the mesh before loading")
+    world = current_world()
+    mesh = torch.tensor(ranks, dtype=torch.int64)
+    groups: list[AnyGroup] = []
+    for mesh_dim in range(mesh.ndim):
+        row = next((row for row in _rows(mesh, mesh_dim) if world.rank in row), None)
+        if row is None:
+            groups.append(NonMemberGroup(f"mesh_dim{mesh_dim}", [], world.rank))
+            continue
+        group = _existing_group(row, world, backends[mesh_dim])
+        if group is None:
+            raise RuntimeError(f"torch.load: a DTensor's DeviceMesh({device_type!r}, {ranks}"
+                               f"{f', mesh_dim_names={mesh_dim_names}' if mesh_dim_names else ''}) has no process "
+                               f"group for ranks {list(row)} in this world; build the mesh (init_device_mesh) before "
+                               f"loading, on every rank, as before saving")
+        groups.append(group)
+    return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, backend_override=backends, _groups=groups)
+
+
+torch.serialization.add_safe_globals([_unpickled_mesh])   # torch.load(weights_only=True) of DTensors rebuilds meshes
 
 
 def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], *,

@@ -45,7 +45,7 @@ from torch.optim.optimizer import _foreach_supported_types as _optimizer_foreach
 from spmd.comm.collectives import broadcast
 from spmd.device_mesh import DeviceMesh
 from spmd.tensor.dispatch import dispatch
-from spmd.tensor.placement import Partial, Placement, Replicate, Shard, normalize_placements
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard, _StridedShard, normalize_placements
 from spmd.tensor.redistribute import run_plan
 from spmd.tensor.spec import DTensorSpec, Placements, contiguous_stride
 
@@ -124,6 +124,13 @@ class DTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:   # torch passes tensor_contents to subclasses
         return (f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
                 f"placements={list(self._spec.placements)}, shape={tuple(self._spec.shape)})")
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        """Pickled (torch.save of a sharded state dict) as its local tensor, its spec and its attributes (a
+        parameter's flag); torch.load, weights_only included, rebuilds it in the loading rank's world, its mesh's
+        groups found among those the world has (see device_mesh._unpickled_mesh)."""
+        extra = {name: value for name, value in self.__dict__.items() if name not in ("_local_tensor", "_spec")}
+        return _unpickled_dtensor, (self._local_tensor, self._spec, self.requires_grad, extra)
 
     def __deepcopy__(self, memo: dict) -> DTensor:
         """A copy with its own local tensor, sharing the spec (and so the mesh and its process groups)."""
@@ -222,6 +229,17 @@ for _supported in (torch.utils._foreach_utils._foreach_supported_types, _optimiz
 
 _dispatch_under_compile = eager_under_compile(dispatch)   # DTensor.__torch_dispatch__ checks first: no wrapper
 _CHECKING_FRAMES = [DTensor.__torch_dispatch__.__func__.__code__]   # asking as eager_under_compile's wrapper does
+
+
+def _unpickled_dtensor(local: Tensor, spec: DTensorSpec, requires_grad: bool, extra: dict[str, Any]) -> DTensor:
+    """A DTensor torch.load rebuilt (see DTensor.__reduce_ex__)."""
+    out = DTensor(local, spec, requires_grad=requires_grad)
+    for name, value in extra.items():
+        setattr(out, name, value)
+    return out
+
+# torch.load(weights_only=True) of a state dict of DTensors (as torch registers its own DTensor's pieces).
+torch.serialization.add_safe_globals([_unpickled_dtensor, DTensorSpec, Shard, _StridedShard, Replicate, Partial])
 
 
 def _from_local_spec(local: Tensor, mesh: DeviceMesh, placements: Placements, shape: Sequence[int] | None,

@@ -49,6 +49,10 @@ class DTensorSpec:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self) -> tuple:
+        """Pickled as its fields: the hash and the caches are this process's."""
+        return DTensorSpec, (self.mesh, self.placements, tuple(self.shape), self.stride, self.dtype)
+
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
