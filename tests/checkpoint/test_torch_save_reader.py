@@ -22,8 +22,7 @@ from spmd.device_mesh import init_device_mesh
 from spmd.fsdp import fully_shard
 from spmd.testing import run_ranks
 from tests.procpool import ProcPool, free_port
-from tests.tensor.parallel.plans import Layout, parallelize
-from tests.tensor.parallel.test_parity import fresh
+from tests.tensor.parallel.test_parity import fresh, fsdp_over_tp
 
 TIMEOUT = 60.0
 
@@ -43,15 +42,6 @@ def _full(state: dict[str, Any]) -> dict[str, Tensor]:
     return {key: value.full_tensor() if hasattr(value, "full_tensor") else value for key, value in state.items()}
 
 
-def _fsdp_over_tp() -> nn.Module:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = parallelize("gpt", fresh("gpt"), mesh["tp"], Layout.TP)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    return model
-
-
 def _load(model: nn.Module, path: pathlib.Path) -> dict[str, Tensor]:
     state = get_model_state_dict(model)
     dcp.load(state, storage_reader=BroadcastingTorchSaveReader(), planner=DynamicMetaLoadPlanner(),
@@ -64,7 +54,7 @@ def _load(model: nn.Module, path: pathlib.Path) -> dict[str, Tensor]:
 def test_a_torch_save_file_loads_into_fsdp_over_tp(tmp_path: pathlib.Path, dtype: torch.dtype) -> None:
     path = tmp_path / "model.pt"
     saved = _saved(path, dtype)
-    for loaded in run_ranks(lambda rank, size: _load(_fsdp_over_tp(), path), 4, timeout=TIMEOUT):
+    for loaded in run_ranks(lambda rank, size: _load(fsdp_over_tp(), path), 4, timeout=TIMEOUT):
         assert loaded.keys() == saved.keys()
         for key, value in saved.items():
             assert torch.equal(loaded[key], value.float()), key
@@ -79,7 +69,7 @@ def test_a_file_that_cannot_fill_the_state_dict_fails_on_every_rank(tmp_path: pa
     torch.save([1, 2], tmp_path / "list.pt")
 
     def body(rank: int, size: int) -> list[str]:
-        model, errors = _fsdp_over_tp(), []
+        model, errors = fsdp_over_tp(), []
         for name in ("short.pt", "reshaped.pt", "list.pt", "missing.pt"):
             with pytest.raises(dcp.CheckpointError) as raised:
                 _load(model, tmp_path / name)

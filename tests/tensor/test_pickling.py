@@ -12,23 +12,12 @@ import pytest
 import torch
 
 from spmd.device_mesh import _unpickled_mesh, init_device_mesh
-from spmd.fsdp import fully_shard
 from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from spmd.tensor.placement import _StridedShard
 from spmd.testing import run_ranks
-from tests.tensor.parallel.plans import Layout, parallelize
-from tests.tensor.parallel.test_parity import batch, fresh, step_loss
+from tests.tensor.parallel.test_parity import batch, fsdp_over_tp, step_loss
 
 TIMEOUT = 60.0
-
-
-def _fsdp_over_tp() -> torch.nn.Module:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = parallelize("gpt", fresh("gpt"), mesh["tp"], Layout.TP)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    return model
 
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> float:
@@ -40,13 +29,13 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -
 
 def test_a_ranks_state_dicts_saved_with_torch_save_resume_training_bit_exact(tmp_path: pathlib.Path) -> None:
     def body(rank: int, size: int) -> tuple[float, float]:
-        model = _fsdp_over_tp()
+        model = fsdp_over_tp()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         _step(model, optimizer, 0)
         torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, tmp_path / f"rank{rank}.pt")
         expected = _step(model, optimizer, 1)
 
-        resumed = _fsdp_over_tp()
+        resumed = fsdp_over_tp()
         resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
         saved = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         weight = saved["model"]["blocks.0.attn.q.weight"]

@@ -37,6 +37,17 @@ def fresh(kind: str) -> nn.Module:
         return build(kind)
 
 
+def fsdp_over_tp(kind: str = "gpt", layout: Layout = Layout.TP) -> nn.Module:
+    """TorchTitan's 2-D layout on a 2 x 2 (dp, tp) mesh: the plan over mesh["tp"], fully_shard per block and the
+    root over mesh["dp"]. Collective over 4 ranks."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize(kind, fresh(kind), mesh["tp"], layout)
+    for block in model.blocks if kind == "gpt" else model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
 def full(value: Tensor) -> Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
@@ -143,11 +154,8 @@ def test_fsdp_over_tensor_parallel_on_a_2x2_mesh_matches_one_process(kind: str, 
     """TorchTitan's composition: parallelize_module on mesh["tp"], then fully_shard every block and the root on
     mesh["dp"]; each dp rank trains on its half of the batch and the optimizer steps the (dp, tp) DTensors."""
     def body(rank: int, size: int) -> tuple[list[float], dict[str, Tensor]]:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        model = parallelize(kind, fresh(kind), mesh["tp"], layout)
-        for block in model.blocks if kind == "gpt" else model.layers:
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+        model = fsdp_over_tp(kind, layout)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))   # the same mesh again: no new group
         assert all(p.device_mesh.ndim == 2 or p.device_mesh == mesh["dp"] for p in model.parameters())
         opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
         dp_rank, losses = mesh.get_coordinate()[0], []
