@@ -49,14 +49,9 @@ def test_every_public_torch_distributed_name_is_served_or_listed_with_why_not() 
 
 
 MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name: why spmd's has none}
-    "checkpoint": {"CheckpointException": "spmd raises CheckpointError"},
     "checkpoint.filesystem": dict.fromkeys(["FileSystem", "FileSystemBase", "SerializationFormat"],
                                            "torch's storage internals: spmd's format is safetensors files and a JSON "
                                            "index, written by FileSystemWriter"),
-    "checkpoint.format_utils": dict.fromkeys(
-        ["BroadcastingTorchSaveReader", "DynamicMetaLoadPlanner"],
-        "DCP's reader and planner for loading a torch.save file in place: torch.load it on rank 0 and call "
-        "set_model_state_dict with StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)"),
     "checkpoint.state_dict": dict.fromkeys(["FQNS_T", "PrimitiveType", "DictValueType", "ListDictValueType"],
                                            "type aliases"),
     "checkpoint.stateful": {"StatefulT": "a type variable"},
