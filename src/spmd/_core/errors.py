@@ -79,7 +79,9 @@ class CheckpointError(SpmdError):
         super().__init__(message)
         self.failures = failures or {}
 
-    def __reduce__(self) -> tuple:      # the checkpoint process sends it as text; keep it picklable regardless
+    def __reduce__(self) -> tuple:
+        """Pickled whole (the checkpoint process sends it back), failures included: the default keeps only the
+        message."""
         return type(self), (str(self), self.failures)
 
 

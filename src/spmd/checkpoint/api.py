@@ -371,6 +371,7 @@ def _exchange(group: ProcessGroup | None, mine: dict[str, Any]) -> list[dict[str
 
 CheckpointException = CheckpointError     # torch's name (torch.distributed.checkpoint.api)
 
+
 def _failed(save_id: str, errors: dict[int, str]) -> CheckpointError:
     """The save's error, naming the first failing group rank's reason; `failures` holds every one's (torch's
     CheckpointException.failures)."""
