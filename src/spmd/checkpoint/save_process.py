@@ -7,14 +7,14 @@ Note: the checkpoint process
 Each rank saving with PROCESS gets one daemon process per saving group, spawned by that group's first such
 save (which so takes seconds longer: a Python with torch starting) and kept for the next ones. The daemons of
 the group's ranks form a world of their own, of the group's size, rank for rank: daemon 0 hosts its store (a
-TCPStore on all interfaces, a free port, a fresh token), whose address, port and token the ranks' first
-background exchange hands to the other ranks, each passing them to its daemon over its private pipe; the
-address is the one spmd's tcp transport would publish for daemon 0's host (SPMD_SOCKET_ADDR, ..., the route
-towards MASTER_ADDR). A process saving alone (no_dist) gets a daemon that joins no world. A save is planned and
-staged in the training process as on a thread (api.py, Note: the save protocol, steps 1-2); then the plan, its
-staged boxes and the storage writer go to the daemon over the pipe (torch's multiprocessing moves a staging
-buffer into shared memory the first time, and later saves send the same pages again), and the daemon writes
-and commits with the other daemons (steps 3-6) and answers with the metadata or the error. The writer
+TCPStore with a fresh token, on a free port of the address spmd's tcp transport would publish for its host:
+SPMD_SOCKET_ADDR, ..., the route towards MASTER_ADDR, so loopback for a one-host job launched on it), whose
+address, port and token the ranks' first background exchange hands to the other ranks, each passing them to
+its daemon over its private pipe. A process saving alone (no_dist) gets a daemon that joins no world. A save
+is planned and staged in the training process as on a thread (api.py, Note: the save protocol, steps 1-2); then
+the plan, its staged boxes and the storage writer go to the daemon over the pipe (torch's multiprocessing moves
+a staging buffer into shared memory the first time, and later saves send the same pages again), and the daemon
+writes and commits with the other daemons (steps 3-6) and answers with the metadata or the error. The writer
 must be picklable, as for torch's process checkpointer. A daemon that dies fails its rank's save (its peers'
 exchanges fail naming it); the training process goes on, and the next PROCESS save of the group fails at
 once, saying so.
@@ -142,9 +142,9 @@ def _serve(pipe: Connection, rank: int, size: int) -> None:
         store = None
         if rank == 0:
             token = secrets.token_hex(16)
-            store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, token=token,
-                             timeout=_START_TIMEOUT_S)
             reachable = choose_address(os.environ.get("MASTER_ADDR")).address
+            store = TCPStore(reachable, 0, is_master=True, wait_for_workers=False, token=token,
+                             timeout=_START_TIMEOUT_S)
             pipe.send(("ok", (reachable, store.port, token)))
         _, host, port, token = pipe.recv()
         if store is None:
