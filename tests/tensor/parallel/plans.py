@@ -9,6 +9,7 @@ the identical plan with torch's classes).
 from __future__ import annotations
 
 import enum
+import importlib
 import types
 
 from examples.gpt import GPT, GPTConfig
@@ -16,39 +17,26 @@ from examples.llama import ModelArgs, Transformer
 from torch import nn
 
 from spmd.device_mesh import DeviceMesh
-from spmd.tensor import Replicate, Shard
-from spmd.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from spmd.tensor.parallel import ColwiseParallel
 
 VOCAB, CONTEXT = 64, 16
-SPMD = types.SimpleNamespace(ColwiseParallel=ColwiseParallel, RowwiseParallel=RowwiseParallel,
-                             SequenceParallel=SequenceParallel, PrepareModuleInput=PrepareModuleInput,
-                             PrepareModuleOutput=PrepareModuleOutput, parallelize_module=parallelize_module,
-                             Replicate=Replicate, Shard=Shard)
+_PLAN_NAMES = ("ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
+               "parallelize_module")
+
+
+def _api(package: str) -> types.SimpleNamespace:
+    """The plan classes, parallelize_module, Replicate and Shard of `package` ("spmd" or "torch.distributed")."""
+    parallel, tensor = (importlib.import_module(f"{package}.tensor{suffix}") for suffix in (".parallel", ""))
+    return types.SimpleNamespace(**{name: getattr(parallel, name) for name in _PLAN_NAMES},
+                                 Replicate=tensor.Replicate, Shard=tensor.Shard)
+
+
+SPMD = _api("spmd")
 
 
 def torch_api() -> types.SimpleNamespace:
     """The same names from torch.distributed.tensor (the oracle tests build the identical plans with them)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    return types.SimpleNamespace(ColwiseParallel=ColwiseParallel, RowwiseParallel=RowwiseParallel,
-                                 SequenceParallel=SequenceParallel, PrepareModuleInput=PrepareModuleInput,
-                                 PrepareModuleOutput=PrepareModuleOutput, parallelize_module=parallelize_module,
-                                 Replicate=Replicate, Shard=Shard)
+    return _api("torch.distributed")
 
 
 class Layout(enum.Enum):
