@@ -7,6 +7,8 @@ rendezvous through the TCPStore at the given address); the rest on the threads t
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -63,6 +65,34 @@ def test_monitored_barrier_returns_when_every_rank_arrives() -> None:
         return rank
 
     assert run_ranks(body, world_size=3, timeout=30) == [0, 1, 2]
+
+
+def test_monitored_barrier_returns_on_the_first_rank_only_after_the_others_read_its_verdict() -> None:
+    """The first rank may host the store and leave right after the barrier (under spmdrun it did, and a rank
+    still reading the verdict lost the store). Rank 1's read of the verdict waits up to 2 s for rank 0 to
+    return: it must time out, rank 0 returning only after the read."""
+    order: list[str] = []
+    returned = threading.Event()
+
+    def body(rank: int, world_size: int) -> None:
+        store = default_group().store
+        if rank == 1:
+            get = store.get
+
+            def late_get(key: str) -> bytes:
+                if key.endswith("/verdict"):
+                    returned.wait(timeout=2.0)
+                    order.append("rank 1 read the verdict")
+                return get(key)
+
+            store.get = late_get
+        spmd.monitored_barrier(timeout=20.0)
+        if rank == 0:
+            order.append("rank 0 returned")
+            returned.set()
+
+    run_ranks(body, world_size=2, timeout=30)
+    assert order == ["rank 1 read the verdict", "rank 0 returned"]
 
 
 @pytest.mark.parametrize("wait_all_ranks", [False, True])

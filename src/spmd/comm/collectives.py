@@ -450,7 +450,9 @@ def monitored_barrier(group: AnyGroup | None = None, timeout: float | datetime.t
     """A barrier through the store that names the ranks that did not arrive within `timeout`.
 
     Collective. The group's first rank waits for each other rank's arrival key; it raises naming the
-    first missing rank (or all of them with `wait_all_ranks`), and tells the others, which raise too.
+    first missing rank (or all of them with `wait_all_ranks`), and tells the others, which raise too. When all
+    arrived it returns only once each has read the verdict: the first rank may host the store, and leaving
+    right after (destroy_process_group, exit) would cut off a rank still reading it.
     """
     pg = resolve_group(group, "monitored_barrier")
     if pg.transport.name == SIMULATED:         # its other ranks are simulated, and always arrive
@@ -470,6 +472,7 @@ def monitored_barrier(group: AnyGroup | None = None, timeout: float | datetime.t
             raise CommTimeoutError(f"{_where('monitored_barrier', pg)}: rank {pg.ranks[0]} did not release the "
                                    f"barrier within {seconds + grace:.1f}s") from None
         verdict = pg.store.get(f"{prefix}/verdict").decode()
+        pg.store.set(f"{prefix}/read/{pg.global_rank}", b"1")
         if verdict != "ok":
             raise CommTimeoutError(f"{_where('monitored_barrier', pg)}: {verdict}")
         return
@@ -488,3 +491,7 @@ def monitored_barrier(group: AnyGroup | None = None, timeout: float | datetime.t
     pg.store.set(f"{prefix}/verdict", verdict)
     if missing:
         raise CommTimeoutError(f"{_where('monitored_barrier', pg)}: {verdict}")
+    try:
+        pg.store.wait([f"{prefix}/read/{rank}" for rank in pg.ranks[1:]], timeout=seconds)
+    except StoreTimeoutError:
+        pass           # a rank that died after arriving: the barrier itself held
