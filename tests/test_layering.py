@@ -26,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "amp": {"_core", "comm", "device_mesh", "tensor"},
     "rpc": {"_core", "comm"},
     "autograd": {"_core", "comm", "rpc"},
-    "optim": {"_core", "_autograd", "comm", "rpc"},
+    "optim": {"_core", "_autograd", "comm", "device_mesh", "tensor", "rpc"},
     "nn": {"_core", "comm", "rpc"},
     "checkpoint": {"_core", "comm", "device_mesh", "tensor"},
     "accumulation": {"_core", "_autograd", "comm", "device_mesh", "tensor", "ddp", "fsdp"},

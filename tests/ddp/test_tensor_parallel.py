@@ -22,6 +22,7 @@ from spmd._composable import replicate
 from spmd.ddp import allreduce_hook
 from spmd.device_mesh import DeviceMesh, init_device_mesh
 from spmd.fsdp import fully_shard
+from spmd.optim import ZeroRedundancyOptimizer
 from spmd.tensor import DTensor, Shard
 from spmd.testing import run_ranks
 from tests.procpool import ProcPool, free_port
@@ -132,6 +133,27 @@ def test_accumulation_clipping_and_comm_hooks_over_tensor_parallel() -> None:
         return _train(model, mesh, use_loss_parallel=False, micro_batches=2, clip=clip)
 
     _check(run_ranks(body, 4, timeout=TIMEOUT), _one_process_clipped("llama", clip))
+
+
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["per-parameter", "bucket-view"])
+def test_zero_over_ddp_over_tensor_parallel_matches_one_process(bucket_view: bool) -> None:
+    """ZeroRedundancyOptimizer over DDP's group: each DTensor parameter owned (and broadcast) as its local shard,
+    whose replicas the dp ranks hold; the training equals one process's."""
+    def body(rank: int, size: int) -> Result:
+        mesh = _mesh()
+        model = DistributedDataParallel(parallelize("gpt", fresh("gpt"), mesh["tp"], Layout.TP_SP),
+                                        device_mesh=mesh["dp"])
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=mesh.get_group("dp"),
+                                            parameters_as_bucket_view=bucket_view, lr=0.5, momentum=0.9)
+        dp_rank, losses = mesh.get_coordinate()[0], []
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            tokens, targets = (t.chunk(2)[dp_rank] for t in batch(step))
+            losses.append(step_loss(model, tokens, targets, use_loss_parallel=False).item())
+            optimizer.step()
+        return losses, {name: full(p.detach()) for name, p in model.module.named_parameters()}
+
+    _check(run_ranks(body, 4, timeout=TIMEOUT), reference("gpt"))
 
 
 def test_composable_replicate_over_tensor_parallel_matches_one_process() -> None:

@@ -7,12 +7,13 @@ It composes with DistributedDataParallel (which reduces the gradients of every p
 Note: who owns what
 Parameters are assigned group by group, largest first, each to the rank owning the fewest elements so far (ties
 to the lowest rank): torch's sorted-greedy partition, so both put every parameter on the same rank and their
-consolidated state dicts agree. The owners' updates travel in place, all broadcasts in flight at once: one per
-parameter, or with parameters_as_bucket_view=True one per owner, device and dtype, of the buffer its parameters
-are views of (benchmarks/zero.py: flattening into a copy instead cost more than the broadcasts). The state dict
-uses the indices a plain optimizer over all the parameters would: `state_dict()` returns it on the rank that
-`consolidate_state_dict(to)` gathered it to, and `load_state_dict` takes such a full state on every rank, each
-keeping its own parameters' part.
+consolidated state dicts agree. A DTensor parameter (tensor parallel, under DDP) counts, and is broadcast as,
+its local shard, which the group's ranks hold replicas of. The owners' updates travel in place, all broadcasts
+in flight at once: one per parameter, or with parameters_as_bucket_view=True one per owner, device and dtype,
+of the buffer its parameters are views of (benchmarks/zero.py: flattening into a copy instead cost more than the
+broadcasts). The state dict uses the indices a plain optimizer over all the parameters would: `state_dict()`
+returns it on the rank that `consolidate_state_dict(to)` gathered it to, and `load_state_dict` takes such a
+full state on every rank, each keeping its own parameters' part.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from spmd.comm.group import ProcessGroup
 from spmd.comm.join import Join, Joinable, JoinHook
 from spmd.comm.objects import recv_object_list, send_object_list
 from spmd.comm.world import AnyGroup, resolve_group
+from spmd.tensor import DTensor
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -68,10 +70,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         owned = [0] * self.world_size
         owners: dict[Tensor, int] = {}
         for group in self.param_groups:
-            for param in sorted(group["params"], key=lambda p: p.numel(), reverse=True):
+            for param in sorted(group["params"], key=lambda p: _local(p).numel(), reverse=True):
                 rank = owned.index(min(owned))
                 owners[param] = rank
-                owned[rank] += param.numel()
+                owned[rank] += _local(param).numel()
         return owners
 
     def _local_group(self, group: dict[str, Any], index: int) -> dict[str, Any]:
@@ -100,13 +102,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._buckets = {}
         for rank in range(self.world_size):
             for (device, dtype), params in _by_kind(self._owned_by(rank)).items():
-                bucket = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=device)
+                shards = [_local(param) for param in params]
+                bucket = torch.empty(sum(shard.numel() for shard in shards), dtype=dtype, device=device)
                 offset = 0
-                for param in params:
-                    view = bucket[offset:offset + param.numel()].view_as(param)
-                    view.copy_(param.detach())
-                    param.data = view
-                    offset += param.numel()
+                for shard in shards:
+                    view = bucket[offset:offset + shard.numel()].view_as(shard)
+                    view.copy_(shard.detach())
+                    shard.data = view
+                    offset += shard.numel()
                 self._buckets[rank, device, dtype] = bucket
 
     # -- the step -----------------------------------------------------------------------------------------------
@@ -132,7 +135,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     pending.append((broadcast(bucket, src=src, group=self.process_group, async_op=True), bucket, None))
                 continue
             for param in self._owned_by(rank):
-                data = param.detach()
+                data = _local(param).detach()
                 staged = data if data.is_contiguous() else data.contiguous()
                 work = broadcast(staged, src=src, group=self.process_group, async_op=True)
                 pending.append((work, staged, None if staged is data or rank == self.rank else data))
@@ -243,6 +246,12 @@ def _checked(params: Iterable[Tensor] | Iterable[dict[str, Any]]) -> list[Any]:
         raise ValueError(f"ZeroRedundancyOptimizer: the parameters must all be dense and of one type, got "
                          f"{sorted(name for name, _ in kinds)}")
     return items
+
+
+def _local(param: Tensor) -> Tensor:
+    """What this rank holds of `param`: a DTensor's local shard (tensor parallel under DDP: the group's ranks
+    hold replicas of it, as DDP averages it), a plain parameter itself."""
+    return param._local_tensor if isinstance(param, DTensor) else param
 
 
 def _copy_settings(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
