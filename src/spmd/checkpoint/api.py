@@ -369,7 +369,7 @@ def _exchange(group: ProcessGroup | None, mine: dict[str, Any]) -> list[dict[str
     return [json.loads(part) for part in all_gather_bytes(data, group=group)]
 
 
-CheckpointException = CheckpointError     # torch's name (torch.distributed.checkpoint.api)
+CheckpointException = CheckpointError     # torch's name, in its checkpoint package's api module
 
 
 def _failed(save_id: str, errors: dict[int, str]) -> CheckpointError:

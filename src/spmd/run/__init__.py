@@ -1,5 +1,5 @@
 """The launcher: `spmdrun` / `python -m spmd.run` (one agent per node), `spawn` for launching from Python, and
-torch.distributed.run's `main` / `run` / `get_args_parser` / `parse_args` (spmd.run.torchrun).
+torchrun's `main` / `run` / `get_args_parser` / `parse_args` from Python (spmd.run.torchrun).
 
 Layer: run (L5). Imports only spmd._core and spmd.comm (stores), never tensor or parallel code, so the launcher
 starts fast. See spmd.run.agent for the agent, spmd.run.rendezvous for how nodes agree on rounds.

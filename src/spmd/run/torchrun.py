@@ -1,4 +1,4 @@
-"""torch.distributed.run's functions, for programs that launch torchrun from Python rather than the shell:
+"""torchrun's module functions (its `run` module's), for programs that launch torchrun from Python, not a shell:
 `main(["--standalone", "--nproc-per-node", "2", "train.py"])`, or `run(get_args_parser().parse_args(argv))` with
 flags of their own added to the parser first. spmd serves them at `spmd.run` (torch's path after the swap).
 
