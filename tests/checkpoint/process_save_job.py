@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import torch
@@ -20,6 +21,10 @@ from spmd.device_mesh import init_device_mesh
 from spmd.tensor import Shard, distribute_tensor
 
 PROCESS = AsyncCheckpointerType.PROCESS
+BREAK_DAEMON = "PROCESS_SAVE_JOB_BREAK_DAEMON"
+
+if __name__ == "__mp_main__" and os.environ.get(BREAK_DAEMON) == "1":
+    sys.exit(3)          # a checkpoint daemon re-importing this script dies starting, as a broken one would
 
 
 def state(step: int) -> dict[str, Any]:
@@ -71,6 +76,17 @@ def main(root: str) -> None:
         alone["w"].zero_()
         dcp.load(alone, checkpoint_id=f"{root}/alone{rank}", no_dist=True)
         seen["alone"] = alone["w"]
+        pair = spmd.new_group([0, 1])                         # its saves get daemons of their own
+        if rank == 1:
+            os.environ[BREAK_DAEMON] = "1"
+        began = time.monotonic()
+        try:
+            dcp.async_save(state(4), checkpoint_id=f"{root}/daemon_broken", process_group=pair,
+                           async_checkpointer_type=PROCESS).result()
+            seen["daemon_broken"] = "saved"
+        except dcp.CheckpointError as error:
+            seen["daemon_broken"] = str(error)
+        seen["daemon_broken_after_s"] = time.monotonic() - began
     finally:
         torch.save(seen, f"{root}/rank{rank}.pt")
         spmd.destroy_process_group()

@@ -2,9 +2,9 @@
 every option on, the writing in a daemon process), in a 2-rank job under spmdrun (process_save_job.py): it
 writes what a save on a thread writes, from copies staged before the tensors change, with one daemon per rank
 kept for the next saves; a daemon killed fails its rank's next PROCESS save and the other rank's, naming it,
-instead of hanging, and saves on a thread, or by one process alone (no_dist) in a daemon of its own, still
-work (see Note: the checkpoint process in
-spmd/checkpoint/save_process.py)."""
+instead of hanging, and saves on a thread, or by one process alone (no_dist) in a daemon of its own, still work;
+a daemon that dies starting fails the save on both ranks within seconds, naming it (see Note: the checkpoint
+process in spmd/checkpoint/save_process.py)."""
 
 from __future__ import annotations
 
@@ -35,3 +35,7 @@ def test_the_checkpoint_process_writes_what_a_thread_writes_and_a_dead_one_fails
         assert torch.equal(result["alone"], torch.arange(5.0) + rank)
     assert "rank 1's checkpoint process" in seen[1]["after_kill"] and "died" in seen[1]["after_kill"]
     assert seen[0]["after_kill"] != "saved" and "rank 1" in seen[0]["after_kill"], seen[0]["after_kill"]
+    for rank, result in enumerate(seen):     # rank 1's daemon of a new group died starting
+        assert "rank 1's checkpoint process" in result["daemon_broken"], (rank, result["daemon_broken"])
+        assert "died" in result["daemon_broken"], (rank, result["daemon_broken"])
+        assert result["daemon_broken_after_s"] < 60, (rank, result["daemon_broken_after_s"])

@@ -4,20 +4,23 @@
 Layer: checkpoint.
 
 Note: the checkpoint process
-Each rank saving with PROCESS gets one daemon process per saving group, spawned by that group's first such
-save (which so takes seconds longer: a Python with torch starting) and kept for the next ones. The daemons of
-the group's ranks form a world of their own, of the group's size, rank for rank: daemon 0 hosts its store (a
-TCPStore with a fresh token, on a free port of the address spmd's tcp transport would publish for its host:
-SPMD_SOCKET_ADDR, ..., the route towards MASTER_ADDR, so loopback for a one-host job launched on it), whose
-address, port and token the ranks' first background exchange hands to the other ranks, each passing them to
-its daemon over its private pipe. A process saving alone (no_dist) gets a daemon that joins no world. A save
-is planned and staged in the training process as on a thread (api.py, Note: the save protocol, steps 1-2); then
-the plan, its staged boxes and the storage writer go to the daemon over the pipe (torch's multiprocessing moves
-a staging buffer into shared memory the first time, and later saves send the same pages again), and the daemon
-writes and commits with the other daemons (steps 3-6) and answers with the metadata or the error. The writer
-must be picklable, as for torch's process checkpointer. A daemon that dies fails its rank's save (its peers'
-exchanges fail naming it); the training process goes on, and the next PROCESS save of the group fails at
-once, saying so.
+Each rank saving with PROCESS gets one daemon process per saving group, spawned by that group's first such save
+(which so takes seconds longer: a Python with torch starting) and kept for the next ones. Each daemon reports
+that it started (daemon 0 with its store's address, below), and the ranks exchange those reports before any
+daemon joins a world: a daemon that dies starting (a script the spawn method re-imports without a `__main__`
+guard, a broken environment) fails the save on every rank at once, naming it, where the others' daemons would
+wait for it until the start timeout. The daemons of the group's ranks form a world of their own, of the group's
+size, rank for rank: daemon 0 hosts its store (a TCPStore with a fresh token, on a free port of the address
+spmd's tcp transport would publish for its host: SPMD_SOCKET_ADDR, ..., the route towards MASTER_ADDR, so
+loopback for a one-host job launched on it), whose address, port and token the ranks' first background exchange
+hands to the other ranks, each passing them to its daemon over its private pipe. A process saving alone
+(no_dist) gets a daemon that joins no world. A save is planned and staged in the training process as on a thread
+(api.py, Note: the save protocol, steps 1-2); then the plan, its staged boxes and the storage writer go to the
+daemon over the pipe (torch's multiprocessing moves a staging buffer into shared memory the first time, and
+later saves send the same pages again), and the daemon writes and commits with the other daemons (steps 3-6) and
+answers with the metadata or the error. The writer must be picklable, as for torch's process checkpointer. A
+daemon that dies fails its rank's save (its peers' exchanges fail naming it); the training process goes on, and
+the next PROCESS save of the group fails at once, saying so.
 """
 
 from __future__ import annotations
@@ -61,15 +64,15 @@ class CheckpointProcess:
             self._started = True
             return
         address, failure = None, None
-        if group.group_rank == 0:
-            try:
-                address = self._receive("start")
-            except CheckpointError as error:      # every rank raises it: theirs can't meet daemon 0
-                failure = str(error)
-        address, failure = _all_gather((address, failure), group)[0]
-        if failure is not None:
-            raise CheckpointError(failure)
-        self._send(("join", *address))
+        try:
+            address = self._receive("start")      # daemon 0: its store's address; the others: None
+        except CheckpointError as error:          # every rank raises it, so none waits to meet this daemon
+            failure = str(error)
+        started = _all_gather((address, failure), group)
+        failures = [failure for _, failure in started if failure is not None]
+        if failures:
+            raise CheckpointError("; ".join(failures))
+        self._send(("join", *started[0][0]))
         self._receive("join the other ranks' checkpoint processes")
         self._started = True
 
@@ -146,7 +149,12 @@ def _serve(pipe: Connection, rank: int, size: int) -> None:
             store = TCPStore(reachable, 0, is_master=True, wait_for_workers=False, token=token,
                              timeout=_START_TIMEOUT_S)
             pipe.send(("ok", (reachable, store.port, token)))
-        _, host, port, token = pipe.recv()
+        else:
+            pipe.send(("ok", None))
+        message = pipe.recv()
+        if message[0] == "stop":       # another rank's daemon could not start
+            return
+        _, host, port, token = message
         if store is None:
             store = TCPStore(host, port, token=token, timeout=_START_TIMEOUT_S)
         init_process_group("auto", store=store, rank=rank, world_size=size, timeout=_START_TIMEOUT_S,
