@@ -30,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "nn": {"_core", "comm", "rpc"},
     "checkpoint": {"_core", "comm", "device_mesh", "tensor"},
     "accumulation": {"_core", "_autograd", "comm", "device_mesh", "tensor", "ddp", "fsdp"},
+    "_tools": {"_core", "comm", "tensor", "fsdp"},   # memory trackers: FSDPMemTracker hooks fsdp's state changes
     "run": {"_core", "comm"},
     "testing": {"_core", "_autograd", "comm", "device_mesh", "tensor", "tensor.parallel", "ddp", "fsdp",
                 "pipelining", "amp", "optim", "checkpoint", "run", "rpc"},
