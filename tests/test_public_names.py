@@ -95,6 +95,10 @@ TORCH_PATHS: dict[str, tuple[str, ...]] = {
     "checkpoint.state_dict": ("get_state_dict", "set_state_dict", "get_model_state_dict", "StateDictOptions"),
     "checkpoint.stateful": ("Stateful",),
     "pipelining": ("PipelineStage", "ScheduleGPipe", "Schedule1F1B"),
+    "_tools": ("MemTracker", "FSDPMemTracker", "ModTracker"),
+    "_tools.mem_tracker": ("MemTracker",),
+    "_tools.fsdp2_mem_tracker": ("FSDPMemTracker",),
+    "_tools.mod_tracker": ("ModTracker",),
 }
 SAME_AS = {  # alias module -> the spmd module whose objects it serves
     "distributed_c10d": "spmd", "tensor.device_mesh": "spmd.device_mesh", "_tensor": "spmd.tensor",

@@ -102,6 +102,11 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
     },
     "fsdp.sharded_grad_scaler": {"ProcessGroup": "not API: the type torch's module imports for its signature "
                                                  "(spmd.ProcessGroup is the top-level name)"},
+    "_tools": {"MemoryTracker": "torch's older module-level tracker, superseded by MemTracker (served)",
+               **dict.fromkeys(["RuntimeEstimator", "MSPS", "SACEstimator", "SACGreedyOrderMeta", "SACStats",
+                                "SACTradeOffStats"],
+                               "torch's runtime and selective-activation-checkpointing estimators: not served; "
+                               "spmd serves the memory trackers only")},
 }
 TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_types", "tensor.experimental",
                  "tensor.experimental._attention", "tensor.experimental._context_parallel",
@@ -126,7 +131,8 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "nn.functional", "elastic.multiprocessing.errors", "launcher",
                  "launcher.api", "_tensor", "_composable.fsdp", "distributed_c10d", "_functional_collectives",
                  "fsdp._fully_shard", "fsdp._fully_shard._fsdp_api", "tensor.parallel.input_reshard",
-                 "optim.apply_optimizer_in_backward", "constants", "checkpoint.optimizer"]
+                 "optim.apply_optimizer_in_backward", "constants", "checkpoint.optimizer",
+                 "_tools", "_tools.mem_tracker", "_tools.fsdp2_mem_tracker", "_tools.mod_tracker"]
 
 
 def _api_names(module: object) -> list[str]:
