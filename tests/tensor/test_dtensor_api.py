@@ -67,6 +67,26 @@ def test_from_local_and_to_local_gradients_are_adjoint() -> None:
     run_on_mesh((2,), body, timeout=TIMEOUT)
 
 
+def test_non_contiguous_local_tensors_keep_their_layout_in_the_spec() -> None:
+    """A local gradient reaching to_local's backward in another memory order (a transpose's gradient, as SDPA's
+    backward kernels give) and from_local of a transposed tensor: the DTensor's strides follow the local layout,
+    so a reshape that the wrapper's strides allow as a view is one on every rank's local tensor too."""
+    def body(mesh) -> None:
+        rank = mesh.get_rank()
+        weight = torch.arange(12.0).reshape(1, 3, 4)
+        base = distribute_tensor(torch.ones(4, 12), mesh, [Shard(0)]).requires_grad_()
+        local = base.view(4, 4, 3).to_local()
+        (local.transpose(1, 2) * weight).sum().backward()       # local's gradient is weight's transpose, expanded
+        assert base.grad.placements == (Shard(0),)
+        torch.testing.assert_close(base.grad.full_tensor(), weight.transpose(1, 2).reshape(1, 12).expand(4, 12))
+        tall = torch.arange(24.0).reshape(6, 4)[rank * 3:rank * 3 + 3]   # this rank's rows of a (6, 4) value
+        wide = DTensor.from_local(tall.t(), mesh, [Shard(1)])            # its transpose: (4, 6), sharded on dim 1
+        assert wide.stride() == (1, 4) and wide.to_local().stride() == (1, 4)
+        torch.testing.assert_close(wide.reshape(24).full_tensor(), torch.arange(24.0).reshape(6, 4).t().reshape(24))
+
+    run_on_mesh((2,), body, timeout=TIMEOUT)
+
+
 def test_distribute_tensor_sources() -> None:
     def body(mesh) -> None:
         rank = mesh.get_rank()

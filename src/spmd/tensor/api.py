@@ -47,7 +47,7 @@ from spmd.device_mesh import DeviceMesh
 from spmd.tensor.dispatch import dispatch
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard, _StridedShard, normalize_placements
 from spmd.tensor.redistribute import run_plan
-from spmd.tensor.spec import DTensorSpec, Placements, contiguous_stride
+from spmd.tensor.spec import DTensorSpec, Placements, contiguous_stride, stride_like
 
 _Fn = Callable[..., Any]
 
@@ -164,8 +164,9 @@ class DTensor(torch.Tensor):
         """Wrap this rank's `local_tensor` as its piece of a DTensor; no communication unless `run_check`.
 
         Without `shape`, the global shape assumes EVEN shards (local size x number of shards); pass `shape`
-        (and `stride`) for uneven ones: this rank's local shape is then checked against it. `run_check=True`
-        also broadcasts Replicate dims from the first rank of each mesh dim (collective).
+        (and `stride`) for uneven ones: this rank's local shape is then checked against it. Without `stride`,
+        the global strides lay the dims out in the local tensor's memory order (row-major if it isn't dense).
+        `run_check=True` also broadcasts Replicate dims from the first rank of each mesh dim (collective).
         Differentiable (see Note: DTensor autograd).
         """
         if placements is None:
@@ -244,11 +245,12 @@ torch.serialization.add_safe_globals([_unpickled_dtensor, DTensorSpec, Shard, _S
 
 def _from_local_spec(local: Tensor, mesh: DeviceMesh, placements: Placements, shape: Sequence[int] | None,
                      stride: Sequence[int] | None) -> DTensorSpec:
-    """from_local's spec, checked against the local tensor. Without `shape` and `stride` (the global shape from
-    even shards, contiguous strides) it depends only on the placements and the local shape and dtype, and is
-    kept in the mesh's dispatch cache: a step's from_local of the same layout yields the same spec object."""
+    """from_local's spec, checked against the local tensor; its strides follow the local tensor's memory order.
+    Without `shape` and `stride` (the global shape from even shards), for a contiguous local tensor, it depends
+    only on the placements and the local shape and dtype, and is kept in the mesh's dispatch cache: a step's
+    from_local of the same layout yields the same spec object."""
     key = None
-    if shape is None and stride is None:
+    if shape is None and stride is None and local.is_contiguous():
         key = (_FromLocal, placements, local.shape, local.dtype)
         try:
             spec = mesh.dispatch_cache.get(key)
@@ -263,8 +265,9 @@ def _from_local_spec(local: Tensor, mesh: DeviceMesh, placements: Placements, sh
             if isinstance(placement, Shard):
                 global_shape[placement.dim] *= mesh.size(mesh_dim)
         shape = global_shape
-    spec = DTensorSpec(mesh, placements, torch.Size(shape), tuple(stride) if stride is not None else
-                       contiguous_stride(shape), local.dtype)
+    if stride is None:                 # the local tensor's memory order (row-major for one that isn't dense)
+        stride = stride_like(local, shape) or contiguous_stride(shape)
+    spec = DTensorSpec(mesh, placements, torch.Size(shape), tuple(stride), local.dtype)
     if spec.ndim != local.ndim or (mesh.get_coordinate() is not None and spec.local_shape() != local.shape):
         raise ValueError(f"DTensor.from_local on rank {mesh.get_rank()}: the local tensor has shape "
                          f"{tuple(local.shape)}, but global shape {tuple(spec.shape)} with placements "
@@ -323,9 +326,13 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[DTensor, None]:
         spec: DTensorSpec = ctx.spec
         placements = ctx.grad_placements or _with_partial_as_replicate(spec.placements)
-        grad_spec = spec.with_placements(placements) if grad.dtype == spec.dtype else DTensorSpec(
-            spec.mesh, placements, spec.shape, spec.stride, grad.dtype)
-        return DTensor(grad, grad_spec), None
+        stride = stride_like(grad, spec.shape)    # a gradient may come in another memory order than the forward's
+        if stride is None:                        # not dense (an expanded gradient): no strides describe it
+            grad = grad.contiguous()
+            stride = contiguous_stride(spec.shape)
+        if stride == spec.stride and grad.dtype == spec.dtype:
+            return DTensor(grad, spec.with_placements(placements)), None
+        return DTensor(grad, DTensorSpec(spec.mesh, placements, spec.shape, stride, grad.dtype)), None
 
 
 class _Redistribute(torch.autograd.Function):

@@ -197,3 +197,26 @@ def contiguous_stride(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(stride))
+
+
+def stride_like(local: Tensor, shape: torch.Size | tuple[int, ...]) -> tuple[int, ...] | None:
+    """The strides of a dense tensor of `shape` whose dims lie in memory in the order of `local`'s: the global
+    strides of a DTensor whose piece on this rank is `local` (row-major when `local` is contiguous). None when
+    `local` is not dense (an expanded tensor, a strided slice): no order of dims describes it."""
+    if local.is_contiguous():
+        return contiguous_stride(shape)
+    sizes, strides = local.shape, local.stride()
+    order = sorted(range(local.ndim), key=lambda dim: -strides[dim])     # outermost first; ties keep dim order
+    if any(strides[dim] != expected and sizes[dim] > 1
+           for dim, expected in zip(order, _dense_strides(sizes, order), strict=True)):
+        return None
+    return tuple(stride for _, stride in sorted(zip(order, _dense_strides(shape, order), strict=True)))
+
+
+def _dense_strides(shape: torch.Size | tuple[int, ...], order: list[int]) -> list[int]:
+    """The strides of the dims in `order` (outermost first) of a dense tensor of `shape` laid out in that order."""
+    strides, acc = [], 1
+    for dim in reversed(order):
+        strides.append(acc)
+        acc *= max(shape[dim], 1)
+    return strides[::-1]
