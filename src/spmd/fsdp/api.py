@@ -511,10 +511,11 @@ def _check_mesh(mesh: DeviceMesh, modules: tuple[nn.Module, ...]) -> ShardMesh:
     if mesh.get_coordinate() is None:
         raise ValueError(f"fully_shard({names}) on rank {mesh.get_rank()}: this rank is not in the mesh "
                          f"{mesh.mesh.tolist()}; every rank that runs the model must be in its mesh")
-    if mesh.device_type == "cpu":
-        device = torch.device("cpu")
-    else:
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is not None and accelerator.type == mesh.device_type:      # the rank's current GPU
         device = torch.device(mesh.device_type, torch.accelerator.current_device_index())
+    else:                                   # cpu, meta: devices without an index
+        device = torch.device(mesh.device_type)
     return ShardMesh(mesh, device)
 
 

@@ -249,7 +249,7 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 def _check_materialised(state: FSDPState) -> None:
     for param in state.params:
         param.check_slots_hold(param.sharded_param)
-        if param.local_shard.device.type == "meta":
+        if param.local_shard.device.type == "meta" and param.shard_device.type != "meta":   # a meta mesh: shapes only
             raise RuntimeError(f"fully_shard: parameter {param.fqn} is still on the meta device at the first "
                                f"forward; call module.to_empty(device=...) and initialise the shards first")
 
