@@ -1,4 +1,4 @@
-"""DDP, FSDP2, tensor, sequence and loss parallelism, their compositions and pipelining run on an accelerator's
+"""DDP, FSDP2, tensor, sequence, loss and context parallelism, their compositions and pipelining run on an accelerator's
 tensors end to end: every training step here runs on `meta` tensors (shapes without data) through a transport
 that moves meta tensors and asserts it is handed nothing else (object exchanges aside, which stage their bytes
 on the host), under NoCpuTensors, which fails any op that makes a CPU tensor. A hidden `torch.zeros(n)` without
@@ -23,10 +23,13 @@ from spmd.device_mesh import DeviceMesh, init_device_mesh
 from spmd.fsdp import MixedPrecisionPolicy, fully_shard
 from spmd.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, runtime
 from spmd.tensor import DTensor
+from spmd.tensor.experimental import context_parallel
+from spmd.tensor.experimental._attention import set_rotate_method
 from spmd.tensor.parallel import loss_parallel
 from spmd.testing import run_ranks
 from tests.meta_device import TIMEOUT, HostObjectsMetaTransport, NoCpuTensors, meta, register_fake_transports
 from tests.tensor.parallel.plans import Layout, parallelize
+from tests.tensor.test_context_parallel import _CausalLM
 
 VOCAB, CONTEXT, BATCH = 64, 16, 4
 
@@ -206,6 +209,30 @@ def test_pipelining(schedule: type, monkeypatch: pytest.MonkeyPatch) -> None:
                                                                                         else 0)
             optimizer.step()
             kept = set().union(*(devices(chunk) for chunk in chunks.values()))
+            optimizer.zero_grad()
+        return kept
+
+    assert on_meta(step, (2,)) == [{"meta"}] * 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rotate_method", ["allgather", "alltoall"])
+def test_context_parallel(rotate_method: str) -> None:
+    """A causal transformer's sequence split over the ranks (ring attention on the math kernels, meta having no
+    fused ones), its replicas' gradients averaged by DDP."""
+    def step(mesh: DeviceMesh) -> set:
+        set_rotate_method(rotate_method)
+        with torch.device("meta"):
+            model = spmd.DistributedDataParallel(_CausalLM(), process_group=mesh.get_group())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            tokens, targets = meta(2, 16, dtype=torch.long), meta(2, 16, dtype=torch.long)
+            positions = meta(2, 16, dtype=torch.long)
+            with context_parallel(mesh, buffers=[tokens, targets, positions], buffer_seq_dims=[1, 1, 1],
+                                  no_restore_buffers={tokens, targets, positions}):
+                lm_loss(model(tokens, positions), targets).backward()
+            optimizer.step()
+            kept = devices(model)
             optimizer.zero_grad()
         return kept
 

@@ -38,6 +38,26 @@ def test_the_math_kernels_match_torchs_fused_cpu_kernels(causal: bool) -> None:
     assert [g.shape for g in want] == [query.shape, key.shape, value.shape]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_cuda_kernels_calling_conventions_agree_with_the_math_kernels_on_meta(causal: bool,
+                                                                                 dtype: torch.dtype) -> None:
+    """torch's memory-efficient CUDA kernels, run on meta tensors (their shape functions): grouped-query heads
+    expanded and summed back, the log-sum-exp cut from and padded back to whole 32-row blocks (40 query rows), the
+    outputs, log-sum-exp and gradients of the math kernels' shapes and dtypes."""
+    cuda, math = ring._CudaEfficient(), ring.MATH_KERNELS
+    query, key, value = (torch.empty(2, heads, rows, 8, dtype=dtype, device="meta")
+                         for heads, rows in ((4, 40), (2, 24), (2, 24)))
+    out, lse = cuda.forward(query, key, value, causal, None)
+    want_out, want_lse = math.forward(query, key, value, causal, None)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (want_out.shape, want_out.dtype, want_lse.shape,
+                                                            want_lse.dtype)
+    grads = cuda.backward(torch.empty_like(out), query, key, value, out, lse, causal, None)
+    want = math.backward(torch.empty_like(out), query, key, value, out, lse, causal, None)
+    assert [(g.shape, g.dtype) for g in grads] == [(g.shape, g.dtype) for g in want] == \
+        [(t.shape, dtype) for t in (query, key, value)]
+
+
 def test_what_a_query_block_sees_of_each_ranks_keys() -> None:
     assert ring.visibility(1, 0, is_causal=False, head_tail=True) is V.FULL
     assert ring.visibility(1, 1, is_causal=True, head_tail=True) is V.CAUSAL

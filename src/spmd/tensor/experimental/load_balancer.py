@@ -37,9 +37,9 @@ class _HeadTailLoadBalancer(_LoadBalancer):
         """(1, seq_length) indices: `x[:, indices]` deals x out (restore=False) or puts a dealt x back in order."""
         chunk = self.seq_length // (2 * self.world_size)
         order = [c for rank in range(self.world_size) for c in (rank, 2 * self.world_size - 1 - rank)]
-        dealt = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in order])
+        dealt = torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=self.device) for c in order])
         indices = torch.argsort(dealt) if restore else dealt
-        return indices.unsqueeze(0).to(self.device)
+        return indices.unsqueeze(0)
 
 
 def _default_load_balancer(seq_length: int, world_size: int,
