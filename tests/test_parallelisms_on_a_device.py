@@ -19,8 +19,11 @@ from torch import Tensor, nn
 
 import spmd
 from spmd.algorithms.ddp_comm_hooks import default_hooks
+from spmd.algorithms.model_averaging.averagers import PeriodicModelAverager
+from spmd.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from spmd.device_mesh import DeviceMesh, init_device_mesh
 from spmd.fsdp import MixedPrecisionPolicy, fully_shard
+from spmd.optim import ZeroRedundancyOptimizer
 from spmd.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, runtime
 from spmd.tensor import DTensor
 from spmd.tensor.experimental import context_parallel
@@ -120,6 +123,48 @@ def test_fsdp(param_dtype: torch.dtype | None) -> None:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return train(model)
+
+    assert on_meta(step, (2,)) == [{"meta"}] * 2
+
+
+@pytest.mark.timeout(60)
+def test_fsdp_loads_a_host_state_dict_from_rank_0_and_prefetches_as_told() -> None:
+    """TorchTitan's load of a whole checkpoint read on rank 0 (host tensors, made before the mode): broadcast onto
+    every rank's shards on the device; then explicit forward and backward prefetching."""
+    with torch.device("cpu"):
+        whole = GPT(GPTConfig(vocab=VOCAB, context=CONTEXT, layers=2, width=32, heads=4)).state_dict()
+
+    def step(mesh: DeviceMesh) -> set:
+        model = gpt()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        set_model_state_dict(model, whole if mesh.get_rank() == 0 else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        assert {value.to_local().device.type for value in get_model_state_dict(model).values()} == {"meta"}
+        first, second = model.blocks
+        first.set_modules_to_forward_prefetch([second])
+        second.set_modules_to_backward_prefetch([first])
+        return train(model)
+
+    assert on_meta(step, (2,)) == [{"meta"}] * 2
+
+
+@pytest.mark.timeout(60)
+def test_ddp_with_zero_accumulation_and_model_averaging() -> None:
+    def step(mesh: DeviceMesh) -> set:
+        model = spmd.DistributedDataParallel(gpt())
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1,
+                                            momentum=0.9)
+        averager = PeriodicModelAverager(period=2, warmup_steps=0)
+        for _ in range(2):
+            for tokens, targets in spmd.accumulate(model, [batch(), batch()]):
+                lm_loss(model(tokens), targets).backward()
+            optimizer.step()
+            averager.average_parameters(model.parameters())
+            kept = devices(model)
+            optimizer.zero_grad()
+        return kept
 
     assert on_meta(step, (2,)) == [{"meta"}] * 2
 
