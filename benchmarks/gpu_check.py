@@ -11,10 +11,13 @@ least one) as spawned processes, backend "nccl" (spmd's torch:nccl transport), e
     small MLP, each against the same training in one process on the same device: the parameters after one
     SGD step must match to 1e-5 (SGD: Adam's first step would blow reduction-order noise up); the same FSDP2 step
     with the collective buffers from NCCL's own allocator (set_allocate_memory_from_process_group_for_comm), with
-    a frozen int64 table (the byte all-gather), and replicate on FSDP2's machinery.
+    a frozen int64 table (the byte all-gather), and replicate on FSDP2's machinery;
+  - causal attention on SDPA's CUDA kernels, tensor-parallel (heads over the ranks) and context-parallel (ring
+    attention over the sequence, on torch's memory-efficient kernels), output and gradients against the whole
+    attention in one process to 1e-4.
   - with one GPU only, also 2 ranks sharing it over spmd's shared-memory transport ("shm", which has to stage
     CUDA tensors through host memory): an all_reduce on CUDA tensors, expected to work or to fail with a clear
-    error naming the transport's devices.
+    error naming the transport's devices, and the two attention checks on 2 ranks.
 Each row: name, PASS/FAIL, seconds, and the error's first line for a failure. Exit status 1 if any row failed.
 """
 
@@ -176,6 +179,75 @@ def _parallel_steps(rows: list[Row], rank: int, world: int, device: torch.device
     _check(rows, "FSDP2 step, frozen int64 beside float32 (byte all-gather)", fsdp_mixed_dtypes)
 
 
+class _Attention(torch.nn.Module):
+    """Causal self-attention over 4 heads, SDPA on the device's fused kernels: the gradients its backward gives
+    the projections (another memory order on CUDA than on the CPU) go through TP's DTensors."""
+
+    def __init__(self, heads: int = 4, dim: int = 64) -> None:
+        super().__init__()
+        self.heads = heads
+        self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = (w(x).view(batch, seq, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def _attention(device: torch.device) -> _Attention:
+    """The same weights on every call (drawn from a generator of its own, not the global one)."""
+    model, generator = _Attention(), torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model.to(device)
+
+
+def _attention_checks(rows: list[Row], rank: int, world: int, device: torch.device) -> None:
+    """A tensor-parallel attention step (heads over the ranks) and context-parallel attention (the sequence over
+    the ranks, ring attention on the device's kernels), each against the whole attention in one process."""
+    import spmd
+    from spmd.device_mesh import init_device_mesh
+    from spmd.tensor.experimental import context_parallel
+    from spmd.tensor.experimental._attention import context_parallel_unshard
+    from spmd.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    x = torch.randn(2, 64, 64, generator=torch.Generator().manual_seed(2)).to(device)
+    whole = _attention(device)
+    want_out = whole(x)
+    want_out.square().mean().backward()
+    want_grads = [p.grad.detach().cpu() for p in whole.parameters()]
+    mesh = init_device_mesh(device.type, (world,))
+
+    def tensor_parallel() -> None:
+        model = _attention(device)
+        model.heads //= world
+        parallelize_module(model, mesh, {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
+                                         "wo": RowwiseParallel()})
+        out = model(x)
+        out.square().mean().backward()
+        _expect(out, want_out.detach().cpu(), "TP attention output", rtol=1e-4)
+        for param, expected in zip(model.parameters(), want_grads, strict=True):
+            _expect(param.grad.full_tensor(), expected, "TP attention gradient", rtol=1e-4)
+
+    def context_parallel_attention() -> None:
+        model = _attention(device)
+        local = x.clone()
+        with context_parallel(mesh, buffers=[local], buffer_seq_dims=[1], no_restore_buffers={local}):
+            out = model(local)
+            out.square().mean().backward()        # this rank's share of the mean over the whole sequence...
+            out = context_parallel_unshard(mesh, [out.detach()], [1])[0]
+        _expect(out, want_out.detach().cpu(), "CP attention output", rtol=1e-4)
+        for param, expected in zip(model.parameters(), want_grads, strict=True):
+            grad = param.grad.clone()
+            spmd.all_reduce(grad, group=mesh.get_group())       # ...summed over the ranks: the whole one
+            _expect(grad / world, expected, "CP attention gradient", rtol=1e-4)
+
+    _check(rows, "TP attention step vs one process", tensor_parallel)
+    _check(rows, "CP ring attention vs one process", context_parallel_attention)
+
+
 def _nccl_rank(rank: int, world: int, port: int, out_file: str) -> None:
     import spmd
 
@@ -192,6 +264,7 @@ def _nccl_rank(rank: int, world: int, port: int, out_file: str) -> None:
     try:
         _collectives(rows, rank, world, device)
         _parallel_steps(rows, rank, world, device)
+        _attention_checks(rows, rank, world, device)
     finally:
         spmd.destroy_process_group()
     torch.save(rows, f"{out_file}.{rank}")
@@ -209,6 +282,7 @@ def _shared_gpu_rank(rank: int, world: int, port: int, out_file: str) -> None:
             spmd.all_reduce(t)
             _expect(t, torch.full((1 << 16,), float(world * (world + 1) // 2)), "all_reduce over shm")
         _check(rows, "2 ranks on 1 GPU over shm: all_reduce", all_reduce)
+        _attention_checks(rows, rank, world, torch.device("cuda", 0))
     finally:
         spmd.destroy_process_group()
     torch.save(rows, f"{out_file}.{rank}")
