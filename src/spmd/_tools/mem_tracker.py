@@ -290,7 +290,10 @@ class MemTracker(TorchDispatchMode):
         return infos
 
     def _track(self, reftype: _RefType, t: Tensor) -> None:
-        """An op returned `t`: count its storages not tracked yet under `reftype`; re-read the size of the others."""
+        """An op returned `t`: count its storages not tracked yet under `reftype`; re-read the size of the others.
+        Meta tensors hold no memory: spmd's DTensor works out a new op's output layouts on them."""
+        if t.device.type == "meta":
+            return
         for storage in _storages(t):
             entry = self._infos.get(storage)
             if entry is None:
