@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from spmd._core.fake import on_real_tensors
 from spmd.comm.group import NonMemberGroup
 from spmd.comm.world import AnyGroup, World, current_world, init_process_group, is_initialized, new_group
 
@@ -63,6 +64,7 @@ class DeviceMesh:
     dim, the backend of that dim's groups (None: the world's), as torch's does.
     """
 
+    @on_real_tensors
     def __init__(self, device_type: str, mesh: torch.Tensor | Sequence[Any], *,
                  mesh_dim_names: tuple[str, ...] | None = None,
                  backend_override: tuple[str | None, ...] | None = None, _groups: list[AnyGroup] | None = None,
@@ -130,6 +132,7 @@ class DeviceMesh:
     def __hash__(self) -> int:
         return self._hash
 
+    @on_real_tensors
     def __reduce__(self) -> tuple:
         """Pickled as its ranks, names and backends; unpickled with the groups its world already has (see
         _unpickled_mesh), as torch's mesh finds its groups by name."""
@@ -138,6 +141,7 @@ class DeviceMesh:
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, DeviceMesh) and self._key == other._key)
 
+    @on_real_tensors
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
@@ -181,6 +185,7 @@ class DeviceMesh:
     def get_all_groups(self) -> list[AnyGroup]:
         return list(self._groups)
 
+    @on_real_tensors
     def existing_group(self) -> AnyGroup | None:
         """A process group of exactly this mesh's ranks that already exists, or None: the group of its only mesh
         dim of size > 1, the default group for a mesh over the whole world, or one `flatten` made. Never creates
@@ -240,6 +245,7 @@ class DeviceMesh:
         self._submeshes[key] = sub
         return sub
 
+    @on_real_tensors
     def _sub_mesh(self, dims: list[int], names: tuple[str, ...] | None) -> DeviceMesh:
         """The sub-mesh over `dims` (in order) that contains this rank, sharing this mesh's groups."""
         if self._coordinate is None:
@@ -250,6 +256,7 @@ class DeviceMesh:
                           backend_override=tuple(self._backends[d] for d in dims),
                           _groups=[self._groups[d] for d in dims], _root=self._root)
 
+    @on_real_tensors
     def flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
         """A 1-d mesh over all of this (sub-)mesh's dims, named `mesh_dim_name` (default "a_b"); idempotent.
 
@@ -314,6 +321,7 @@ class DeviceMesh:
         return root if tuple(names) == root.mesh_dim_names else root[tuple(names)]
 
 
+@on_real_tensors
 def _unpickled_mesh(device_type: str, ranks: Any, mesh_dim_names: tuple[str, ...] | None,
                     backends: tuple[str | None, ...]) -> DeviceMesh:
     """A DeviceMesh unpickled (torch.load of DTensors) in this rank's world: its groups are the ones the world

@@ -154,3 +154,32 @@ def test_ddp_and_tensor_parallel_run_on_one_rank_of_a_large_fake_world() -> None
         assert out.shape == (5, 16) and mlp[0].weight.grad.to_local().shape == (8, 16)
     finally:
         spmd.destroy_process_group()
+
+
+def test_fake_tensors_go_through_a_fake_group_inline_and_no_real_one() -> None:
+    """Under torch's FakeTensorMode (a model traced for its memory, as TorchTitan's estimation does) the fake
+    group takes FakeTensors, its async ops complete on the caller's thread (the mode is per thread), object
+    exchanges and mesh slicing run on real host tensors; a real group refuses a FakeTensor before sending."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    spmd.init_process_group("fake", rank=3, world_size=8, torch_default_group=False)
+    try:
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        with FakeTensorMode():
+            tp = mesh["tp"]
+            out, mine = torch.empty(16), torch.ones(4)
+            work = spmd.all_gather_into_tensor(out, mine, group=tp.get_group(), async_op=True)
+            assert work.is_completed() and isinstance(out, FakeTensor) and out.shape == (16,)
+            gathered: list[object] = [None] * 8
+            spmd.all_gather_object(gathered, {"rank": 3})
+            assert gathered == [{"rank": 3}] * 8
+    finally:
+        spmd.destroy_process_group()
+
+    def body(rank: int, size: int) -> str:
+        with FakeTensorMode(), pytest.raises(TypeError) as caught:
+            spmd.all_reduce(torch.ones(2))
+        return str(caught.value)
+
+    for message in run_ranks(body, 2, timeout=60):
+        assert "all_reduce on rank" in message and "is a FakeTensor" in message

@@ -1,16 +1,19 @@
 """spmd's FSDPMemTracker over spmd's fully_shard against torch's FSDPMemTracker over torch's fully_shard (the
 oracle): one Adam step of the same model on rank r of a 4-rank world (backend "fake" on both sides, torch's in a
 pool process), category by category at the peak and module by module; the same tracker on 4 thread ranks of a
-real job; the FSDP hooks put back on exit; and the error for a model fully_shard did not shard."""
+real job; TorchTitan's estimation under FakeTensorMode equal to the same steps with real tensors; the FSDP hooks
+put back on exit; and the error for a model fully_shard did not shard."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import spmd
 from spmd._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -268,3 +271,45 @@ def test_a_model_fully_shard_did_not_shard_is_refused() -> None:
         FSDPMemTracker(model[1])                                              # the sharded block is fine
 
     run_ranks(body, 2, timeout=30)
+
+
+def _estimation(fake_tensors: bool) -> dict:
+    """TorchTitan's memory estimation, on rank 1 of a fake 8-rank world: the mesh built first; then, under a
+    FakeTensorMode (or not), the model made on meta, sharded HSDP on (2, 4), materialized with to_empty; AdamW;
+    two tracked iterations, the module statistics reset after the first (it has no optimizer state yet)."""
+    spmd.init_process_group("fake", rank=1, world_size=8, torch_default_group=False)
+    try:
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp_replicate", "dp_shard"))
+        with FakeTensorMode() if fake_tensors else contextlib.nullcontext():
+            with torch.device("meta"):
+                model = build(EVEN)
+            for module in (model[1], model[2], model):
+                fully_shard(module, mesh=mesh)
+            model.to_empty(device="cpu")
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            x = torch.randn(6, EVEN[0])
+            tracker = FSDPMemTracker(model, optimizer)
+            tracker.track_inputs((x,))
+            with tracker:
+                for iteration in range(2):
+                    model(x).sum().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    if iteration == 0:
+                        tracker.reset_mod_stats()
+        assert isinstance(model[0].weight.to_local(), FakeTensor) == fake_tensors
+        return {"peak": _plain(tracker.get_tracker_snapshot("peak")),
+                "modules": {stats.mod_fqn: {state.value: [_plain(s) for s in snapshots]
+                                            for state, snapshots in stats.snapshots.items()}
+                            for stats in tracker.memory_tracking.values()}}
+    finally:
+        spmd.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_under_fake_tensor_mode_the_estimate_is_what_real_tensors_give() -> None:
+    # No memory is allocated under FakeTensorMode, so a layout's memory shows at any model size: every snapshot
+    # (peak, and each module's at each of its states) equals the same steps' with real tensors, to the byte.
+    real, fake = _estimation(fake_tensors=False), _estimation(fake_tensors=True)
+    assert fake == real
+    assert real["peak"]["Sharded Param"] > 0 and real["peak"]["OptState"] > 0 and real["peak"]["All Gather"] > 0

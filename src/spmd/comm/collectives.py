@@ -8,6 +8,7 @@ tensor it saved for backward.
 from __future__ import annotations
 
 import datetime
+import sys
 
 import torch
 from torch import Tensor
@@ -33,7 +34,7 @@ def check_tensor(tensor: object, name: str, op: str, group: ProcessGroup) -> Ten
         raise TypeError(f"{_where(op, group)}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout is not torch.strided:
         raise ValueError(f"{_where(op, group)}: {name} must be a dense tensor, got layout {tensor.layout}")
-    if is_wrapper_subclass(tensor):
+    if is_wrapper_subclass(tensor) and not (is_fake(tensor) and not group.transport.moves_data):
         raise TypeError(f"{_where(op, group)}: {name} is a {type(tensor).__name__}, a tensor subclass whose data "
                         f"lives in the tensors it wraps, which no transport can read or write; pass a plain "
                         f"tensor (torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t), and copy results "
@@ -47,6 +48,13 @@ def check_tensor(tensor: object, name: str, op: str, group: ProcessGroup) -> Ten
                          f"moves only {', '.join(devices)} tensors; move it with .to() or use a group whose "
                          f"backend moves {tensor.device.type} tensors")
     return tensor
+
+
+def is_fake(tensor: Tensor) -> bool:
+    """A FakeTensor (torch's: shapes without data, under a FakeTensorMode): only a transport that moves no data
+    (the fake one) takes it."""
+    module = sys.modules.get("torch._subclasses.fake_tensor")
+    return module is not None and isinstance(tensor, module.FakeTensor)
 
 
 def is_wrapper_subclass(tensor: Tensor) -> bool:

@@ -149,7 +149,9 @@ class ProcessGroup:
         work = Work(f"{fingerprint.op} #{fingerprint.seq} on {self.description}", outputs, record)
         with self._lock:
             self._raise_if_unusable(fingerprint)
-            inline = not async_op and self._running is None and not self._queue
+            # async ops too on a transport that moves nothing (fake): no thread, so a FakeTensorMode (per
+            # thread) still serves the op's tensors
+            inline = (not async_op or not self.transport.moves_data) and self._running is None and not self._queue
             if inline:
                 self._running = record
             else:

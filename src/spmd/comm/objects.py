@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from spmd._core.fake import on_real_tensors
 from spmd.comm import collectives, p2p
 from spmd.comm.group import ProcessGroup
 from spmd.comm.world import AnyGroup, resolve_group
@@ -39,6 +40,7 @@ def _from_tensor(data: Tensor, length: int) -> Any:
     return pickle.loads(data[:length].numpy().tobytes())
 
 
+@on_real_tensors
 def all_gather_object(object_list: list[Any], obj: Any, group: AnyGroup | None = None) -> None:
     """object_list[i] <- rank i's `obj`, on every rank. Collective."""
     pg = resolve_group(group, "all_gather_object")
@@ -48,6 +50,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: AnyGroup | None =
     object_list[:] = [pickle.loads(data) for data in all_gather_bytes(pickle.dumps(obj), group=pg)]
 
 
+@on_real_tensors
 def all_gather_bytes(data: bytes, group: AnyGroup | None = None) -> list[bytes]:
     """Every rank's `data`, in group rank order, on every rank: for callers that encode their objects
     themselves (as JSON, say) and must not unpickle what peers send. Collective."""
@@ -67,6 +70,7 @@ def all_gather_bytes(data: bytes, group: AnyGroup | None = None) -> list[bytes]:
     return [host_gathered[rank, :host_lengths[rank]].numpy().tobytes() for rank in range(pg.size())]
 
 
+@on_real_tensors
 def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0,
                   group: AnyGroup | None = None) -> None:
     """On `dst`, object_gather_list[i] <- rank i's `obj`. Collective."""
@@ -81,6 +85,7 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
         object_gather_list[:] = gathered
 
 
+@on_real_tensors
 def broadcast_object_list(object_list: list[Any], src: int = 0, group: AnyGroup | None = None,
                           device: torch.device | None = None) -> None:
     """object_list <- `src`'s object_list, in place, on every rank (lists must have equal lengths). Collective.
@@ -107,6 +112,7 @@ def broadcast_object_list(object_list: list[Any], src: int = 0, group: AnyGroup 
             offset += length
 
 
+@on_real_tensors
 def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None,
                         src: int = 0, group: AnyGroup | None = None) -> None:
     """scatter_object_output_list[0] <- `src`'s scatter_object_input_list[rank]. Collective."""
@@ -123,6 +129,7 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
     scatter_object_output_list[0] = everything[0][pg.group_rank]
 
 
+@on_real_tensors
 def send_object_list(object_list: list[Any], dst: int | None = None, group: AnyGroup | None = None,
                      device: torch.device | None = None, group_dst: int | None = None) -> None:
     """Send `object_list` to rank `dst`, whose recv_object_list takes it into a list of the same length: the
@@ -136,6 +143,7 @@ def send_object_list(object_list: list[Any], dst: int | None = None, group: AnyG
              group_dst=group_dst)
 
 
+@on_real_tensors
 def recv_object_list(object_list: list[Any], src: int | None = None, group: AnyGroup | None = None,
                      device: torch.device | None = None, group_src: int | None = None) -> int:
     """object_list <- the list rank `src` sent with send_object_list (of the same length), in place; returns

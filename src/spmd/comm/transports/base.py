@@ -82,6 +82,7 @@ class Transport(abc.ABC):
 
     name: str = "abstract"
     devices: tuple[str, ...] = ()   # device types it moves, e.g. ("cpu",); every transport declares its own
+    moves_data: bool = True         # False: the fake transport, which reads and writes no peer's data
 
     def __init__(self, spec: TransportSpec) -> None:
         if not self.devices:

@@ -19,6 +19,7 @@ rank= and world_size=) and all its groups are fake; a real world may make fake g
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from spmd.comm.reduce_op import ReduceOp
@@ -31,6 +32,7 @@ class FakeTransport(Transport):
 
     name = "fake"
     devices = ("cpu", "cuda")
+    moves_data = False       # so it takes FakeTensors too: a model traced under torch's FakeTensorMode
 
     def all_reduce(self, tensor: Tensor, op: ReduceOp, ctx: OpContext) -> None:
         pass
@@ -91,6 +93,6 @@ class FakeTransport(Transport):
 def _apart_from(source: Tensor, destination: Tensor) -> Tensor:
     """`source`, copied first if it shares memory with `destination` (an in-place all_gather's input is its
     own block of the output)."""
-    if source.numel() and source.untyped_storage().data_ptr() == destination.untyped_storage().data_ptr():
+    if source.numel() and torch._C._is_alias_of(source, destination):     # by storage: FakeTensors have no data
         return source.clone()
     return source
