@@ -210,12 +210,15 @@ def all_gather(ex: Exchange, output: Tensor, input: Tensor) -> None:
     """output <- every rank's input in rank order."""
     r, n = ex.group_rank, ex.group_size
     m = input.numel()
-    output[r * m:(r + 1) * m].copy_(input)
     if n == 1:
+        output.copy_(input)
         return
+    # The receives are posted before this rank copies its own block, which takes as long as receiving one: a
+    # peer's block arriving before its receive is posted is read into a buffer of its own and copied again.
     if n == 2 or _is_small(output):
         peers = [(r + k) % n for k in range(1, n)]
         handles = ex.post([(p, output[p * m:(p + 1) * m]) for p in peers])
+        output[r * m:(r + 1) * m].copy_(input)
         for p in peers:
             ex.send(p, input)
         for handle in handles:
@@ -225,6 +228,7 @@ def all_gather(ex: Exchange, output: Tensor, input: Tensor) -> None:
     size = input.element_size()
     steps = [_pieces(b * m, m, size) for b in ((r - s - 1) % n for s in range(n - 1))]
     handles = iter(ex.post([(prev, output[a:a + length]) for pieces in steps for a, length in pieces]))
+    output[r * m:(r + 1) * m].copy_(input)
     for a, length in _pieces(r * m, m, size):
         ex.send(nxt, output[a:a + length])
     for step, pieces in enumerate(steps):
@@ -441,9 +445,9 @@ def all_to_all(ex: Exchange, output: Tensor, input: Tensor, output_splits: list[
             f"expects {output_splits[r]} from itself; output and input split sizes disagree")
     out_at = [sum(output_splits[:i]) for i in range(n)]
     in_at = [sum(input_splits[:i]) for i in range(n)]
-    output[out_at[r]:out_at[r] + output_splits[r]].copy_(input[in_at[r]:in_at[r] + input_splits[r]])
     peers = [(r + k) % n for k in range(1, n)]
     handles = ex.post([(p, output[out_at[p]:out_at[p] + output_splits[p]]) for p in peers])
+    output[out_at[r]:out_at[r] + output_splits[r]].copy_(input[in_at[r]:in_at[r] + input_splits[r]])  # as all_gather
     for p in peers:
         ex.send(p, input[in_at[p]:in_at[p] + input_splits[p]])
     for handle in handles:
