@@ -39,6 +39,7 @@ from spmd.comm.objects import all_gather_object
 from spmd.fsdp.param import FSDPParam
 from spmd.fsdp.param_group import FSDPParamGroup, GroupState, PendingReductions
 from spmd.fsdp.policy import MixedPrecisionPolicy
+from spmd.tensor.api import eager_under_compile
 
 _STATE_ATTR = "_spmd_fsdp_state"
 
@@ -119,6 +120,7 @@ class FSDPState:
 
     # -- forward --------------------------------------------------------------------------------------------
 
+    @eager_under_compile
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.root is None:
             self._lazy_init()
@@ -148,6 +150,7 @@ class FSDPState:
             args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
 
+    @eager_under_compile
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if in_backward():
             return output
