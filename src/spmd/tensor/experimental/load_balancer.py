@@ -42,6 +42,18 @@ class _HeadTailLoadBalancer(_LoadBalancer):
         return indices.unsqueeze(0)
 
 
+def rearrange(buffer: Tensor, seq_dim: int, indices: Tensor) -> Tensor:
+    """`buffer` with its positions along `seq_dim` reordered by `indices` ((1, L) for every batch row, or (B, L)
+    one row per batch row, dim 0 being the batch)."""
+    if indices.shape[0] == 1 or seq_dim == 0:
+        return buffer.index_select(seq_dim, indices[0].to(buffer.device))
+    if indices.shape[0] != buffer.shape[0]:
+        raise ValueError(f"spmd: _context_parallel_shard: the load balancer's indices are {tuple(indices.shape)} "
+                         f"but a buffer is {tuple(buffer.shape)} (one row of indices per batch row, dim 0)")
+    shape = [indices.shape[0]] + [1] * (seq_dim - 1) + [indices.shape[1]] + [1] * (buffer.dim() - seq_dim - 1)
+    return buffer.gather(seq_dim, indices.to(buffer.device).view(shape).expand(buffer.shape))
+
+
 def _default_load_balancer(seq_length: int, world_size: int,
                            device: str | torch.device) -> _HeadTailLoadBalancer | None:
     """torch's rule: head-tail when load balancing is on and the length divides into 2 * world_size chunks."""

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from spmd.device_mesh import DeviceMesh
 from spmd.tensor.api import DTensor
 from spmd.tensor.dispatch import forget_decisions
-from spmd.tensor.experimental.load_balancer import _LoadBalancer
+from spmd.tensor.experimental.load_balancer import _LoadBalancer, rearrange
 from spmd.tensor.ops.attention import ring_dispatch
 from spmd.tensor.parallel.style import ParallelStyle
 from spmd.tensor.placement import Shard
@@ -120,18 +120,6 @@ class _ContextParallel(ParallelStyle):
         return outputs
 
 
-def _deal(buffer: Tensor, seq_dim: int, indices: Tensor) -> Tensor:
-    """`buffer` with its positions along `seq_dim` reordered by `indices` ((1, L) for every batch row, or (B, L)
-    one row per batch row, dim 0 being the batch)."""
-    if indices.shape[0] == 1 or seq_dim == 0:
-        return buffer.index_select(seq_dim, indices[0].to(buffer.device))
-    if indices.shape[0] != buffer.shape[0]:
-        raise ValueError(f"spmd: _context_parallel_shard: the load balancer's indices are {tuple(indices.shape)} "
-                         f"but a buffer is {tuple(buffer.shape)} (one row of indices per batch row, dim 0)")
-    shape = [indices.shape[0]] + [1] * (seq_dim - 1) + [indices.shape[1]] + [1] * (buffer.dim() - seq_dim - 1)
-    return buffer.gather(seq_dim, indices.to(buffer.device).view(shape).expand(buffer.shape))
-
-
 def _context_parallel_shard(mesh: DeviceMesh, buffers: Sequence[Tensor] | Mapping[str, Tensor],
                             seq_dims: Sequence[int] | Mapping[str, int],
                             load_balancer: _LoadBalancer | None = None) -> Any:
@@ -162,6 +150,6 @@ def _context_parallel_shard(mesh: DeviceMesh, buffers: Sequence[Tensor] | Mappin
             if buffer.shape[dim] % size:
                 raise ValueError(f"spmd: _context_parallel_shard: a sequence of {buffer.shape[dim]} (dim {dim} of "
                                  f"{tuple(buffer.shape)}) does not divide over {size} ranks")
-            dealt = buffer if indices is None else _deal(buffer, dim, indices)
+            dealt = buffer if indices is None else rearrange(buffer, dim, indices)
             shards.append(dealt.chunk(size, dim)[rank].clone())
     return tree_unflatten(shards, structure)
