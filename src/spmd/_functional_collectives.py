@@ -28,7 +28,7 @@ from spmd.comm.functional import (
 )
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.world import AnyGroup, current_world, default_group, new_group
+from spmd.comm.world import AnyGroup, current_world, default_group, group_named, new_group
 from spmd.device_mesh import DeviceMesh
 from spmd.nn import functional as differentiable
 
@@ -76,12 +76,9 @@ def _group(group: RANK_TYPES, op: str) -> ProcessGroup:
         return _group(group.get_group(), op)
     if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
         return _group(group[0].get_group(group[1]), op)
-    world = current_world()
     if isinstance(group, str):
-        for candidate in world.groups:
-            if isinstance(candidate, ProcessGroup) and candidate.name == group:
-                return candidate
-        raise ValueError(f"spmd functional {op} on rank {world.rank}: no group named {group!r}")
+        return group_named(group, f"spmd functional {op}")
+    world = current_world()
     if isinstance(group, list) and group and all(isinstance(r, int) for r in group):
         return _group_of_ranks(tuple(group), op)
     if isinstance(group, list) and group and all(isinstance(r, list) for r in group):

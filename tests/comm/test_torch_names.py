@@ -91,14 +91,6 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
     "tensor.experimental._attention": {
         "_templated_ring_attention": "the template of torch's ring attention over its kernels' calling "
                                      "conventions; spmd's ring attention is spmd.tensor.ring_attention",
-        **dict.fromkeys(["_PerDocumentHeadTailLoadBalancer", "_PTRRLoadBalancer"],
-                        "torch's load balancers for flex attention's block masks; context parallelism of "
-                        "flex_attention is not served yet (SDPA's deal is _HeadTailLoadBalancer)"),
-    },
-    "tensor.experimental._context_parallel": {
-        **dict.fromkeys(["_PerDocumentHeadTailLoadBalancer", "_PTRRLoadBalancer", "flex_cp_allgather"],
-                        "flex attention's load balancers and K/V gather: context parallelism of flex_attention "
-                        "is not served yet"),
     },
     "fsdp.sharded_grad_scaler": {"ProcessGroup": "not API: the type torch's module imports for its signature "
                                                  "(spmd.ProcessGroup is the top-level name)"},

@@ -19,7 +19,7 @@ from torch import nn
 import spmd
 from spmd.tensor.experimental import context_parallel
 from spmd.tensor.experimental._attention import _cp_options, context_parallel_unshard, set_rotate_method
-from spmd.tensor.experimental.context_parallel import _HeadTailLoadBalancer
+from spmd.tensor.experimental.load_balancer import _HeadTailLoadBalancer
 from tests.tensor.conftest import run_on_mesh
 
 TIMEOUT = 60

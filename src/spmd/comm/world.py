@@ -608,6 +608,15 @@ def resolve_group(group: AnyGroup | None, op: str) -> ProcessGroup:
     return group
 
 
+def group_named(name: str, op: str) -> ProcessGroup:
+    """This rank's group called `name` (torch's functional collectives and custom ops name groups so)."""
+    world = current_world()
+    for candidate in world.groups:
+        if isinstance(candidate, ProcessGroup) and candidate.name == name:
+            return candidate
+    raise ValueError(f"{op} on rank {world.rank}: no group named {name!r}")
+
+
 def get_rank(group: AnyGroup | None = None) -> int:
     """This rank's global rank, or its rank inside `group` (-1 if not a member)."""
     if group is None:

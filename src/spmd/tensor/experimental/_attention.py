@@ -14,7 +14,12 @@ from spmd.tensor.experimental.context_parallel import (
     context_parallel_unshard,
     set_rotate_method,
 )
-from spmd.tensor.experimental.load_balancer import _HeadTailLoadBalancer, _LoadBalancer
+from spmd.tensor.experimental.load_balancer import (
+    _HeadTailLoadBalancer,
+    _LoadBalancer,
+    _PerDocumentHeadTailLoadBalancer,
+    _PTRRLoadBalancer,
+)
 from spmd.tensor.parallel.context_parallel import (
     _CausalBehavior,
     _context_parallel_shard,
@@ -24,7 +29,7 @@ from spmd.tensor.parallel.context_parallel import (
     _is_causal_behavior,
 )
 
-__all__ = ["_CausalBehavior", "_ContextParallel", "_ContextParallelOptions", "_HeadTailLoadBalancer",
-           "_LoadBalancer", "_RotateMethod", "_context_parallel_shard", "_cp_options",
-           "_disable_context_parallel_dispatcher", "_enable_context_parallel_dispatcher", "_is_causal_behavior",
-           "context_parallel", "context_parallel_unshard", "set_rotate_method"]
+__all__ = ["_CausalBehavior", "_ContextParallel", "_ContextParallelOptions", "_HeadTailLoadBalancer", "_LoadBalancer",
+           "_PTRRLoadBalancer", "_PerDocumentHeadTailLoadBalancer", "_RotateMethod", "_context_parallel_shard",
+           "_cp_options", "_disable_context_parallel_dispatcher", "_enable_context_parallel_dispatcher",
+           "_is_causal_behavior", "context_parallel", "context_parallel_unshard", "set_rotate_method"]

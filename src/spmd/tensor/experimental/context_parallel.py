@@ -31,7 +31,7 @@ from torch import Tensor
 from spmd.comm.functional import all_gathered
 from spmd.device_mesh import DeviceMesh
 from spmd.tensor.api import DTensor
-from spmd.tensor.experimental.load_balancer import _default_load_balancer, _HeadTailLoadBalancer
+from spmd.tensor.experimental.load_balancer import _default_load_balancer, _LoadBalancer, rearrange
 from spmd.tensor.ring_attention import (
     ContextParallelOptions,
     RingLayout,
@@ -204,14 +204,14 @@ def context_parallel(mesh: DeviceMesh, *, buffers: list[Tensor] | None = None,
 
 @torch.no_grad()
 def context_parallel_unshard(mesh: DeviceMesh, buffers: list[Tensor], seq_dims: list[int],
-                             load_balancer: _HeadTailLoadBalancer | None = None) -> list[Tensor]:
+                             load_balancer: _LoadBalancer | None = None) -> list[Tensor]:
     """The whole-sequence tensors whose slices `buffers` are (outputs, losses per token), gathered over `mesh`
     and put back in sequence order; `load_balancer` defaults to the deal `context_parallel` used."""
     local = _check_buffers(buffers, seq_dims, "context_parallel_unshard")
     world_size, group = mesh.size(), mesh.get_group()
     balancer = load_balancer or _default_load_balancer(local * world_size, world_size, buffers[0].device)
-    restore = None if balancer is None else balancer._generate_indices(restore=True)[0]
+    restore = None if balancer is None else balancer._generate_indices(restore=True)
     gathered = [all_gathered(b.contiguous(), dim, group) for b, dim in zip(buffers, seq_dims, strict=True)]
     if restore is None:
         return gathered
-    return [g.index_select(dim, restore.to(g.device)) for g, dim in zip(gathered, seq_dims, strict=True)]
+    return [rearrange(g, dim, restore) for g, dim in zip(gathered, seq_dims, strict=True)]

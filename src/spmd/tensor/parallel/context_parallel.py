@@ -2,6 +2,8 @@
 the batch's sequence buffers out, `_ContextParallel` applied to each attention module (by `parallelize_module`)
 makes its query, key and value DTensors sharded on the sequence, and `_enable_context_parallel_dispatcher` makes
 DTensor run attention on such tensors as ring attention (ops.attention's Note: context-parallel attention).
+With `AttentionType.FLEX` the module's keys and values are gathered instead and flex_attention runs on plain
+tensors with the BlockMask `_context_parallel_shard` made for this rank (tensor.parallel.flex_attention).
 
 Layer: tensor.parallel (torch serves it at `tensor.experimental._attention`, an alias here). Unlike
 `context_parallel` (the context manager), nothing is patched and no buffer is changed in
@@ -10,7 +12,7 @@ communicate.
 
 Note (the protocol): every rank of the context-parallel mesh shards the same buffers the same way and runs the
 same attention modules in the same order; each attention call is one ring pass (or one all-gather) forward and
-one backward over the mesh (tensor.ring_attention's Note).
+one backward over the mesh (tensor.ring_attention's Note; for FLEX, tensor.parallel.flex_attention's).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from spmd.device_mesh import DeviceMesh
@@ -29,9 +32,12 @@ from spmd.tensor.api import DTensor
 from spmd.tensor.dispatch import forget_decisions
 from spmd.tensor.experimental.load_balancer import _LoadBalancer, rearrange
 from spmd.tensor.ops.attention import ring_dispatch
+from spmd.tensor.parallel.flex_attention import gather_flex_inputs, shard_block_mask
 from spmd.tensor.parallel.style import ParallelStyle
 from spmd.tensor.placement import Shard
 from spmd.tensor.ring_attention import Visibility, cp_options, visibility
+
+CPBuffer = Tensor | BlockMask
 
 __all__ = ["_CausalBehavior", "_ContextParallel", "_context_parallel_shard", "_disable_context_parallel_dispatcher",
            "_enable_context_parallel_dispatcher", "_is_causal_behavior"]
@@ -77,20 +83,27 @@ class _ContextParallel(ParallelStyle):
 
     def __init__(self, seq_dim: int, attention_type: AttentionType) -> None:
         super().__init__()
-        if attention_type is self.AttentionType.FLEX:
-            raise NotImplementedError("spmd: context parallelism of flex_attention is not served yet; use "
-                                      "_ContextParallel.AttentionType.SDPA (scaled_dot_product_attention)")
-        if seq_dim != 2:
+        if attention_type is self.AttentionType.SDPA and seq_dim != 2:
             raise ValueError(f"spmd: _ContextParallel: scaled_dot_product_attention's sequence is dim 2 of "
                              f"(batch, heads, sequence, dim); got seq_dim={seq_dim}")
         self.seq_dim = seq_dim
         self.attention_type = attention_type
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh, fqn: str = "") -> nn.Module:
+        if self.attention_type is self.AttentionType.FLEX:
+            module.register_forward_pre_hook(functools.partial(self.flex_input_fn, mesh=device_mesh),
+                                              with_kwargs=True)
+            return module
         module.register_forward_pre_hook(functools.partial(self.sdpa_input_fn, mesh=device_mesh),
                                           with_kwargs=True)
         module.register_forward_hook(functools.partial(self.sdpa_output_fn, mesh=device_mesh))
         return module
+
+    def flex_input_fn(self, module: nn.Module | None, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      mesh: DeviceMesh) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The module's key and value (this rank's slices) replaced by the whole sequence's, gathered over the
+        mesh; the query stays this rank's slice, to attend with the block mask `_context_parallel_shard` made."""
+        return gather_flex_inputs(args, kwargs, self.seq_dim, mesh)
 
     def sdpa_input_fn(self, module: nn.Module | None, args: tuple[Any, ...], kwargs: dict[str, Any],
                       mesh: DeviceMesh) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -120,7 +133,7 @@ class _ContextParallel(ParallelStyle):
         return outputs
 
 
-def _context_parallel_shard(mesh: DeviceMesh, buffers: Sequence[Tensor] | Mapping[str, Tensor],
+def _context_parallel_shard(mesh: DeviceMesh, buffers: Sequence[CPBuffer] | Mapping[str, CPBuffer],
                             seq_dims: Sequence[int] | Mapping[str, int],
                             load_balancer: _LoadBalancer | None = None) -> Any:
     """This rank's slices of `buffers` (the inputs, labels, positions: a list, tuple or dict, returned in the
@@ -135,18 +148,22 @@ def _context_parallel_shard(mesh: DeviceMesh, buffers: Sequence[Tensor] | Mappin
         raise ValueError(f"spmd: _context_parallel_shard takes the 1-D context-parallel mesh; got {mesh.ndim}-D "
                          f"{mesh.shape}")
     for buffer in flat:
-        if not isinstance(buffer, Tensor):
-            raise NotImplementedError(f"spmd: _context_parallel_shard shards tensors; a {type(buffer).__name__} "
-                                      f"(flex_attention's BlockMask) is not served yet")
-    if len({b.device for b in flat}) > 1:
+        if not isinstance(buffer, Tensor | BlockMask):
+            raise TypeError(f"spmd: _context_parallel_shard shards tensors and flex_attention's BlockMasks; got a "
+                            f"{type(buffer).__name__}")
+    devices = {b.device if isinstance(b, Tensor) else b.kv_num_blocks.device for b in flat}
+    if len(devices) > 1:
         raise ValueError(f"spmd: _context_parallel_shard: the buffers are on several devices "
-                         f"({sorted(str(d) for d in {b.device for b in flat})}); put them on one")
+                         f"({sorted(str(d) for d in devices)}); put them on one")
     cp_options.enable_load_balance = load_balancer is not None
     indices = load_balancer._generate_indices() if load_balancer is not None else None
     rank, size = mesh.get_local_rank(), mesh.size()
-    shards = []
+    shards: list[Tensor | BlockMask] = []
     with torch.no_grad():
         for buffer, dim in zip(flat, dims, strict=True):
+            if isinstance(buffer, BlockMask):       # its sequence dims are its own; `dim` is ignored, as in torch
+                shards.append(shard_block_mask(buffer, mesh, load_balancer))
+                continue
             if buffer.shape[dim] % size:
                 raise ValueError(f"spmd: _context_parallel_shard: a sequence of {buffer.shape[dim]} (dim {dim} of "
                                  f"{tuple(buffer.shape)}) does not divide over {size} ranks")

@@ -3,6 +3,11 @@
 Layer: tensor.
 """
 
-from spmd.tensor.experimental.load_balancer import _HeadTailLoadBalancer, _LoadBalancer
+from spmd.tensor.experimental.load_balancer import (
+    _HeadTailLoadBalancer,
+    _LoadBalancer,
+    _PerDocumentHeadTailLoadBalancer,
+    _PTRRLoadBalancer,
+)
 
-__all__ = ["_HeadTailLoadBalancer", "_LoadBalancer"]
+__all__ = ["_HeadTailLoadBalancer", "_LoadBalancer", "_PTRRLoadBalancer", "_PerDocumentHeadTailLoadBalancer"]
