@@ -3,6 +3,7 @@ errors a user meets first (no init, double init, non-member groups, bad argument
 
 from __future__ import annotations
 
+import inspect
 import socket
 import threading
 import time
@@ -164,6 +165,11 @@ def test_timeout_names_the_rank_that_never_came_and_where_it_is() -> None:
     message = run_ranks(body, world_size=2, timeout=30, comm_timeout=1.0)[0]
     assert "all_reduce #2" in message and "never entered it: [1]" in message
     assert "rank 1 last completed barrier #1 called at test_world.py:" in message
+    lines, first = inspect.getsourcelines(body)
+    waiting_line = first + next(i for i, line in enumerate(lines) if "release.wait(timeout=20)" in line)
+    now = message.split("; now at ", 1)[1].splitlines()[0]
+    assert now.startswith("threading.py:") and now.endswith(f" <- test_world.py:{waiting_line} in body"), now
+    assert "rank 0 is still in all_reduce #2" in message and message.count("now at") == 1
 
 
 def test_work_wait_timeout_and_state() -> None:

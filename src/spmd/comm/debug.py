@@ -9,7 +9,8 @@ transport sends it in its own message header, so a peer that called something el
 message, whatever the debug level. Every rank also keeps a FlightRecorder: its last few operations per group
 and their state. When a collective times out, the waiting rank asks every rank, through the store, for its
 recorder (a StatusService thread answers on each rank, even while that rank is busy computing), and the
-timeout error lists who never entered the collective and what they were doing instead.
+timeout error lists who never entered the collective, what they last did, and where their rank's thread is
+now (its innermost frames: a data loader's wait, a deadlocked lock, a forgotten `if rank == 0:`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ _SKIP_DIRS = (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),   # spmd/
     os.path.dirname(os.path.abspath(torch.__file__)),               # torch/
 )
+_STDLIB_DIR = os.path.dirname(os.path.abspath(threading.__file__))
+_STACK_FRAMES = 6
 
 
 _BASENAMES: dict[str, str] = {}
@@ -51,6 +54,23 @@ def user_call_site() -> str:
     if name is None:
         name = _BASENAMES[path] = os.path.basename(path)
     return f"{name}:{frame.f_lineno}"
+
+
+def where_thread_is(thread_id: int) -> list[str]:
+    """Where thread `thread_id` is ("file.py:line in function", innermost first; empty if it has ended): the
+    frames down to the user's code (neither spmd's, torch's nor the standard library's), spmd's own left out,
+    then the user's calling frame; at most _STACK_FRAMES."""
+    frame = sys._current_frames().get(thread_id)
+    frames: list[str] = []
+    user_frames = 0
+    while frame is not None and len(frames) < _STACK_FRAMES and user_frames < 2:
+        path = frame.f_code.co_filename
+        is_user = not path.startswith((*_SKIP_DIRS, _STDLIB_DIR))
+        if is_user or (user_frames == 0 and not path.startswith(_SKIP_DIRS[0])):
+            frames.append(f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}")
+        user_frames += is_user
+        frame = frame.f_back
+    return frames
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -170,17 +190,19 @@ def _status_key(gen: int, rank: int) -> str:
 
 
 class StatusService:
-    """A daemon thread per rank that answers status requests with this rank's flight recorder.
+    """A daemon thread per rank that answers status requests with this rank's flight recorder and where the
+    rank's own thread (`rank_thread`, the one that initialized it) is.
 
     It waits on the store in slices of `poll_s`, so a stopped service's thread ends within that time.
     """
 
     def __init__(self, store: Store, rank: int, recorder: FlightRecorder, poll_s: float = 1.0,
-                 owns_store: bool = False) -> None:
+                 owns_store: bool = False, rank_thread: int | None = None) -> None:
         self._store = store
         self._owns_store = owns_store   # a clone with its own connection, closed when the service ends
         self._rank = rank
         self._recorder = recorder
+        self._rank_thread = threading.get_ident() if rank_thread is None else rank_thread
         self._poll_s = poll_s
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"spmd-status-rank{rank}", daemon=True)
@@ -197,7 +219,8 @@ class StatusService:
                     self._store.wait([_dump_key(gen)], timeout=self._poll_s)
                 except TimeoutError:
                     continue
-                status = {"rank": self._rank, "time": time.time(), "groups": self._recorder.snapshot()}
+                status = {"rank": self._rank, "time": time.time(), "groups": self._recorder.snapshot(),
+                          "stack": where_thread_is(self._rank_thread)}
                 self._store.set(_status_key(gen, self._rank), json.dumps(status))
                 gen += 1
         except (StoreError, OSError, ValueError):
@@ -224,7 +247,8 @@ def collect_statuses(store: Store, ranks: list[int], wait_s: float = 3.0) -> dic
 
 def describe_stragglers(group_name: str, group_ranks: list[int], mine: Fingerprint,
                         statuses: dict[int, dict[str, Any] | None]) -> tuple[list[int], list[str]]:
-    """Which ranks never entered `mine`, and one line per other rank saying what it last did and where."""
+    """Which ranks never entered `mine`, and one line per rank saying what it last did, and for those that
+    never entered it, where they are now."""
     missing: list[int] = []
     lines: list[str] = []
     now = time.time()
@@ -236,16 +260,19 @@ def describe_stragglers(group_name: str, group_ranks: list[int], mine: Fingerpri
             continue
         records = status["groups"].get(group_name, [])
         last = records[-1] if records else None
+        if last is None:
+            line = f"rank {rank} has not issued any operation on this group yet"
+        elif last["state"] in (OpState.ENQUEUED.value, OpState.RUNNING.value):
+            line = (f"rank {rank} is still in {last['op']} #{last['seq']} called at {last['call_site']} "
+                    f"(for {now - last['started_at']:.1f}s)")
+        else:
+            line = (f"rank {rank} last {last['state']} {last['op']} #{last['seq']} called at "
+                    f"{last['call_site']}, {now - (last['finished_at'] or now):.1f}s ago")
         if last is None or last["seq"] < mine.seq:
             missing.append(rank)
-        if last is None:
-            lines.append(f"rank {rank} has not issued any operation on this group yet")
-        elif last["state"] in (OpState.ENQUEUED.value, OpState.RUNNING.value):
-            lines.append(f"rank {rank} is still in {last['op']} #{last['seq']} called at {last['call_site']} "
-                         f"(for {now - last['started_at']:.1f}s)")
-        else:
-            lines.append(f"rank {rank} last {last['state']} {last['op']} #{last['seq']} called at "
-                         f"{last['call_site']}, {now - (last['finished_at'] or now):.1f}s ago")
+            if status.get("stack"):
+                line += "; now at " + " <- ".join(status["stack"])
+        lines.append(line)
     return missing, lines
 
 
