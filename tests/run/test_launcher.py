@@ -461,3 +461,49 @@ def test_local_ranks_filter_shows_only_chosen_ranks(tmp_path: Path) -> None:
     assert code == 0, err
     assert sorted(out.splitlines()) == ["[rank0]: out 0", "[rank2]: out 2"]
     assert "[rank1]" not in err and "[rank2]: err 2" in err
+
+
+STUCK_RANK = """
+    import sys
+    import torch
+    import spmd
+
+
+    def wait_for_release(fifo):
+        print("rank 1 waits", flush=True)
+        with open(fifo) as release:                     # blocks until the test opens it for writing
+            release.read()
+
+
+    spmd.init_process_group("auto", timeout=60)
+    spmd.barrier()
+    if spmd.get_rank() == 1:
+        wait_for_release(sys.argv[1])
+    spmd.all_reduce(torch.ones(4))
+"""
+
+
+def test_sigusr1_to_the_launcher_prints_what_every_rank_is_doing(tmp_path: Path) -> None:
+    fifo = tmp_path / "release"
+    os.mkfifo(fifo)
+    path = script(tmp_path, "stuck.py", STUCK_RANK)
+    lines = Path(path).read_text().splitlines()
+
+    def line_of(code: str) -> int:
+        return next(number for number, line in enumerate(lines, 1) if code in line)
+
+    launcher = Launcher("--nproc-per-node", "2", path, str(fifo))
+    try:
+        launcher.wait_for_line("rank 1 waits", timeout=60)
+        launcher.popen.send_signal(signal.SIGUSR1)
+        launcher.wait_for_line(f"rank 1 on group 'default' last completed barrier #1 called at "
+                               f"stuck.py:{line_of('spmd.barrier()')}", 30)
+        status = launcher.output[launcher.output.index("SIGUSR1: what every rank is doing"):]
+        assert "rank 0 on group 'default'" in status
+        assert (f"now at stuck.py:{line_of('with open(fifo)')} in wait_for_release <- "
+                f"stuck.py:{line_of('wait_for_release(sys.argv[1])')} in <module>") in status
+        with open(fifo, "w") as release:
+            release.write("go")
+        assert launcher.finish(timeout=60) == 0
+    finally:
+        launcher.kill()

@@ -65,7 +65,7 @@ def where_thread_is(thread_id: int) -> list[str]:
     user_frames = 0
     while frame is not None and len(frames) < _STACK_FRAMES and user_frames < 2:
         path = frame.f_code.co_filename
-        is_user = not path.startswith((*_SKIP_DIRS, _STDLIB_DIR))
+        is_user = not path.startswith((*_SKIP_DIRS, _STDLIB_DIR, "<frozen "))
         if is_user or (user_frames == 0 and not path.startswith(_SKIP_DIRS[0])):
             frames.append(f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}")
         user_frames += is_user
@@ -245,6 +245,34 @@ def collect_statuses(store: Store, ranks: list[int], wait_s: float = 3.0) -> dic
     return statuses
 
 
+def _what_it_did(record: dict[str, Any], now: float) -> str:
+    """A flight recorder entry as a status line says it: what a rank is still in, or what it last did."""
+    if record["state"] in (OpState.ENQUEUED.value, OpState.RUNNING.value):
+        return (f"is still in {record['op']} #{record['seq']} called at {record['call_site']} "
+                f"(for {now - record['started_at']:.1f}s)")
+    return (f"last {record['state']} {record['op']} #{record['seq']} called at {record['call_site']}, "
+            f"{now - (record['finished_at'] or now):.1f}s ago")
+
+
+def describe_ranks(statuses: dict[int, dict[str, Any] | None]) -> list[str]:
+    """One line per rank for a status request (spmdrun's SIGUSR1): on each of its groups what it is in or last
+    did, and where its thread is now."""
+    now = time.time()
+    lines = []
+    for rank, status in sorted(statuses.items()):
+        if status is None:
+            lines.append(f"rank {rank} did not answer (not initialized yet, dead, or stuck outside Python: "
+                         f"py-spy dump --pid shows where)")
+            continue
+        done = [f"on group {name!r} {_what_it_did(records[-1], now)}"
+                for name, records in status["groups"].items() if records]
+        line = f"rank {rank} " + ("; ".join(done) if done else "has issued no operation yet")
+        if status.get("stack"):
+            line += "; now at " + " <- ".join(status["stack"])
+        lines.append(line)
+    return lines
+
+
 def describe_stragglers(group_name: str, group_ranks: list[int], mine: Fingerprint,
                         statuses: dict[int, dict[str, Any] | None]) -> tuple[list[int], list[str]]:
     """Which ranks never entered `mine`, and one line per rank saying what it last did, and for those that
@@ -262,12 +290,8 @@ def describe_stragglers(group_name: str, group_ranks: list[int], mine: Fingerpri
         last = records[-1] if records else None
         if last is None:
             line = f"rank {rank} has not issued any operation on this group yet"
-        elif last["state"] in (OpState.ENQUEUED.value, OpState.RUNNING.value):
-            line = (f"rank {rank} is still in {last['op']} #{last['seq']} called at {last['call_site']} "
-                    f"(for {now - last['started_at']:.1f}s)")
         else:
-            line = (f"rank {rank} last {last['state']} {last['op']} #{last['seq']} called at "
-                    f"{last['call_site']}, {now - (last['finished_at'] or now):.1f}s ago")
+            line = f"rank {rank} {_what_it_did(last, now)}"
         if last is None or last["seq"] < mine.seq:
             missing.append(rank)
             if status.get("stack"):

@@ -23,11 +23,13 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 import types
 
 from spmd._core import env as environment
 from spmd._core.errors import StoreAuthError, StoreError
+from spmd.comm.debug import collect_statuses, describe_ranks
 from spmd.comm.store.base import HashStore, Store
 from spmd.comm.transports.shm.names import remove_orphan_segments
 from spmd.comm.transports.tcp.address import AddressChoice, choose_address
@@ -39,6 +41,7 @@ from spmd.run.timer import FileTimerRequest, FileTimerServer
 
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap.py")
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STATUS_SIGNAL = signal.SIGUSR1   # "what is every rank doing?" (see Agent._on_status_request)
 UNPROTECTED_WARNING = (
     "WARNING: the rendezvous store at {endpoint} has no token: anyone who can reach it can read the workers' "
     "store address and token, join the job or end it. Give every agent the same secret with --rdzv-token TOKEN, "
@@ -132,6 +135,7 @@ class Agent:
         self.me: NodeInfo | None = None
         self.address_source = ""   # where self.me's address came from, for the workers' errors
         self.workers: WorkerGroup | None = None
+        self.workers_store: tuple[str, int, str, int] | None = None   # the running round's: address, port, token, size
         self.watchdog: Watchdog | None = None
         self.timer_server: FileTimerServer | None = None   # the workers' `expires` timers (TORCHELASTIC_ENABLE_...)
         self.timer_file: str | None = None
@@ -144,6 +148,7 @@ class Agent:
     # ---- entry -------------------------------------------------------------------------------------------
     def run(self) -> int:
         previous = {signum: signal.signal(signum, self._on_signal) for signum in HANDLED_SIGNALS}
+        previous[STATUS_SIGNAL] = signal.signal(STATUS_SIGNAL, self._on_status_request)
         try:
             try:
                 self.watchdog = Watchdog()
@@ -188,6 +193,32 @@ class Agent:
         if self._raise_on_signal:  # once: later signals let the stop that is already running finish
             self._raise_on_signal = False
             raise Interrupted(signum)
+
+    def _on_status_request(self, signum: int, frame: types.FrameType | None) -> None:
+        """SIGUSR1: print what every rank of the job is doing (a hung job's "where is everyone", without waiting
+        for a collective's timeout), asked in a thread: the main thread this handler interrupted may hold the
+        console's lock, and the ranks take up to seconds to answer."""
+        threading.Thread(target=self._print_status, name="spmdrun-status", daemon=True).start()
+
+    def _print_status(self) -> None:
+        """Every rank's flight recorder and where its thread is, through the workers' store (each rank's status
+        service answers, even while it computes or waits; see spmd.comm.debug)."""
+        from spmd.comm.store.tcp import TCPStore
+
+        if self.workers_store is None:
+            self._say(f"{STATUS_SIGNAL.name}: no workers are running on this node")
+            return
+        host, port, token, world_size = self.workers_store
+        try:
+            store = TCPStore(host, port, timeout=5, token=token)
+            try:
+                statuses = collect_statuses(store, list(range(world_size)))
+            finally:
+                store.close()
+        except (StoreError, OSError) as error:
+            self._say(f"{STATUS_SIGNAL.name}: could not reach the workers' store at {host}:{port} ({error})")
+            return
+        self._say(f"{STATUS_SIGNAL.name}: what every rank is doing:\n  " + "\n  ".join(describe_ranks(statuses)))
 
     def _run(self) -> int:
         self._connect()
@@ -277,6 +308,7 @@ class Agent:
                     # stopped on any exit from here
                     self.workers = WorkerGroup(self.console, self.hostname, self.watchdog)
                     self.workers.start(self._worker_specs(pending, *master))
+                    self.workers_store = (*master, pending.world_size)
                     pending, running = None, pending
             if running is not None and self.workers is not None and self._round_finished(running):
                 running = None
@@ -399,7 +431,7 @@ class Agent:
         """Stop this node's workers; then remove the shared-memory names of any killed in group set-up."""
         if self.workers is not None:
             self.workers.stop(signum, self.config.shutdown_grace)
-            self.workers = None
+            self.workers, self.workers_store = None, None
             remove_orphan_segments()
 
     # ---- the end -----------------------------------------------------------------------------------------
