@@ -9,6 +9,9 @@ returned: they are `AsyncCollectiveTensor`s only in name, whose `wait()` is imme
 torch's lazily-waited tensors (`wait_tensor(t)`, `t.wait()`) runs unchanged. `broadcast`'s and
 `permute_tensor`'s ranks are group ranks, as in torch's functional API (spmd.broadcast's `src` is global).
 The in-place variants (`*_inplace`) are torch's names for the classic collectives under tracing.
+
+Under torch.compile each becomes the matching `torch.ops.spmd.*` operator (comm.traceable) in the graph, no graph
+break, and returns plain tensors; eager calls run the collectives directly, at no extra cost.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from torch import Tensor
 
 from spmd.comm import collectives as c
+from spmd.comm import traceable as ops
 from spmd.comm.functional import (
     all_gather_fwd_reduce_scatter_bwd,
     all_gathered,
@@ -118,6 +122,8 @@ def _reduce_op(reduce_op: str | ReduceOp, op: str) -> ReduceOp:
 def broadcast(self: Tensor, src: int, group: RANK_TYPES, tag: str = "") -> Tensor:
     """Group rank `src`'s tensor, on every rank."""
     pg = _group(group, "broadcast")
+    if torch.compiler.is_compiling():
+        return ops.broadcast_op(self.detach(), src, pg.name)
     out = self.clone(memory_format=torch.contiguous_format)
     c.broadcast(out, group_src=src, group=pg)
     return _result(out)
@@ -125,17 +131,26 @@ def broadcast(self: Tensor, src: int, group: RANK_TYPES, tag: str = "") -> Tenso
 
 def all_reduce(self: Tensor, reduceOp: str | ReduceOp, group: RANK_TYPES, tag: str = "") -> Tensor:
     """The reduction of every rank's tensor, on every rank."""
-    return _result(all_reduced(self, _reduce_op(reduceOp, "all_reduce"), _group(group, "all_reduce")))
+    op, pg = _reduce_op(reduceOp, "all_reduce"), _group(group, "all_reduce")
+    if torch.compiler.is_compiling():
+        return ops.all_reduce_op(self.detach(), op.value, pg.name)
+    return _result(all_reduced(self, op, pg))
 
 
 def all_gather_tensor(self: Tensor, gather_dim: int, group: RANK_TYPES, tag: str = "") -> Tensor:
     """Every rank's tensor concatenated along `gather_dim`, in group-rank order."""
-    return _result(all_gathered(self, gather_dim, _group(group, "all_gather_tensor")))
+    pg = _group(group, "all_gather_tensor")
+    if torch.compiler.is_compiling():
+        return ops.all_gather_op(self.detach(), gather_dim, pg.size(), pg.name)
+    return _result(all_gathered(self, gather_dim, pg))
 
 
 def all_gather_tensor_autograd(self: Tensor, gather_dim: int, group: RANK_TYPES, tag: str = "") -> Tensor:
     """all_gather_tensor whose backward reduce-scatters (sums) the gradient back to each rank's piece."""
-    return all_gather_fwd_reduce_scatter_bwd(self, gather_dim, _group(group, "all_gather_tensor_autograd"))
+    pg = _group(group, "all_gather_tensor_autograd")
+    if torch.compiler.is_compiling():
+        return ops.all_gather_op(self, gather_dim, pg.size(), pg.name)
+    return all_gather_fwd_reduce_scatter_bwd(self, gather_dim, pg)
 
 
 def reduce_scatter_tensor(self: Tensor, reduceOp: str | ReduceOp, scatter_dim: int,
@@ -143,7 +158,10 @@ def reduce_scatter_tensor(self: Tensor, reduceOp: str | ReduceOp, scatter_dim: i
     """Block `rank` (along `scatter_dim`, equal blocks) of the reduction over the ranks."""
     pg = _group(group, "reduce_scatter_tensor")
     _check_divides(self, scatter_dim, pg, "reduce_scatter_tensor")
-    return _result(reduce_scattered(self, _reduce_op(reduceOp, "reduce_scatter_tensor"), scatter_dim, pg))
+    op = _reduce_op(reduceOp, "reduce_scatter_tensor")
+    if torch.compiler.is_compiling():
+        return ops.reduce_scatter_op(self.detach(), op.value, scatter_dim, pg.size(), pg.name)
+    return _result(reduce_scattered(self, op, scatter_dim, pg))
 
 
 def reduce_scatter_tensor_autograd(self: Tensor, reduceOp: str | ReduceOp, scatter_dim: int,
@@ -156,7 +174,10 @@ def reduce_scatter_tensor_autograd(self: Tensor, reduceOp: str | ReduceOp, scatt
         raise ValueError(f"spmd functional reduce_scatter_tensor_autograd: only sum and avg differentiate, got "
                          f"{REDUCE_OP_TO_STR.get(op, op)}")
     _check_divides(self, scatter_dim, pg, "reduce_scatter_tensor_autograd")
-    out = reduce_scatter_fwd_all_gather_bwd(self, scatter_dim, pg)
+    if torch.compiler.is_compiling():
+        out = ops.reduce_scatter_op(self, ReduceOp.SUM.value, scatter_dim, pg.size(), pg.name)
+    else:
+        out = reduce_scatter_fwd_all_gather_bwd(self, scatter_dim, pg)
     return out / pg.size() if op is ReduceOp.AVG else out
 
 
@@ -169,6 +190,8 @@ def _check_divides(tensor: Tensor, dim: int, pg: ProcessGroup, op: str) -> None:
 def all_reduce_coalesced(self: list[Tensor], reduceOp: str | ReduceOp, group: RANK_TYPES,
                          tag: str = "") -> list[Tensor]:
     """all_reduce of each tensor (new tensors)."""
+    if torch.compiler.is_compiling():
+        return [all_reduce(t, reduceOp, group) for t in self]
     outs = [t.clone(memory_format=torch.contiguous_format) for t in self]
     if outs:
         c.all_reduce_coalesced(outs, _reduce_op(reduceOp, "all_reduce_coalesced"),
@@ -178,8 +201,7 @@ def all_reduce_coalesced(self: list[Tensor], reduceOp: str | ReduceOp, group: RA
 
 def all_gather_into_tensor_coalesced(self: list[Tensor], group: RANK_TYPES, tag: str = "") -> list[Tensor]:
     """all_gather_tensor of each tensor along dim 0."""
-    pg = _group(group, "all_gather_into_tensor_coalesced")
-    return [_result(all_gathered(t, 0, pg)) for t in self]
+    return [all_gather_tensor(t, 0, group) for t in self]
 
 
 def reduce_scatter_tensor_coalesced(inputs: list[Tensor], reduceOp: str | ReduceOp,
@@ -215,6 +237,8 @@ def all_to_all_single(self: Tensor, output_split_sizes: list[int] | None, input_
     """Block j of this rank's input (along dim 0; `input_split_sizes` or equal blocks) to group rank j; the
     blocks received, concatenated in rank order (`output_split_sizes` rows each)."""
     pg = _group(group, "all_to_all_single")
+    if torch.compiler.is_compiling():
+        return ops.all_to_all_single_op(self.detach(), output_split_sizes, input_split_sizes, pg.name)
     out = _output_like(self, output_split_sizes)
     c.all_to_all_single(out, self.contiguous(), output_split_sizes, input_split_sizes, group=pg)
     return _result(out)
@@ -224,6 +248,8 @@ def all_to_all_single_autograd(self: Tensor, output_split_sizes: list[int] | Non
                                input_split_sizes: list[int] | None, group: RANK_TYPES, tag: str = "") -> Tensor:
     """all_to_all_single whose backward sends each gradient block back (the splits swapped)."""
     pg = _group(group, "all_to_all_single_autograd")
+    if torch.compiler.is_compiling():
+        return ops.all_to_all_single_op(self, output_split_sizes, input_split_sizes, pg.name)
     return differentiable.all_to_all_single(_output_like(self, output_split_sizes), self.contiguous(),
                                             output_split_sizes, input_split_sizes, group=pg)
 
@@ -240,6 +266,8 @@ def permute_tensor(self: Tensor, src_dst: list[int], group: RANK_TYPES, tag: str
     numel = flat.numel()
     sends = [numel if r == src_dst[me] else 0 for r in range(size)]
     receives = [numel if src_dst[r] == me else 0 for r in range(size)]
+    if torch.compiler.is_compiling():
+        return ops.all_to_all_single_op(flat.detach(), receives, sends, pg.name).view(self.shape)
     out = flat.new_empty(numel)
     c.all_to_all_single(out, flat, receives, sends, group=pg)
     return _result(out.view(self.shape))
@@ -249,6 +277,8 @@ def all_gather_tensor_inplace(output_tensor: Tensor, input_tensor: Tensor, group
                               async_op: bool = False, tag: str = "", gather_dim: int = 0) -> Tensor:
     """all_gather_tensor written into `output_tensor`; returns it."""
     pg = _group(group, "all_gather_tensor_inplace") if group is not None else default_group()
+    if torch.compiler.is_compiling():
+        return output_tensor.copy_(all_gather_tensor(input_tensor, gather_dim, pg))
     return output_tensor.copy_(all_gathered(input_tensor, gather_dim, pg))
 
 
@@ -257,6 +287,8 @@ def reduce_scatter_tensor_inplace(output: Tensor, input: Tensor, op: str | Reduc
                                   tag: str = "") -> Tensor:
     """reduce_scatter_tensor written into `output`; returns it."""
     pg = _group(group, "reduce_scatter_tensor_inplace") if group is not None else default_group()
+    if torch.compiler.is_compiling():
+        return output.copy_(reduce_scatter_tensor(input, op, scatter_dim, pg))
     return output.copy_(reduce_scattered(input, _reduce_op(op, "reduce_scatter_tensor_inplace"), scatter_dim, pg))
 
 
@@ -264,6 +296,8 @@ def all_reduce_inplace(tensor: Tensor, op: str | ReduceOp = "sum", group: AnyGro
                        async_op: bool = False, tag: str = "") -> Tensor:
     """spmd.all_reduce of `tensor` in place; returns it."""
     pg = _group(group, "all_reduce_inplace") if group is not None else default_group()
+    if torch.compiler.is_compiling():
+        return tensor.copy_(all_reduce(tensor, op, pg))
     c.all_reduce(tensor, _reduce_op(op, "all_reduce_inplace"), group=pg)
     return tensor
 
@@ -272,6 +306,10 @@ def all_gather_inplace(tensor_list: list[Tensor], tensor: Tensor, group: AnyGrou
                        async_op: bool = False, tag: str = "") -> list[Tensor]:
     """spmd.all_gather into `tensor_list`; returns it."""
     pg = _group(group, "all_gather_inplace") if group is not None else default_group()
+    if torch.compiler.is_compiling():
+        for piece, gathered in zip(tensor_list, all_gather_tensor(tensor.unsqueeze(0), 0, pg).unbind(0), strict=True):
+            piece.copy_(gathered)
+        return tensor_list
     c.all_gather(tensor_list, tensor, group=pg)
     return tensor_list
 
@@ -281,6 +319,8 @@ def all_to_all_inplace(output: Tensor, input: Tensor, output_split_sizes: list[i
                        async_op: bool = False, tag: str = "") -> Tensor:
     """spmd.all_to_all_single into `output`; returns it."""
     pg = _group(group, "all_to_all_inplace") if group is not None else default_group()
+    if torch.compiler.is_compiling():
+        return output.copy_(all_to_all_single(input, output_split_sizes, input_split_sizes, pg))
     c.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=pg)
     return output
 
