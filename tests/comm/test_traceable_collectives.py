@@ -1,7 +1,7 @@
-"""The functional collectives under torch.compile: each is one `torch.ops.spmd.*` node of the graph (fullgraph
-compiles, so no graph break), and the compiled function returns what eager does, forward and backward (the
-`_autograd` variants' gradients), with aot_eager and with inductor. Real processes from the pool: dynamo's
-tracing is not thread-safe, so rank threads could not compile side by side."""
+"""The functional collectives and the classic in-place ones under torch.compile: each is one `torch.ops.spmd.*`
+node of the graph (fullgraph compiles, so no graph break), and the compiled function returns what eager does,
+forward and backward (the `_autograd` variants' gradients), with aot_eager and with inductor. Real processes
+from the pool: dynamo's tracing is not thread-safe, so rank threads could not compile side by side."""
 
 from __future__ import annotations
 
@@ -26,6 +26,23 @@ def _collectives(x: torch.Tensor, mesh, pg) -> list[torch.Tensor]:
     pieces = [torch.zeros_like(x) for _ in range(pg.size())]
     funcol.all_gather_inplace(pieces, x, pg)
     return [*outputs, in_place, *pieces]
+
+
+def _classic(x: torch.Tensor, pg) -> list[torch.Tensor]:
+    import spmd
+
+    reduced, broadcast = x * 2, x.clone()
+    spmd.all_reduce(reduced, spmd.ReduceOp.MAX, group=pg)
+    spmd.broadcast(broadcast, src=1, group=pg)
+    gathered = x.new_empty((pg.size() * x.shape[0], *x.shape[1:]))
+    spmd.all_gather_into_tensor(gathered, x, group=pg)
+    pieces = [torch.empty_like(x) for _ in range(pg.size())]
+    spmd.all_gather(pieces, x, group=pg)
+    scattered = x.new_empty((x.shape[0] // pg.size(), *x.shape[1:]))
+    spmd.reduce_scatter_tensor(scattered, x, group=pg)
+    exchanged = torch.empty_like(x)
+    spmd.all_to_all_single(exchanged, x, group=pg)
+    return [reduced, broadcast, gathered, *pieces, scattered, exchanged]
 
 
 def _differentiated(w: torch.Tensor, pg) -> torch.Tensor:
@@ -53,9 +70,11 @@ def _compiled_and_eager(rank: int, world_size: int) -> dict[str, object]:
             nodes.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
             return gm.forward
 
-        eager = _collectives(x, mesh, pg)
-        recorded = torch.compile(_collectives, backend=recording, fullgraph=True)(x, mesh, pg)
-        aot = torch.compile(_collectives, backend="aot_eager", fullgraph=True)(x, mesh, pg)
+        eager = _collectives(x, mesh, pg) + _classic(x, pg)
+        recorded = (torch.compile(_collectives, backend=recording, fullgraph=True)(x, mesh, pg) +
+                    torch.compile(_classic, backend=recording, fullgraph=True)(x, pg))
+        aot = (torch.compile(_collectives, backend="aot_eager", fullgraph=True)(x, mesh, pg) +
+               torch.compile(_classic, backend="aot_eager", fullgraph=True)(x, pg))
         inductor = torch.compile(lambda t: _collectives(t, mesh, pg)[:4], fullgraph=True)(x)
 
         w = (torch.arange(8.0).view(4, 2) / 7 + rank).requires_grad_()

@@ -16,6 +16,7 @@ from torch.autograd.graph import increment_version
 
 from spmd._core.deadline import as_seconds
 from spmd._core.errors import CommTimeoutError, StoreTimeoutError
+from spmd.comm import traceable
 from spmd.comm.debug import dtype_name, user_call_site
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp, check_reduce_op
@@ -124,6 +125,8 @@ def all_reduce(tensor: Tensor, op: ReduceOp = ReduceOp.SUM, group: AnyGroup | No
                async_op: bool = False) -> Work | None:
     """Reduce `tensor` over the group, in place, on every rank."""
     pg = resolve_group(group, "all_reduce")
+    if traceable.tracing(async_op):
+        return traceable.all_reduce_into(tensor, op, pg)
     check_tensor(tensor, "tensor", "all_reduce", pg)
     check_reduce_op(op, tensor.dtype, _where("all_reduce", pg))
 
@@ -198,8 +201,10 @@ def broadcast(tensor: Tensor, src: int | None = None, group: AnyGroup | None = N
               group_src: int | None = None) -> Work | None:
     """Copy `src`'s tensor into `tensor` on every rank."""
     pg = resolve_group(group, "broadcast")
-    check_tensor(tensor, "tensor", "broadcast", pg)
     root = _root(pg, src, group_src, "broadcast", "src")
+    if traceable.tracing(async_op):
+        return traceable.broadcast_into(tensor, root, pg)
+    check_tensor(tensor, "tensor", "broadcast", pg)
 
     def body(ctx: OpContext) -> None:
         pg.transport.broadcast(_flat(tensor), root, ctx)
@@ -253,6 +258,8 @@ def all_gather_into_tensor(output_tensor: Tensor, input_tensor: Tensor, group: A
                            async_op: bool = False) -> Work | None:
     """output_tensor <- every rank's input, concatenated in rank order along dim 0."""
     pg = resolve_group(group, "all_gather_into_tensor")
+    if traceable.tracing(async_op):
+        return traceable.all_gather_into(output_tensor, input_tensor, pg)
     op = "all_gather_into_tensor"
     check_tensor(input_tensor, "input_tensor", op, pg)
     check_tensor(output_tensor, "output_tensor", op, pg)
@@ -272,6 +279,8 @@ def all_gather(tensor_list: list[Tensor], tensor: Tensor, group: AnyGroup | None
                async_op: bool = False) -> Work | None:
     """tensor_list[i] <- rank i's tensor, on every rank."""
     pg = resolve_group(group, "all_gather")
+    if traceable.tracing(async_op):
+        return traceable.all_gather_list_into(tensor_list, tensor, pg)
     check_tensor(tensor, "tensor", "all_gather", pg)
     outputs = _check_list(tensor_list, "tensor_list", "all_gather", pg, tensor)
 
@@ -289,6 +298,8 @@ def reduce_scatter_tensor(output: Tensor, input: Tensor, op: ReduceOp = ReduceOp
                           group: AnyGroup | None = None, async_op: bool = False) -> Work | None:
     """output <- reduce over ranks of block `rank` of input (input = group_size equal blocks along dim 0)."""
     pg = resolve_group(group, "reduce_scatter_tensor")
+    if traceable.tracing(async_op):
+        return traceable.reduce_scatter_into(output, input, op, pg)
     name = "reduce_scatter_tensor"
     check_tensor(input, "input", name, pg)
     check_tensor(output, "output", name, pg)
@@ -389,6 +400,8 @@ def all_to_all_single(output: Tensor, input: Tensor, output_split_sizes: list[in
                       async_op: bool = False) -> Work | None:
     """Rank j's output block i <- rank i's input block j; blocks along dim 0, sizes as given (or equal)."""
     pg = resolve_group(group, "all_to_all_single")
+    if traceable.tracing(async_op):
+        return traceable.all_to_all_into(output, input, output_split_sizes, input_split_sizes, pg)
     name = "all_to_all_single"
     check_tensor(input, "input", name, pg)
     check_tensor(output, "output", name, pg)

@@ -1,6 +1,6 @@
 """spmd's out-of-place collectives as torch operators (`torch.ops.spmd.*`, torch.library custom ops), which
-torch.compile puts in its graphs instead of breaking at: the functional collectives take this path while
-dynamo traces them (spmd._functional_collectives).
+torch.compile puts in its graphs instead of breaking at: the functional collectives (spmd._functional_collectives)
+and the classic in-place ones (comm.collectives, synchronous calls) take this path while dynamo traces them.
 
 Layer: comm. Each op names its group by name (the group, not its object, is what a graph can hold) and runs,
 when the graph runs, the same collective as eager code (comm.functional), on the group of that name in the
@@ -11,14 +11,12 @@ collective, a graph holding them must run on every rank of the group, in the sam
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from spmd.comm.collectives import all_to_all_single as _all_to_all_into
-from spmd.comm.collectives import broadcast as _broadcast_in_place
-from spmd.comm.functional import all_gathered, all_reduced, reduce_scattered
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.world import group_named
@@ -26,6 +24,27 @@ from spmd.comm.world import group_named
 
 def _named(group_name: str, op: str) -> ProcessGroup:
     return group_named(group_name, f"spmd::{op}")
+
+
+def _eager() -> types.ModuleType:
+    """comm.functional, whose out-of-place collectives run the ops: imported when one first runs, as it builds on
+    comm.collectives, which builds on this module."""
+    import spmd.comm.functional as functional
+
+    return functional
+
+
+def _in_place() -> types.ModuleType:
+    """comm.collectives, whose in-place collectives run the all-to-all and broadcast ops (imported as _eager)."""
+    import spmd.comm.collectives as collectives
+
+    return collectives
+
+
+def tracing(async_op: bool = False) -> bool:
+    """Whether a collective call is being traced by dynamo, and so should be one of these ops (an async one
+    keeps its Work and runs eagerly, a graph break)."""
+    return not async_op and torch.compiler.is_compiling()
 
 
 def _with_dim(tensor: Tensor, dim: int, size: int) -> list[int]:
@@ -37,7 +56,7 @@ def _with_dim(tensor: Tensor, dim: int, size: int) -> list[int]:
 @torch.library.custom_op("spmd::all_reduce", mutates_args=())
 def all_reduce_op(input: Tensor, reduce_op: str, group_name: str) -> Tensor:
     """The reduction (`reduce_op`: a ReduceOp's value, "sum", "avg", ...) of `input` over the group."""
-    return all_reduced(input, ReduceOp(reduce_op), _named(group_name, "all_reduce"))
+    return _eager().all_reduced(input, ReduceOp(reduce_op), _named(group_name, "all_reduce"))
 
 
 @all_reduce_op.register_fake
@@ -48,7 +67,7 @@ def _(input: Tensor, reduce_op: str, group_name: str) -> Tensor:
 @torch.library.custom_op("spmd::all_gather", mutates_args=())
 def all_gather_op(input: Tensor, gather_dim: int, group_size: int, group_name: str) -> Tensor:
     """Every rank's `input` concatenated along `gather_dim` in group-rank order (equal pieces)."""
-    return all_gathered(input, gather_dim, _named(group_name, "all_gather"))
+    return _eager().all_gathered(input, gather_dim, _named(group_name, "all_gather"))
 
 
 @all_gather_op.register_fake
@@ -59,7 +78,7 @@ def _(input: Tensor, gather_dim: int, group_size: int, group_name: str) -> Tenso
 @torch.library.custom_op("spmd::reduce_scatter", mutates_args=())
 def reduce_scatter_op(input: Tensor, reduce_op: str, scatter_dim: int, group_size: int, group_name: str) -> Tensor:
     """This rank's block along `scatter_dim` (equal blocks) of the reduction of `input` over the group."""
-    return reduce_scattered(input, ReduceOp(reduce_op), scatter_dim, _named(group_name, "reduce_scatter"))
+    return _eager().reduce_scattered(input, ReduceOp(reduce_op), scatter_dim, _named(group_name, "reduce_scatter"))
 
 
 @reduce_scatter_op.register_fake
@@ -74,8 +93,8 @@ def all_to_all_single_op(input: Tensor, output_split_sizes: list[int] | None, in
     received, in group-rank order (`output_split_sizes` rows each)."""
     rows = sum(output_split_sizes) if output_split_sizes is not None else input.shape[0]
     out = input.new_empty((rows, *input.shape[1:]))
-    _all_to_all_into(out, input.contiguous(), output_split_sizes, input_split_sizes,
-                     group=_named(group_name, "all_to_all_single"))
+    _in_place().all_to_all_single(out, input.contiguous(), output_split_sizes, input_split_sizes,
+                                  group=_named(group_name, "all_to_all_single"))
     return out
 
 
@@ -90,7 +109,7 @@ def _(input: Tensor, output_split_sizes: list[int] | None, input_split_sizes: li
 def broadcast_op(input: Tensor, group_src: int, group_name: str) -> Tensor:
     """Group rank `group_src`'s `input`, on every rank."""
     out = input.clone(memory_format=torch.contiguous_format)
-    _broadcast_in_place(out, group_src=group_src, group=_named(group_name, "broadcast"))
+    _in_place().broadcast(out, group_src=group_src, group=_named(group_name, "broadcast"))
     return out
 
 
@@ -126,3 +145,32 @@ def _all_to_all_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
 all_gather_op.register_autograd(_all_gather_backward, setup_context=_keep_arguments)
 reduce_scatter_op.register_autograd(_reduce_scatter_backward, setup_context=_keep_arguments)
 all_to_all_single_op.register_autograd(_all_to_all_backward, setup_context=_keep_arguments)
+
+
+# -- the classic in-place collectives, traced: each writes an op's result into its tensors --------------------------
+
+def all_reduce_into(tensor: Tensor, op: ReduceOp, group: ProcessGroup) -> None:
+    tensor.copy_(all_reduce_op(tensor, op.value, group.name))
+
+
+def broadcast_into(tensor: Tensor, group_src: int, group: ProcessGroup) -> None:
+    tensor.copy_(broadcast_op(tensor, group_src, group.name))
+
+
+def all_gather_into(output: Tensor, input: Tensor, group: ProcessGroup) -> None:
+    output.copy_(all_gather_op(input, 0, group.size(), group.name).view_as(output))
+
+
+def all_gather_list_into(outputs: list[Tensor], input: Tensor, group: ProcessGroup) -> None:
+    for output, piece in zip(outputs, all_gather_op(input.unsqueeze(0), 0, group.size(), group.name).unbind(0),
+                             strict=True):
+        output.copy_(piece)
+
+
+def reduce_scatter_into(output: Tensor, input: Tensor, op: ReduceOp, group: ProcessGroup) -> None:
+    output.copy_(reduce_scatter_op(input, op.value, 0, group.size(), group.name).view_as(output))
+
+
+def all_to_all_into(output: Tensor, input: Tensor, output_split_sizes: list[int] | None,
+                    input_split_sizes: list[int] | None, group: ProcessGroup) -> None:
+    output.copy_(all_to_all_single_op(input, output_split_sizes, input_split_sizes, group.name))
