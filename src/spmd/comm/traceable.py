@@ -43,8 +43,10 @@ def _in_place() -> types.ModuleType:
 
 def tracing(async_op: bool = False) -> bool:
     """Whether a collective call is being traced by dynamo, and so should be one of these ops (an async one
-    keeps its Work and runs eagerly, a graph break)."""
-    return not async_op and torch.compiler.is_compiling()
+    keeps its Work and runs eagerly, a graph break). Dynamo's own question, not torch.compiler.is_compiling():
+    that flag is a process global, true for the whole of a compile, so other rank threads' eager calls (and
+    these ops' own implementations) would see it too."""
+    return not async_op and torch.compiler.is_dynamo_compiling()
 
 
 def _with_dim(tensor: Tensor, dim: int, size: int) -> list[int]:
