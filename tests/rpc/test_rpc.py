@@ -154,9 +154,12 @@ def held_by_owner(rref: rpc.RRef) -> tuple[bool, int]:
     return rref.is_owner(), rref.local_value().value
 
 
-def owner_count(rref_id: tuple[int, int]) -> int:
+def owner_count_settled(rref_id: tuple[int, int], expected: int) -> int:
+    """On the owner: the count of `rref_id` once it is `expected`, or what it is after the timeout (a release from
+    another worker is a message, which may still be on its way when a call to that worker has returned)."""
     table = rpc_api._table()
-    with table.lock:
+    with table.changed:
+        table.changed.wait_for(lambda: table.counts.get(rref_id, 0) == expected, TIMEOUT)
         return table.counts.get(rref_id, 0)
 
 
@@ -179,7 +182,7 @@ def test_rrefs_reach_their_value_and_the_owner_drops_it_with_the_last_rref() -> 
         local = rpc.RRef(torch.arange(3))
         got["local"] = (local.is_owner(), local.local_value(), local.to_here())
         rref_id = counter._id
-        got["counted"] = rpc.rpc_sync("w1", owner_count, (rref_id,))
+        got["counted"] = rpc.rpc_sync("w1", owner_count_settled, (rref_id, 1))
         got["at_owner"] = [rpc.rpc_sync("w1", held_by_owner, (counter,)) for _ in range(3)]
         del counter
         gc.collect()

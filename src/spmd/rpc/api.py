@@ -175,7 +175,7 @@ class _OwnerTable:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.changed = threading.Condition(self.lock)       # notified when a value is dropped
+        self.changed = threading.Condition(self.lock)       # notified when a count changes or a value is dropped
         self.values: dict[tuple[int, int], torch.futures.Future] = {}
         self.counts: dict[tuple[int, int], int] = {}
 
@@ -194,7 +194,7 @@ class _OwnerTable:
             else:
                 self.counts.pop(rref_id, None)
                 self.values.pop(rref_id, None)
-                self.changed.notify_all()
+            self.changed.notify_all()
 
 
 _tables: weakref.WeakKeyDictionary[RpcAgent, _OwnerTable] = weakref.WeakKeyDictionary()
