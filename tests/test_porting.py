@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -31,17 +32,32 @@ def port(source: str) -> str:
 TUTORIALS = ["ddp_tutorial.py", "collectives_tutorial.py", "fsdp2_tutorial.py", "fsdp1_tutorial.py", "tp_tutorial.py",
              "pipelining_tutorial.py", "zero_tutorial.py", "join_tutorial.py", "fsdp1_comm_hook_tutorial.py",
              "rpc_param_server_tutorial.py"]
-# spmdrun runs the ports in one job, one after another in the same workers, each as its own `__main__` with
-# its output prefix as argv[1] (each destroys its world and the next initializes a new one), so their launch and
-# imports are paid once. torch's launcher gets a job per tutorial: under one torchrun store, gloo's next default
-# group can read the addresses its destroyed predecessor left there and wait on them for good.
-IN_TURN = """import runpy
+# Each launcher runs the tutorials in one job, one after another in the same workers, each as its own `__main__`
+# with its output prefix as argv[1] (each destroys its world and the next initializes a new one), so their launch
+# and imports are paid once. Under torch's launcher each tutorial gets a store of its own, hosted by rank 0 on the
+# next of the ports given (--ports): in torchrun's one store, gloo's next default group could read the addresses
+# its destroyed predecessor left there and wait on them for good.
+IN_TURN = """import os
+import runpy
 import sys
 
-for script, out in zip(sys.argv[1::2], sys.argv[2::2]):
+args = sys.argv[1:]
+ports = args.pop(1).split(",") if args[0] == "--ports" else None
+if ports is not None:
+    args = args[1:]
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+for i, (script, out) in enumerate(zip(args[0::2], args[1::2])):
+    if ports is not None:
+        os.environ["MASTER_PORT"] = ports[i]
     sys.argv = [script, out]
     runpy.run_path(script, run_name="__main__")
 """
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _script_env() -> dict[str, str]:
@@ -54,12 +70,14 @@ def _launch(launcher: str, directory: pathlib.Path, names: list[str]) -> None:
     env = _script_env()
     (directory / "in_turn.py").write_text(IN_TURN)
     scripts = [str(arg) for name in names for arg in (directory / name, directory / f"{name}.out")]
+    if launcher == TORCH_LAUNCHER:
+        scripts = ["--ports", ",".join(str(free_port()) for _ in names), *scripts]
     _run_launcher([sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", "in_turn.py", *scripts],
                   launcher, env, directory)
 
 
 def _run_launcher(command: list[str], launcher: str, env: dict[str, str], cwd: pathlib.Path) -> None:
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+    result = _run_once(command, launcher, env, cwd)
     for _ in range(4):
         if not (launcher.startswith("torch.") and "Signal 6 (SIGABRT)" in result.stderr):
             break
@@ -67,9 +85,17 @@ def _run_launcher(command: list[str], launcher: str, env: dict[str, str], cwd: p
         # gloo's teardown at exit ("terminate called without an active exception"; the FSDP1 tutorial's 1 in 6
         # of its launches, and three in a row once in a full suite run). Up to four more launches; spmd's side
         # gets no second one.
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+        result = _run_once(command, launcher, env, cwd)
     assert result.returncode == 0, f"{launcher} failed:\n{result.stdout}\n{result.stderr}"
     assert launcher != "spmd.launch" or "deprecated" in result.stderr      # torch's warning, on both launchers
+
+
+def _run_once(command: list[str], launcher: str, env: dict[str, str], cwd: pathlib.Path,
+              ) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+    except subprocess.TimeoutExpired as expired:
+        raise AssertionError(f"{launcher} ran past {expired.timeout}s:\n{expired.stdout}\n{expired.stderr}") from None
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +111,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[pathli
         assert "torch.distributed" not in ported and "torch.nn.parallel" not in ported
         (root / "torch" / name).write_text(source)
         (root / "spmd" / name).write_text(ported)
-    for name in TUTORIALS:
-        _launch(TORCH_LAUNCHER, root / "torch", [name])
+    _launch(TORCH_LAUNCHER, root / "torch", TUTORIALS)
     _launch("spmd.run", root / "spmd", TUTORIALS)
     return {name: (root / "torch" / f"{name}.out", root / "spmd" / f"{name}.out") for name in TUTORIALS}
 
