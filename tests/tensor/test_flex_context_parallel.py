@@ -332,3 +332,11 @@ def test_misuse_raises_before_anything_is_sent() -> None:
 
     run_on_mesh((2,), body, timeout=TIMEOUT)
 
+
+    def two_d(mesh) -> None:
+        with pytest.raises(ValueError, match="takes the 1-D context-parallel mesh; got 2-D"):
+            _create_cp_block_mask(causal, 1, 1, 8, 8, mesh)
+        with pytest.raises(ValueError, match="takes the 1-D context-parallel mesh; got 2-D"):
+            flex_cp_allgather(torch.zeros(1, 4), torch.zeros(1, 4), 1, mesh)
+
+    run_on_mesh((2, 2), two_d, timeout=TIMEOUT)

@@ -108,10 +108,10 @@ def _create_cp_block_mask(mask_mod: MaskMod, B: int, H: int, Q_LEN: int, KV_LEN:
     over the global Q_LEN x KV_LEN, asked about each pair's positions before `load_balancer`'s deal (by default
     the head-tail deal when cp_options.enable_load_balance is set, as in torch). Unlike torch's, the slice need
     not be a whole number of blocks."""
-    rank, size = device_mesh.get_local_rank(), device_mesh.size()
     if device_mesh.ndim != 1:
         raise ValueError(f"spmd: _create_cp_block_mask takes the 1-D context-parallel mesh; got {device_mesh.ndim}-D"
                          f" {device_mesh.shape}")
+    rank, size = device_mesh.get_local_rank(), device_mesh.size()
     if Q_LEN % size:
         raise ValueError(f"spmd: _create_cp_block_mask: a query sequence of {Q_LEN} does not divide over {size} "
                          f"ranks")
