@@ -14,7 +14,8 @@ least one) as spawned processes, backend "nccl" (spmd's torch:nccl transport), e
     a frozen int64 table (the byte all-gather), and replicate on FSDP2's machinery;
   - causal attention on SDPA's CUDA kernels, tensor-parallel (heads over the ranks) and context-parallel (ring
     attention over the sequence, on torch's memory-efficient kernels), output and gradients against the whole
-    attention in one process to 1e-4.
+    attention in one process to 1e-4; and flex_attention's context parallelism (a document-causal BlockMask
+    dealt by PTRR, made by the compiled create_block_mask on the device), output and q/k/v gradients likewise.
   - with one GPU only, also 2 ranks sharing it over spmd's shared-memory transport ("shm", which has to stage
     CUDA tensors through host memory): an all_reduce on CUDA tensors, expected to work or to fail with a clear
     error naming the transport's devices, and the two attention checks on 2 ranks.
@@ -246,6 +247,50 @@ def _attention_checks(rows: list[Row], rank: int, world: int, device: torch.devi
 
     _check(rows, "TP attention step vs one process", tensor_parallel)
     _check(rows, "CP ring attention vs one process", context_parallel_attention)
+    _check(rows, "CP flex attention (PTRR) vs one process", lambda: _flex_context_parallel(mesh, device))
+
+
+def _flex_context_parallel(mesh: Any, device: torch.device) -> None:
+    """flex_attention over the sequence: keys and values gathered, a document-causal BlockMask dealt by PTRR;
+    output and q/k/v gradients against the whole sequence in one process."""
+    import torch.nn.attention.flex_attention as flex
+
+    from spmd.tensor.experimental._context_parallel import (
+        _context_parallel_shard,
+        _ContextParallel,
+        _PTRRLoadBalancer,
+        context_parallel_unshard,
+    )
+    from spmd.tensor.parallel import parallelize_module
+
+    seq, block = 512, 64
+    starts = torch.tensor([0, 128, 384, 512], device=device)
+
+    def documents(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        same = torch.bucketize(q, starts, right=True) == torch.bucketize(kv, starts, right=True)
+        return same & (q >= kv)
+
+    class Attend(torch.nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+            return flex.flex_attention(q, k, v, block_mask=mask)
+
+    generator = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(1, 2, seq, 32, generator=generator).to(device) for _ in range(4)]
+    mask = flex.create_block_mask(documents, 1, 1, seq, seq, device=device.type, BLOCK_SIZE=block)
+    leaves = [t.clone().requires_grad_() for t in tensors[:3]]
+    want = Attend()(*leaves, mask)
+    want.backward(tensors[3])
+    attend = parallelize_module(Attend(), mesh, _ContextParallel(seq_dim=2,
+                                                                 attention_type=_ContextParallel.AttentionType.FLEX))
+    balancer = _PTRRLoadBalancer(mask, mesh.size())
+    *local, local_mask = _context_parallel_shard(mesh, [*tensors, mask], [2, 2, 2, 2, 0], balancer)
+    q, k, v = (t.requires_grad_() for t in local[:3])
+    out = attend(q, k, v, local_mask)
+    out.backward(local[3])
+    got = context_parallel_unshard(mesh, [out.detach(), q.grad, k.grad, v.grad], [2] * 4, balancer)
+    for name, actual, expected in zip(("output", "q grad", "k grad", "v grad"), got,
+                                      [want.detach(), *(leaf.grad for leaf in leaves)], strict=True):
+        _expect(actual, expected.cpu(), f"CP flex attention {name}", rtol=1e-4)
 
 
 def _nccl_rank(rank: int, world: int, port: int, out_file: str) -> None:
