@@ -5,8 +5,10 @@ run 2 real processes and must agree."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -54,10 +56,14 @@ for i, (script, out) in enumerate(zip(args[0::2], args[1::2])):
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: all held while they are picked (picked one after another, a port freed can be
+    handed out again, and two tutorials on one port would meet the first one's store)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 def _script_env() -> dict[str, str]:
@@ -71,7 +77,7 @@ def _launch(launcher: str, directory: pathlib.Path, names: list[str]) -> None:
     (directory / "in_turn.py").write_text(IN_TURN)
     scripts = [str(arg) for name in names for arg in (directory / name, directory / f"{name}.out")]
     if launcher == TORCH_LAUNCHER:
-        scripts = ["--ports", ",".join(str(free_port()) for _ in names), *scripts]
+        scripts = ["--ports", ",".join(map(str, free_ports(len(names)))), *scripts]
     _run_launcher([sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2", "in_turn.py", *scripts],
                   launcher, env, directory)
 
@@ -92,10 +98,19 @@ def _run_launcher(command: list[str], launcher: str, env: dict[str, str], cwd: p
 
 def _run_once(command: list[str], launcher: str, env: dict[str, str], cwd: pathlib.Path,
               ) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
-    except subprocess.TimeoutExpired as expired:
-        raise AssertionError(f"{launcher} ran past {expired.timeout}s:\n{expired.stdout}\n{expired.stderr}") from None
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                          start_new_session=True) as launched:
+        try:
+            stdout, stderr = launched.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            launched.terminate()        # a launcher stops its workers on SIGTERM; killed, it would leave them
+            try:
+                stdout, stderr = launched.communicate(timeout=30)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(launched.pid, signal.SIGKILL)
+            raise AssertionError(f"{launcher} ran past 300 s:\n{stdout}\n{stderr}") from None
+    return subprocess.CompletedProcess(command, launched.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="module")
