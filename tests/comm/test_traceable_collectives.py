@@ -1,6 +1,7 @@
 """The functional collectives and the classic in-place ones under torch.compile: each is one `torch.ops.spmd.*`
 node of the graph (fullgraph compiles, so no graph break), and the compiled function returns what eager does,
-forward and backward (the `_autograd` variants' gradients), with aot_eager and with inductor. Real processes
+forward and backward (the `_autograd` variants' gradients), with aot_eager and with inductor; torch.export,
+strict and not, records them and its program computes what eager does. Real processes
 from the pool: dynamo's tracing is not thread-safe, so rank threads could not compile side by side."""
 
 from __future__ import annotations
@@ -54,6 +55,22 @@ def _differentiated(w: torch.Tensor, pg) -> torch.Tensor:
     return (h * torch.arange(h.numel(), dtype=h.dtype).view(h.shape)).sum()
 
 
+class _Exported(torch.nn.Module):
+    """A module with a classic and a functional collective, for torch.export."""
+
+    def __init__(self, pg) -> None:
+        super().__init__()
+        self.pg = pg
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import spmd
+        import spmd._functional_collectives as funcol
+
+        y = x * 2
+        spmd.all_reduce(y, group=self.pg)
+        return funcol.all_gather_tensor(y + 1, 0, self.pg)
+
+
 def _compiled_and_eager(rank: int, world_size: int) -> dict[str, object]:
     import spmd
     from spmd.device_mesh import init_device_mesh
@@ -77,6 +94,12 @@ def _compiled_and_eager(rank: int, world_size: int) -> dict[str, object]:
                torch.compile(_classic, backend="aot_eager", fullgraph=True)(x, pg))
         inductor = torch.compile(lambda t: _collectives(t, mesh, pg)[:4], fullgraph=True)(x)
 
+        exported = {}
+        for strict in (True, False):
+            program = torch.export.export(_Exported(pg), (x,), strict=strict)
+            exported[strict] = ({str(node.target) for node in program.graph.nodes if node.op == "call_function"},
+                                program.module()(x))
+
         w = (torch.arange(8.0).view(4, 2) / 7 + rank).requires_grad_()
         _differentiated(w, pg).backward()
         grads = [w.grad.clone()]
@@ -85,7 +108,7 @@ def _compiled_and_eager(rank: int, world_size: int) -> dict[str, object]:
             torch.compile(_differentiated, backend=backend, fullgraph=True)(w, pg).backward()
             grads.append(w.grad.clone())
         return {"eager": eager, "recorded": recorded, "aot": aot, "inductor": inductor, "nodes": nodes,
-                "grads": grads}
+                "grads": grads, "exported": exported, "exported eager": _Exported(pg)(x)}
     finally:
         spmd.destroy_process_group()
 
@@ -99,6 +122,9 @@ def test_compiled_functional_collectives_are_graph_ops_and_match_eager(procpool:
             torch.testing.assert_close(result[compiled], result["eager"], rtol=0, atol=0)
             assert all(type(t) is torch.Tensor for t in result[compiled])
         torch.testing.assert_close(result["inductor"], result["eager"][:4], rtol=0, atol=0)
+        for strict, (targets, out) in result["exported"].items():
+            assert {"spmd.all_reduce.default", "spmd.all_gather.default"} <= targets, (strict, targets)
+            torch.testing.assert_close(out, result["exported eager"], rtol=0, atol=0)
         eager_grad, *compiled_grads = result["grads"]
         assert eager_grad.abs().sum() > 0
         for grad in compiled_grads:

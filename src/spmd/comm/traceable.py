@@ -1,6 +1,7 @@
 """spmd's out-of-place collectives as torch operators (`torch.ops.spmd.*`, torch.library custom ops), which
-torch.compile puts in its graphs instead of breaking at: the functional collectives (spmd._functional_collectives)
-and the classic in-place ones (comm.collectives, synchronous calls) take this path while dynamo traces them.
+torch.compile puts in its graphs instead of breaking at, and torch.export records: the functional collectives
+(spmd._functional_collectives) and the classic in-place ones (comm.collectives, synchronous calls) take this path
+while they are traced (`tracing`).
 
 Layer: comm. Each op names its group by name (the group, not its object, is what a graph can hold) and runs,
 when the graph runs, the same collective as eager code (comm.functional), on the group of that name in the
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._guards import TracingContext
 
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
@@ -42,11 +44,12 @@ def _in_place() -> types.ModuleType:
 
 
 def tracing(async_op: bool = False) -> bool:
-    """Whether a collective call is being traced by dynamo, and so should be one of these ops (an async one
-    keeps its Work and runs eagerly, a graph break). Dynamo's own question, not torch.compiler.is_compiling():
-    that flag is a process global, true for the whole of a compile, so other rank threads' eager calls (and
-    these ops' own implementations) would see it too."""
-    return not async_op and torch.compiler.is_dynamo_compiling()
+    """Whether a collective call is being traced, and so should be one of these ops (an async one keeps its Work
+    and runs eagerly, a graph break): by dynamo (torch.compile, strict torch.export), or on this thread under a
+    tracing context without it (non-strict torch.export, AOTAutograd), whose tensors are fake. Not
+    torch.compiler.is_compiling(): that flag is a process global, true for the whole of a compile, so other rank
+    threads' eager calls (and these ops' own implementations) would see it too."""
+    return not async_op and (torch.compiler.is_dynamo_compiling() or TracingContext.try_get() is not None)
 
 
 def _with_dim(tensor: Tensor, dim: int, size: int) -> list[int]:
