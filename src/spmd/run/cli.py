@@ -29,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="spmdrun",
         description="Launch a distributed spmd (or torch.distributed-style) training script: one agent per node "
                     "starts --nproc-per-node workers with RANK, WORLD_SIZE, MASTER_ADDR, ... set, prefixes their "
-                    "output with the rank, restarts them on failure and reports the root cause's traceback.")
+                    "output with the rank, restarts them on failure and reports the root cause's traceback.",
+        epilog="A running job answers SIGUSR1 to spmdrun (kill -USR1 PID) with what every rank is doing: each "
+               "group's current or last collective and where the rank's thread is.")
     _flag(parser, "--standalone", action="store_true",
           help="single-node job with a private rendezvous (no endpoint needed; free ports are picked)")
     _flag(parser, "--nproc-per-node", default="1", help="workers per node: a number, 'auto', 'cpu' or 'gpu'")
