@@ -48,6 +48,7 @@ ALLOWED: dict[str, set[str]] = {
     "elastic": {"_core", "comm", "run"},
     "launch": {"_core", "comm", "run"},
     "launcher": {"_core", "comm", "run"},
+    "debug": {"_core", "comm"},   # torch.distributed.debug's path: rank 0's status page
 }
 LAYER_4 = {"tensor.parallel", "ddp", "fsdp", "pipelining", "amp", "optim"}
 EXCEPTIONS: dict[str, set[str]] = {"spmd.checkpoint.state_dict": ALLOWED["checkpoint"] | LAYER_4}

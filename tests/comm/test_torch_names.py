@@ -124,7 +124,7 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "launcher.api", "_tensor", "_composable.fsdp", "distributed_c10d", "_functional_collectives",
                  "fsdp._fully_shard", "fsdp._fully_shard._fsdp_api", "tensor.parallel.input_reshard",
                  "optim.apply_optimizer_in_backward", "constants", "checkpoint.optimizer",
-                 "_tools", "_tools.mem_tracker", "_tools.fsdp2_mem_tracker", "_tools.mod_tracker"]
+                 "_tools", "_tools.mem_tracker", "_tools.fsdp2_mem_tracker", "_tools.mod_tracker", "debug"]
 
 
 def _api_names(module: object) -> list[str]:
