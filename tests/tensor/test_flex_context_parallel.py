@@ -2,7 +2,8 @@
 BlockMask, `_ContextParallel(FLEX)` on the attention module): each rank attends with its slice of the queries
 and the gathered keys and values, and matches one process, for causal, document-causal and sliding-window
 masks, with no deal, the head-tail deal, the per-document deal and PTRR; forward and backward, and a
-document-causal transformer trained this way matches training on the whole sequence; the load balancers deal as
+document-causal transformer trained this way matches training on the whole sequence, and the attention module
+compiles whole (fullgraph) to the same forward; the load balancers deal as
 torch's docstrings draw (PTRR's indices are torch's own); misuse raises before anything is sent.
 
 torch's CPU flex_attention refuses to differentiate (its compiled CPU kernel has no backward); the eager path,
@@ -71,8 +72,13 @@ def _flex_on_cpu() -> Iterator[None]:
     _cp_options.enable_load_balance = True
 
 
+DOCUMENT_OF = torch.repeat_interleave(torch.arange(len(DOCS)), torch.tensor(DOCS))   # position -> its document
+
+
 def _document(position: torch.Tensor) -> torch.Tensor:
-    return torch.bucketize(position, torch.tensor(DOCS).cumsum(0), right=True)
+    """The document of a position, read from a buffer the mask_mod captures (flex_attention's usual way, which
+    its compiled kernel takes too)."""
+    return DOCUMENT_OF[position]
 
 
 def causal(b, h, q, kv):
@@ -243,9 +249,26 @@ def _in_processes(rank: int, world_size: int) -> dict[str, object]:
                 spmd.all_reduce(loss, group=mesh.get_group())
                 loss /= world_size
             results["training"] = (losses, params)
+            results["compiled"] = _compiled_forward(mesh)
             return results
     finally:
         spmd.destroy_process_group()
+
+
+def _compiled_forward(mesh) -> dict[str, torch.Tensor]:
+    """The FLEX attention module compiled whole (hook, key/value gather and flex_attention in one graph:
+    fullgraph), forward only and in float32 (CPU's compiled flex_attention has no backward and no float64),
+    gathered back in sequence order."""
+    tensors, mask = [t.float() for t in _tensors()], _mask(document_causal)
+    attention = parallelize_module(_FlexAttention(), mesh, _ContextParallel(seq_dim=2, attention_type=FLEX))
+    balancer = _PTRRLoadBalancer(mask, mesh.size())
+    *local, local_mask = _context_parallel_shard(mesh, [*tensors[:3], mask], [2, 2, 2, 0], balancer)
+    outputs = {}
+    with torch.no_grad():
+        for backend in ("aot_eager",):          # inductor passes too, but its CPU flex kernel costs 20 s to build
+            out = torch.compile(attention, backend=backend, fullgraph=True)(*local, local_mask)
+            outputs[backend] = context_parallel_unshard(mesh, [out], [2], balancer)[0]
+    return outputs
 
 
 @pytest.mark.timeout(120)
@@ -256,6 +279,10 @@ def test_backward_and_training_in_processes_match_the_whole_sequence(procpool: P
         for name, deal in BACKWARD_CASES:
             want = _attend(_tensors(), _mask(MASKS[name]), grad=True)
             torch.testing.assert_close(results[f"{name}-{deal}"], want)
+        for backend, out in results["compiled"].items():
+            torch.testing.assert_close(out, _attend([t.float() for t in _tensors()], _mask(document_causal),
+                                                    grad=False)[0],
+                                       msg=lambda message, backend=backend: f"compiled with {backend}: {message}")
         losses, params = results["training"]
         torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(params, want_params, rtol=1e-5, atol=1e-6)
