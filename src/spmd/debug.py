@@ -1,5 +1,6 @@
-"""torch's debug server (`torch.distributed.debug`): a page on rank 0 saying what every rank of the job is doing,
-for a job that is slow or stuck, and optionally the same written to files every few seconds.
+"""torch's debug server (the `debug` module of torch's distributed package): a page on rank 0 saying what every
+rank of the job is doing, for a job that is slow or stuck, and optionally the same written to files every few
+seconds.
 
 Layer: debug (imports _core and comm). Every rank already runs a status service (comm.debug) that answers through
 the store with its flight recorder and where its thread is; `start_debug_server` adds, on rank 0, an HTTP server
