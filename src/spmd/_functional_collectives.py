@@ -122,7 +122,7 @@ def _reduce_op(reduce_op: str | ReduceOp, op: str) -> ReduceOp:
 def broadcast(self: Tensor, src: int, group: RANK_TYPES, tag: str = "") -> Tensor:
     """Group rank `src`'s tensor, on every rank."""
     pg = _group(group, "broadcast")
-    if ops.tracing():
+    if ops.tracing(self):
         return ops.broadcast_op(self.detach(), src, pg.name)
     out = self.clone(memory_format=torch.contiguous_format)
     c.broadcast(out, group_src=src, group=pg)
@@ -132,7 +132,7 @@ def broadcast(self: Tensor, src: int, group: RANK_TYPES, tag: str = "") -> Tenso
 def all_reduce(self: Tensor, reduceOp: str | ReduceOp, group: RANK_TYPES, tag: str = "") -> Tensor:
     """The reduction of every rank's tensor, on every rank."""
     op, pg = _reduce_op(reduceOp, "all_reduce"), _group(group, "all_reduce")
-    if ops.tracing():
+    if ops.tracing(self):
         return ops.all_reduce_op(self.detach(), op.value, pg.name)
     return _result(all_reduced(self, op, pg))
 
@@ -140,7 +140,7 @@ def all_reduce(self: Tensor, reduceOp: str | ReduceOp, group: RANK_TYPES, tag: s
 def all_gather_tensor(self: Tensor, gather_dim: int, group: RANK_TYPES, tag: str = "") -> Tensor:
     """Every rank's tensor concatenated along `gather_dim`, in group-rank order."""
     pg = _group(group, "all_gather_tensor")
-    if ops.tracing():
+    if ops.tracing(self):
         return ops.all_gather_op(self.detach(), gather_dim, pg.size(), pg.name)
     return _result(all_gathered(self, gather_dim, pg))
 
@@ -148,7 +148,7 @@ def all_gather_tensor(self: Tensor, gather_dim: int, group: RANK_TYPES, tag: str
 def all_gather_tensor_autograd(self: Tensor, gather_dim: int, group: RANK_TYPES, tag: str = "") -> Tensor:
     """all_gather_tensor whose backward reduce-scatters (sums) the gradient back to each rank's piece."""
     pg = _group(group, "all_gather_tensor_autograd")
-    if ops.tracing():
+    if ops.tracing(self):
         return ops.all_gather_op(self, gather_dim, pg.size(), pg.name)
     return all_gather_fwd_reduce_scatter_bwd(self, gather_dim, pg)
 
@@ -159,7 +159,7 @@ def reduce_scatter_tensor(self: Tensor, reduceOp: str | ReduceOp, scatter_dim: i
     pg = _group(group, "reduce_scatter_tensor")
     _check_divides(self, scatter_dim, pg, "reduce_scatter_tensor")
     op = _reduce_op(reduceOp, "reduce_scatter_tensor")
-    if ops.tracing():
+    if ops.tracing(self):
         return ops.reduce_scatter_op(self.detach(), op.value, scatter_dim, pg.size(), pg.name)
     return _result(reduce_scattered(self, op, scatter_dim, pg))
 
@@ -174,7 +174,7 @@ def reduce_scatter_tensor_autograd(self: Tensor, reduceOp: str | ReduceOp, scatt
         raise ValueError(f"spmd functional reduce_scatter_tensor_autograd: only sum and avg differentiate, got "
                          f"{REDUCE_OP_TO_STR.get(op, op)}")
     _check_divides(self, scatter_dim, pg, "reduce_scatter_tensor_autograd")
-    if ops.tracing():
+    if ops.tracing(self):
         out = ops.reduce_scatter_op(self, ReduceOp.SUM.value, scatter_dim, pg.size(), pg.name)
     else:
         out = reduce_scatter_fwd_all_gather_bwd(self, scatter_dim, pg)
@@ -190,7 +190,7 @@ def _check_divides(tensor: Tensor, dim: int, pg: ProcessGroup, op: str) -> None:
 def all_reduce_coalesced(self: list[Tensor], reduceOp: str | ReduceOp, group: RANK_TYPES,
                          tag: str = "") -> list[Tensor]:
     """all_reduce of each tensor (new tensors)."""
-    if ops.tracing():
+    if self and ops.tracing(self[0]):
         return [all_reduce(t, reduceOp, group) for t in self]
     outs = [t.clone(memory_format=torch.contiguous_format) for t in self]
     if outs:
@@ -237,7 +237,7 @@ def all_to_all_single(self: Tensor, output_split_sizes: list[int] | None, input_
     """Block j of this rank's input (along dim 0; `input_split_sizes` or equal blocks) to group rank j; the
     blocks received, concatenated in rank order (`output_split_sizes` rows each)."""
     pg = _group(group, "all_to_all_single")
-    if ops.tracing():
+    if ops.tracing(self):
         return ops.all_to_all_single_op(self.detach(), output_split_sizes, input_split_sizes, pg.name)
     out = _output_like(self, output_split_sizes)
     c.all_to_all_single(out, self.contiguous(), output_split_sizes, input_split_sizes, group=pg)
@@ -248,7 +248,7 @@ def all_to_all_single_autograd(self: Tensor, output_split_sizes: list[int] | Non
                                input_split_sizes: list[int] | None, group: RANK_TYPES, tag: str = "") -> Tensor:
     """all_to_all_single whose backward sends each gradient block back (the splits swapped)."""
     pg = _group(group, "all_to_all_single_autograd")
-    if ops.tracing():
+    if ops.tracing(self):
         return ops.all_to_all_single_op(self, output_split_sizes, input_split_sizes, pg.name)
     return differentiable.all_to_all_single(_output_like(self, output_split_sizes), self.contiguous(),
                                             output_split_sizes, input_split_sizes, group=pg)
@@ -266,7 +266,7 @@ def permute_tensor(self: Tensor, src_dst: list[int], group: RANK_TYPES, tag: str
     numel = flat.numel()
     sends = [numel if r == src_dst[me] else 0 for r in range(size)]
     receives = [numel if src_dst[r] == me else 0 for r in range(size)]
-    if ops.tracing():
+    if ops.tracing(self):
         return ops.all_to_all_single_op(flat.detach(), receives, sends, pg.name).view(self.shape)
     out = flat.new_empty(numel)
     c.all_to_all_single(out, flat, receives, sends, group=pg)
@@ -277,7 +277,7 @@ def all_gather_tensor_inplace(output_tensor: Tensor, input_tensor: Tensor, group
                               async_op: bool = False, tag: str = "", gather_dim: int = 0) -> Tensor:
     """all_gather_tensor written into `output_tensor`; returns it."""
     pg = _group(group, "all_gather_tensor_inplace") if group is not None else default_group()
-    if ops.tracing():
+    if ops.tracing(input_tensor):
         return output_tensor.copy_(all_gather_tensor(input_tensor, gather_dim, pg))
     return output_tensor.copy_(all_gathered(input_tensor, gather_dim, pg))
 
@@ -287,7 +287,7 @@ def reduce_scatter_tensor_inplace(output: Tensor, input: Tensor, op: str | Reduc
                                   tag: str = "") -> Tensor:
     """reduce_scatter_tensor written into `output`; returns it."""
     pg = _group(group, "reduce_scatter_tensor_inplace") if group is not None else default_group()
-    if ops.tracing():
+    if ops.tracing(input):
         return output.copy_(reduce_scatter_tensor(input, op, scatter_dim, pg))
     return output.copy_(reduce_scattered(input, _reduce_op(op, "reduce_scatter_tensor_inplace"), scatter_dim, pg))
 
@@ -296,7 +296,7 @@ def all_reduce_inplace(tensor: Tensor, op: str | ReduceOp = "sum", group: AnyGro
                        async_op: bool = False, tag: str = "") -> Tensor:
     """spmd.all_reduce of `tensor` in place; returns it."""
     pg = _group(group, "all_reduce_inplace") if group is not None else default_group()
-    if ops.tracing():
+    if ops.tracing(tensor):
         return tensor.copy_(all_reduce(tensor, op, pg))
     c.all_reduce(tensor, _reduce_op(op, "all_reduce_inplace"), group=pg)
     return tensor
@@ -306,7 +306,7 @@ def all_gather_inplace(tensor_list: list[Tensor], tensor: Tensor, group: AnyGrou
                        async_op: bool = False, tag: str = "") -> list[Tensor]:
     """spmd.all_gather into `tensor_list`; returns it."""
     pg = _group(group, "all_gather_inplace") if group is not None else default_group()
-    if ops.tracing():
+    if ops.tracing(tensor):
         for piece, gathered in zip(tensor_list, all_gather_tensor(tensor.unsqueeze(0), 0, pg).unbind(0), strict=True):
             piece.copy_(gathered)
         return tensor_list
@@ -319,7 +319,7 @@ def all_to_all_inplace(output: Tensor, input: Tensor, output_split_sizes: list[i
                        async_op: bool = False, tag: str = "") -> Tensor:
     """spmd.all_to_all_single into `output`; returns it."""
     pg = _group(group, "all_to_all_inplace") if group is not None else default_group()
-    if ops.tracing():
+    if ops.tracing(input):
         return output.copy_(all_to_all_single(input, output_split_sizes, input_split_sizes, pg))
     c.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=pg)
     return output

@@ -125,7 +125,7 @@ def all_reduce(tensor: Tensor, op: ReduceOp = ReduceOp.SUM, group: AnyGroup | No
                async_op: bool = False) -> Work | None:
     """Reduce `tensor` over the group, in place, on every rank."""
     pg = resolve_group(group, "all_reduce")
-    if traceable.tracing(async_op):
+    if traceable.tracing(tensor, async_op):
         return traceable.all_reduce_into(tensor, op, pg)
     check_tensor(tensor, "tensor", "all_reduce", pg)
     check_reduce_op(op, tensor.dtype, _where("all_reduce", pg))
@@ -202,7 +202,7 @@ def broadcast(tensor: Tensor, src: int | None = None, group: AnyGroup | None = N
     """Copy `src`'s tensor into `tensor` on every rank."""
     pg = resolve_group(group, "broadcast")
     root = _root(pg, src, group_src, "broadcast", "src")
-    if traceable.tracing(async_op):
+    if traceable.tracing(tensor, async_op):
         return traceable.broadcast_into(tensor, root, pg)
     check_tensor(tensor, "tensor", "broadcast", pg)
 
@@ -258,7 +258,7 @@ def all_gather_into_tensor(output_tensor: Tensor, input_tensor: Tensor, group: A
                            async_op: bool = False) -> Work | None:
     """output_tensor <- every rank's input, concatenated in rank order along dim 0."""
     pg = resolve_group(group, "all_gather_into_tensor")
-    if traceable.tracing(async_op):
+    if traceable.tracing(input_tensor, async_op):
         return traceable.all_gather_into(output_tensor, input_tensor, pg)
     op = "all_gather_into_tensor"
     check_tensor(input_tensor, "input_tensor", op, pg)
@@ -279,7 +279,7 @@ def all_gather(tensor_list: list[Tensor], tensor: Tensor, group: AnyGroup | None
                async_op: bool = False) -> Work | None:
     """tensor_list[i] <- rank i's tensor, on every rank."""
     pg = resolve_group(group, "all_gather")
-    if traceable.tracing(async_op):
+    if traceable.tracing(tensor, async_op):
         return traceable.all_gather_list_into(tensor_list, tensor, pg)
     check_tensor(tensor, "tensor", "all_gather", pg)
     outputs = _check_list(tensor_list, "tensor_list", "all_gather", pg, tensor)
@@ -298,7 +298,7 @@ def reduce_scatter_tensor(output: Tensor, input: Tensor, op: ReduceOp = ReduceOp
                           group: AnyGroup | None = None, async_op: bool = False) -> Work | None:
     """output <- reduce over ranks of block `rank` of input (input = group_size equal blocks along dim 0)."""
     pg = resolve_group(group, "reduce_scatter_tensor")
-    if traceable.tracing(async_op):
+    if traceable.tracing(input, async_op):
         return traceable.reduce_scatter_into(output, input, op, pg)
     name = "reduce_scatter_tensor"
     check_tensor(input, "input", name, pg)
@@ -400,7 +400,7 @@ def all_to_all_single(output: Tensor, input: Tensor, output_split_sizes: list[in
                       async_op: bool = False) -> Work | None:
     """Rank j's output block i <- rank i's input block j; blocks along dim 0, sizes as given (or equal)."""
     pg = resolve_group(group, "all_to_all_single")
-    if traceable.tracing(async_op):
+    if traceable.tracing(input, async_op):
         return traceable.all_to_all_into(output, input, output_split_sizes, input_split_sizes, pg)
     name = "all_to_all_single"
     check_tensor(input, "input", name, pg)

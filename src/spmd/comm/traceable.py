@@ -43,13 +43,16 @@ def _in_place() -> types.ModuleType:
     return collectives
 
 
-def tracing(async_op: bool = False) -> bool:
-    """Whether a collective call is being traced, and so should be one of these ops (an async one keeps its Work
-    and runs eagerly, a graph break): by dynamo (torch.compile, strict torch.export), or on this thread under a
-    tracing context without it (non-strict torch.export, AOTAutograd), whose tensors are fake. Not
-    torch.compiler.is_compiling(): that flag is a process global, true for the whole of a compile, so other rank
-    threads' eager calls (and these ops' own implementations) would see it too."""
-    return not async_op and (torch.compiler.is_dynamo_compiling() or TracingContext.try_get() is not None)
+def tracing(tensor: Tensor, async_op: bool = False) -> bool:
+    """Whether a collective call on `tensor` is being traced, and so should be one of these ops (an async one
+    keeps its Work and runs eagerly, a graph break): by dynamo (torch.compile, strict torch.export), or on this
+    thread under a tracing context without it (non-strict torch.export, AOTAutograd), whose tensors are fake
+    or functional, never plain (so an eager call on a plain tensor pays ~0.1 us, not the tracing context's
+    lookup). Not torch.compiler.is_compiling(): that flag is a process global, true for the whole of a compile,
+    so other rank threads' eager calls (and these ops' own implementations) would see it too."""
+    if async_op:
+        return False
+    return torch.compiler.is_dynamo_compiling() or (type(tensor) is not Tensor and TracingContext.try_get() is not None)
 
 
 def _with_dim(tensor: Tensor, dim: int, size: int) -> list[int]:
