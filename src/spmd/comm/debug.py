@@ -191,18 +191,18 @@ def _status_key(gen: int, rank: int) -> str:
 
 class StatusService:
     """A daemon thread per rank that answers status requests with this rank's flight recorder and where the
-    rank's own thread (`rank_thread`, the one that initialized it) is.
+    rank's own thread (the one that started the service: the one that initialized the rank) is.
 
     It waits on the store in slices of `poll_s`, so a stopped service's thread ends within that time.
     """
 
     def __init__(self, store: Store, rank: int, recorder: FlightRecorder, poll_s: float = 1.0,
-                 owns_store: bool = False, rank_thread: int | None = None) -> None:
+                 owns_store: bool = False) -> None:
         self._store = store
         self._owns_store = owns_store   # a clone with its own connection, closed when the service ends
         self._rank = rank
         self._recorder = recorder
-        self._rank_thread = threading.get_ident() if rank_thread is None else rank_thread
+        self._rank_thread = threading.get_ident()
         self._poll_s = poll_s
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"spmd-status-rank{rank}", daemon=True)
@@ -254,6 +254,11 @@ def _what_it_did(record: dict[str, Any], now: float) -> str:
             f"{now - (record['finished_at'] or now):.1f}s ago")
 
 
+def _now_at(status: dict[str, Any]) -> str:
+    """Where a status reply says its rank's thread is, as a status line ends with it ("" if it did not say)."""
+    return "; now at " + " <- ".join(status["stack"]) if status.get("stack") else ""
+
+
 def describe_ranks(statuses: dict[int, dict[str, Any] | None]) -> list[str]:
     """One line per rank for a status request (spmdrun's SIGUSR1): on each of its groups what it is in or last
     did, and where its thread is now."""
@@ -266,10 +271,7 @@ def describe_ranks(statuses: dict[int, dict[str, Any] | None]) -> list[str]:
             continue
         done = [f"on group {name!r} {_what_it_did(records[-1], now)}"
                 for name, records in status["groups"].items() if records]
-        line = f"rank {rank} " + ("; ".join(done) if done else "has issued no operation yet")
-        if status.get("stack"):
-            line += "; now at " + " <- ".join(status["stack"])
-        lines.append(line)
+        lines.append(f"rank {rank} " + ("; ".join(done) if done else "has issued no operation yet") + _now_at(status))
     return lines
 
 
@@ -294,8 +296,7 @@ def describe_stragglers(group_name: str, group_ranks: list[int], mine: Fingerpri
             line = f"rank {rank} {_what_it_did(last, now)}"
         if last is None or last["seq"] < mine.seq:
             missing.append(rank)
-            if status.get("stack"):
-                line += "; now at " + " <- ".join(status["stack"])
+            line += _now_at(status)
         lines.append(line)
     return missing, lines
 

@@ -7,10 +7,10 @@ Layer: tensor.
 from __future__ import annotations
 
 import abc
-from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
 from spmd.tensor.ring_attention import cp_options
 
@@ -85,7 +85,7 @@ class _PTRRLoadBalancer(_LoadBalancer):
     (shape (B or 1, 1, L, L)) are dealt out by their work, the number of key blocks each attends to, largest
     first, snaking over the `world_size` ranks (0..W-1, then W-1..0) so each rank gets a like share."""
 
-    def __init__(self, block_mask: Any, world_size: int) -> None:
+    def __init__(self, block_mask: BlockMask, world_size: int) -> None:
         q_block, kv_block = block_mask.BLOCK_SIZE
         if q_block != kv_block:
             raise ValueError(f"spmd: _PTRRLoadBalancer deals query and key blocks alike; the block mask's blocks "
