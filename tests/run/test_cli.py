@@ -1,6 +1,9 @@
-"""spmdrun's argument parsing, LaunchConfig validation and Slurm detection: pure functions, no processes."""
+"""spmdrun's argument parsing, LaunchConfig validation and Slurm detection (pure functions), and its imports."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
@@ -170,3 +173,11 @@ def test_torchs_legacy_launcher_passes_local_rank_and_meets_at_the_master_addres
     assert multinode.master_addr is None and multinode.master_port is None    # the workers' store: a free port
     with pytest.raises(ValueError, match="--no-python needs --use-env"):
         launch.parse_args(["--no-python", "echo"], environ={})
+
+
+def test_the_launcher_and_its_agent_start_without_importing_torch() -> None:
+    """spmdrun's agent (rendezvous, workers, the SIGUSR1 status report) never imports torch: that import costs
+    seconds of start-up on every launch and every restart round."""
+    code = "import sys, spmd.run.cli, spmd.run.agent, spmd.run.torchrun; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -23,16 +23,20 @@ import os
 import sys
 import threading
 import time
-from typing import Any
-
-import torch
+from importlib.util import find_spec
+from typing import TYPE_CHECKING, Any
 
 from spmd._core.errors import StoreError
 from spmd.comm.store.base import Store
 
+if TYPE_CHECKING:
+    import torch
+
+# torch's directory is found, not imported: spmdrun's agent reads ranks' statuses with this module and never
+# imports torch (1.3 s of start-up per launch).
 _SKIP_DIRS = (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),   # spmd/
-    os.path.dirname(os.path.abspath(torch.__file__)),               # torch/
+    os.path.dirname(os.path.abspath(find_spec("torch").origin)),   # torch/
 )
 _STDLIB_DIR = os.path.dirname(os.path.abspath(threading.__file__))
 _STACK_FRAMES = 6
