@@ -15,8 +15,10 @@ $(STAMP): pyproject.toml requirements-dev.txt
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples tools
 
+# One pytest worker per core (at most 4: each keeps its own pool of rank processes), a test file per worker at a
+# time, so a file's shared fixtures (a torchrun job, a compiled model) are built once.
 test: $(STAMP) lint
-	$(PY) -m pytest -q src tests
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile src tests
 
 # The demo trains one 500-step schedule in two pieces: FSDP2 on 2 ranks to step 200, checkpointing, then
 # DDP on 2 ranks resumed from that checkpoint (same global batch, so the same run).

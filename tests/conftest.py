@@ -10,6 +10,10 @@ import pytest
 
 from tests.procpool import ProcPool
 
+# The porting tests run these tutorial scripts as programs; imported for doctest collection they would run their
+# module-level code with pytest's arguments as theirs.
+collect_ignore_glob = ["porting/*_tutorial.py"]
+
 
 @pytest.fixture(scope="session")
 def procpool() -> Iterator[ProcPool]:
