@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._library.opaque_object import MemberType, register_opaque_type
 
 from spmd._core.fake import on_real_tensors
 from spmd.comm.group import NonMemberGroup
@@ -76,6 +77,10 @@ class DeviceMesh:
         self.mesh = mesh_tensor.to(torch.int64).contiguous()
         if self.mesh.ndim == 0:
             self.mesh = self.mesh.reshape(1)
+        # Attributes, not properties: torch.compile reads a mesh's attributes at compile time but cannot call
+        # the properties of an opaque value (Note: meshes in compiled graphs).
+        self.ndim: int = self.mesh.ndim
+        self.shape: tuple[int, ...] = tuple(self.mesh.shape)
         self.device_type = device_type
         self.mesh_dim_names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
         self._backends = tuple(backend_override) if backend_override is not None else (None,) * self.mesh.ndim
@@ -141,20 +146,17 @@ class DeviceMesh:
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, DeviceMesh) and self._key == other._key)
 
+    def __fx_repr__(self) -> tuple[str, dict[str, Any]]:
+        """How a compiled graph's code names this mesh (see Note: meshes in compiled graphs)."""
+        _COMPILED_MESHES[id(self)] = self
+        return f"_compiled_mesh({id(self)})", {"_compiled_mesh": _compiled_mesh}
+
     @on_real_tensors
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
 
     # -- queries --------------------------------------------------------------------------------------------
-
-    @property
-    def ndim(self) -> int:
-        return self.mesh.ndim
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.mesh.shape)
 
     def size(self, mesh_dim: int | str | None = None) -> int:
         """Ranks along `mesh_dim` (index or name), or in the whole mesh with None."""
@@ -404,5 +406,25 @@ def _backend_per_dim(backend_override: dict[int | str, str] | None, ndim: int,
                          f"integers in [0, {ndim}) or one of {names}")
     return tuple(per_dim)
 
+
+# Note: meshes in compiled graphs
+# torch.compile records a DTensor's conversions (from_local, redistribute, to_local) as calls in its graph, and
+# their mesh argument must be a value the graph can hold. A mesh is registered with torch as an opaque VALUE: the
+# graph bakes it in as a constant (a compiled function specializes on its meshes, guarded by __eq__, as on its
+# placements), its queries are answered at compile time, and the graph's generated code names it through
+# `_compiled_mesh(id)`, a lookup in a weak table filled as the code is generated.
+_COMPILED_MESHES: weakref.WeakValueDictionary[int, DeviceMesh] = weakref.WeakValueDictionary()
+
+
+def _compiled_mesh(key: int) -> DeviceMesh:
+    """The mesh a compiled graph's code names (see Note: meshes in compiled graphs)."""
+    return _COMPILED_MESHES[key]
+
+
+register_opaque_type(DeviceMesh, typ="value", members={
+    name: MemberType.USE_REAL for name in (
+        "__eq__", "__hash__", "__getitem__", "device_type", "mesh", "mesh_dim_names", "ndim", "shape", "size",
+        "get_rank", "get_coordinate", "get_local_rank", "get_group", "get_all_groups", "flatten",
+        "_get_root_mesh")})
 
 __all__ = ["DeviceMesh", "init_device_mesh"]

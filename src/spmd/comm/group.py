@@ -14,10 +14,13 @@ import enum
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch._library.opaque_object import MemberType, register_opaque_type
 
 from spmd._core.deadline import Deadline
 from spmd._core.errors import CommError, CommTimeoutError, GroupAbortedError, SpmdError, StoreError
@@ -91,6 +94,10 @@ class ProcessGroup:
         self.name = name
         self.ranks = list(global_ranks)
         self.group_rank = group_rank
+        # Attributes, not properties: torch.compile reads a group's attributes at compile time but cannot call the
+        # properties of an opaque value (see _compiled_group).
+        self.group_name = name                      # torch's ProcessGroup's name for it
+        self.global_rank = self.ranks[group_rank]
         self.transport = transport
         self.store = store
         self.timeout = timeout
@@ -111,20 +118,24 @@ class ProcessGroup:
         self._error: BaseException | None = None      # the first failure, kept for later operations' errors
         self.state = GroupState.OPEN
 
+    # A group is its own identity: equal only to itself. Said explicitly because torch.compile holds groups as
+    # constants of its graphs, compared with __eq__ (see _compiled_group).
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    __hash__ = object.__hash__
+
+    def __fx_repr__(self) -> tuple[str, dict[str, Any]]:
+        """How a compiled graph's code names this group (see _compiled_group)."""
+        _COMPILED_GROUPS[id(self)] = self
+        return f"_compiled_group({id(self)})", {"_compiled_group": _compiled_group}
+
     # the accessors of torch's ProcessGroup
     def rank(self) -> int:
         return self.group_rank
 
     def size(self) -> int:
         return len(self.ranks)
-
-    @property
-    def group_name(self) -> str:
-        return self.name
-
-    @property
-    def global_rank(self) -> int:
-        return self.ranks[self.group_rank]
 
     def group_rank_of(self, global_rank: int, what: str) -> int:
         """The group rank of `global_rank`, or ValueError naming `what` (e.g. "broadcast on rank 3: src")."""
@@ -349,3 +360,19 @@ class NonMemberGroup:
 
     def __repr__(self) -> str:
         return f"NonMemberGroup(name={self.name!r}, ranks={self.ranks})"
+
+
+# torch.compile traces code that takes a group from a mesh (mesh.get_group() inside a compiled module) and passes
+# it to a collective: the group is a constant of the graph (an opaque value, as torch registers its own groups),
+# its queries answered at compile time, and the graph's code names it through this weak table.
+_COMPILED_GROUPS: weakref.WeakValueDictionary[int, ProcessGroup] = weakref.WeakValueDictionary()
+
+
+def _compiled_group(key: int) -> ProcessGroup:
+    """The group a compiled graph's code names."""
+    return _COMPILED_GROUPS[key]
+
+
+register_opaque_type(ProcessGroup, typ="value", members={
+    name: MemberType.USE_REAL for name in ("__eq__", "__hash__", "rank", "size", "group_name", "name", "ranks",
+                                           "group_rank", "global_rank", "backend", "description")})

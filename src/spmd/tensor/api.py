@@ -19,20 +19,26 @@ read as if it were reduced: every rule that needs its value (optimizer foreach o
 reduces it first, and `.placements` shows it.
 
 Note: DTensors under torch.compile
-Dynamo can't trace spmd's DTensor code: its dispatch is Python that runs collectives, and tracing the
-conversions' autograd functions loses their autograd (a compiled tensor-parallel block's weights got no
-gradients). So every way into it is opaque to dynamo (`eager_under_compile`): __torch_dispatch__, the
-conversions, distribute_tensor and the hooks of distribute_module and the parallel styles run eagerly, a
-compiled function graph-breaks at each, and dynamo compiles the plain-tensor code between them. In eager mode
-the price is one wrapper call per DTensor op, asking whether a compiled function is running (torch.compiler.
-disable itself would cost about 5 us per op, and importing torch._dynamo 2.4 s per process).
+A DTensor is a traceable wrapper subclass (__tensor_flatten__: its local tensor, and its spec as the constant
+that guards a compiled graph). Dynamo traces a function over DTensors whole: its ops run through
+__torch_dispatch__ on fake local tensors while AOTAutograd traces, so the graph holds the local ops and the
+collectives of each redistribution (spmd.comm.traceable's ops); `redistribute`, `to_local` and `full_tensor`
+are recorded as calls on the DTensor and `from_local` as a call in the graph (registered with dynamo when dynamo
+is first imported, see `_allow_from_local_in_graph`); they run, autograd and all, when AOTAutograd traces the
+graph. Meshes are graph constants (spmd.device_mesh, Note: meshes in compiled graphs). So the hooks of the
+parallel styles compile into the same graph as the module they wrap. distribute_tensor stays eager
+(`eager_under_compile`): it scatters real data once, before training.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import importlib.abc
+import importlib.machinery
+import sys
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -62,7 +68,7 @@ def eager_under_compile(fn: _Fn) -> _Fn:
         if not _under_compile():
             return fn(*args, **kwargs)
         if disabled is None:
-            disabled = _keep_dynamo_out(fn, run)
+            disabled = torch.compiler.disable(fn)
         return disabled(*args, **kwargs)
 
     run._torchdynamo_disable = True   # type: ignore[attr-defined]   # dynamo's mark: call it, never inline it
@@ -76,17 +82,7 @@ def _under_compile() -> bool:
     return torch.compiler.is_compiling() or get_eval_frame_callback() is not None
 
 
-def _keep_dynamo_out(fn: _Fn, wrapper: _Fn) -> _Fn:
-    """`fn` with dynamo off inside it (torch.compiler.disable), and dynamo told to skip `wrapper`'s frames. Only
-    once compile runs: importing torch._dynamo costs seconds."""
-    from torch._dynamo.eval_frame import skip_code
-
-    for code in (wrapper.__code__, *_CHECKING_FRAMES):
-        skip_code(code)
-    return torch.compiler.disable(fn)
-
-
-_keep_dynamo_out._torchdynamo_disable = True   # type: ignore[attr-defined]
+_WRAPPER_CODE = eager_under_compile(_under_compile).__code__   # every eager_under_compile wrapper's code
 
 
 class DTensor(torch.Tensor):
@@ -117,9 +113,18 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: OpOverload, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if _under_compile():                             # see eager_under_compile
-            return _dispatch_under_compile(cls, func, types, args, kwargs)
         return dispatch(cls, func, types, args, kwargs)
+
+    def __tensor_flatten__(self) -> tuple[list[str], DTensorSpec]:
+        """The inner tensor and the constant context torch.compile traces a DTensor by (Note: DTensors under
+        torch.compile)."""
+        return ["_local_tensor"], self._spec
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, Tensor], spec: DTensorSpec, outer_size: Any,
+                             outer_stride: Any) -> DTensor:
+        local = inner["_local_tensor"]
+        return DTensor(local, spec, requires_grad=local.requires_grad)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:   # torch passes tensor_contents to subclasses
         return (f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
@@ -156,7 +161,6 @@ class DTensor(torch.Tensor):
     # -- conversions ----------------------------------------------------------------------------------------
 
     @staticmethod
-    @eager_under_compile
     def from_local(local_tensor: Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement] | None = None,
                    *, run_check: bool = False, shape: torch.Size | Sequence[int] | None = None,
                    stride: Sequence[int] | None = None,
@@ -182,7 +186,6 @@ class DTensor(torch.Tensor):
             return DTensor(local_tensor.detach(), spec)
         return _FromLocal.apply(local_tensor, spec, grad)
 
-    @eager_under_compile
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> Tensor:
         """This rank's local tensor (no communication). Differentiable (see Note: DTensor autograd)."""
         grad = None if grad_placements is None else normalize_placements(
@@ -191,7 +194,6 @@ class DTensor(torch.Tensor):
             return self._local_tensor
         return _ToLocal.apply(self, grad)
 
-    @eager_under_compile
     def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
                      *, async_op: bool = False) -> DTensor:
         """This DTensor laid out with `placements` on the same mesh, with the cheapest collectives.
@@ -212,7 +214,6 @@ class DTensor(torch.Tensor):
             return DTensor(_redistributed(self, target), source.with_placements(target))
         return _Redistribute.apply(self, target)
 
-    @eager_under_compile
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> Tensor:
         """The whole global value as a plain tensor on every rank (collective: gathers and reduces as needed)."""
         replicated = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
@@ -228,8 +229,45 @@ for _supported in (torch.utils._foreach_utils._foreach_supported_types, _optimiz
         _supported.append(DTensor)
 
 
-_dispatch_under_compile = eager_under_compile(dispatch)   # DTensor.__torch_dispatch__ checks first: no wrapper
-_CHECKING_FRAMES = [DTensor.__torch_dispatch__.__func__.__code__]   # asking as eager_under_compile's wrapper does
+
+
+class _OnDynamoImport(importlib.abc.MetaPathFinder):
+    """Runs `then(torch._dynamo)` right after torch._dynamo is first imported (it is imported by torch.compile;
+    importing it ourselves would cost every process 1.5 s)."""
+
+    def __init__(self, then: Callable[[ModuleType], None]) -> None:
+        self._then = then
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
+        if fullname != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then(module: ModuleType) -> None:
+            exec_module(module)
+            self._then(module)
+
+        spec.loader.exec_module = exec_then   # type: ignore[method-assign]   # this spec's loader only
+        return spec
+
+
+def _tell_dynamo(dynamo: ModuleType) -> None:
+    """Dynamo records DTensor.from_local as one call in its graph instead of tracing into it (as torch's own
+    from_local is listed in dynamo's rules): it builds a DTensor from a mesh and placements, which AOTAutograd
+    runs when it traces the graph (Note: DTensors under torch.compile). And it never compiles the frames of
+    eager_under_compile's wrappers, which a compiled function's eager parts call."""
+    dynamo.allow_in_graph(DTensor.from_local)
+    dynamo.eval_frame.skip_code(_WRAPPER_CODE)
+
+
+if "torch._dynamo" in sys.modules:
+    _tell_dynamo(sys.modules["torch._dynamo"])
+else:
+    sys.meta_path.insert(0, _OnDynamoImport(_tell_dynamo))
 
 
 def _unpickled_dtensor(local: Tensor, spec: DTensorSpec, requires_grad: bool, extra: dict[str, Any]) -> DTensor:
@@ -408,9 +446,8 @@ def distribute_module(module: nn.Module, device_mesh: DeviceMesh, partition_fn: 
             if buffer is not None and not isinstance(buffer, DTensor):
                 submodule._buffers[buffer_name] = distribute_tensor(buffer, device_mesh, replicate)
     if input_fn is not None:
-        module.register_forward_pre_hook(eager_under_compile(lambda mod, inputs: input_fn(mod, inputs, device_mesh)))
+        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
     if output_fn is not None:
-        module.register_forward_hook(eager_under_compile(lambda mod, inputs, outputs: output_fn(mod, outputs,
-                                                                                                device_mesh)))
+        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
     module._spmd_distributed = True
     return module

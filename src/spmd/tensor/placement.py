@@ -36,6 +36,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch._library.opaque_object import MemberType, register_opaque_type
 
 from spmd.comm.reduce_op import ReduceOp
 
@@ -58,6 +59,10 @@ class Placement:
 
     def is_partial(self) -> bool:
         return False
+
+    def __fx_repr__(self) -> tuple[str, dict[str, type]]:
+        """How a compiled graph's code rebuilds this placement (its repr calls its class)."""
+        return repr(self), {type(self).__name__: type(self)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -149,6 +154,21 @@ class Partial(Placement):
 
     def __repr__(self) -> str:
         return f"Partial({self.reduce_op!r})" if self.reduce_op != "sum" else "Partial()"
+
+
+# torch.compile holds placements as constants of its graphs (as torch registers its own): values compared with
+# __eq__, their queries answered at compile time (spmd.tensor.api, Note: DTensors under torch.compile).
+_QUERIES = {"is_shard": MemberType.USE_REAL, "is_replicate": MemberType.USE_REAL, "is_partial": MemberType.USE_REAL,
+            "__eq__": MemberType.USE_REAL, "__hash__": MemberType.USE_REAL}
+register_opaque_type(Shard, typ="value", members={**_QUERIES, "dim": MemberType.USE_REAL,
+                                                  "with_dim": MemberType.USE_REAL})
+register_opaque_type(_StridedShard, typ="value", members={**_QUERIES, "dim": MemberType.USE_REAL,
+                                                          "with_dim": MemberType.USE_REAL,
+                                                          "split_factor": MemberType.USE_REAL})
+register_opaque_type(Replicate, typ="value", members=_QUERIES)
+register_opaque_type(Partial, typ="value", members={**_QUERIES, "reduce_op": MemberType.USE_REAL,
+                                                    "comm_op": MemberType.USE_REAL,
+                                                    "is_linear": MemberType.USE_REAL})
 
 
 def chunk_range(size: int, num_chunks: int, index: int) -> tuple[int, int]:

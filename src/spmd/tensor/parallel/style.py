@@ -25,7 +25,8 @@ does that: three all-reduces where Megatron has one). So a plain input becomes O
 module it enters while that DTensor is alive (autograd keeps it for backward): the three gradients add up as
 Partials on it and its single from_local backward all-reduces their sum. The reuse is keyed on the tensor's
 identity, version (an in-place change makes a new one) and requires_grad, the grad mode, the mesh and the
-layout, per rank thread; entries hold only weak references.
+layout, per rank thread; entries hold only weak references. Under torch.compile the traced hooks convert the
+input once per module, as torch's do (three all-reduces in backward).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from spmd.device_mesh import DeviceMesh
-from spmd.tensor.api import DTensor, distribute_module, distribute_tensor, eager_under_compile
+from spmd.tensor.api import DTensor, distribute_module, distribute_tensor
 from spmd.tensor.placement import Placement, Replicate, Shard
 
 __all__ = ["ColwiseParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput",
@@ -83,8 +84,11 @@ def _as_dtensor(value: Any, mesh: DeviceMesh, layout: Placement, what: str,
         return value
     if not isinstance(value, Tensor):
         raise TypeError(f"{what}: expected a tensor, got {type(value).__name__}")
-    entries = _shared_inputs.entries
     shape = None if global_shape is None else global_shape(value)
+    if torch.compiler.is_dynamo_compiling():   # traced: the graph converts it once per use, no cache to consult
+        return DTensor.from_local(value, mesh, (layout,), run_check=False, shape=shape,
+                                  stride=None if shape is None else _contiguous_strides(shape))
+    entries = _shared_inputs.entries
     state = (value._version, value.requires_grad, torch.is_grad_enabled(), shape)
     entry = entries.get(id(value))
     if entry is not None:
@@ -332,10 +336,9 @@ class PrepareModuleInput(ParallelStyle):
                                            f"keyword input {name!r} of {where}")
                             for name, value in kwargs.items()}
                 return self._prepare_args(args, device_mesh, where), prepared
-            module.register_forward_pre_hook(eager_under_compile(hook_with_kwargs), with_kwargs=True)
+            module.register_forward_pre_hook(hook_with_kwargs, with_kwargs=True)
         else:
-            module.register_forward_pre_hook(eager_under_compile(
-                lambda mod, args: self._prepare_args(args, device_mesh, where)))
+            module.register_forward_pre_hook(lambda mod, args: self._prepare_args(args, device_mesh, where))
         return module
 
     def __repr__(self) -> str:
@@ -374,8 +377,7 @@ class PrepareModuleOutput(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh, fqn: str = "") -> nn.Module:
         _check_mesh(device_mesh, self, module, fqn)
         where = _describe(module, fqn)
-        module.register_forward_hook(eager_under_compile(
-            lambda mod, args, outputs: self._prepare_outputs(outputs, device_mesh, where)))
+        module.register_forward_hook(lambda mod, args, outputs: self._prepare_outputs(outputs, device_mesh, where))
         return module
 
     def __repr__(self) -> str:

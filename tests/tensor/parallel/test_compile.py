@@ -1,0 +1,103 @@
+"""Tensor parallelism under torch.compile, compiled whole: a module parallelized with ColwiseParallel/RowwiseParallel
+(or SequenceParallel around them) and functions that convert DTensors (from_local, redistribute, to_local,
+full_tensor) compile into ONE graph with `fullgraph=True` (no graph break: the styles' hooks, the conversions and
+the DTensor ops are traced, spmd.tensor.api Note: DTensors under torch.compile), and train as eager does: same
+outputs, same gradients, over two steps. Real processes from the pool: dynamo's tracing is not thread-safe."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from tests.procpool import ProcPool
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)
+        self.up = torch.nn.Linear(16, 64)
+        self.down = torch.nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _train(model: torch.nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Two SGD steps; the outputs of each and the final parameters and gradients, as whole tensors."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    outputs = []
+    for _ in range(2):
+        optimizer.zero_grad()
+        out = model(x)
+        out.square().mean().backward()
+        optimizer.step()
+        outputs.append(out.detach().clone())
+    whole = [(t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for p in model.parameters()
+             for t in (p, p.grad)]
+    return outputs, whole
+
+
+def _conversions(t: torch.Tensor, w, mesh) -> torch.Tensor:
+    from spmd.tensor import DTensor, Replicate, Shard
+
+    d = DTensor.from_local(t, mesh, [Replicate()])
+    y = torch.mm(d, w)                                    # Shard(1): w is column-sharded
+    gathered = y.redistribute(mesh, [Replicate()]).to_local()
+    return gathered.sin().sum() + y.redistribute(mesh, [Shard(0)]).full_tensor().cos().sum()
+
+
+def _compiled_and_eager(rank: int, world_size: int) -> dict[str, object]:
+    import torch._dynamo.testing
+
+    import spmd
+    from spmd.device_mesh import init_device_mesh
+    from spmd.tensor import Shard, distribute_tensor
+    from spmd.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    spmd.init_process_group("shm", timeout=60, torch_default_group=False)
+    try:
+        torch._dynamo.reset()
+        mesh = init_device_mesh("cpu", (world_size,))
+        torch.manual_seed(0)
+        block = _Block()
+        x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+        results: dict[str, object] = {}
+        for name, plan in (("tp", {"up": ColwiseParallel(), "down": RowwiseParallel()}),
+                           ("sp", {"norm": SequenceParallel(),
+                                   "up": ColwiseParallel(input_layouts=Shard(1)),
+                                   "down": RowwiseParallel(output_layouts=Shard(1))})):
+            local_x = x.chunk(world_size, dim=1)[rank] if name == "sp" else x
+            torch._dynamo.reset()     # static shapes: a DTensor's shapes are constants of its graph
+            eager = _train(parallelize_module(copy.deepcopy(block), mesh, plan), local_x)
+            counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+            model = parallelize_module(copy.deepcopy(block), mesh, plan)
+            compiled = _train(torch.compile(model, backend=counter, fullgraph=True), local_x)
+            results[name] = (eager, compiled, counter.frame_count)
+
+        w = distribute_tensor(torch.randn(4, 6, generator=torch.Generator().manual_seed(2)), mesh, [Shard(1)])
+        w.requires_grad_(True)
+        t = torch.randn(3, 4, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        grads = []
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        for fn in (_conversions, torch.compile(_conversions, backend=counter, fullgraph=True)):
+            t.grad = w.grad = None
+            value = fn(t, w, mesh)
+            value.backward()
+            grads.append((value.detach(), t.grad.clone(), w.grad.full_tensor()))
+        results["conversions"] = (grads[0], grads[1], counter.frame_count)
+        return results
+    finally:
+        spmd.destroy_process_group()
+
+
+def test_parallelized_modules_and_dtensor_conversions_compile_whole_and_train_as_eager(procpool: ProcPool) -> None:
+    for result in procpool.run(_compiled_and_eager, 2, timeout=240):
+        for name in ("tp", "sp", "conversions"):
+            eager, compiled, graphs = result[name]
+            assert graphs == 1, (name, graphs)
+            torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        (outputs, whole), _, _ = result["tp"]
+        assert not torch.equal(outputs[0], outputs[1])      # the step changed the weights
+        assert all(t.abs().sum() > 0 for t in whole)
