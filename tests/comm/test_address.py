@@ -89,17 +89,19 @@ def test_stores_name_their_server_host() -> None:
 
 def test_an_unreachable_peer_address_fails_within_seconds_naming_both_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPMD_CONNECT_RETRY_S", "1")    # instead of connect.REACH_S, 10 s
-    with socket.socket() as closed:                      # a port nobody listens on: connections are refused
-        closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]
-    store = HashStore(timeout=20)
-    store.set("g/tcp/addr/0", f"127.0.0.1:{port}")
-    store.set("g/tcp/source/0", "the route to the store at 10.9.9.9")
-    spec = TransportSpec(store=PrefixStore("g", store), group_name="g", group_rank=1, global_ranks=(0, 2),
-                         hosts=("key-a", "key-b"), timeout=60.0, token=b"t" * 16, host_names=("hostA", "hostB"))
-    start = time.monotonic()
-    with pytest.raises(PeerUnreachableError) as caught:
-        TcpTransport(spec)
+    # A port held bound but not listening: connections to it are refused, and no other test process can take it
+    # (a port merely closed again could be reused by a parallel test's listener).
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        store = HashStore(timeout=20)
+        store.set("g/tcp/addr/0", f"127.0.0.1:{port}")
+        store.set("g/tcp/source/0", "the route to the store at 10.9.9.9")
+        spec = TransportSpec(store=PrefixStore("g", store), group_name="g", group_rank=1, global_ranks=(0, 2),
+                             hosts=("key-a", "key-b"), timeout=60.0, token=b"t" * 16, host_names=("hostA", "hostB"))
+        start = time.monotonic()
+        with pytest.raises(PeerUnreachableError) as caught:
+            TcpTransport(spec)
     assert time.monotonic() - start < 10
     message = str(caught.value)
     assert f"rank 2 on hostB can't reach rank 0 on hostA at 127.0.0.1:{port} within 1s" in message

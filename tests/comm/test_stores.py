@@ -362,12 +362,12 @@ def test_tcp_port_in_use_is_a_clear_error() -> None:
 
 
 def test_tcp_client_without_server_fails_naming_the_address() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    start = time.monotonic()
-    with pytest.raises(StoreError, match=f"could not connect to the store server at 127.0.0.1:{port} within"):
-        TCPStore("127.0.0.1", port, timeout=0.3)
+    with socket.socket() as held:     # bound, never listening: connections are refused and no one else takes it
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(StoreError, match=f"could not connect to the store server at 127.0.0.1:{port} within"):
+            TCPStore("127.0.0.1", port, timeout=0.3)
     assert 0.25 <= time.monotonic() - start < 5
 
 

@@ -54,11 +54,11 @@ def test_a_node_that_never_comes_times_out_naming_the_missing_count(worker: str)
 
 
 def test_an_unreachable_rendezvous_is_reported(worker: str) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]  # nothing listens here once the socket closes
-    code, _, err = run_agent("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                             "--rdzv-conf", "join_timeout=1", worker)
+    with socket.socket() as held:     # bound, never listening: connections are refused and no one else takes it
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        code, _, err = run_agent("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                 "--rdzv-conf", "join_timeout=1", worker)
     assert code == 1 and f"could not join the rendezvous at 127.0.0.1:{port}" in err
 
 
