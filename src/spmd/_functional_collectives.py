@@ -32,8 +32,8 @@ from spmd.comm.functional import (
 )
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.world import AnyGroup, current_world, default_group, group_named, new_group
-from spmd.device_mesh import DeviceMesh
+from spmd.comm.world import AnyGroup, current_world, default_group, new_group
+from spmd.device_mesh import DeviceMesh, group_of
 from spmd.nn import functional as differentiable
 
 RANK_TYPES = list[int] | list[list[int]] | ProcessGroup | DeviceMesh | tuple[DeviceMesh, int] | str
@@ -71,27 +71,18 @@ def wait_tensor(tensor: Tensor) -> Tensor:
 
 def _group(group: RANK_TYPES, op: str) -> ProcessGroup:
     """The ProcessGroup that torch's group forms name (see the module docstring)."""
-    if isinstance(group, ProcessGroup):
-        return group
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(f"spmd functional {op}: a {group.ndim}-d DeviceMesh names no single group; pass "
-                             f"(mesh, mesh_dim)")
-        return _group(group.get_group(), op)
-    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
-        return _group(group[0].get_group(group[1]), op)
-    if isinstance(group, str):
-        return group_named(group, f"spmd functional {op}")
-    world = current_world()
     if isinstance(group, list) and group and all(isinstance(r, int) for r in group):
         return _group_of_ranks(tuple(group), op)
     if isinstance(group, list) and group and all(isinstance(r, list) for r in group):
+        world = current_world()
         mine = [ranks for ranks in group if world.rank in ranks]
         if len(mine) != 1:
             raise ValueError(f"spmd functional {op} on rank {world.rank}: {group} must hold this rank exactly once")
         return _group_of_ranks(tuple(mine[0]), op)
-    raise TypeError(f"spmd functional {op}: group must be a ProcessGroup, a DeviceMesh, (mesh, dim), a list of "
-                    f"ranks or a group name, got {group!r}")
+    if isinstance(group, list):
+        raise TypeError(f"spmd functional {op}: a group given as a list must list ranks, or lists of ranks, got "
+                        f"{group!r}")
+    return group_of(group, f"spmd functional {op}")
 
 
 def _group_of_ranks(ranks: tuple[int, ...], op: str) -> ProcessGroup:

@@ -21,8 +21,16 @@ import torch
 from torch._library.opaque_object import MemberType, register_opaque_type
 
 from spmd._core.fake import on_real_tensors
-from spmd.comm.group import NonMemberGroup
-from spmd.comm.world import AnyGroup, World, current_world, init_process_group, is_initialized, new_group
+from spmd.comm.group import NonMemberGroup, ProcessGroup
+from spmd.comm.world import (
+    AnyGroup,
+    World,
+    current_world,
+    group_named,
+    init_process_group,
+    is_initialized,
+    new_group,
+)
 
 # Note: mesh groups are created once. One registry per world (per rank), keyed by the group's rank list and
 # the backend it was asked for (None: the world's).
@@ -405,6 +413,24 @@ def _backend_per_dim(backend_override: dict[int | str, str] | None, ndim: int,
         raise ValueError(f"init_device_mesh: backend_override keys {list(left)} are not dims of the mesh: expected "
                          f"integers in [0, {ndim}) or one of {names}")
     return tuple(per_dim)
+
+
+def group_of(group: ProcessGroup | DeviceMesh | tuple[DeviceMesh, int] | str, op: str) -> ProcessGroup:
+    """The group that torch's group arguments name: a group, a 1-D mesh, (mesh, mesh_dim) or a group's name
+    (torch's functional collectives and context-parallel ops take each). `op` starts the error messages."""
+    if isinstance(group, ProcessGroup):
+        return group
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"{op}: a {group.ndim}-D DeviceMesh {tuple(group.shape)} names no single group; pass "
+                             f"(mesh, mesh_dim)")
+        return group.get_group()
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        return group[0].get_group(group[1])
+    if isinstance(group, str):
+        return group_named(group, op)
+    raise TypeError(f"{op}: group must be a ProcessGroup, a DeviceMesh, (mesh, mesh_dim) or a group name, got "
+                    f"{group!r}")
 
 
 # Note: meshes in compiled graphs

@@ -172,7 +172,7 @@ def test_bad_arguments_name_the_problem() -> None:
             funcol.all_reduce(x, "sum", 3.5)
         with pytest.raises(ValueError, match=f"rank {rank} is not in the ranks \\[5\\]"):
             funcol.all_reduce(x, "sum", [5])
-        with pytest.raises(ValueError, match="a 2-d DeviceMesh names no single group"):
+        with pytest.raises(ValueError, match=r"a 2-D DeviceMesh \(1, 2\) names no single group; pass \(mesh, mesh_d"):
             funcol.all_reduce(x, "sum", init_device_mesh("cpu", (1, 2)))
         with pytest.raises(ValueError, match="dim 0 of size 3 does not split into 2 equal blocks"):
             funcol.reduce_scatter_tensor(x, "sum", 0, [0, 1])

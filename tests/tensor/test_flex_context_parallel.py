@@ -363,7 +363,9 @@ def test_misuse_raises_before_anything_is_sent() -> None:
     def two_d(mesh) -> None:
         with pytest.raises(ValueError, match="takes the 1-D context-parallel mesh; got 2-D"):
             _create_cp_block_mask(causal, 1, 1, 8, 8, mesh)
-        with pytest.raises(ValueError, match="takes the 1-D context-parallel mesh; got 2-D"):
+        with pytest.raises(ValueError, match=r"flex_cp_allgather: a 2-D DeviceMesh \(2, 2\) names no single group"):
             flex_cp_allgather(torch.zeros(1, 4), torch.zeros(1, 4), 1, mesh)
+        whole_k, _ = flex_cp_allgather(torch.zeros(1, 4), torch.zeros(1, 4), 1, (mesh, 1))    # or (mesh, dim)
+        assert whole_k.shape == (1, 8)
 
     run_on_mesh((2, 2), two_d, timeout=TIMEOUT)

@@ -29,8 +29,7 @@ from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, BlockM
 from spmd.comm.functional import all_gathered, reduce_scattered
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.world import group_named
-from spmd.device_mesh import DeviceMesh
+from spmd.device_mesh import DeviceMesh, group_of
 from spmd.tensor.api import DTensor
 from spmd.tensor.experimental.load_balancer import _default_load_balancer, _LoadBalancer
 
@@ -38,18 +37,6 @@ __all__ = ["_create_cp_block_mask", "flex_cp_allgather"]
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 _compiled_create_block_mask: Callable[..., BlockMask] | None = None
-
-
-def _group(group: ProcessGroup | DeviceMesh | str) -> ProcessGroup:
-    """The group that torch's `pg_name` argument (a group name), a 1-D mesh or a group itself names."""
-    if isinstance(group, ProcessGroup):
-        return group
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(f"spmd: flex_cp_allgather takes the 1-D context-parallel mesh; got {group.ndim}-D "
-                             f"{group.shape}")
-        return group.get_group()
-    return group_named(group, "spmd: flex_cp_allgather")
 
 
 class _GatherKeysValues(torch.autograd.Function):
@@ -79,10 +66,10 @@ class _GatherKeysValues(torch.autograd.Function):
 
 
 def flex_cp_allgather(k: Tensor, v: Tensor, seq_dim: int,
-                      pg_name: ProcessGroup | DeviceMesh | str) -> tuple[Tensor, Tensor]:
+                      pg_name: ProcessGroup | DeviceMesh | tuple[DeviceMesh, int] | str) -> tuple[Tensor, Tensor]:
     """The whole sequence's keys and values from this rank's slices `k` and `v` (sliced along `seq_dim`, rank
     by rank, over the group `pg_name` names); differentiable: each rank's gradient is its slice of the sum."""
-    group = _group(pg_name)
+    group = group_of(pg_name, "spmd flex_cp_allgather")
     seq_dim = seq_dim % k.dim()
     if k.shape[:seq_dim] != v.shape[:seq_dim] or k.shape[seq_dim] != v.shape[seq_dim]:
         raise ValueError(f"spmd: flex_cp_allgather on rank {group.global_rank}: keys {tuple(k.shape)} and values "
