@@ -28,6 +28,11 @@ is first imported, see `_allow_from_local_in_graph`); they run, autograd and all
 graph. Meshes are graph constants (spmd.device_mesh, Note: meshes in compiled graphs). So the hooks of the
 parallel styles compile into the same graph as the module they wrap. distribute_tensor stays eager
 (`eager_under_compile`): it scatters real data once, before training.
+Dynamic shapes: when dynamo recompiles for a new size, the spec's shape holds symbols. Such a spec has no hash
+(DTensorSpec.symbolic), so no cache keeps it: every decision is made afresh while tracing; cost models read the
+sizes' hints instead of guarding on them; a graph's DTensor outputs get their concrete shape back in
+__tensor_unflatten__ (torch passes the outer size). A gradient arriving in another layout than the one the
+backward was traced for is redistributed to it (__coerce_same_metadata_as_tangent__).
 """
 
 from __future__ import annotations
@@ -73,6 +78,11 @@ def eager_under_compile(fn: _Fn) -> _Fn:
 
     run._torchdynamo_disable = True   # type: ignore[attr-defined]   # dynamo's mark: call it, never inline it
     return run
+
+
+def _is_symbolic(sizes: Sequence[Any]) -> bool:
+    """Whether any of `sizes` is a torch.SymInt (a dynamic shape being traced)."""
+    return any(isinstance(size, torch.SymInt) for size in sizes)
 
 
 def _under_compile() -> bool:
@@ -124,7 +134,25 @@ class DTensor(torch.Tensor):
     def __tensor_unflatten__(inner: dict[str, Tensor], spec: DTensorSpec, outer_size: Any,
                              outer_stride: Any) -> DTensor:
         local = inner["_local_tensor"]
+        if spec.symbolic or _is_symbolic(outer_size) or tuple(outer_size) != tuple(spec.shape):
+            spec = DTensorSpec(spec.mesh, spec.placements, outer_size, tuple(outer_stride), spec.dtype)
         return DTensor(local, spec, requires_grad=local.requires_grad)
+
+    def __coerce_tangent_metadata__(self) -> DTensor:
+        """The layout a compiled backward is traced with for this output's gradient: a Partial one is guessed
+        reduced (Replicate), the layout gradients usually arrive in."""
+        if not self._spec.has_partial():
+            return self
+        return self.redistribute(self._spec.mesh, [Replicate() if isinstance(p, Partial) else p
+                                                   for p in self._spec.placements])
+
+    def __coerce_same_metadata_as_tangent__(self, expected: DTensorSpec,
+                                            expected_type: type | None = None) -> DTensor | None:
+        """This gradient laid out as the compiled backward was traced to expect (`expected`: the traced spec);
+        None (torch then names the mismatch) when the backward expects another type."""
+        if expected_type is not None:
+            return None
+        return self.redistribute(self._spec.mesh, expected.placements)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:   # torch passes tensor_contents to subclasses
         return (f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
@@ -292,7 +320,7 @@ def _from_local_spec(local: Tensor, mesh: DeviceMesh, placements: Placements, sh
         key = (_FromLocal, placements, local.shape, local.dtype)
         try:
             spec = mesh.dispatch_cache.get(key)
-        except TypeError:          # an unhashable placement: normalize_placements names it
+        except TypeError:          # an unhashable placement (normalize_placements names it) or a symbolic shape
             key = spec = None
         if spec is not None:
             return spec

@@ -70,13 +70,17 @@ def _can_all_to_all(current: list[Placement], target: Placements, mesh_shape: tu
     return not _prefix(target, mesh_shape, mesh_dim, dst.dim)
 
 
-@functools.lru_cache(maxsize=4096)
 def plan_redistribute(source: DTensorSpec, target: Placements) -> tuple[Step, ...]:
-    """The steps that take `source` to `target` placements (see Note: planning order on N-d meshes)."""
-    current = list(source.placements)
-    mesh_shape = tuple(source.mesh.shape)
+    """The steps that take `source` to `target` placements (see Note: planning order on N-d meshes). They
+    depend on the placements and the mesh's shape only, never on the tensor's (which may be symbolic)."""
+    return _plan(source.placements, tuple(source.mesh.shape), target)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(placements: Placements, mesh_shape: tuple[int, ...], target: Placements) -> tuple[Step, ...]:
+    current = list(placements)
     steps: list[Step] = []
-    for i in reversed(source.split_order()):          # phase 1: unshard what doesn't stay
+    for i in reversed(split_order(placements, mesh_shape)):          # phase 1: unshard what doesn't stay
         placement = current[i]
         if not isinstance(placement, Shard):
             continue

@@ -13,6 +13,7 @@ redistribution planner follow it. Either way a rank's piece is one contiguous bl
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,11 +43,16 @@ class DTensorSpec:
         self.shape = torch.Size(shape)
         self.stride = tuple(stride)
         self.dtype = dtype
-        self._hash = hash((mesh, self.placements, self.shape, self.stride, dtype))
+        try:
+            self._hash: int | None = hash((mesh, self.placements, self.shape, self.stride, dtype))
+        except TypeError:    # a symbolic shape (compiled with dynamic shapes): no cache may keep this spec
+            self._hash = None
         self._local_shape: torch.Size | None = None
         self._relaid: dict[Placements, DTensorSpec] | None = None     # with_placements' results
 
     def __hash__(self) -> int:
+        if self._hash is None:
+            raise TypeError(f"unhashable DTensorSpec: its shape {tuple(self.shape)} is symbolic")
         return self._hash
 
     def __reduce__(self) -> tuple:
@@ -65,6 +71,11 @@ class DTensorSpec:
                 f"dtype={self.dtype}, mesh={self.mesh})")
 
     # -- views of the metadata ------------------------------------------------------------------------------
+
+    @property
+    def symbolic(self) -> bool:
+        """Whether the shape or stride holds symbols (traced with dynamic shapes): then no cache may keep it."""
+        return self._hash is None
 
     @property
     def ndim(self) -> int:
@@ -105,8 +116,10 @@ class DTensorSpec:
         return count
 
     def local_numel_estimate(self) -> int:
-        """Global numel divided by the number of shards: the per-rank element count used by cost models."""
-        numel = self.shape.numel()
+        """Global numel divided by the number of shards: the per-rank element count used by cost models. Of a
+        symbolic shape, from its sizes' hints, with no guard: a cost only picks among correct strategies, and a
+        guard on it would recompile the graph at every size where the pick would change."""
+        numel = math.prod(self.shape if self._hash is not None else _size_hints(self.shape))
         for i, p in enumerate(self.placements):
             if isinstance(p, Shard):
                 numel //= self.mesh.size(i)
@@ -166,6 +179,13 @@ class DTensorSpec:
             if isinstance(placement, Partial):   # several Partial dims: partition each in turn
                 local = placement.partition(local, self.mesh.size(mesh_dim), coordinate[mesh_dim])
         return local
+
+
+def _size_hints(shape: torch.Size) -> list[int]:
+    """The concrete sizes a symbolic shape was traced with, read without adding a guard."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint  # only while tracing dynamic shapes
+
+    return [optimization_hint(size, fallback=1) for size in shape]
 
 
 @functools.lru_cache(maxsize=1024)

@@ -2,7 +2,8 @@
 (or SequenceParallel around them) and functions that convert DTensors (from_local, redistribute, to_local,
 full_tensor) compile into ONE graph with `fullgraph=True` (no graph break: the styles' hooks, the conversions and
 the DTensor ops are traced, spmd.tensor.api Note: DTensors under torch.compile), and train as eager does: same
-outputs, same gradients, over two steps. Real processes from the pool: dynamo's tracing is not thread-safe."""
+outputs, same gradients, over two steps. With inputs of changing sizes they compile once more, with dynamic shapes,
+and no further. Real processes from the pool: dynamo's tracing is not thread-safe."""
 
 from __future__ import annotations
 
@@ -101,3 +102,75 @@ def test_parallelized_modules_and_dtensor_conversions_compile_whole_and_train_as
         (outputs, whole), _, _ = result["tp"]
         assert not torch.equal(outputs[0], outputs[1])      # the step changed the weights
         assert all(t.abs().sum() > 0 for t in whole)
+
+
+def _sharded_output(t: torch.Tensor, w, mesh):
+    from spmd.tensor import DTensor, Shard
+
+    d = DTensor.from_local(t, mesh, [Shard(0)])
+    return torch.mm(d, w).relu().redistribute(mesh, [Shard(0)]) * 2     # mm gives Partial: reduce-scattered
+
+
+def _dynamic_shapes(rank: int, world_size: int) -> dict[str, object]:
+    import torch._dynamo.testing
+
+    import spmd
+    from spmd.device_mesh import init_device_mesh
+    from spmd.tensor import Shard, distribute_tensor
+    from spmd.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    spmd.init_process_group("shm", timeout=60, torch_default_group=False)
+    try:
+        torch._dynamo.reset()
+        mesh = init_device_mesh("cpu", (world_size,))
+        torch.manual_seed(0)
+        plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        block = _Block()
+        eager = parallelize_module(copy.deepcopy(block), mesh, plan)
+        compiled = parallelize_module(block, mesh, plan)
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        model = torch.compile(compiled, backend=counter)
+        steps = []
+        for seq in (8, 12, 16, 20):          # a graph for 8, one with a symbolic sequence length for the rest
+            x = torch.randn(2, seq, 16, generator=torch.Generator().manual_seed(seq))
+            outs = [module(x) for module in (eager, model)]
+            for out in outs:
+                out.square().mean().backward()
+            steps.append(([out.detach() for out in outs], counter.frame_count))
+        grads = [[g.full_tensor() if hasattr(g, "full_tensor") else g for g in (p.grad for p in module.parameters())]
+                 for module in (eager, compiled)]
+
+        w = distribute_tensor(torch.randn(4, 6, generator=torch.Generator().manual_seed(2)), mesh, [Shard(1)])
+        w.requires_grad_(True)
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        fn = torch.compile(_sharded_output, backend=counter)
+        calls = []
+        for rows in (3, 5, 7, 9):
+            t = torch.randn(rows, 4, generator=torch.Generator().manual_seed(rows), requires_grad=True)
+            results = []
+            for f in (_sharded_output, fn):
+                t.grad = w.grad = None
+                out = f(t, w, mesh)
+                (out * out).sum().backward()          # the gradient arrives Shard(0), as traced
+                results.append((tuple(out.shape), out.placements, out.full_tensor().detach(), t.grad.clone(),
+                                w.grad.full_tensor()))
+            calls.append((results, counter.frame_count))
+        return {"block": (steps, grads), "function": calls}
+    finally:
+        spmd.destroy_process_group()
+
+
+def test_inputs_of_changing_sizes_compile_once_more_with_dynamic_shapes_and_match_eager(procpool: ProcPool) -> None:
+    from spmd.tensor import Shard
+
+    for result in procpool.run(_dynamic_shapes, 2, timeout=240):
+        steps, (eager_grads, compiled_grads) = result["block"]
+        assert [graphs for _, graphs in steps] == [1, 2, 2, 2]       # no recompile once the shape is symbolic
+        for (eager, compiled), _ in steps:
+            torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(compiled_grads, eager_grads, rtol=1e-5, atol=1e-6)
+        assert [graphs for _, graphs in result["function"]] == [1, 2, 2, 2]
+        for rows, ((eager, compiled), _) in zip((3, 5, 7, 9), result["function"], strict=True):
+            assert compiled[0] == eager[0] == (2 * rows, 6)          # a concrete global shape, not a symbol
+            assert compiled[1] == eager[1] == (Shard(0),)
+            torch.testing.assert_close(compiled[2:], eager[2:], rtol=1e-5, atol=1e-6)

@@ -20,6 +20,7 @@ by must be the global one (Replicate), and it is linear in the incoming gradient
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -179,8 +180,8 @@ def _mse_kernel(plan: LocalPlan) -> LocalKernel:
     if reduction != _MEAN or not sharded:
         return plan.op
     op = plan.op
-    count = max(plan.output_specs[0].shape.numel() if backward else 0,
-                *(spec.shape.numel() for spec in plan.input_specs))
+    count = max(math.prod(plan.output_specs[0].shape) if backward else 0,
+                *(math.prod(spec.shape) for spec in plan.input_specs))
 
     def kernel(*args: Any) -> Tensor:
         return op(*args[: 3 if backward else 2], _SUM) / count

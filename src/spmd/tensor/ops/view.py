@@ -12,6 +12,7 @@ arguments are global (view, expand, the *_backward ops) get the LOCAL sizes in `
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -134,7 +135,7 @@ def _view_mapping(spec: DTensorSpec, out_shape: Sequence[int]) -> DimMap:
 @register_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view(schema: OpSchema) -> ShardingDecision:
     spec = schema.input_specs[0]
-    out_shape = _infer_size(schema.args[1], spec.shape.numel())
+    out_shape = _infer_size(schema.args[1], math.prod(spec.shape))
     return _decide(schema, _view_mapping(spec, out_shape),
                    lambda out: (spec, _local_shape(spec, out, out_shape)))
 
