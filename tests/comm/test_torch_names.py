@@ -85,8 +85,8 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
                          "legacy_irecv", "legacy_isend", "legacy_reduce_scatter_base", "legacy_reducescatter",
                          "legacy_reducescatter_single", "backend_impl", "batch_p2p_ops_inplace", "irecv_inplace",
                          "isend_inplace", "allow_inflight_collective_as_graph_input_ctx"],
-                        "torch.compile's lowering of traced collectives to its c10d_functional ops; spmd's "
-                        "collectives run eagerly (a graph break)"),
+                        "aliases of torch's c10d collectives that dynamo remaps to its c10d_functional ops; "
+                        "spmd's in-place collectives trace to its own torch.ops.spmd ops without them"),
     },
     "tensor.experimental._attention": {
         "_templated_ring_attention": "the template of torch's ring attention over its kernels' calling "
