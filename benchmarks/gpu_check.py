@@ -1,8 +1,11 @@
 """The GPU check: spmd on CUDA tensors over torch's NCCL, one short run with a pass/fail table (under 5 minutes).
 
     python benchmarks/gpu_check.py [--timeout 240]
+    python benchmarks/gpu_check.py --rehearse     # the same checks on CPU tensors, 2 ranks over "gloo"
 
-On a machine without CUDA it says so and exits 0 (CI machines have no GPU). With CUDA, one rank per GPU (at
+On a machine without CUDA it says so and exits 0 (CI machines have no GPU). `--rehearse` runs every check but the
+shared-GPU ones on the CPU (spmd's "gloo", 2 ranks), so the script itself is known to work before a GPU run
+(the test suite runs it). With CUDA, one rank per GPU (at
 least one) as spawned processes, backend "nccl" (spmd's torch:nccl transport), each rank on its own device:
   - collectives on CUDA tensors, every one checked against values computed on the host: all_reduce (SUM, AVG,
     MAX) in float32 and bfloat16, broadcast, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single,
@@ -45,7 +48,8 @@ def _check(rows: list[Row], name: str, fn: Callable[[], None]) -> None:
     start = time.perf_counter()
     try:
         fn()
-        torch.cuda.synchronize()
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         rows.append((name, True, time.perf_counter() - start, ""))
     except Exception as error:     # reported in the table, the run goes on
         rows.append((name, False, time.perf_counter() - start,
@@ -137,7 +141,8 @@ def _parallel_steps(rows: list[Row], rank: int, world: int, device: torch.device
     x = torch.randn(8 * world, 64, generator=torch.Generator().manual_seed(1)).to(device)
 
     def ddp() -> None:
-        model = spmd.DistributedDataParallel(_mlp().to(device), device_ids=[device.index])
+        model = spmd.DistributedDataParallel(_mlp().to(device),
+                                             device_ids=[device.index] if device.type == "cuda" else None)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         model(x.chunk(world)[rank]).square().mean().backward()
         optimizer.step()
@@ -273,6 +278,8 @@ def _flex_context_parallel(mesh: Any, device: torch.device) -> None:
         def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
             return flex.flex_attention(q, k, v, block_mask=mask)
 
+    if device.type == "cpu":      # rehearsing: CPU flex_attention refuses backward, though its eager path is math
+        flex._validate_device = lambda query, key, value: None
     generator = torch.Generator().manual_seed(3)
     tensors = [torch.randn(1, 2, seq, 32, generator=generator).to(device) for _ in range(4)]
     mask = flex.create_block_mask(documents, 1, 1, seq, seq, device=device.type, BLOCK_SIZE=block)
@@ -292,17 +299,20 @@ def _flex_context_parallel(mesh: Any, device: torch.device) -> None:
         _expect(actual, expected.cpu(), f"CP flex attention {name}", rtol=1e-4)
 
 
-def _nccl_rank(rank: int, world: int, port: int, out_file: str) -> None:
+def _nccl_rank(rank: int, world: int, port: int, out_file: str, backend: str = "nccl") -> None:
+    """One rank of the main checks: on its own GPU over `backend` ("nccl"), or on the CPU over "gloo" when
+    rehearsing."""
     import spmd
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     rows: list[Row] = []
     try:
-        spmd.init_process_group("nccl", device_id=device, timeout=120)
+        spmd.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=120)
     except Exception as error:
-        rows.append(("init_process_group('nccl')", False, 0.0, f"{type(error).__name__}: {error}"))
+        rows.append((f"init_process_group({backend!r})", False, 0.0, f"{type(error).__name__}: {error}"))
         torch.save(rows, f"{out_file}.{rank}")
         return
     try:
@@ -336,20 +346,28 @@ def _print(rows_per_rank: list[list[Row]]) -> bool:
     """The table, a row per check, the slowest rank's time; True if every rank passed every row."""
     ok = True
     names = [row[0] for row in rows_per_rank[0]]
-    print(f"{'check':44} {'result':6} {'seconds':>8}  error")
+    width = max(len(name) for name in ["check", *names])
+    print(f"{'check':{width}} {'result':6} {'seconds':>8}  error")
     for index, name in enumerate(names):
         rows = [ranks[index] for ranks in rows_per_rank if index < len(ranks)]
         passed = all(row[1] for row in rows) and len(rows) == len(rows_per_rank)
         ok &= passed
         error = next((row[3] for row in rows if row[3]), "")
-        print(f"{name:44} {'PASS' if passed else 'FAIL':6} {max(row[2] for row in rows):8.3f}  {error}")
+        print(f"{name:{width}} {'PASS' if passed else 'FAIL':6} {max(row[2] for row in rows):8.3f}  {error}")
     return ok
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds allowed per launch")
+    parser.add_argument("--rehearse", action="store_true", help="run the checks on CPU tensors, 2 ranks over gloo")
     args = parser.parse_args()
+    if args.rehearse:
+        port = free_port()
+        rows = run_saving_processes(_nccl_rank, 2, lambda rank, out: (rank, 2, port, out, "gloo"), args.timeout,
+                                    "the rehearsal")
+        print("gpu_check --rehearse: the checks on CPU tensors, 2 ranks over spmd's gloo")
+        sys.exit(0 if _print(rows) else 1)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device on this machine (torch.cuda.is_available() is False): nothing to check")
         return
