@@ -35,11 +35,11 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from spmd._autograd import at_backward_end, in_backward, on_backward_reaching
+from spmd._core.compile import eager_under_compile
 from spmd.comm.objects import all_gather_object
 from spmd.fsdp.param import FSDPParam
 from spmd.fsdp.param_group import FSDPParamGroup, GroupState, PendingReductions
 from spmd.fsdp.policy import MixedPrecisionPolicy
-from spmd.tensor.api import eager_under_compile
 
 _STATE_ATTR = "_spmd_fsdp_state"
 

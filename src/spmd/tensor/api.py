@@ -24,7 +24,7 @@ that guards a compiled graph). Dynamo traces a function over DTensors whole: its
 __torch_dispatch__ on fake local tensors while AOTAutograd traces, so the graph holds the local ops and the
 collectives of each redistribution (spmd.comm.traceable's ops); `redistribute`, `to_local` and `full_tensor`
 are recorded as calls on the DTensor and `from_local` as a call in the graph (registered with dynamo when dynamo
-is first imported, see `_allow_from_local_in_graph`); they run, autograd and all, when AOTAutograd traces the
+is first imported, see `_tell_dynamo`); they run, autograd and all, when AOTAutograd traces the
 graph. Meshes are graph constants (spmd.device_mesh, Note: meshes in compiled graphs). So the hooks of the
 parallel styles compile into the same graph as the module they wrap. distribute_tensor stays eager
 (`eager_under_compile`): it scatters real data once, before training.
@@ -38,10 +38,6 @@ backward was traced for is redistributed to it (__coerce_same_metadata_as_tangen
 from __future__ import annotations
 
 import copy
-import functools
-import importlib.abc
-import importlib.machinery
-import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -49,10 +45,10 @@ from typing import Any
 import torch
 import torch.utils._foreach_utils
 from torch import Tensor, nn
-from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch._ops import OpOverload
 from torch.optim.optimizer import _foreach_supported_types as _optimizer_foreach_types
 
+from spmd._core.compile import eager_under_compile, when_dynamo_imported
 from spmd.comm.collectives import broadcast
 from spmd.device_mesh import DeviceMesh
 from spmd.tensor.dispatch import dispatch
@@ -60,39 +56,10 @@ from spmd.tensor.placement import Partial, Placement, Replicate, Shard, _Strided
 from spmd.tensor.redistribute import run_plan
 from spmd.tensor.spec import DTensorSpec, Placements, contiguous_stride, stride_like
 
-_Fn = Callable[..., Any]
-
-
-def eager_under_compile(fn: _Fn) -> _Fn:
-    """`fn`, run eagerly when torch.compile reaches it (see Note: DTensors under torch.compile)."""
-    disabled: _Fn | None = None
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        nonlocal disabled
-        if not _under_compile():
-            return fn(*args, **kwargs)
-        if disabled is None:
-            disabled = torch.compiler.disable(fn)
-        return disabled(*args, **kwargs)
-
-    run._torchdynamo_disable = True   # type: ignore[attr-defined]   # dynamo's mark: call it, never inline it
-    return run
-
 
 def _is_symbolic(sizes: Sequence[Any]) -> bool:
     """Whether any of `sizes` is a torch.SymInt (a dynamic shape being traced)."""
     return any(isinstance(size, torch.SymInt) for size in sizes)
-
-
-def _under_compile() -> bool:
-    """Whether dynamo is tracing, or a compiled function is running (its frames between graphs are eager, but
-    dynamo would compile every Python frame they enter). Dynamo reads the first answer as a constant, so it never
-    meets the builtin."""
-    return torch.compiler.is_compiling() or get_eval_frame_callback() is not None
-
-
-_WRAPPER_CODE = eager_under_compile(_under_compile).__code__   # every eager_under_compile wrapper's code
 
 
 class DTensor(torch.Tensor):
@@ -257,45 +224,14 @@ for _supported in (torch.utils._foreach_utils._foreach_supported_types, _optimiz
         _supported.append(DTensor)
 
 
-
-
-class _OnDynamoImport(importlib.abc.MetaPathFinder):
-    """Runs `then(torch._dynamo)` right after torch._dynamo is first imported (it is imported by torch.compile;
-    importing it ourselves would cost every process 1.5 s)."""
-
-    def __init__(self, then: Callable[[ModuleType], None]) -> None:
-        self._then = then
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
-        if fullname != "torch._dynamo":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then(module: ModuleType) -> None:
-            exec_module(module)
-            self._then(module)
-
-        spec.loader.exec_module = exec_then   # type: ignore[method-assign]   # this spec's loader only
-        return spec
-
-
 def _tell_dynamo(dynamo: ModuleType) -> None:
     """Dynamo records DTensor.from_local as one call in its graph instead of tracing into it (as torch's own
     from_local is listed in dynamo's rules): it builds a DTensor from a mesh and placements, which AOTAutograd
-    runs when it traces the graph (Note: DTensors under torch.compile). And it never compiles the frames of
-    eager_under_compile's wrappers, which a compiled function's eager parts call."""
+    runs when it traces the graph (Note: DTensors under torch.compile)."""
     dynamo.allow_in_graph(DTensor.from_local)
-    dynamo.eval_frame.skip_code(_WRAPPER_CODE)
 
 
-if "torch._dynamo" in sys.modules:
-    _tell_dynamo(sys.modules["torch._dynamo"])
-else:
-    sys.meta_path.insert(0, _OnDynamoImport(_tell_dynamo))
+when_dynamo_imported(_tell_dynamo)
 
 
 def _unpickled_dtensor(local: Tensor, spec: DTensorSpec, requires_grad: bool, extra: dict[str, Any]) -> DTensor:
