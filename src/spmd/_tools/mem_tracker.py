@@ -42,6 +42,7 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd._core.env import optional_str
+from spmd._core.higher_order import is_higher_order, run_inside
 from spmd._tools._display import Snapshot, format_snapshot, format_state_snapshots
 from spmd._tools.mod_tracker import ModTracker
 from spmd.tensor import DTensor
@@ -482,10 +483,12 @@ class MemTracker(TorchDispatchMode):
             self._mod_tracker.__exit__(*args)
         super().__exit__(*args)
 
+    supports_higher_order_operators = True   # flex_attention's inner ops count too (run_inside)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented             # DTensor runs its local ops, which come back through the mode
-        out = func(*args, **(kwargs or {}))
+        out = run_inside(self, func, args, kwargs) if is_higher_order(func) else func(*args, **(kwargs or {}))
         # ops under a fake mode other than the one the tracker started in (shape propagation) hold no memory
         if active_fake_mode() is self._fake_mode_on_entry:
             if self._in_opt:

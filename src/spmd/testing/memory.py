@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from spmd._core.higher_order import is_higher_order, run_inside
 from spmd.fsdp.state import state_of
 
 
@@ -96,10 +97,12 @@ class TensorMemoryTracker(TorchDispatchMode):
                 breakdown[category] = breakdown.get(category, 0) + storage.nbytes()
         self.peak_breakdown = breakdown
 
+    supports_higher_order_operators = True   # flex_attention's inner ops count too (run_inside)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if any(cls is not Tensor for cls in types):
             return NotImplemented            # the subclass runs its local ops, which come back here
-        out = func(*args, **(kwargs or {}))
+        out = run_inside(self, func, args, kwargs) if is_higher_order(func) else func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, Tensor):
                 self._add(tensor)

@@ -27,9 +27,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from spmd._core.higher_order import is_higher_order
 from spmd.comm.debug import Fingerprint
 from spmd.comm.group import CollectiveObservers, ProcessGroup
 from spmd.comm.world import current_world, is_initialized
@@ -52,13 +52,15 @@ class _OperationTracer(TorchDispatchMode):
     """Records every op run on this thread for the reports; an op on DTensors is recorded, then handed on to
     DTensor's dispatch (NotImplemented), whose local ops come back here as plain ones."""
 
+    supports_higher_order_operators = True   # flex_attention and the like run below the tracer (as torch's)
+
     def __init__(self, record: Callable[[Any, tuple, bool], None]) -> None:
         super().__init__()
         self._record = record
 
     def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        if is_higher_order(func):
             return func(*args, **kwargs)
         on_dtensors = any(issubclass(t, DTensor) for t in types)
         self._record(func, args, on_dtensors)
