@@ -12,7 +12,7 @@ import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -103,6 +103,25 @@ def interleaved_medians(candidates: dict[str, tuple[Callable[[], None], Callable
                 fn()
             times[name].append((time.perf_counter() - start) / iters)
     return {name: statistics.median(samples) for name, samples in times.items()}
+
+
+def slowest_rank_step_times(names: Sequence[str], steps: int, step: Callable[[str], object]) -> dict[str, list[float]]:
+    """Seconds of `steps` calls of `step(name)` per name, each timed as the slowest rank's: the names alternate,
+    in reverse every other round (A, B, B, A, ...), each call started after a barrier; a first round warms up.
+    Collective over spmd's default group."""
+    import spmd
+
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(steps + 1):
+        for name in names if index % 2 else reversed(names):
+            spmd.barrier()
+            start = time.perf_counter()
+            step(name)
+            elapsed = torch.tensor([time.perf_counter() - start])
+            spmd.all_reduce(elapsed, op=spmd.ReduceOp.MAX)
+            if index:
+                times[name].append(float(elapsed))
+    return times
 
 
 def memcpy_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:

@@ -24,13 +24,12 @@ import pathlib
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import human_bytes, machine_line, run_saving_processes
+from _common import human_bytes, machine_line, run_saving_processes, slowest_rank_step_times
 
 METHODS = ("allgather", "alltoall")
 
@@ -89,17 +88,7 @@ def _rank(rank: int, world_size: int, init_file: str, seq: int, heads: int, dim:
             tracker.track(whole if name == "whole" else local)
             step(name)
         peaks[name] = tracker.peak_bytes
-    names = ("whole", *METHODS)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for index in range(steps + 1):
-        for name in names if index % 2 else reversed(names):
-            spmd.barrier()
-            start = time.perf_counter()
-            step(name)
-            elapsed = torch.tensor([time.perf_counter() - start])
-            spmd.all_reduce(elapsed, op=spmd.ReduceOp.MAX)
-            if index:                            # the first round warms up
-                times[name].append(float(elapsed))
+    times = slowest_rank_step_times(("whole", *METHODS), steps, step)
     torch.save({"times": times, "peaks": peaks, "errors": errors}, f"{out_file}.{rank}")
     spmd.destroy_process_group()
 
