@@ -95,10 +95,9 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
     "fsdp.sharded_grad_scaler": {"ProcessGroup": "not API: the type torch's module imports for its signature "
                                                  "(spmd.ProcessGroup is the top-level name)"},
     "_tools": {"MemoryTracker": "torch's older module-level tracker, superseded by MemTracker (served)",
-               **dict.fromkeys(["RuntimeEstimator", "MSPS", "SACEstimator", "SACGreedyOrderMeta", "SACStats",
-                                "SACTradeOffStats"],
-                               "torch's runtime and selective-activation-checkpointing estimators: not served; "
-                               "spmd serves the memory trackers only")},
+               **dict.fromkeys(["MSPS", "SACEstimator", "SACGreedyOrderMeta", "SACStats", "SACTradeOffStats"],
+                               "torch's selective-activation-checkpointing estimator: not served; spmd serves the "
+                               "memory trackers and the RuntimeEstimator")},
 }
 TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_types", "tensor.experimental",
                  "tensor.experimental._attention", "tensor.experimental._context_parallel",
@@ -124,7 +123,8 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "launcher.api", "_tensor", "_composable.fsdp", "distributed_c10d", "_functional_collectives",
                  "fsdp._fully_shard", "fsdp._fully_shard._fsdp_api", "tensor.parallel.input_reshard",
                  "optim.apply_optimizer_in_backward", "constants", "checkpoint.optimizer",
-                 "_tools", "_tools.mem_tracker", "_tools.fsdp2_mem_tracker", "_tools.mod_tracker", "debug"]
+                 "_tools", "_tools.mem_tracker", "_tools.fsdp2_mem_tracker", "_tools.mod_tracker",
+                 "_tools.runtime_estimator", "debug"]
 
 
 def _api_names(module: object) -> list[str]:
