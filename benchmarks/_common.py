@@ -6,6 +6,7 @@ repeats every measurement and reports medians, so the noise of a shared machine 
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import os
 import socket
@@ -103,6 +104,17 @@ def interleaved_medians(candidates: dict[str, tuple[Callable[[], None], Callable
                 fn()
             times[name].append((time.perf_counter() - start) / iters)
     return {name: statistics.median(samples) for name, samples in times.items()}
+
+
+def attention_parser(description: str) -> argparse.ArgumentParser:
+    """The command line of the attention benchmarks (cp.py, flex_cp.py): the problem's size, steps and ranks."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps of each implementation")
+    parser.add_argument("--ranks", type=int, default=2)
+    return parser
 
 
 def slowest_rank_step_times(names: Sequence[str], steps: int, step: Callable[[str], object]) -> dict[str, list[float]]:

@@ -19,7 +19,6 @@ outputs and gradients are checked against the whole-sequence ones once.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import statistics
 import sys
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import human_bytes, machine_line, run_saving_processes, slowest_rank_step_times
+from _common import attention_parser, human_bytes, machine_line, run_saving_processes, slowest_rank_step_times
 
 METHODS = ("allgather", "alltoall")
 
@@ -94,13 +93,7 @@ def _rank(rank: int, world_size: int, init_file: str, seq: int, heads: int, dim:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps of each implementation")
-    parser.add_argument("--ranks", type=int, default=2)
-    args = parser.parse_args()
+    args = attention_parser(__doc__.split("\n")[0]).parse_args()
     print(machine_line())
     with tempfile.TemporaryDirectory() as tmp:
         results = run_saving_processes(

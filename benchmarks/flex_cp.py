@@ -17,7 +17,6 @@ internally, which dynamo refuses under a dispatch-mode tracker.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import statistics
 import sys
@@ -27,7 +26,7 @@ import warnings
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import free_port, machine_line, run_saving_processes, slowest_rank_step_times
+from _common import attention_parser, free_port, machine_line, run_saving_processes, slowest_rank_step_times
 
 SIDES = ("whole", "spmd", "torch")
 
@@ -94,13 +93,7 @@ def _rank(rank: int, world_size: int, init_file: str, gloo_port: int, seq: int, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps of each side")
-    parser.add_argument("--ranks", type=int, default=2)
-    args = parser.parse_args()
+    args = attention_parser(__doc__.split("\n")[0]).parse_args()
     print(machine_line())
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
