@@ -79,9 +79,9 @@ def _group(group: RANK_TYPES, op: str) -> ProcessGroup:
         if len(mine) != 1:
             raise ValueError(f"spmd functional {op} on rank {world.rank}: {group} must hold this rank exactly once")
         return _group_of_ranks(tuple(mine[0]), op)
-    if isinstance(group, list):
-        raise TypeError(f"spmd functional {op}: a group given as a list must list ranks, or lists of ranks, got "
-                        f"{group!r}")
+    if not isinstance(group, (ProcessGroup, DeviceMesh, tuple, str)):
+        raise TypeError(f"spmd functional {op}: group must be a ProcessGroup, a DeviceMesh, (mesh, dim), a list of "
+                        f"ranks or lists of ranks, or a group name, got {group!r}")
     return group_of(group, f"spmd functional {op}")
 
 
