@@ -15,6 +15,7 @@ least one) as spawned processes, backend "nccl" (spmd's torch:nccl transport), e
     SGD step must match to 1e-5 (SGD: Adam's first step would blow reduction-order noise up); the same FSDP2 step
     with the collective buffers from NCCL's own allocator (set_allocate_memory_from_process_group_for_comm), with
     a frozen int64 table (the byte all-gather), and replicate on FSDP2's machinery;
+  - a tensor-parallel MLP block under torch.compile (inductor) over three sequence lengths against eager;
   - causal attention on SDPA's CUDA kernels, tensor-parallel (heads over the ranks) and context-parallel (ring
     attention over the sequence, on torch's memory-efficient kernels), output and gradients against the whole
     attention in one process to 1e-4; and flex_attention's context parallelism (a document-causal BlockMask
@@ -255,6 +256,39 @@ def _attention_checks(rows: list[Row], rank: int, world: int, device: torch.devi
     _check(rows, "CP flex attention (PTRR) vs one process", lambda: _flex_context_parallel(mesh, device))
 
 
+def _compiled_tensor_parallel(rows: list[Row], world: int, device: torch.device) -> None:
+    """A tensor-parallel MLP block under torch.compile (inductor), over three sequence lengths (the second
+    recompiles with a symbolic length, the third reuses it), against the same block run eagerly: outputs and
+    the gradients of every weight."""
+    import copy
+
+    from spmd.device_mesh import init_device_mesh
+    from spmd.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def check() -> None:
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                    torch.nn.Linear(256, 64)).to(device)
+        mesh = init_device_mesh(device.type, (world,))
+        plan = {"1": ColwiseParallel(), "3": RowwiseParallel()}
+        eager = parallelize_module(copy.deepcopy(block), mesh, plan)
+        compiled = parallelize_module(block, mesh, plan)
+        run = torch.compile(compiled)
+        for seq in (16, 24, 32):
+            x = torch.randn(2, seq, 64, generator=torch.Generator().manual_seed(seq)).to(device)
+            want, got = eager(x), run(x)
+            want.square().mean().backward()
+            got.square().mean().backward()
+            _expect(got, want.detach().cpu(), f"compiled TP output (sequence {seq})", rtol=1e-4)
+        for name, param in compiled.named_parameters():
+            grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+            other = eager.get_parameter(name).grad
+            _expect(grad, (other.full_tensor() if hasattr(other, "full_tensor") else other).cpu(),
+                    f"compiled TP gradient {name}", rtol=1e-4)
+
+    _check(rows, "TP block torch.compile (inductor), 3 lengths", check)
+
+
 def _flex_context_parallel(mesh: Any, device: torch.device) -> None:
     """flex_attention over the sequence: keys and values gathered, a document-causal BlockMask dealt by PTRR;
     output and q/k/v gradients against the whole sequence in one process."""
@@ -319,6 +353,7 @@ def _nccl_rank(rank: int, world: int, port: int, out_file: str, backend: str = "
         _collectives(rows, rank, world, device)
         _parallel_steps(rows, rank, world, device)
         _attention_checks(rows, rank, world, device)
+        _compiled_tensor_parallel(rows, world, device)
     finally:
         spmd.destroy_process_group()
     torch.save(rows, f"{out_file}.{rank}")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-CHECKS = 20     # the main table's rows: 12 collectives, 5 data-parallel steps, 3 attention checks
+CHECKS = 21     # the main table's rows: 12 collectives, 5 data-parallel steps, 3 attention checks, compiled TP
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:
