@@ -16,6 +16,8 @@ least one) as spawned processes, backend "nccl" (spmd's torch:nccl transport), e
     with the collective buffers from NCCL's own allocator (set_allocate_memory_from_process_group_for_comm), with
     a frozen int64 table (the byte all-gather), and replicate on FSDP2's machinery;
   - a tensor-parallel MLP block under torch.compile (inductor) over three sequence lengths against eager;
+  - a 1F1B pipeline step (a stage per rank) against one process, and a distributed checkpoint of an FSDP2
+    model with its AdamW state saved and loaded bit-exact;
   - causal attention on SDPA's CUDA kernels, tensor-parallel (heads over the ranks) and context-parallel (ring
     attention over the sequence, on torch's memory-efficient kernels), output and gradients against the whole
     attention in one process to 1e-4; and flex_attention's context parallelism (a document-causal BlockMask
@@ -289,6 +291,64 @@ def _compiled_tensor_parallel(rows: list[Row], world: int, device: torch.device)
     _check(rows, "TP block torch.compile (inductor), 3 lengths", check)
 
 
+def _pipeline_and_checkpoint(rows: list[Row], rank: int, world: int, device: torch.device, out_file: str) -> None:
+    """A pipeline step (1F1B, two layers per rank, one stage per rank, four microbatches) against the whole
+    model's gradients in one process; and a distributed checkpoint of an FSDP2 model and its AdamW state, saved
+    and loaded into a fresh model and optimizer, bit-exact."""
+    import spmd
+    import spmd.checkpoint as dcp
+    from spmd.checkpoint.state_dict import get_state_dict, set_state_dict
+    from spmd.device_mesh import init_device_mesh
+    from spmd.fsdp import fully_shard
+    from spmd.pipelining import PipelineStage, Schedule1F1B
+
+    def layers() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+                                     for _ in range(2 * world))).to(device)
+
+    def pipeline() -> None:
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(4)).to(device)
+        y = torch.randn(16, 64, generator=torch.Generator().manual_seed(5)).to(device)
+        whole = layers()
+        torch.nn.functional.mse_loss(whole(x), y).backward()
+        part = layers()[2 * rank:2 * rank + 2]
+        stage = PipelineStage(part, rank, world, device)
+        schedule = Schedule1F1B(stage, 4, loss_fn=torch.nn.functional.mse_loss)
+        schedule.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
+        for got, want in zip(part.parameters(), list(whole.parameters())[4 * rank:4 * rank + 4], strict=True):
+            _expect(got.grad, want.grad.cpu(), "pipeline gradient", rtol=1e-5)
+
+    def checkpoint() -> None:
+        mesh = init_device_mesh(device.type, (world,))
+
+        def sharded() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+            model = layers()
+            for block in model:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+        model, optimizer = sharded()
+        model(torch.randn(8, 64, generator=torch.Generator().manual_seed(rank)).to(device)).sum().backward()
+        optimizer.step()
+        state = dict(zip(("model", "optim"), get_state_dict(model, optimizer), strict=True))
+        dcp.save(state, checkpoint_id=f"{out_file}.checkpoint")
+        fresh, fresh_optimizer = sharded()
+        loaded = dict(zip(("model", "optim"), get_state_dict(fresh, fresh_optimizer), strict=True))
+        dcp.load(loaded, checkpoint_id=f"{out_file}.checkpoint")
+        set_state_dict(fresh, fresh_optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        spmd.barrier()
+        for (name, got), want in zip(fresh.state_dict().items(), model.state_dict().values(), strict=True):
+            _expect(got.full_tensor(), want.full_tensor().cpu(), f"loaded parameter {name}")
+        for got, want in zip(fresh_optimizer.state.values(), optimizer.state.values(), strict=True):
+            for key in ("exp_avg", "exp_avg_sq"):
+                _expect(got[key].full_tensor(), want[key].full_tensor().cpu(), f"loaded AdamW {key}")
+
+    _check(rows, "pipeline 1F1B step vs one process", pipeline)
+    _check(rows, "FSDP2 + AdamW checkpoint saved and loaded, bit-exact", checkpoint)
+
+
 def _flex_context_parallel(mesh: Any, device: torch.device) -> None:
     """flex_attention over the sequence: keys and values gathered, a document-causal BlockMask dealt by PTRR;
     output and q/k/v gradients against the whole sequence in one process."""
@@ -354,6 +414,7 @@ def _nccl_rank(rank: int, world: int, port: int, out_file: str, backend: str = "
         _parallel_steps(rows, rank, world, device)
         _attention_checks(rows, rank, world, device)
         _compiled_tensor_parallel(rows, world, device)
+        _pipeline_and_checkpoint(rows, rank, world, device, out_file)
     finally:
         spmd.destroy_process_group()
     torch.save(rows, f"{out_file}.{rank}")
