@@ -105,6 +105,14 @@ class DTensor(torch.Tensor):
             spec = DTensorSpec(spec.mesh, spec.placements, outer_size, tuple(outer_stride), spec.dtype)
         return DTensor(local, spec, requires_grad=local.requires_grad)
 
+    @classmethod
+    def __metadata_guard__(cls, compiled_for: DTensorSpec, given: DTensorSpec) -> bool:
+        """Whether a graph compiled for a DTensor of spec `compiled_for` takes one of spec `given`: the same mesh,
+        placements and dtype. Shapes and strides are left to dynamo's own guards on the DTensor's sizes, which
+        may be symbolic (with the whole spec compared, every new size recompiled, dynamic or not)."""
+        return (compiled_for.placements == given.placements and compiled_for.dtype == given.dtype
+                and compiled_for.mesh == given.mesh)
+
     def __coerce_tangent_metadata__(self) -> DTensor:
         """The layout a compiled backward is traced with for this output's gradient: a Partial one is guessed
         reduced (Replicate), the layout gradients usually arrive in."""

@@ -2,8 +2,8 @@
 (or SequenceParallel around them) and functions that convert DTensors (from_local, redistribute, to_local,
 full_tensor) compile into ONE graph with `fullgraph=True` (no graph break: the styles' hooks, the conversions and
 the DTensor ops are traced, spmd.tensor.api Note: DTensors under torch.compile), and train as eager does: same
-outputs, same gradients, over two steps. With inputs of changing sizes they compile once more, with dynamic shapes,
-and no further. Real processes from the pool: dynamo's tracing is not thread-safe."""
+outputs, same gradients, over two steps. With inputs (plain or DTensors) of changing sizes they compile once more,
+with dynamic shapes, and no further. Real processes from the pool: dynamo's tracing is not thread-safe."""
 
 from __future__ import annotations
 
@@ -111,6 +111,12 @@ def _sharded_output(t: torch.Tensor, w, mesh):
     return torch.mm(d, w).relu().redistribute(mesh, [Shard(0)]) * 2     # mm gives Partial: reduce-scattered
 
 
+def _gathered(d) -> torch.Tensor:
+    from spmd.tensor import Replicate
+
+    return (d.redistribute(d.device_mesh, [Replicate()]) * 2).to_local().sin().sum()
+
+
 def _dynamic_shapes(rank: int, world_size: int) -> dict[str, object]:
     import torch._dynamo.testing
 
@@ -155,7 +161,15 @@ def _dynamic_shapes(rank: int, world_size: int) -> dict[str, object]:
                 results.append((tuple(out.shape), out.placements, out.full_tensor().detach(), t.grad.clone(),
                                 w.grad.full_tensor()))
             calls.append((results, counter.frame_count))
-        return {"block": (steps, grads), "function": calls}
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        gather = torch.compile(_gathered, backend=counter)
+        inputs = []
+        for rows in (4, 6, 8, 10):          # DTensor inputs of new sizes: one more graph, not one per size
+            d = distribute_tensor(torch.arange(rows * 3.0).view(rows, 3), mesh, [Shard(0)]).requires_grad_(True)
+            value = gather(d)
+            value.backward()
+            inputs.append((_gathered(d.detach()), value.detach(), d.grad.full_tensor(), counter.frame_count))
+        return {"block": (steps, grads), "function": calls, "inputs": inputs}
     finally:
         spmd.destroy_process_group()
 
@@ -174,3 +188,7 @@ def test_inputs_of_changing_sizes_compile_once_more_with_dynamic_shapes_and_matc
             assert compiled[0] == eager[0] == (2 * rows, 6)          # a concrete global shape, not a symbol
             assert compiled[1] == eager[1] == (Shard(0),)
             torch.testing.assert_close(compiled[2:], eager[2:], rtol=1e-5, atol=1e-6)
+        assert [graphs for *_, graphs in result["inputs"]] == [1, 2, 2, 2]   # __metadata_guard__: not the shape
+        for eager, compiled, grad, _ in result["inputs"]:
+            torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(grad, 2 * (2 * torch.arange(grad.numel()).view(grad.shape)).cos())
