@@ -130,8 +130,8 @@ class RuntimeEstimator(TorchDispatchMode):
 
         def real(value: Any) -> Any:
             if isinstance(value, Tensor) and fake_mode.is_our_fake(value):
-                made = (torch.rand if value.dtype in _FLOATS else torch.ones)(
-                    value.shape, dtype=value.dtype, device=value.fake_device)
+                made = (torch.rand_like if value.dtype in _FLOATS else torch.ones_like)(
+                    value, device=value.fake_device)     # its memory layout too
                 fake_of[id(made)] = value
                 return made
             return value
