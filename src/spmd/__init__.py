@@ -34,6 +34,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "spmd.comm.store.tcp": ("TCPStore",),
     "spmd.comm.store.file": ("FileStore",),
     "spmd.comm.work": ("Work",),
+    "spmd.comm.rendezvous_api": ("register_rendezvous_handler", "rendezvous"),
     "spmd.comm.world": (
         "GroupMember", "default_pg_timeout", "destroy_process_group", "get_backend", "get_global_rank",
         "get_group_rank", "get_node_local_rank", "get_pg_count", "get_process_group_ranks", "get_rank",

@@ -46,6 +46,7 @@ from spmd.comm.objects import (
 )
 from spmd.comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from spmd.comm.reduce_op import ReduceOp, supports_complex
+from spmd.comm.rendezvous_api import register_rendezvous_handler, rendezvous
 from spmd.comm.store.base import HashStore, PrefixStore, Store
 from spmd.comm.store.file import FileStore
 from spmd.comm.store.tcp import TCPStore
@@ -143,6 +144,8 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_single",
     "reduce_scatter_tensor",
+    "register_rendezvous_handler",
+    "rendezvous",
     "scatter",
     "scatter_object_list",
     "send",

@@ -26,8 +26,6 @@ NOT_SERVED = {   # torch name -> why spmd has none
                         "StoreError (DistStoreError)",
     "QueueEmptyError": "spmd's stores have no queue API",
     "record_comm": "a profiling name for torch's Work; spmd's flight recorder names every op with its call site",
-    "register_rendezvous_handler": "init_method takes env://, tcp:// and file:// only",
-    "rendezvous": "init_method takes env://, tcp:// and file:// only",
     **dict.fromkeys(["GroupName", "RankType", "log", "reduce_op", "timedelta"],
                     "not API: type aliases, torch's logger, the long-deprecated reduce_op, datetime's class"),
 }

@@ -17,6 +17,7 @@ import secrets
 import socket
 import threading
 import urllib.parse
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -267,6 +268,34 @@ def _check_rank_arguments(rank: int, world_size: int, source: str) -> None:
                          f"(ranks are 0..{world_size - 1}); check {source}")
 
 
+BUILT_IN_SCHEMES = ("env", "tcp", "file")
+RendezvousHandler = Callable[..., Iterator[tuple[Store, int, int]]]
+RENDEZVOUS_HANDLERS: dict[str, RendezvousHandler] = {}     # init_method schemes registered by the user
+
+
+def _registered_rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> tuple[Store, int, int]:
+    """A registered scheme's (store, rank, world_size): its handler called as torch calls it, with the url's
+    query carrying rank and world_size and `timeout` as a timedelta; the first triplet it yields."""
+    url = urllib.parse.urlparse(init_method)
+    query = dict(urllib.parse.parse_qsl(url.query))
+    if rank >= 0:
+        query.setdefault("rank", str(rank))
+    if world_size > 0:
+        query.setdefault("world_size", str(world_size))
+    full = urllib.parse.urlunparse(url._replace(query=urllib.parse.urlencode(query)))
+    yielded = next(iter(RENDEZVOUS_HANDLERS[url.scheme](full, timeout=datetime.timedelta(seconds=timeout))), None)
+    if (not isinstance(yielded, tuple) or len(yielded) != 3 or not isinstance(yielded[0], Store)
+            or not all(isinstance(value, int) for value in yielded[1:])):
+        raise TypeError(f"spmd: the rendezvous handler of {url.scheme}:// must yield (store, rank, world_size) with "
+                        f"an spmd Store (spmd.TCPStore, FileStore, HashStore, ...); it yielded {yielded!r}")
+    store, got_rank, got_world_size = yielded
+    _check_rank_arguments(got_rank, got_world_size, f"what the {url.scheme}:// rendezvous handler yielded")
+    if got_rank < 0 or got_world_size <= 0:
+        raise ValueError(f"spmd: the rendezvous handler of {url.scheme}:// yielded rank {got_rank} of "
+                         f"{got_world_size}; it must give this process's rank and the world size")
+    return store, got_rank, got_world_size
+
+
 def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> tuple[Store, int, int]:
     """Build the store named by `init_method` ("env://", "tcp://host:port", "file:///path")."""
     from spmd.comm.store.file import FileStore
@@ -296,8 +325,12 @@ def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> 
         if rank < 0 or world_size <= 0:
             raise ValueError(missing)
         return FileStore(url.path, world_size, timeout=timeout), rank, world_size
+    elif url.scheme in RENDEZVOUS_HANDLERS:
+        return _registered_rendezvous(init_method, rank, world_size, timeout)
     else:
-        raise ValueError(f"spmd: init_method {init_method!r} must start with env://, tcp:// or file://")
+        schemes = ", ".join(f"{scheme}://" for scheme in (*BUILT_IN_SCHEMES, *RENDEZVOUS_HANDLERS))
+        raise ValueError(f"spmd: init_method {init_method!r} must start with one of {schemes} (register a scheme "
+                         f"of your own with spmd.register_rendezvous_handler)")
     if rank < 0 or world_size <= 0:
         raise ValueError(missing)
     token = env.store_token()
