@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch._library.opaque_object import MemberType, register_opaque_type
 
+from spmd._core.compile import fx_name
 from spmd._core.fake import on_real_tensors
 from spmd.comm.group import NonMemberGroup, ProcessGroup
 from spmd.comm.world import (
@@ -156,8 +157,7 @@ class DeviceMesh:
 
     def __fx_repr__(self) -> tuple[str, dict[str, Any]]:
         """How a compiled graph's code names this mesh (see Note: meshes in compiled graphs)."""
-        _COMPILED_MESHES[id(self)] = self
-        return f"_compiled_mesh({id(self)})", {"_compiled_mesh": _compiled_mesh}
+        return fx_name(self)
 
     @on_real_tensors
     def __repr__(self) -> str:
@@ -437,15 +437,8 @@ def group_of(group: ProcessGroup | DeviceMesh | tuple[DeviceMesh, int] | str, op
 # torch.compile records a DTensor's conversions (from_local, redistribute, to_local) as calls in its graph, and
 # their mesh argument must be a value the graph can hold. A mesh is registered with torch as an opaque VALUE: the
 # graph bakes it in as a constant (a compiled function specializes on its meshes, guarded by __eq__, as on its
-# placements), its queries are answered at compile time, and the graph's generated code names it through
-# `_compiled_mesh(id)`, a lookup in a weak table filled as the code is generated.
-_COMPILED_MESHES: weakref.WeakValueDictionary[int, DeviceMesh] = weakref.WeakValueDictionary()
-
-
-def _compiled_mesh(key: int) -> DeviceMesh:
-    """The mesh a compiled graph's code names (see Note: meshes in compiled graphs)."""
-    return _COMPILED_MESHES[key]
-
+# placements), its queries are answered at compile time, and the graph's generated code names it as
+# spmd._core.compile names every such object (Note: objects in compiled graphs).
 
 register_opaque_type(DeviceMesh, typ="value", members={
     name: MemberType.USE_REAL for name in (

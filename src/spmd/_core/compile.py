@@ -12,6 +12,7 @@ import functools
 import importlib.abc
 import importlib.machinery
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -47,6 +48,24 @@ def _under_compile() -> bool:
 
 
 _WRAPPER_CODE = eager_under_compile(_under_compile).__code__   # every eager_under_compile wrapper's code
+
+# Note: objects in compiled graphs
+# torch.compile holds spmd's meshes and process groups as opaque VALUES: constants of its graphs, guarded by
+# __eq__, their queries answered at compile time. The graph's generated code must still name each one: their
+# __fx_repr__ is `fx_name(self)`, a lookup in a weak table filled as the code is generated.
+_GRAPH_CONSTANTS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def _graph_constant(key: int) -> Any:
+    """The object a compiled graph's code names (see Note: objects in compiled graphs)."""
+    return _GRAPH_CONSTANTS[key]
+
+
+def fx_name(obj: Any) -> tuple[str, dict[str, Any]]:
+    """`obj`'s __fx_repr__: how a compiled graph's code names it (see Note: objects in compiled graphs)."""
+    _GRAPH_CONSTANTS[id(obj)] = obj
+    return f"_graph_constant({id(obj)})", {"_graph_constant": _graph_constant}
+
 
 _pending: list[Callable[[ModuleType], None]] = []
 

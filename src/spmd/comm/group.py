@@ -14,7 +14,6 @@ import enum
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 from torch import Tensor
 from torch._library.opaque_object import MemberType, register_opaque_type
 
+from spmd._core.compile import fx_name
 from spmd._core.deadline import Deadline
 from spmd._core.errors import CommError, CommTimeoutError, GroupAbortedError, SpmdError, StoreError
 from spmd.comm.debug import (
@@ -119,16 +119,15 @@ class ProcessGroup:
         self.state = GroupState.OPEN
 
     # A group is its own identity: equal only to itself. Said explicitly because torch.compile holds groups as
-    # constants of its graphs, compared with __eq__ (see _compiled_group).
+    # constants of its graphs, compared with __eq__ (see the registration at the end of this module).
     def __eq__(self, other: object) -> bool:
         return self is other
 
     __hash__ = object.__hash__
 
     def __fx_repr__(self) -> tuple[str, dict[str, Any]]:
-        """How a compiled graph's code names this group (see _compiled_group)."""
-        _COMPILED_GROUPS[id(self)] = self
-        return f"_compiled_group({id(self)})", {"_compiled_group": _compiled_group}
+        """How a compiled graph's code names this group (spmd._core.compile, Note: objects in compiled graphs)."""
+        return fx_name(self)
 
     # the accessors of torch's ProcessGroup
     def rank(self) -> int:
@@ -364,14 +363,7 @@ class NonMemberGroup:
 
 # torch.compile traces code that takes a group from a mesh (mesh.get_group() inside a compiled module) and passes
 # it to a collective: the group is a constant of the graph (an opaque value, as torch registers its own groups),
-# its queries answered at compile time, and the graph's code names it through this weak table.
-_COMPILED_GROUPS: weakref.WeakValueDictionary[int, ProcessGroup] = weakref.WeakValueDictionary()
-
-
-def _compiled_group(key: int) -> ProcessGroup:
-    """The group a compiled graph's code names."""
-    return _COMPILED_GROUPS[key]
-
+# its queries answered at compile time (spmd._core.compile, Note: objects in compiled graphs).
 
 register_opaque_type(ProcessGroup, typ="value", members={
     name: MemberType.USE_REAL for name in ("__eq__", "__hash__", "rank", "size", "group_name", "name", "ranks",
