@@ -142,7 +142,7 @@ class RuntimeEstimator(TorchDispatchMode):
             ms = _time_ms(lambda: func(*real_args, **real_kwargs), _device_of(flat))
 
         def fake(value: Any) -> Any:
-            if not isinstance(value, torch.Tensor):
+            if not isinstance(value, Tensor):
                 return value
             if id(value) in fake_of:            # an in-place op's result: the fake input it wrote
                 return fake_of[id(value)]
@@ -155,8 +155,8 @@ class RuntimeEstimator(TorchDispatchMode):
         out = func(*args, **kwargs)
         if _costs_nothing(func, args, kwargs):
             return out, 0.0
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
         device = _device_of(inputs + outputs)
         peaks = _peaks(device)
         seconds = sum(_bytes(t) for t in inputs + outputs) / peaks.bandwidth
@@ -202,7 +202,7 @@ def _costs_nothing(func: Any, args: tuple, kwargs: dict) -> bool:
 
 def _device_of(values: list[Any]) -> torch.device:
     for value in values:
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, Tensor):
             return getattr(value, "fake_device", value.device)
     return torch.device("cpu")
 

@@ -73,7 +73,7 @@ def _can_all_to_all(current: list[Placement], target: Placements, mesh_shape: tu
 def plan_redistribute(source: DTensorSpec, target: Placements) -> tuple[Step, ...]:
     """The steps that take `source` to `target` placements (see Note: planning order on N-d meshes). They
     depend on the placements and the mesh's shape only, never on the tensor's (which may be symbolic)."""
-    return _plan(source.placements, tuple(source.mesh.shape), target)
+    return _plan(source.placements, source.mesh.shape, target)
 
 
 @functools.lru_cache(maxsize=4096)
