@@ -82,7 +82,7 @@ def violation(here: str, target: str, filename: str) -> str | None:
     """Why module `here` (in file `filename`) must not import `target`, or None when it may."""
     if target == "spmd":
         return "imports the facade; import the defining module"
-    if target.startswith("torch.distributed") and filename not in TORCH_DISTRIBUTED_MODULES:
+    if target.startswith(("torch.distributed", "torch.nn.parallel")) and filename not in TORCH_DISTRIBUTED_MODULES:
         return f"imports {target}; only {TORCH_DISTRIBUTED_MODULES} may"
     src, dst = component(here), component(target)
     if src and dst and src != dst:

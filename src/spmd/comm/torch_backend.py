@@ -19,8 +19,10 @@ to the spmd group of the same ranks, which must exist (made with spmd.new_group 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -212,6 +214,46 @@ def destroy_torch_default_group() -> bool:
         dist.destroy_process_group()
         return True
     return False
+
+
+# -- torch.compile's graph split for spmd's DDP -----------------------------------------------------------------
+
+# Note: spmd's DDP under torch.compile
+# torch's DDP announces itself to dynamo while its module runs: a class attribute of torch's DDP that dynamo reads,
+# through `_get_active_ddp_module()`, whenever it converts a frame. Finding one, dynamo reads its
+# `bucket_bytes_cap` and hands the frame's graph to DDPOptimizer, which cuts it into subgraphs holding about that
+# many bytes of parameters each (in the reverse order of use, as DDP's buckets) and compiles each on its own, with
+# the user's backend. A compiled backward then runs subgraph by subgraph, and the gradients of the last layers
+# reach their accumulators (and DDP's hooks) while the earlier layers' backward still computes; uncut, a compiled
+# backward yields every gradient at its end, after all of the compute.
+# spmd's DDP makes the same announcement (`announced_to_dynamo_as_ddp`) around its module's call, with a stand-in
+# that holds only the cap (all dynamo reads), so the frames it compiles there are cut the same way and spmd's
+# reducer launches a bucket's all-reduce between backward subgraphs. DDPOptimizer refuses a cap below its first
+# bucket (1 MiB, torch's and spmd's first bucket too): a smaller cap is announced as 1 MiB. The attribute is
+# process-wide, as in torch: thread ranks compiling at once may cut at another rank's cap.
+
+_DDPOPTIMIZER_FIRST_BUCKET_BYTES = 1 << 20
+
+
+@contextlib.contextmanager
+def announced_to_dynamo_as_ddp(bucket_bytes_cap: int) -> Iterator[None]:
+    """While the block runs, frames that torch.compile converts are cut at DDP bucket boundaries of
+    `bucket_bytes_cap` bytes (Note: spmd's DDP under torch.compile)."""
+    from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
+
+    previous = TorchDDP._active_ddp_module
+    TorchDDP._active_ddp_module = _DynamoDDPView(max(bucket_bytes_cap, _DDPOPTIMIZER_FIRST_BUCKET_BYTES))
+    try:
+        yield
+    finally:
+        TorchDDP._active_ddp_module = previous
+
+
+class _DynamoDDPView:
+    """What dynamo reads of an active DDP module: its bucket cap."""
+
+    def __init__(self, bucket_bytes_cap: int) -> None:
+        self.bucket_bytes_cap = bucket_bytes_cap
 
 
 # -- what torch was built with: the facts behind spmd's backend names (backend.py) ------------------------------

@@ -58,8 +58,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     whose gradient never arrived (skipped by forward, or feeding only outputs the loss ignores) is reduced as
     zeros with find_unused_parameters=True (its .grad untouched if no rank used it), and is a named error
     without it. Forward under torch.autocast and torch.amp.GradScaler need nothing special (gradients stay
-    fp32; use bf16_compress_hook to halve the bytes). A torch.compile'd module can be wrapped (gradients
-    still reach each parameter's hook); compiling the wrapper also works, with graph breaks at DDP's hooks.
+    fp32; use bf16_compress_hook to halve the bytes). Under torch.compile, compiling the wrapper or wrapping a
+    compiled module, the module's graph is cut at bucket boundaries as torch's DDPOptimizer cuts torch's DDP (it
+    is the same mechanism), so a compiled backward yields gradients bucket by bucket and the all-reduces overlap
+    it; DDP's own steps before and after the module compile apart from it (a graph break each side). Over
+    tensor parallelism (DTensor parameters, which DDPOptimizer's cut does not take) the graph stays whole.
     """
 
     def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
@@ -93,6 +96,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         bucket_bytes = int((25.0 if bucket_cap_mb is None else bucket_cap_mb) * _MIB)
         if bucket_bytes <= 0:
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.bucket_bytes_cap = bucket_bytes
+        # DDPOptimizer's cut cannot take DTensor parameters (DDP over tensor parallelism): those compile uncut
+        self._cut_when_compiled = not any(isinstance(param, DTensor) for param in self._params)
         for param in self._params:
             if in_backward_optimizers(param):   # step them once the average is in (see reducer.py)
                 setattr(param, DDP_STEPS_IN_BACKWARD, True)
@@ -105,7 +111,19 @@ class DistributedDataParallel(nn.Module, Joinable):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._pre_forward()
         inputs, kwargs = self._inputs_to_device(inputs, kwargs)
+        if self._cut_when_compiled:
+            return self._post_forward(self._run_module(inputs, kwargs))
         return self._post_forward(self.module(*inputs, **kwargs))
+
+    @torch.compiler.disable(recursive=False)
+    def _run_module(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The module's forward, announced to torch.compile as a DDP module's: this frame stays out of any graph,
+        and the frames compiled inside it are cut at bucket boundaries, so a compiled backward hands gradients to
+        the reducer bucket by bucket (torch_backend, Note: spmd's DDP under torch.compile)."""
+        from spmd.comm import torch_backend
+
+        with torch_backend.announced_to_dynamo_as_ddp(self.bucket_bytes_cap):
+            return _call(self.module, inputs, kwargs)
 
     def _inputs_to_device(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...],
                                                                                           dict[str, Any]]:
@@ -329,6 +347,13 @@ def _layout(param: nn.Parameter) -> str:
     if not isinstance(param, DTensor):
         return ""
     return f" {list(param.placements)} local {tuple(param._local_tensor.shape)}"
+
+
+def _call(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`module(*inputs, **kwargs)` in a frame of spmd's, which torch.compile converts whole; it skips the frames
+    of torch's own modules (an nn.Sequential's forward), so calling the module directly from the skipped
+    _run_module would compile nothing of such a model."""
+    return module(*inputs, **kwargs)
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:
