@@ -336,6 +336,50 @@ def test_summon_full_params_writes_back_only_when_asked() -> None:
         assert got["state"]["blocks.0.norm.bias"].eq(0).all()
 
 
+def test_over_tensor_parallelism_trains_as_one_process_with_whole_state_dicts() -> None:
+    # torch's 2-D recipe (pytorch/examples fsdp_tp_example.py): parallelize_module on mesh["tp"], then the wrapper on
+    # mesh["dp"]; the parameters become DTensors on the (dp, tp) mesh. sync_module_states broadcasts each tensor-
+    # parallel shard over its dp group (the non-first dp ranks start from other weights here).
+    def body(rank: int, size: int) -> dict:
+        from spmd.device_mesh import init_device_mesh
+        from spmd.tensor import Replicate
+        from spmd.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        plan = {"inp": ColwiseParallel(output_layouts=Replicate()),
+                "blocks.0.fc": ColwiseParallel(output_layouts=Replicate()),
+                "head": RowwiseParallel(input_layouts=Replicate())}
+        model = copy.deepcopy(INITIAL)
+        if mesh["dp"].get_local_rank() != 0:
+            with torch.no_grad():
+                model.inp.weight.add_(1.0)
+        parallelize_module(model, mesh["tp"], plan)
+        model = FSDP(model, device_mesh=mesh["dp"], auto_wrap_policy=ModuleWrapPolicy({Block}),
+                     sync_module_states=True)
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        _train(model, opt, mesh["dp"].get_local_rank())
+        with FSDP.summon_full_params(model, writeback=False):
+            summoned = model.module.inp.weight.detach().clone()
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            sharded = model.state_dict()
+        full = model.state_dict()
+        fresh = FSDP(parallelize_module(_net(), mesh["tp"], plan), device_mesh=mesh["dp"],
+                     auto_wrap_policy=ModuleWrapPolicy({Block}))
+        fresh.load_state_dict(full)
+        return {"full": full, "summoned": summoned, "restored": fresh.state_dict(),
+                "meshes": {key: value.device_mesh.mesh.tolist() for key, value in sharded.items()
+                           if key in ("inp.weight", "head.weight")}}
+
+    want = _reference(2)
+    for got in run_ranks(body, 4, timeout=120):
+        assert got["meshes"] == {"inp.weight": [[0, 1], [2, 3]], "head.weight": [[0, 1], [2, 3]]}
+        torch.testing.assert_close(got["summoned"], want["inp.weight"], rtol=1e-5, atol=1e-6)
+        for state in (got["full"], got["restored"]):
+            assert list(state) == list(want)
+            for key, value in want.items():
+                torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
 class _Normed(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -4,7 +4,8 @@ tutorials still write `FSDP(model, auto_wrap_policy=...)`) port by their import.
 Layer: fsdp (may import _core, _autograd, comm, device_mesh, tensor).
 
 Each wrapper is one fully_shard unit: `FSDP(module)` holds `module` as `_fsdp_wrapped_module` and shards the
-parameters not inside a nested wrapper (the auto-wrap policy's units are wrapped first, bottom-up). What FSDP1
+parameters not inside a nested wrapper (the auto-wrap policy's units are wrapped first, bottom-up), tensor-parallel
+ones (DTensors on mesh["tp"], the wrapper given mesh["dp"]) as fully_shard shards them. What FSDP1
 users see is kept: the wrapper's `state_dict()`, `named_parameters()` and `named_buffers()` use the plain
 module's names (no `_fsdp_wrapped_module.`), `state_dict()` is full by default and follows `state_dict_type`,
 attributes fall through to the wrapped module, and `no_sync`, `summon_full_params`, `clip_grad_norm_` and the
@@ -113,12 +114,11 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
         self._state_dict_settings = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
                                                       FullOptimStateDictConfig())
         own = [sub for _, sub in _unowned_modules(module)]
-        _check_plain_parameters(module, own)
         _materialize(own, device, param_init_fn)
         for sub in own:
             sub._apply(lambda t: t.to(device), recurse=False)
         if sync_module_states:
-            _sync_from_first_rank(own, process_group if not isinstance(process_group, tuple) else None)
+            _sync_from_first_rank(own, mesh)
         self._buffer_dtypes = _cast_buffers(self, mixed_precision)
         fully_shard(self, mesh=mesh, reshard_after_forward=strategy in (ShardingStrategy.FULL_SHARD,
                                                                           ShardingStrategy.HYBRID_SHARD),
@@ -264,7 +264,7 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
             for param, full in summoned:
                 if writeback:
                     with torch.no_grad():
-                        param.local_shard.copy_(param._local_shard_of(full.detach()))
+                        param.local_shard.copy_(_shard_of_whole(param, full.detach()))
                 for slot in param.slots:
                     slot.set(param.sharded_param)
 
@@ -438,15 +438,6 @@ def _check_arguments(module: nn.Module, strategy: ShardingStrategy, process_grou
                          f"keeps gradients in the parameters' dtype (as FSDP2 does)")
 
 
-def _check_plain_parameters(module: nn.Module, own: list[nn.Module]) -> None:
-    for sub in own:
-        for name, param in sub._parameters.items():
-            if isinstance(param, DTensor):
-                raise ValueError(f"FullyShardedDataParallel({type(module).__name__}): parameter {name} of "
-                                 f"{type(sub).__name__} is already a DTensor; the wrapper shards plain parameters "
-                                 f"(for tensor parallelism compose fully_shard with parallelize_module)")
-
-
 def _ignored(module: nn.Module, ignored_modules: Iterable[nn.Module] | None,
              ignored_states: Iterable[Any] | None) -> tuple[set[nn.Module], set[nn.Parameter]]:
     """The ignored modules and the parameters neither sharded nor reduced (theirs, or those listed)."""
@@ -589,14 +580,18 @@ def _materialize(modules: list[nn.Module], device: torch.device,
             reset()
 
 
-def _sync_from_first_rank(modules: list[nn.Module], group: Any) -> None:
-    """Every rank's parameters and buffers become those of the group's first rank (sync_module_states)."""
-    source = min(get_process_group_ranks(group)) if group is not None else 0
+def _sync_from_first_rank(modules: list[nn.Module], mesh: DeviceMesh) -> None:
+    """Every rank's parameters and buffers become those of the mesh's first rank (sync_module_states), broadcast
+    along each mesh dim in turn. Of a tensor-parallel DTensor, this tp rank's shard (the same one over the mesh)."""
+    groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
     with torch.no_grad():
         for module in modules:
             for tensor in [*module._parameters.values(), *module._buffers.values()]:
-                if tensor is not None:
-                    broadcast(tensor.data, src=source, group=group)
+                if tensor is None:
+                    continue
+                local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor.data
+                for group in groups:
+                    broadcast(local, src=min(get_process_group_ranks(group)), group=group)
 
 
 def _cast_buffers(wrapper: nn.Module, mixed_precision: MixedPrecision | None) -> dict[str, torch.dtype]:
@@ -711,7 +706,14 @@ def _to_layout(value: Tensor, param: FSDPParam, kind: StateDictType, key: str) -
     if value.shape != param.shape:
         raise RuntimeError(f"load_state_dict: {key} has shape {tuple(value.shape)}; the parameter's full shape is "
                            f"{tuple(param.shape)}")
-    return DTensor(param._local_shard_of(value.to(local.device)), param.spec)
+    return DTensor(_shard_of_whole(param, value.to(local.device)), param.spec)
+
+
+def _shard_of_whole(param: FSDPParam, whole: Tensor) -> Tensor:
+    """This rank's shard of `param` cut from its whole value: over tensor parallelism, of this tp rank's piece."""
+    if param.tp_spec is not None:
+        whole = distribute_tensor(whole, param.tp_spec.mesh, param.tp_spec.placements, src_data_rank=None).to_local()
+    return param._local_shard_of(whole)
 
 
 # -- optimizer state dicts -----------------------------------------------------------------------------------
