@@ -79,6 +79,28 @@ def test_explicit_unshard_and_reshard() -> None:
     run_ranks(body, 2, timeout=TIMEOUT)
 
 
+def test_the_root_unsharded_before_each_forward_the_first_too_trains_as_one_process() -> None:
+    # pytorch/examples' FSDP2 example with --explicit-prefetching calls model.unshard() before every forward
+    def body(rank: int, size: int) -> list[torch.Tensor]:
+        model = _sharded_gpt(init_device_mesh("cpu", (size,)))
+        x, y = batch("gpt", 2 * size)
+        for _ in range(2):
+            model.unshard()
+            loss_fn("gpt", model(x.chunk(size)[rank]), y.chunk(size)[rank]).backward()
+        with torch.device("meta"):
+            on_meta = TinyGPT()
+        shard_blocks_then_root(on_meta, init_device_mesh("cpu", (size,)))
+        with pytest.raises(RuntimeError, match=r"position is still on the meta device, and FSDP was asked to "
+                                               r"gather it.*to_empty"):
+            on_meta.unshard()
+        return [p.grad.full_tensor() for p in model.parameters()]
+
+    ref = _gradients_of_two_backwards()
+    for grads in run_ranks(body, 2, timeout=TIMEOUT):
+        for got, want in zip(grads, ref, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_reshard_after_backward_off_keeps_parameters_for_the_next_micro_batch() -> None:
     def body(rank: int, size: int) -> dict:
         model = _sharded_gpt(init_device_mesh("cpu", (size,)), reshard_after_forward=False)

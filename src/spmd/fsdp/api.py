@@ -31,7 +31,7 @@ from spmd.fsdp.mesh_info import ShardPlacementResult
 from spmd.fsdp.param import FSDPParam, ShardMesh, Slot
 from spmd.fsdp.param_group import FSDPParamGroup, GroupState, PostForwardMesh
 from spmd.fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from spmd.fsdp.state import FSDPState, state_of
+from spmd.fsdp.state import FSDPState, check_materialised, state_of
 from spmd.tensor import DTensor
 from spmd.tensor.placement import Replicate, Shard
 
@@ -156,8 +156,11 @@ class FSDPModule:
         return found
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this module's parameters now (collective); with async_op, return a handle to wait on."""
-        groups = self._fsdp_state().groups
+        """All-gather this module's parameters now (collective); with async_op, return a handle to wait on. Also
+        before the first forward (explicit prefetching of the root's parameters)."""
+        state = self._fsdp_state()
+        check_materialised(state)
+        groups = state.groups
         for group in groups:
             group.unshard(async_op=True)
         handle = UnshardHandle(groups)

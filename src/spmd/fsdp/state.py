@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from spmd._autograd import at_backward_end, in_backward, on_backward_reaching
 from spmd._core.compile import eager_under_compile
 from spmd.comm.objects import all_gather_object
-from spmd.fsdp.param import FSDPParam
+from spmd.fsdp.param import FSDPParam, ParamState
 from spmd.fsdp.param_group import FSDPParamGroup, GroupState, PendingReductions
 from spmd.fsdp.policy import MixedPrecisionPolicy
 
@@ -113,7 +113,7 @@ class FSDPState:
             state.root = self
             for group in state.groups:
                 group.reductions = self.reductions
-            _check_materialised(state)
+            check_materialised(state)
         self.tree = tree
         self.reshard_after_forward = False    # backward needs the root's parameters first
         _check_same_model_on_every_rank(self)
@@ -249,12 +249,15 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t, tree)
 
 
-def _check_materialised(state: FSDPState) -> None:
+def check_materialised(state: FSDPState) -> None:
+    """Before the first gather of `state`'s parameters (at the first forward, or an explicit unshard()): the
+    module holds what FSDP put there, and the shards are off the meta device."""
     for param in state.params:
-        param.check_slots_hold(param.sharded_param)
+        param.check_slots_hold(param.sharded_param if param.state is ParamState.SHARDED else param.unsharded_param)
         if param.local_shard.device.type == "meta" and param.shard_device.type != "meta":   # a meta mesh: shapes only
-            raise RuntimeError(f"fully_shard: parameter {param.fqn} is still on the meta device at the first "
-                               f"forward; call module.to_empty(device=...) and initialise the shards first")
+            raise RuntimeError(f"fully_shard: parameter {param.fqn} is still on the meta device, and FSDP was "
+                               f"asked to gather it; call module.to_empty(device=...) and initialise the shards "
+                               f"first")
 
 
 def _check_same_model_on_every_rank(root: FSDPState) -> None:
