@@ -167,6 +167,16 @@ def test_the_names_torch_213_prefers_are_the_same_ops() -> None:
     assert spmd.group.WORLD is None and not spmd.is_initialized()
 
 
+# Private names that published examples import (pytorch/examples' FSDP2 checkpoint.py: _init_optim_state)
+PRIVATE_NAMES_IN_EXAMPLES = [("checkpoint.state_dict", "_init_optim_state")]
+
+
+@pytest.mark.parametrize(("path", "name"), PRIVATE_NAMES_IN_EXAMPLES)
+def test_private_names_published_examples_import_are_served(path: str, name: str) -> None:
+    assert hasattr(importlib.import_module(f"torch.distributed.{path}"), name)
+    assert callable(getattr(importlib.import_module(f"spmd.{path}"), name))
+
+
 def test_node_local_rank_reads_the_launchers_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert spmd.get_node_local_rank() == 3

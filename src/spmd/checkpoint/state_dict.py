@@ -364,7 +364,7 @@ def _optimizer_params(model: nn.Module, optimizers: tuple[torch.optim.Optimizer,
 
 # -- the optimizer state --------------------------------------------------------------------------------------
 
-def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
+def _init_optim_state(optimizer: torch.optim.Optimizer) -> None:
     """Create a fresh optimizer's state without changing a parameter (see Note: a fresh optimizer's state)."""
     params = [param for group in optimizer.param_groups for param in group[_PARAMS]]
     trainable = [param for param in params if param.requires_grad]
@@ -398,7 +398,7 @@ def _fqn_optimizer_state(model: nn.Module, optimizers: tuple[torch.optim.Optimiz
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
     for optimizer in optimizers:
-        _initialise_state(optimizer)
+        _init_optim_state(optimizer)
         positional = optimizer.state_dict()
         order = [fqn_of[id(param)] for group in optimizer.param_groups for param in group[_PARAMS]]
         for position, entry in positional[_STATE].items():
