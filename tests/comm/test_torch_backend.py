@@ -1,5 +1,6 @@
 """torch sees spmd's world: spmd.init_process_group initialises torch's default group over the "spmd" backend, so
-torch's DistributedSampler, collectives and its own DistributedDataParallel run on spmd (real processes, shm);
+torch's DistributedSampler, collectives and its own DistributedDataParallel (compiled too) run on spmd (real
+processes, shm);
 `torch_default_group=False` leaves torch alone; destroy_process_group takes torch's group down too."""
 
 from __future__ import annotations
@@ -44,12 +45,19 @@ def _torch_on_spmd(rank: int, world_size: int) -> dict[str, Any]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
         reference = copy.deepcopy(model)
+        with_buffer = copy.deepcopy(model)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         inputs = torch.randn(2 * world_size, 4, generator=torch.Generator().manual_seed(1))
         ddp(inputs.chunk(world_size)[rank]).square().mean().backward()
         reference(inputs).square().mean().backward()       # one process, the whole batch: the mean over ranks
         out["ddp"] = all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in
                          zip(model.parameters(), reference.parameters(), strict=True))
+        # compiled whole, torch's DDP broadcasts its buffers through the group from code dynamo traces
+        with_buffer.register_buffer("count", torch.zeros(1))
+        compiled = torch.compile(torch.nn.parallel.DistributedDataParallel(with_buffer), backend="aot_eager")
+        compiled(inputs.chunk(world_size)[rank]).square().mean().backward()
+        out["compiled ddp"] = all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in
+                                  zip(with_buffer.parameters(), reference.parameters(), strict=True))
     finally:
         spmd.destroy_process_group()
     out["torch_left"] = dist.is_initialized()
@@ -64,7 +72,7 @@ def test_torch_sees_spmds_world_and_runs_its_collectives_and_ddp_on_it(procpool:
         assert out["sampler"] == list(range(rank, 10, 2))
         assert out["avg"] == 1.5 and out["gathered"] == [0.0, 0.0, 1.0, 1.0] and out["root"] == 7.0
         assert out["scattered"] == rank * 3.0 and out["swapped"] == [0.0, 1.0]
-        assert out["ddp"] and not out["torch_left"]
+        assert out["ddp"] and out["compiled ddp"] and not out["torch_left"]
     assert results[1]["got"] == 42.0
 
 

@@ -68,6 +68,18 @@ def _torch_work(work: Work | None, outputs: list[Tensor]) -> Any:
     return _create_work_from_future(future)
 
 
+def _eager(cls: type) -> type:
+    """Every method `cls` defines made opaque to torch.compile: torch's code calls a group's operations from code
+    dynamo may be tracing (torch's DDP, compiled whole, broadcasts its buffers before each forward), and a group
+    is an opaque object there, whose attributes (the spmd group) dynamo refuses to read, failing the compile.
+    Eager, an operation is a graph break, as a C++ backend's is."""
+    for name, value in list(vars(cls).items()):
+        if callable(value) and not name.startswith("__"):
+            setattr(cls, name, torch.compiler.disable(value))
+    return cls
+
+
+@_eager
 class SpmdProcessGroup(dist.ProcessGroup):
     """torch's ProcessGroup interface over one spmd group (see Note: torch's default group over spmd)."""
 
