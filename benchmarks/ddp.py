@@ -1,6 +1,6 @@
 """DDP throughput: spmd DistributedDataParallel vs torch DDP on gloo, same model, same machine, same run.
 
-    python benchmarks/ddp.py [--steps 10] [--repeats 2] [--settings compute comm]
+    python benchmarks/ddp.py [--steps 10] [--repeats 2] [--settings compute comm] [--compile]
 
 The GPT-style model of examples/gpt.py at 4 layers, width 256, 4 heads, context 128, vocabulary 4096
 (5.3 M parameters, a 21 MB fp32 gradient), AdamW, random tokens. Two ranks, one torch thread each, as
@@ -12,6 +12,10 @@ For each: median step time and tokens/s, and how long backward waits on communic
   exposed    = median backward time with gradient sync - median backward time under no_sync()
   total      = median time of one all-reduce of the whole gradient (21 MB) on the same group
   overlapped = total - exposed (communication hidden behind backward compute)
+With --compile, every model is torch.compile'd, DDP wrapped first (inductor), twice per library in the same
+processes: cut at the DDP buckets (DDPOptimizer, torch's default: gradients reach the all-reduces during the
+compiled backward) and whole (torch._dynamo.config.optimize_ddp = False around its steps: every all-reduce after
+the backward); the torch-over-spmd run is left out.
 A third run is torch's own DDP on a torch process group of the "spmd" backend (spmd.comm.torch_backend: torch's
 collectives running on spmd's groups), the way a user keeps torch's DDP and gets spmd's transports.
 With --replicate, two more: each library's `replicate` on FSDP2's machinery (`_composable.replicate_with_fsdp`,
@@ -59,23 +63,29 @@ def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 class _Impl:
     """One implementation's group, DDP module, optimizer and data in this rank process (spmd, torch, single)."""
 
-    def __init__(self, name: str, rank: int, world_size: int, init_file: str, bucket_cap_mb: float) -> None:
+    def __init__(self, name: str, rank: int, world_size: int, init_file: str, bucket_cap_mb: float,
+                 compiled: bool) -> None:
         self.name = name
+        base, _, variant = name.partition("/")     # "spmd/whole": spmd's DDP compiled uncut, in spmd's world
+        self.owns_world = not variant
         self.group: Any = None
         raw = _model()
-        if name == "spmd":
+        if base == "spmd":
             import spmd
 
             self.lib: Any = spmd
-            spmd.init_process_group("auto", init_method=f"file://{init_file}.spmd", rank=rank,
-                                    world_size=world_size, torch_default_group=False)
+            if self.owns_world:
+                spmd.init_process_group("auto", init_method=f"file://{init_file}.spmd", rank=rank,
+                                        world_size=world_size, torch_default_group=False)
             self.backend = spmd.get_backend()
             self.model = spmd.DistributedDataParallel(raw, bucket_cap_mb=bucket_cap_mb)
-        elif name == "torch":
+        elif base == "torch":
             import torch.distributed as dist
 
             self.lib = dist
-            dist.init_process_group("gloo", init_method=f"file://{init_file}.gloo", rank=rank, world_size=world_size)
+            if self.owns_world:
+                dist.init_process_group("gloo", init_method=f"file://{init_file}.gloo", rank=rank,
+                                        world_size=world_size)
             self.backend = "gloo"
             self.model = torch.nn.parallel.DistributedDataParallel(raw, bucket_cap_mb=bucket_cap_mb)
         elif name == "torch-spmd":      # torch's own DDP on a torch group of the "spmd" backend (after spmd, torch)
@@ -106,6 +116,10 @@ class _Impl:
             self.lib = None
             self.backend = "none"
             self.model = raw
+        self.cut = variant != "whole"
+        self.compiled = compiled
+        if compiled:
+            self.model = torch.compile(self.model)
         self.raw = raw
         self.optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-4)
         self.generator = torch.Generator().manual_seed(rank)   # the same batches for every implementation
@@ -128,7 +142,7 @@ class _Impl:
         tokens = torch.randint(0, VOCAB, (micro_batch, CONTEXT + 1), generator=self.generator)
         self.barrier()
         start = time.perf_counter()
-        with contextlib.nullcontext() if sync else self.no_sync():
+        with self._dynamo_config(), contextlib.nullcontext() if sync else self.no_sync():
             loss = _loss(self.model, tokens)
             backward_start = time.perf_counter()
             loss.backward()
@@ -136,6 +150,14 @@ class _Impl:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - start, backward
+
+    def _dynamo_config(self) -> contextlib.AbstractContextManager[None]:
+        """Whether dynamo cuts this model's graph at DDP's buckets (it decides as it compiles, at the first steps)."""
+        if not self.compiled:
+            return contextlib.nullcontext()
+        import torch._dynamo
+
+        return torch._dynamo.config.patch(optimize_ddp=self.cut)
 
     def all_reduce_seconds(self, flat: torch.Tensor) -> float:
         if self.lib is None:
@@ -150,17 +172,17 @@ class _Impl:
             self.lib.barrier()
 
     def close(self) -> None:
-        if self.lib is not None and self.group is None and not self.name.endswith("-replicate"):
+        if self.lib is not None and self.group is None and self.owns_world and not self.name.endswith("-replicate"):
             # torch-spmd's group goes with torch's world, and the replicates' with their libraries' worlds
             self.lib.barrier()   # gloo aborts a rank whose peer tears down while it still talks to it
             self.lib.destroy_process_group()
 
 
 def _worker(names: list[str], rank: int, world_size: int, micro_batch: int, steps: int, bucket_cap_mb: float,
-            init_file: str, out_file: str) -> None:
+            compiled: bool, init_file: str, out_file: str) -> None:
     """Every implementation in `names` in this one process, their steps interleaved (A, B, B, A, ...)."""
     torch.set_num_threads(1)
-    impls = [_Impl(name, rank, world_size, init_file, bucket_cap_mb) for name in names]
+    impls = [_Impl(name, rank, world_size, init_file, bucket_cap_mb, compiled) for name in names]
     try:
         record: dict[str, dict[str, list[float]]] = {
             impl.name: {"step": [], "backward": [], "backward_local": [], "allreduce": []} for impl in impls}
@@ -188,7 +210,7 @@ def _run(names: list[str], world_size: int, micro_batch: int, args: argparse.Nam
     """One launch of `world_size` rank processes; per implementation, each timing as the slowest rank's."""
     def args_of(rank: int, out_file: str) -> tuple:
         init = os.path.join(os.path.dirname(out_file), "init")
-        return (names, rank, world_size, micro_batch, args.steps, args.bucket_cap_mb, init, out_file)
+        return (names, rank, world_size, micro_batch, args.steps, args.bucket_cap_mb, args.compile, init, out_file)
     per_rank = run_saving_processes(_worker, world_size, args_of, args.timeout, str(names))
     slowest = {name: {key: [max(values) for values in zip(*(r["record"][name][key] for r in per_rank))]
                       for key in per_rank[0]["record"][name]} for name in names}
@@ -212,16 +234,20 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket cap, the same for both")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the models, each library's graph cut at its buckets and whole")
     parser.add_argument("--replicate", action="store_true",
                         help="also both libraries' replicate on FSDP2's machinery (replicate_with_fsdp)")
     args = parser.parse_args()
     world_size = 2
     print(f"GPT 4x256, 4 heads, context {CONTEXT}, vocab {VOCAB}; {world_size} ranks x 1 thread; "
-          f"bucket_cap_mb {args.bucket_cap_mb:g}; {args.steps} timed steps x {args.repeats} repeats; medians")
+          f"bucket_cap_mb {args.bucket_cap_mb:g}; {args.steps} timed steps x {args.repeats} repeats; medians"
+          f"{'; compiled (inductor)' if args.compile else ''}")
     for setting in args.settings:
         micro = SETTINGS[setting]
         global_batch = micro * world_size
-        names = ["spmd", "torch", "torch-spmd"] + (["spmd-replicate", "torch-replicate"] if args.replicate else [])
+        names = ["spmd", "torch"] + (["spmd/whole", "torch/whole"] if args.compile else ["torch-spmd"]) \
+            + (["spmd-replicate", "torch-replicate"] if args.replicate else [])
         runs = [_run(names, world_size, micro, args) for _ in range(args.repeats)]
         singles = [_run(["single"], 1, global_batch, args) for _ in range(args.repeats if setting == "compute" else 0)]
         spmd, ref = _summary(runs, "spmd", global_batch), _summary(runs, "torch", global_batch)
@@ -230,17 +256,28 @@ def main() -> None:
         print(f"\n{setting}-heavy: micro batch {micro}/rank, global batch {global_batch} x {CONTEXT} tokens, "
               f"spmd over {runs[0]['backends']['spmd']}, {runs[0]['params'] / 1e6:.2f}M parameters "
               f"(load average {os.getloadavg()[0]:.1f})")
-        print(f"  {'':6} {'step ms':>9} {'tokens/s':>10} {'allreduce ms':>13} {'exposed ms':>11} "
+        print(f"  {'':11} {'step ms':>9} {'tokens/s':>10} {'allreduce ms':>13} {'exposed ms':>11} "
               f"{'overlapped ms':>14}")
-        for name, row in (("spmd", spmd), ("torch", ref)):
-            print(f"  {name:6} {row['step_ms']:9.1f} {row['tokens_s']:10.0f} {row['comm_ms']:13.1f} "
+        rows = ["spmd", "torch"] + (["spmd/whole", "torch/whole"] if args.compile else [])
+        for name in rows:
+            row = _summary(runs, name, global_batch)
+            print(f"  {name:11} {row['step_ms']:9.1f} {row['tokens_s']:10.0f} {row['comm_ms']:13.1f} "
                   f"{row['exposed_ms']:11.1f} {row['overlapped_ms']:14.1f}")
         print(f"  spmd / torch tokens/s: {spmd['tokens_s'] / ref['tokens_s']:.2f}x "
               f"(per launch: {', '.join(f'{r:.2f}x' for r in per_run)})")
-        over_spmd = _summary(runs, "torch-spmd", global_batch)
-        print(f"  torch's DDP over the \"spmd\" backend: {over_spmd['step_ms']:.1f} ms, {over_spmd['tokens_s']:.0f} "
-              f"tokens/s, allreduce {over_spmd['comm_ms']:.1f} ms: {over_spmd['tokens_s'] / ref['tokens_s']:.2f}x "
-              f"torch's DDP over gloo")
+        if args.compile:
+            for lib in ("spmd", "torch"):
+                cut = [_summary([run], lib, global_batch)["step_ms"] /
+                       _summary([run], f"{lib}/whole", global_batch)["step_ms"] for run in runs]
+                ratio = _summary(runs, lib, global_batch)["step_ms"] / _summary(runs, f"{lib}/whole",
+                                                                                 global_batch)["step_ms"]
+                print(f"  {lib}: step time cut at the buckets / whole graph: {ratio:.2f}x "
+                      f"(per launch: {', '.join(f'{r:.2f}x' for r in cut)})")
+        else:
+            over_spmd = _summary(runs, "torch-spmd", global_batch)
+            print(f"  torch's DDP over the \"spmd\" backend: {over_spmd['step_ms']:.1f} ms, "
+                  f"{over_spmd['tokens_s']:.0f} tokens/s, allreduce {over_spmd['comm_ms']:.1f} ms: "
+                  f"{over_spmd['tokens_s'] / ref['tokens_s']:.2f}x torch's DDP over gloo")
         if args.replicate:
             ours = _summary(runs, "spmd-replicate", global_batch)
             theirs = _summary(runs, "torch-replicate", global_batch)
