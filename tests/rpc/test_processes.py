@@ -6,7 +6,8 @@ not wait for the dead worker; a call whose large tensor waits for a worker that 
 reference, or by value past what its socket buffers) fails at its timeout, and the worker, resumed, serves the
 next call; a response whose large tensor waits for a caller that
 is stopped frees its server thread at the server's rpc_timeout, and the caller, resumed, still gets it; a thread
-the user starts calls through its process's agent."""
+the user starts calls through its process's agent; a worker whose main thread fails exits though a handler of its
+still waits, and its caller's call fails naming it."""
 
 from __future__ import annotations
 
@@ -67,6 +68,44 @@ def test_calls_across_processes_and_a_killed_worker_fails_its_calls_naming_it(tm
     for attempt in ("dying", "after"):
         assert "rpc_async(_die) on worker w1 (rank 1) failed" in report[attempt], report[attempt]
     assert report["seconds"] < 30 and report["shutdown_seconds"] < 30, report
+
+
+_HANDLER_WAITING = threading.Event()
+_MAIN_DONE = threading.Event()
+
+
+def _wait_for_main() -> int:
+    _HANDLER_WAITING.set()
+    _MAIN_DONE.wait()           # never set: the main thread fails first
+    return 1
+
+
+def _main_fails_while_its_handler_waits(rank: int, world_size: int, results: Any, store: str) -> None:
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{store}", rpc_timeout=60)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
+    if rank == 0:
+        _HANDLER_WAITING.wait()
+        raise RuntimeError("the root cause, on w0")
+    try:
+        rpc.rpc_sync("w0", _wait_for_main)
+    except RuntimeError as error:
+        results.send(str(error))
+    rpc.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_whose_main_thread_fails_exits_while_a_handler_still_waits(tmp_path) -> None:
+    # pytorch/examples' rpc/batch/reinforce: the agent's handlers wait on an event its main thread sets; when that
+    # thread failed, the interpreter waited for the handler threads at exit, and the job hung with no error
+    processes, inbox = _spawn(_main_fails_while_its_handler_waits, 2, str(tmp_path / "store"))
+    try:
+        report = inbox.get(timeout=90)
+        processes[0].join(timeout=30)
+        exitcode = processes[0].exitcode
+    finally:
+        _reap(processes)
+    assert exitcode == 1
+    assert "rpc_async(_wait_for_main) on worker w0 (rank 0) failed" in report, report
 
 
 def _from_a_thread_of_its_own(rank: int, world_size: int, results: Any, store: str) -> None:

@@ -1,8 +1,9 @@
 """spmd.rpc on thread ranks (over the threads transport, and for calls and a parameter server also over tcp and
 shm): calls by name, rank or WorkerInfo (to itself too), nested calls, remote errors raised
 as themselves naming the worker, timeouts, async_execution, RRefs (to_here, local_value, proxies, forks to a third
-worker, the owner dropping a value once no RRef names it), graceful shutdown (and its timeout naming the workers
-that did not come), bad arguments; distributed autograd
+worker, the owner dropping a value once no RRef names it, a value holding RRefs of its owner too), init_rpc
+returning once every worker serves, results with autograd history sent as data outside a dist_autograd context,
+graceful shutdown (and its timeout naming the workers that did not come), bad arguments; distributed autograd
 (gradients on every worker equal one process's, across nested calls and async functions) and
 DistributedOptimizer / RemoteModule training a parameter server bit for bit as one process trains the model."""
 
@@ -197,6 +198,73 @@ def test_rrefs_reach_their_value_and_the_owner_drops_it_with_the_last_rref() -> 
     assert got["counted"] == 1 and got["released"]     # the fork to w2 and the copies sent to w1 came and went
 
 
+def rrefs_of_its_own() -> list[rpc.RRef]:
+    """A value holding RRefs its owner owns too (a parameter server's parameter_rrefs())."""
+    return [rpc.RRef(torch.ones(1)), rpc.RRef(torch.zeros(1))]
+
+
+def test_a_value_holding_its_owners_rrefs_is_dropped_and_the_owner_serves_on() -> None:
+    # pytorch/examples' rpc/pipeline: dropping such a value released its RRefs through the owner's table while the
+    # table's lock was held; the owner deadlocked and every later call to it hung
+    def body(rank: int) -> Any:
+        if rank != 0:
+            return None
+        held = rpc.remote("w1", rrefs_of_its_own)
+        values = [rref.to_here() for rref in held.to_here()]
+        rref_id = held._id
+        del held
+        gc.collect()
+        return values, rpc.rpc_sync("w1", wait_released, (rref_id,)), rpc.rpc_sync("w1", add, (1, 2), timeout=20)
+
+    values, released, answer = _run(body, world_size=2)[0]
+    assert [v.item() for v in values] == [1.0, 0.0] and released and answer == 3
+
+
+_LAYER = nn.Linear(2, 3)
+
+
+def layer_forward(x: torch.Tensor) -> torch.Tensor:
+    return _LAYER(x)
+
+
+def test_a_result_with_autograd_history_arrives_as_data_outside_a_dist_autograd_context() -> None:
+    # as torch's RPC: the history stays with the sender, the receiver gets a leaf that requires grad (an
+    # evaluation loop calling a remote model's forward, pytorch/examples' rpc/parameter_server)
+    def body(rank: int) -> Any:
+        if rank != 0:
+            return None
+        with torch.no_grad():
+            return rpc.rpc_sync("w1", layer_forward, (torch.ones(1, 2),))
+
+    got = _run(body, world_size=2)[0]
+    assert got.requires_grad and got.grad_fn is None
+    torch.testing.assert_close(got.detach(), _LAYER(torch.ones(1, 2)).detach())
+
+
+def test_init_rpc_returns_once_every_worker_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    # as torch's init_rpc ends with a barrier: a worker's first call finds its peer past init_rpc (pytorch/examples'
+    # rpc/batch server sets up its state right after init_rpc, and its clients call it right after theirs)
+    from spmd.rpc.agent import RpcAgent
+
+    returned = threading.Event()
+    seen: list[bool] = []
+    start = RpcAgent.start
+
+    def slow_start(agent: RpcAgent) -> None:
+        if agent.rank == 1:          # while rank 1's agent is not yet serving, rank 0's init_rpc must not return
+            seen.append(returned.wait(1.0))
+        start(agent)
+
+    monkeypatch.setattr(RpcAgent, "start", slow_start)
+
+    def body(rank: int) -> None:
+        if rank == 0:
+            returned.set()
+
+    _run(body, world_size=2)
+    assert seen == [False]
+
+
 def test_bad_arguments_are_refused_naming_them() -> None:
     def body(rank: int) -> list[str]:
         errors = []
@@ -213,6 +281,8 @@ def test_bad_arguments_are_refused_naming_them() -> None:
     assert "timeout must be 0 (none) or positive" in errors[2] and "missing_method" in errors[3]
     with pytest.raises(RuntimeError, match="RPC is not initialised on this worker"):
         rpc.rpc_sync("w1", add, (1, 2))
+    with pytest.raises(ValueError, match=r"remote_device must be .* got 'cpu'"):   # a device names no worker
+        RemoteModule("cpu", nn.Linear, args=(4, 8))
     with pytest.raises(ValueError, match="worker names must be unique; \\['twin'\\] is used by ranks \\[0, 1\\]"):
         run_ranks(lambda rank, size: rpc.init_rpc("twin", rank=rank, world_size=size), world_size=2,
                   timeout=TIMEOUT)
@@ -331,7 +401,7 @@ def test_remote_modules_on_two_workers_train_as_one_process() -> None:
         if rank != 0:
             return None
         torch.manual_seed(0)
-        first = RemoteModule("w1/cpu", nn.Linear, args=(4, 8))
+        first = RemoteModule("w1", nn.Linear, args=(4, 8))        # torch's form: the worker's cpu
         second = RemoteModule("rank:2/cpu", nn.Linear, args=(8, 3))
         optimizer = DistributedOptimizer(torch.optim.Adam, first.remote_parameters() + second.remote_parameters(),
                                          lr=0.01)

@@ -39,7 +39,6 @@ Note: graceful shutdown
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextvars
 import dataclasses
 import enum
@@ -61,6 +60,7 @@ from spmd.comm.transports.base import TransportSpec
 from spmd.rpc import wire
 from spmd.rpc.channel import ONE_COPY_BYTES, Channels
 from spmd.rpc.functions import is_async_execution
+from spmd.rpc.pool import HandlerPool
 
 _STOP = -1
 _SHUTDOWN_SLICE_S = 1.0     # a graceful shutdown looks again for peers found dead this often
@@ -135,6 +135,7 @@ class RpcAgent:
         self.prefix = prefix
         self.rpc_timeout = rpc_timeout
         self._release = release
+        self._connect_timeout = connect_timeout
         store.set(f"{prefix}/name/{rank}", name)
         names = [store.get(f"{prefix}/name/{peer}").decode() for peer in range(world_size)]
         repeated = sorted({n for n in names if names.count(n) > 1})
@@ -158,7 +159,7 @@ class RpcAgent:
         self._deadlines: list[tuple[float, int]] = []
         self._timer_wake = threading.Condition(self._lock)
         self._running = self._sender_running = True
-        self._pool = concurrent.futures.ThreadPoolExecutor(num_worker_threads, thread_name_prefix=f"spmd-rpc{rank}")
+        self._pool = HandlerPool(num_worker_threads, f"spmd-rpc{rank}")
         self.channels = Channels(spec, connect_timeout)
         self._context = contextvars.copy_context()
         self._threads: list[threading.Thread] = []
@@ -171,6 +172,19 @@ class RpcAgent:
         self._threads.append(self._thread(self._time_out_calls, f"spmd-rpc{self.rank}-timer"))
         for thread in self._threads:
             thread.start()
+
+    def wait_for_every_worker_serving(self) -> None:
+        """The end of init_rpc, as torch's ends: every worker's agent serves before any returns, so a worker's
+        first call finds its peer past init_rpc (within its connect timeout, else a TimeoutError naming the
+        workers that did not get there)."""
+        keys = [f"{self.prefix}/serving/{peer}" for peer in range(self.world_size)]
+        self.store.set(keys[self.rank], "1")
+        try:
+            self.store.wait(keys, self._connect_timeout)
+        except StoreTimeoutError:
+            late = [self.workers[peer].name for peer, key in enumerate(keys) if not self.store.check([key])]
+            raise TimeoutError(f"init_rpc on worker {self.me.name}: workers {late} did not finish init_rpc within "
+                               f"{self._connect_timeout:.0f}s") from None
 
     def _thread(self, target: Callable[..., None], name: str, *args: Any) -> threading.Thread:
         return threading.Thread(target=self._context.copy().run, args=(target, *args), name=name, daemon=True)
@@ -559,7 +573,7 @@ class RpcAgent:
             self.channels.wake_receivers()    # each receiver finds its socket ended: calls still waiting fail
         for thread in self._threads[:len(self._peers)]:      # the receivers: each ends at its peer's STOP
             thread.join()
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown()
         with self._lock:
             self._running = self._sender_running = False
             self._outbox_ready.notify_all()

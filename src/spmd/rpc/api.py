@@ -59,7 +59,8 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1, worl
     on this rank and `rank` / `world_size` its own (or not given), the workers are its ranks, over a group of its
     transport; otherwise they rendezvous through the options' init_method (default env://: RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT, as spmdrun sets them) on a world of their own, apart from spmd's: the training's
-    groups may be a subset of the RPC workers (the DDP + RPC tutorial's trainers)."""
+    groups may be a subset of the RPC workers (the DDP + RPC tutorial's trainers). Returns once every worker's
+    agent serves (as torch's ends with a barrier)."""
     if _agent.get() is not None:
         raise RuntimeError(f"init_rpc on worker {name!r}: RPC is already initialised on this worker; call "
                            f"spmd.rpc.shutdown() first")
@@ -97,6 +98,11 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1, worl
     with _process_agents_lock:
         _process_agents.append(agent)
     agent.start()        # its threads copy this context, where the agent is set
+    try:
+        agent.wait_for_every_worker_serving()
+    except BaseException:
+        shutdown(graceful=False)
+        raise
 
 
 def _agent_timeout() -> float:
@@ -187,14 +193,18 @@ class _OwnerTable:
             return slot
 
     def count(self, rref_id: tuple[int, int], by: int) -> None:
+        dropped = None
         with self.lock:
             left = self.counts.get(rref_id, 0) + by
             if left > 0:
                 self.counts[rref_id] = left
             else:
                 self.counts.pop(rref_id, None)
-                self.values.pop(rref_id, None)
+                dropped = self.values.pop(rref_id, None)
             self.changed.notify_all()
+        # the value is freed here, outside the lock: RRefs it holds (a module's parameter_rrefs()) release their
+        # own counts through this table as they go
+        del dropped
 
 
 _tables: weakref.WeakKeyDictionary[RpcAgent, _OwnerTable] = weakref.WeakKeyDictionary()

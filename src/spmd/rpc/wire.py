@@ -30,10 +30,7 @@ class _Pickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> int | None:
         if type(obj) is not Tensor or obj.device.type != "cpu" or obj.layout is not torch.strided:
             return None
-        if obj.requires_grad and obj.grad_fn is not None:
-            raise RuntimeError("rpc: a tensor that requires grad and is not a leaf can't be sent (as torch refuses "
-                               "to pickle one); detach it, or call inside a dist_autograd context")
-        self.tensors.append(obj)
+        self.tensors.append(obj)     # its data: outside a dist_autograd context, autograd's history stays here
         return len(self.tensors) - 1
 
 

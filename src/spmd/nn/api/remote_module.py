@@ -24,14 +24,25 @@ def _parameters(module: RRef, recurse: bool) -> list[RRef]:
 
 
 def _parse_remote_device(remote_device: str) -> tuple[str, torch.device]:
-    """'worker1/cpu' -> ('worker1', cpu); 'rank:1/cuda:0' -> the worker of rank 1."""
+    """'worker1/cpu' -> ('worker1', cpu); 'rank:1/cuda:0' -> the worker of rank 1; 'worker1' -> its cpu (torch's
+    forms; a bare device names no worker)."""
     worker, separator, device = remote_device.partition("/")
-    if not separator or not worker or not device:
-        raise ValueError(f"RemoteModule: remote_device must be '<worker name>/<device>' or 'rank:<r>/<device>', "
-                         f"got {remote_device!r}")
+    if not separator:
+        device = "cpu"
+    if not worker or not device or "/" in device or _is_device(worker):
+        raise ValueError(f"RemoteModule: remote_device must be '<worker name>/<device>', '<worker name>' (its cpu) "
+                         f"or 'rank:<r>/<device>', got {remote_device!r}")
     if worker.startswith("rank:"):
         worker = _current("RemoteModule").worker(int(worker.removeprefix("rank:"))).name
     return worker, torch.device(device)
+
+
+def _is_device(text: str) -> bool:
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 def _build(module_cls: type[nn.Module], args: tuple, kwargs: dict, device: torch.device) -> nn.Module:
