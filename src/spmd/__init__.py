@@ -29,7 +29,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "spmd.comm.objects": ("all_gather_object", "broadcast_object_list", "gather_object", "recv_object_list",
                           "scatter_object_list", "send_object_list"),
     "spmd.comm.p2p": ("P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"),
-    "spmd.comm.reduce_op": ("ReduceOp", "supports_complex"),
+    "spmd.comm.reduce_op": ("ReduceOp", "reduce_op", "supports_complex"),
     "spmd.comm.store.base": ("HashStore", "PrefixStore", "Store"),
     "spmd.comm.store.tcp": ("TCPStore",),
     "spmd.comm.store.file": ("FileStore",),

@@ -45,7 +45,7 @@ from spmd.comm.objects import (
     send_object_list,
 )
 from spmd.comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
-from spmd.comm.reduce_op import ReduceOp, supports_complex
+from spmd.comm.reduce_op import ReduceOp, reduce_op, supports_complex
 from spmd.comm.rendezvous_api import register_rendezvous_handler, rendezvous
 from spmd.comm.store.base import HashStore, PrefixStore, Store
 from spmd.comm.store.file import FileStore
@@ -141,6 +141,7 @@ __all__ = [
     "recv",
     "recv_object_list",
     "reduce",
+    "reduce_op",
     "reduce_scatter",
     "reduce_scatter_single",
     "reduce_scatter_tensor",

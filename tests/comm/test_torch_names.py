@@ -26,8 +26,8 @@ NOT_SERVED = {   # torch name -> why spmd has none
                         "StoreError (DistStoreError)",
     "QueueEmptyError": "spmd's stores have no queue API",
     "record_comm": "a profiling name for torch's Work; spmd's flight recorder names every op with its call site",
-    **dict.fromkeys(["GroupName", "RankType", "log", "reduce_op", "timedelta"],
-                    "not API: type aliases, torch's logger, the long-deprecated reduce_op, datetime's class"),
+    **dict.fromkeys(["GroupName", "RankType", "log", "timedelta"],
+                    "not API: type aliases, torch's logger, datetime's class"),
 }
 
 
@@ -164,6 +164,10 @@ def test_the_names_torch_213_prefers_are_the_same_ops() -> None:
     assert not spmd.is_backend_available("mpi") and not spmd.is_backend_available("bogus")
     assert not spmd.is_ucc_available() and not spmd.is_xccl_available()
     assert spmd.GroupMember.NON_GROUP_MEMBER == torch_dist.GroupMember.NON_GROUP_MEMBER
+    with pytest.warns(FutureWarning, match="use spmd.ReduceOp"):     # older tutorials write dist.reduce_op.SUM
+        assert spmd.reduce_op.SUM is spmd.ReduceOp.SUM
+    with pytest.raises(AttributeError, match="reduce_op has no member 'SUMM'"):
+        _ = spmd.reduce_op.SUMM
     assert spmd.group.WORLD is None and not spmd.is_initialized()
 
 

@@ -7,6 +7,7 @@ reduces in place or straight into shared memory without extra copies; nothing he
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -28,6 +29,20 @@ class ReduceOp(enum.Enum):
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"
 
+
+class _DeprecatedReduceOp:
+    """torch's long-deprecated `reduce_op`: ReduceOp's members, each read warning as torch's does (older tutorials
+    still write `dist.reduce_op.SUM`)."""
+
+    def __getattr__(self, name: str) -> ReduceOp:
+        if name not in ReduceOp.__members__:
+            raise AttributeError(f"reduce_op has no member {name!r}; the members are {list(ReduceOp.__members__)}")
+        warnings.warn("spmd.reduce_op is deprecated, as torch.distributed.reduce_op is; use spmd.ReduceOp",
+                      FutureWarning, stacklevel=2)
+        return ReduceOp[name]
+
+
+reduce_op = _DeprecatedReduceOp()
 
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
