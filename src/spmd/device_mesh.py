@@ -108,7 +108,7 @@ class DeviceMesh:
         self.dispatch_cache: dict[Any, Any] = {}    # owned by spmd.tensor.dispatch: decisions for this mesh
         rank = self._world.rank
         hits = (self.mesh == rank).nonzero()
-        self._coordinate = [int(c) for c in hits[0].tolist()] if len(hits) else None
+        self._coordinate = tuple(int(c) for c in hits[0].tolist()) if len(hits) else None
         self._groups = _groups if _groups is not None else self._create_groups()
         self._key = (device_type, tuple(self.mesh.shape), tuple(flat), self.mesh_dim_names, self._backends,
                      id(self._world))
@@ -177,8 +177,8 @@ class DeviceMesh:
         assert self._world is not None
         return self._world.rank
 
-    def get_coordinate(self) -> list[int] | None:
-        """This rank's coordinate in the mesh, or None for a rank outside it."""
+    def get_coordinate(self) -> tuple[int, ...] | None:
+        """This rank's coordinate in the mesh (a tuple, as torch's), or None for a rank outside it."""
         return self._coordinate
 
     def get_local_rank(self, mesh_dim: int | str | None = None) -> int:

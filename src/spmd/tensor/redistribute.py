@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 from torch import Tensor
 
@@ -123,7 +124,7 @@ def run_plan(local: Tensor, source: DTensorSpec, target: Placements) -> Tensor:
     return local
 
 
-def _run_step(local: Tensor, spec: DTensorSpec, step: Step, coordinate: list[int]) -> Tensor:
+def _run_step(local: Tensor, spec: DTensorSpec, step: Step, coordinate: Sequence[int]) -> Tensor:
     mesh = spec.mesh
     i, source, target = step.mesh_dim, step.source, step.target
     n = mesh.size(i)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -133,7 +134,7 @@ class DTensorSpec:
             self._local_shape = self.local_shape_and_offset(self.mesh.get_coordinate())[0]
         return self._local_shape
 
-    def local_shape_and_offset(self, coordinate: list[int] | None) -> tuple[torch.Size, tuple[int, ...]]:
+    def local_shape_and_offset(self, coordinate: Sequence[int] | None) -> tuple[torch.Size, tuple[int, ...]]:
         """(local shape, global offset of the local block) at mesh `coordinate` (None: a rank outside the mesh).
 
         Walks mesh dims in split order, each Shard splitting the current extent of its tensor dim with torch.chunk.
@@ -150,7 +151,7 @@ class DTensorSpec:
                 offset[placement.dim] += start
         return torch.Size(shape), tuple(offset)
 
-    def extent_at(self, mesh_dim: int, dim: int, coordinate: list[int]) -> int:
+    def extent_at(self, mesh_dim: int, dim: int, coordinate: Sequence[int]) -> int:
         """The extent of tensor dim `dim` that mesh dim `mesh_dim` splits (after the mesh dims that split it first)."""
         extent = self.shape[dim]
         for i in self.split_order():
