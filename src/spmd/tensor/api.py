@@ -370,7 +370,8 @@ def distribute_tensor(tensor: Tensor, device_mesh: DeviceMesh, placements: Seque
 
     Collective over the mesh when `src_data_rank` is set: the value of the rank at group rank
     `src_data_rank` of every mesh dim is broadcast, then each rank keeps its piece. With None, every rank
-    must pass the same value and no communication happens.
+    must pass the same value and no communication happens. A meta `tensor` gives a meta DTensor, this rank's
+    piece's shape, without communicating (to be materialised by to_empty, as in torch).
     """
     if isinstance(tensor, DTensor):
         if tensor.device_mesh == device_mesh and placements is not None and tuple(placements) == tensor.placements:
@@ -379,6 +380,10 @@ def distribute_tensor(tensor: Tensor, device_mesh: DeviceMesh, placements: Seque
                          f"({list(tensor.placements)} on {tensor.device_mesh}); use redistribute() instead")
     placements = placements if placements is not None else [Replicate()] * device_mesh.ndim
     placements = normalize_placements(placements, tensor.ndim, device_mesh.ndim, "distribute_tensor")
+    if tensor.is_meta:      # a model built on the meta device, laid out before to_empty (TorchTitan's way): shapes only
+        spec = DTensorSpec(device_mesh, placements, tensor.shape, contiguous_stride(tensor.shape), tensor.dtype)
+        local = torch.empty(spec.local_shape(), dtype=tensor.dtype, device="meta")
+        return DTensor(local, spec, requires_grad=tensor.requires_grad)
     full = tensor.detach().to(device_mesh.device_type)
     if src_data_rank is not None:
         full = full.clone(memory_format=torch.contiguous_format)

@@ -141,6 +141,31 @@ def test_wildcard_paths_the_empty_path_and_src_data_rank() -> None:
     torch.testing.assert_close(rank0_full, rank0_own)
 
 
+def test_a_model_built_on_meta_is_laid_out_then_materialised() -> None:
+    # TorchTitan's order: build on the meta device, parallelize_module, to_empty, initialise
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4))
+
+    def body(mesh, rank: int) -> tuple[Tensor, Tensor]:
+        with torch.device("meta"):
+            model = make()
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        assert model[0].weight.is_meta and model[0].weight.to_local().shape == (3, 4)
+        model.to_empty(device="cpu")
+        manual_seed(0)                                   # DTensor initialisation draws the one-process numbers
+        for layer in (model[0], model[2]):
+            layer.reset_parameters()
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(5))
+        return model[0].weight.full_tensor(), model(x)
+
+    with seeded(0):
+        reference = make()
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(5))
+    for weight, out in on_ranks(body):
+        torch.testing.assert_close(weight, reference[0].weight.detach())
+        torch.testing.assert_close(out, reference(x).detach())
+
+
 def test_bad_plans_name_what_is_wrong() -> None:
     def body(mesh, rank: int) -> None:
         model = nn.Sequential(nn.Linear(4, 1), nn.LayerNorm(4))
