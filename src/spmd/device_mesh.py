@@ -104,6 +104,7 @@ class DeviceMesh:
                              f"{self._world.world_size}")
         self._root = _root if _root is not None else self
         self._flattened: dict[str, DeviceMesh] = {}
+        self._flattened_from: tuple[int, ...] | None = None     # the root dims a flattened mesh merges
         self._submeshes: dict[tuple[str, ...], DeviceMesh] = {}
         self.dispatch_cache: dict[Any, Any] = {}    # owned by spmd.tensor.dispatch: decisions for this mesh
         rank = self._world.rank
@@ -297,6 +298,7 @@ class DeviceMesh:
         flat = DeviceMesh(self.device_type, flat_ranks, mesh_dim_names=(name,),
                           _groups=[mine if mine is not None else NonMemberGroup(name, [], self._world.rank)],
                           _root=root)
+        flat._flattened_from = tuple(dims)
         root._flattened[name] = flat
         return flat
 
@@ -308,28 +310,51 @@ class DeviceMesh:
 
     @staticmethod
     def _concatenate(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
-        """The mesh over the dims of `meshes`, sub-meshes of one root mesh naming distinct root dims in the root's
-        order: e.g. `_concatenate([mesh["dp"], mesh["tp"]])` is `mesh["dp", "tp"]` (the root itself when they
-        cover it). No new groups. FSDP over tensor parallelism lays its parameters out on it; torch's name."""
+        """The mesh over the dims of `meshes`, slices of one root mesh over distinct root dims in the root's order:
+        e.g. `_concatenate([mesh["dp"], mesh["tp"]])` is `mesh["dp", "tp"]` (the root itself when they cover it).
+        A flattened mesh (`mesh["dp_shard", "cp"]._flatten("dp_shard_cp")`, TorchTitan's data-parallel mesh)
+        stands for the root dims it merges, as one dim. No new groups. FSDP over tensor parallelism lays its
+        parameters out on it; torch's name."""
         if not meshes:
             raise ValueError("DeviceMesh._concatenate: no meshes given")
         root = meshes[0]._root
         names: list[str] = []
+        dims: list[int] = []
         for mesh in meshes:
             if mesh._root is not root:
                 raise ValueError(f"DeviceMesh._concatenate: {mesh} and {meshes[0]} are not slices of one mesh; "
                                  f"slice both from the same init_device_mesh(..., mesh_dim_names=...) mesh")
-            if mesh.mesh_dim_names is None or root.mesh_dim_names is None \
+            if mesh._flattened_from is not None:
+                dims.extend(mesh._flattened_from)
+            elif mesh.mesh_dim_names is None or root.mesh_dim_names is None \
                     or not set(mesh.mesh_dim_names) <= set(root.mesh_dim_names):
-                raise ValueError(f"DeviceMesh._concatenate: {mesh} is not a slice of named dims of its root mesh "
-                                 f"{root} (a flattened mesh can't be concatenated)")
-            names.extend(mesh.mesh_dim_names)
-        dims = [root.mesh_dim_names.index(name) for name in names]
+                raise ValueError(f"DeviceMesh._concatenate: {mesh} is neither a slice of named dims of its root mesh "
+                                 f"{root} nor flattened from it")
+            else:
+                dims.extend(root.mesh_dim_names.index(name) for name in mesh.mesh_dim_names)
+            names.extend(mesh.mesh_dim_names or ())
         if len(set(dims)) != len(dims) or dims != sorted(dims):
-            raise ValueError(f"DeviceMesh._concatenate: the meshes' dims {names} must be distinct dims of the root "
-                             f"mesh {root}, in its order {root.mesh_dim_names}")
-        return root if tuple(names) == root.mesh_dim_names else root[tuple(names)]
+            raise ValueError(f"DeviceMesh._concatenate: the meshes {names} must span distinct dims of the root mesh "
+                             f"{root}, in its order {root.mesh_dim_names}")
+        if all(mesh._flattened_from is None for mesh in meshes):
+            return root if tuple(names) == root.mesh_dim_names else root[tuple(names)]
+        key = ("_concatenate", *names)
+        cached = root._submeshes.get(key)
+        if cached is None:
+            cached = root._submeshes[key] = root._merged(meshes, dims, tuple(names))
+        return cached
 
+    @on_real_tensors
+    def _merged(self, meshes: Sequence[DeviceMesh], dims: list[int], names: tuple[str, ...]) -> DeviceMesh:
+        """The root's sub-mesh over `dims` containing this rank, each of `meshes` one dim of it (a flattened one
+        its merged dims), with the meshes' own groups."""
+        if self._coordinate is None:
+            raise ValueError(f"DeviceMesh._concatenate: rank {self.get_rank()} is not in {self}")
+        index = tuple(slice(None) if d in dims else self._coordinate[d] for d in range(self.ndim))
+        sizes = [size for mesh in meshes for size in mesh.mesh.shape]      # a flattened mesh is 1-d
+        return DeviceMesh(self.device_type, self.mesh[index].reshape(sizes), mesh_dim_names=names,
+                          backend_override=tuple(backend for mesh in meshes for backend in mesh._backends),
+                          _groups=[group for mesh in meshes for group in mesh._groups], _root=self)
 
 @on_real_tensors
 def _unpickled_mesh(device_type: str, ranks: Any, mesh_dim_names: tuple[str, ...] | None,

@@ -228,18 +228,24 @@ def reference(kind: str, optimizer: str = "sgd", model: nn.Module | None = None,
 
 def train(kind: str, model: nn.Module, optimizer: str = "sgd",
           shard: Callable[..., None] = shard_blocks_then_root, setup: Callable[[nn.Module], None] | None = None,
-          before_step: Callable[[nn.Module], Any] | None = None, hybrid: bool = False) -> dict[str, Any]:
-    """This rank: tensor parallelism on tp, fully_shard over dp (rep and shard with `hybrid`: HSDP), then the
+          before_step: Callable[[nn.Module], Any] | None = None, hybrid: bool = False,
+          flattened: bool = False) -> dict[str, Any]:
+    """This rank: tensor parallelism on tp, fully_shard over dp (rep and shard with `hybrid`: HSDP; with
+    `flattened`, TorchTitan's dp mesh: dims ("dp_shard", "cp") of a (dp_shard, cp, tp) mesh flattened), then the
     reference's steps on its dp chunk."""
-    mesh = hybrid_mesh() if hybrid else mesh_2d()
+    if flattened:
+        mesh = init_device_mesh("cpu", (DP, 1, TP), mesh_dim_names=("dp_shard", "cp", "tp"))
+        dp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    else:
+        mesh = hybrid_mesh() if hybrid else mesh_2d()
+        dp_mesh = mesh["rep", "shard"] if hybrid else mesh["dp"]
     parallelize(model, mesh["tp"])
-    dp_mesh = mesh["rep", "shard"] if hybrid else mesh["dp"]
     shard(model, dp_mesh)
     if setup is not None:
         setup(model)
     opt = make_optimizer(optimizer, model.parameters())
     dp = dp_mesh.size()
-    d = mesh.get_coordinate()[0] * 2 + mesh.get_coordinate()[1] if hybrid else mesh.get_local_rank("dp")
+    d = mesh.get_coordinate()[0] * 2 + mesh.get_coordinate()[1] if hybrid else dp_mesh.get_local_rank()
     losses, extras = [], []
     for x, y in batches(kind, dp=dp):
         opt.zero_grad()
@@ -301,6 +307,18 @@ def test_transformer_with_prefetch_and_reshard_options(reshard_after_forward: bo
     initial = build("lm")
     results = run(lambda rank, size: train("lm", copy.deepcopy(initial), "sgd", shard=shard, setup=setup))
     assert_parity(results, reference("lm"))
+
+
+def test_over_a_flattened_data_parallel_mesh() -> None:
+    """TorchTitan passes fully_shard its flattened ("dp_shard", "cp") mesh: the sharded parameters live on that
+    dim and tp (DeviceMesh._concatenate of a flattened mesh)."""
+    initial = build("lm", layers=1)
+    results = run(lambda rank, size: train("lm", copy.deepcopy(initial), "adamw", flattened=True))
+    assert_parity(results, reference("lm", "adamw", layers=1))
+    for result in results:
+        up = result["model"].blocks[0].up.weight
+        assert up.device_mesh.mesh_dim_names == ("dp_shard_cp", "tp") and up.device_mesh.mesh.tolist() == [[0, 1],
+                                                                                                           [2, 3]]
 
 
 def test_hybrid_sharding_over_tensor_parallelism() -> None:
@@ -586,7 +604,7 @@ def test_dtensor_parameters_fsdp_cannot_compose_with_are_named() -> None:
         mesh = mesh_2d()
         other = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("a", "b"))
         cases = [
-            (mesh["dp"], Shard(0), "must be distinct dims"),                 # FSDP's own mesh
+            (mesh["dp"], Shard(0), "must span distinct dims"),                 # FSDP's own mesh
             (other["b"], Shard(0), "not slices of one mesh"),
             (mesh["tp"], Partial(), "must be Shard or Replicate"),
             (mesh, Shard(0), "on a 1-d mesh only"),

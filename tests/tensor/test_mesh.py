@@ -92,15 +92,20 @@ def test_root_and_concatenate() -> None:
         dp_tp = DeviceMesh._concatenate([mesh["rep"], mesh["tp"]])
         assert dp_tp is mesh["rep", "tp"] and dp_tp.get_group(1) is mesh.get_group("tp")
         assert len(current_world().groups) == groups                                   # no group made
-        with pytest.raises(ValueError, match="must be distinct dims of the root mesh"):
+        flat = mesh["rep", "shard"]._flatten("dp")                  # TorchTitan's flattened data-parallel mesh
+        dp_tp = DeviceMesh._concatenate([flat, mesh["tp"]])
+        assert dp_tp.mesh_dim_names == ("dp", "tp") and dp_tp.mesh.tolist() == [[0, 1], [2, 3]]
+        assert dp_tp.get_group(0) is flat.get_group() and dp_tp.get_group(1) is mesh.get_group("tp")
+        assert DeviceMesh._concatenate([flat, mesh["tp"]]) is dp_tp and dp_tp._get_root_mesh() is mesh
+        with pytest.raises(ValueError, match="must span distinct dims"):
+            DeviceMesh._concatenate([flat, mesh["shard"]])
+        with pytest.raises(ValueError, match="must span distinct dims of the root mesh"):
             DeviceMesh._concatenate([mesh["tp"], mesh["rep"]])
-        with pytest.raises(ValueError, match="must be distinct dims"):
+        with pytest.raises(ValueError, match="must span distinct dims"):
             DeviceMesh._concatenate([mesh["rep", "tp"], mesh["tp"]])
         other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         with pytest.raises(ValueError, match="not slices of one mesh"):
             DeviceMesh._concatenate([other["dp"], mesh["tp"]])
-        with pytest.raises(ValueError, match="a flattened mesh can't be concatenated"):
-            DeviceMesh._concatenate([mesh["rep", "shard"].flatten("dp"), mesh["tp"]])
         return dp_tp.mesh.tolist(), dp_tp.get_coordinate()
 
     results = run_ranks(body, 4, timeout=TIMEOUT)
