@@ -1,6 +1,6 @@
 """The c10d functions at torch's module path (`distributed_c10d`): process groups, collectives, P2P, object
-collectives, stores and backend names, as the top-level `spmd` package serves them, plus `_get_default_group`,
-which scripts reach for. Layer: comm (an alias; it holds no logic)."""
+collectives, stores and backend names, as the top-level `spmd` package serves them, plus `_get_default_group`
+and `_set_pg_timeout`, which scripts (TorchTitan) reach for. Layer: comm (an alias; it holds no logic)."""
 
 from spmd._core.errors import DistStoreError
 from spmd.comm.backend import (
@@ -75,6 +75,7 @@ from spmd.comm.world import (
     split_group,
 )
 from spmd.comm.world import default_group as _get_default_group
+from spmd.comm.world import set_group_timeout as _set_pg_timeout
 
 __all__ = [
     "SHRINK_ABORT",
@@ -94,6 +95,7 @@ __all__ = [
     "TCPStore",
     "Work",
     "_get_default_group",
+    "_set_pg_timeout",
     "all_gather",
     "all_gather_coalesced",
     "all_gather_into_tensor",

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as torch_dist
 
 import spmd
+from spmd._core.errors import CommTimeoutError
 from spmd.testing import run_ranks
 
 NOT_SERVED = {   # torch name -> why spmd has none
@@ -86,6 +87,9 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
                         "aliases of torch's c10d collectives that dynamo remaps to its c10d_functional ops; "
                         "spmd's in-place collectives trace to its own torch.ops.spmd ops without them"),
     },
+    "tensor._random": {"OffsetBasedRNGTracker": "torch's per-device Philox offset tracker: spmd's DTensor random ops "
+                                                "draw the global tensor's numbers from the rank's generators "
+                                                "(spmd.tensor.random)"},
     "tensor.experimental._attention": {
         "_templated_ring_attention": "the template of torch's ring attention over its kernels' calling "
                                      "conventions; spmd's ring attention is spmd.tensor.ring_attention",
@@ -122,7 +126,7 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "fsdp._fully_shard", "fsdp._fully_shard._fsdp_api", "tensor.parallel.input_reshard",
                  "optim.apply_optimizer_in_backward", "constants", "checkpoint.optimizer",
                  "_tools", "_tools.mem_tracker", "_tools.fsdp2_mem_tracker", "_tools.mod_tracker",
-                 "_tools.runtime_estimator", "debug"]
+                 "_tools.runtime_estimator", "debug", "tensor._random", "_composable.fsdp.fully_shard"]
 
 
 def _api_names(module: object) -> list[str]:
@@ -171,14 +175,29 @@ def test_the_names_torch_213_prefers_are_the_same_ops() -> None:
     assert spmd.group.WORLD is None and not spmd.is_initialized()
 
 
-# Private names that published examples import (pytorch/examples' FSDP2 checkpoint.py: _init_optim_state)
-PRIVATE_NAMES_IN_EXAMPLES = [("checkpoint.state_dict", "_init_optim_state")]
+# Private names that published examples and TorchTitan import
+PRIVATE_NAMES_IN_EXAMPLES = [("checkpoint.state_dict", "_init_optim_state"),   # pytorch/examples' FSDP2
+                             ("distributed_c10d", "_set_pg_timeout")]              # TorchTitan
 
 
 @pytest.mark.parametrize(("path", "name"), PRIVATE_NAMES_IN_EXAMPLES)
 def test_private_names_published_examples_import_are_served(path: str, name: str) -> None:
     assert hasattr(importlib.import_module(f"torch.distributed.{path}"), name)
     assert callable(getattr(importlib.import_module(f"spmd.{path}"), name))
+
+
+def test_set_pg_timeout_bounds_the_groups_next_operations() -> None:
+    def body(rank: int, size: int) -> str:
+        from spmd.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(datetime.timedelta(seconds=1.5))
+        if rank == 1:
+            return ""                                        # never enters the barrier
+        with pytest.raises(CommTimeoutError) as raised:
+            spmd.barrier()
+        return str(raised.value)
+
+    assert "timed out after 1.5s" in run_ranks(body, 2, timeout=60)[0]
 
 
 def test_node_local_rank_reads_the_launchers_variable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -65,6 +65,20 @@ def test_consecutive_ops_stay_in_step_and_replicas_agree() -> None:
     assert all(torch.equal(r, results[0]) for r in results)
 
 
+def test_manual_seed_takes_torchs_mesh_argument() -> None:
+    # torch.distributed.tensor._random.manual_seed(seed, mesh), as TorchTitan calls it
+    from spmd.tensor._random import is_rng_supported_mesh
+    from spmd.tensor._random import manual_seed as torch_path_manual_seed
+
+    def body(mesh) -> torch.Tensor:
+        torch_path_manual_seed(3, mesh)
+        assert is_rng_supported_mesh(mesh)
+        return nn.init.normal_(distribute_tensor(torch.zeros(SHAPE), mesh, [Shard(0), Replicate()])).full_tensor()
+
+    for full in run_on_mesh((2, 2), body, timeout=TIMEOUT):
+        torch.testing.assert_close(full, torch.empty(SHAPE).normal_(generator=torch.Generator().manual_seed(3)))
+
+
 @pytest.mark.parametrize("p", [0.0, 0.3, 0.8])
 def test_dropout_matches_one_process_with_gradients(mesh_shape: tuple[int, ...], p: float) -> None:
     full = torch.randn(SHAPE, generator=torch.Generator().manual_seed(1))

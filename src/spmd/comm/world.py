@@ -630,6 +630,16 @@ class GroupMember(metaclass=_WorldGroupMeta):
 default_pg_timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT)   # spmd's default (torch's is 30 minutes)
 
 
+def set_group_timeout(timeout: float | datetime.timedelta, group: AnyGroup | None = None) -> None:
+    """torch's `_set_pg_timeout`: the timeout of `group`'s operations from now on (default group by default), as
+    TorchTitan shortens it after the first step. This rank's view of the group: every member should set it."""
+    resolved = resolve_group(group, "_set_pg_timeout")
+    seconds = as_seconds(timeout, resolved.timeout, "_set_pg_timeout: timeout")
+    if seconds <= 0:
+        raise ValueError(f"_set_pg_timeout on rank {resolved.global_rank}: timeout must be positive, got {timeout}")
+    resolved.timeout = seconds
+
+
 def resolve_group(group: AnyGroup | None, op: str) -> ProcessGroup:
     """The group an operation runs on: `group`, or the default group; ValueError for a non-member."""
     if group is None:

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from spmd.device_mesh import DeviceMesh
 
 
 @dataclasses.dataclass
@@ -34,9 +38,19 @@ _generators: contextvars.ContextVar[_RankGenerators | None] = contextvars.Contex
                                                                                      default=None)
 
 
-def manual_seed(seed: int) -> None:
-    """Seed this rank's DTensor generators. Every rank must call it with the same seed (collective in spirit)."""
+def manual_seed(seed: int, device_mesh: DeviceMesh | None = None) -> None:
+    """Seed this rank's DTensor generators. Every rank must call it with the same seed (collective in spirit).
+    `device_mesh` (torch's signature) must contain this rank; the generators serve every mesh."""
+    if device_mesh is not None and device_mesh.get_coordinate() is None:
+        raise RuntimeError(f"manual_seed: rank {device_mesh.get_rank()} is not in {device_mesh}; seed on a mesh "
+                           f"that contains it (as torch's)")
     _generators.set(_RankGenerators(seed))
+
+
+def is_rng_supported_mesh(device_mesh: DeviceMesh) -> bool:
+    """Whether DTensor random ops on `device_mesh` draw parallelism-invariant numbers: always (torch's answers
+    False for CPU meshes, whose ranks then draw from their own generators)."""
+    return True
 
 
 def get_generator(device: torch.device | str = "cpu") -> torch.Generator | None:
