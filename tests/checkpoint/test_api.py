@@ -20,7 +20,7 @@ import torch
 import spmd.checkpoint as dcp
 import spmd.checkpoint.api as dcp_api
 from spmd._core.errors import CheckpointError
-from spmd.checkpoint.metadata import FORMAT_VERSION, METADATA_FILE
+from spmd.checkpoint.metadata import DCP_MARKER, DCP_MARKER_FILE, FORMAT_VERSION, METADATA_FILE
 from spmd.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from spmd.checkpoint.storage import FileSystemReader
 from spmd.device_mesh import init_device_mesh
@@ -117,7 +117,9 @@ def test_a_replicated_tensor_is_written_once_and_shards_once_each(tmp_path, to_l
     # 96-byte plain one to rank 1, the first rows block to rank 0 (of 0 and 1, tied), the second to rank 2
     assert chunks["plain"] == [(file_of[plain_writer], [0, 0])]
     files = sorted(os.listdir(path))    # every rank holds a grid piece; no temporary names
-    assert files == sorted([METADATA_FILE, *file_of.values()])
+    assert files == sorted([METADATA_FILE, DCP_MARKER_FILE, *file_of.values()])
+    # torch's index name holds a note, so tools that find DCP checkpoints by it (TorchTitan's resume) find this one
+    assert (tmp_path / "ckpt" / ".metadata").read_bytes() == DCP_MARKER
     assert torch.equal(safetensors.torch.load_file(os.path.join(path, file_of[0]))["replicated"], full)
     assert torch.equal(safetensors.torch.load_file(os.path.join(path, file_of[plain_writer]))["plain"], full * 2)
 
@@ -278,7 +280,7 @@ def test_a_rank_failing_mid_save_fails_every_rank_and_leaves_the_last_checkpoint
 def test_saving_over_a_checkpoint_replaces_it_and_removes_its_files(saved: str) -> None:
     old = _data_file(saved)
     dcp.save({"w": torch.ones(1000)}, checkpoint_id=saved)
-    assert not os.path.exists(old) and len(os.listdir(saved)) == 2
+    assert not os.path.exists(old) and len(os.listdir(saved)) == 3       # index, torch's index name, data
     state = {"w": torch.zeros(1000)}
     dcp.load(state, checkpoint_id=saved)
     assert torch.equal(state["w"], torch.ones(1000))

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from spmd._core.errors import CheckpointError
-from spmd.checkpoint.metadata import METADATA_FILE
+from spmd.checkpoint.metadata import DCP_MARKER, DCP_MARKER_FILE, METADATA_FILE
 from spmd.checkpoint.storage import DATA_FILE, PARTIAL_SUFFIX, StorageReader, StorageWriter
 
 _LOCAL_PROTOCOLS = {"file", "local"}
@@ -75,6 +75,7 @@ class FsspecWriter(StorageWriter):
             self.fs.mv(partial, final)
         else:
             self.fs.pipe_file(final, metadata)
+        self.fs.pipe_file(self._join(DCP_MARKER_FILE), DCP_MARKER)
         keep = set(files)
         for entry in self.fs.ls(self.path, detail=False):
             name = entry.rstrip("/").rsplit("/", 1)[-1]

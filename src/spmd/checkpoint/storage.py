@@ -44,7 +44,15 @@ from torch import Tensor
 
 from spmd._core.errors import CheckpointError
 from spmd.checkpoint import format as tensor_format
-from spmd.checkpoint.metadata import METADATA_FILE, Chunk, Metadata, MetadataIndex, StorageMeta
+from spmd.checkpoint.metadata import (
+    DCP_MARKER,
+    DCP_MARKER_FILE,
+    METADATA_FILE,
+    Chunk,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+)
 from spmd.checkpoint.planner import LoadPlan, SavePlan, WriteItem
 from spmd.comm.collectives import is_wrapper_subclass
 
@@ -268,9 +276,10 @@ class FileSystemWriter(StorageWriter):
 
     def commit(self, metadata: bytes, files: Iterable[str]) -> None:
         self.write_file(METADATA_FILE, [memoryview(metadata)])
+        self.write_file(DCP_MARKER_FILE, [memoryview(DCP_MARKER)])
         if self.sync_files:
             sync_directory(self.path)
-        keep = set(files) | {METADATA_FILE}
+        keep = set(files) | {METADATA_FILE, DCP_MARKER_FILE}
         for entry in os.listdir(self.path):
             if entry not in keep and (DATA_FILE.match(entry) or entry.endswith(PARTIAL_SUFFIX)):
                 os.unlink(os.path.join(self.path, entry))

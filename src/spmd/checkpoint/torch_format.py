@@ -120,10 +120,13 @@ def _gathered_values(values: dict[str, Any], tensors: dict[str, TensorEntry],
 
 def is_torch_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether directory `path` holds a checkpoint torch's DCP wrote (and not spmd's)."""
-    from spmd.checkpoint.metadata import METADATA_FILE
+    from spmd.checkpoint.metadata import DCP_MARKER, METADATA_FILE
 
-    return os.path.isfile(os.path.join(path, TORCH_METADATA_FILE)) and \
-        not os.path.exists(os.path.join(path, METADATA_FILE))
+    where = os.path.join(path, TORCH_METADATA_FILE)
+    if not os.path.isfile(where) or os.path.exists(os.path.join(path, METADATA_FILE)):
+        return False
+    with open(where, "rb") as file:
+        return file.read(len(DCP_MARKER)) != DCP_MARKER       # spmd's note of an incomplete save, not torch's index
 
 
 class TorchCheckpointReader(FileSystemReader):
