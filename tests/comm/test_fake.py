@@ -103,7 +103,7 @@ def test_a_fake_world_needs_no_store_and_torch_sees_its_rank() -> None:
         spmd.all_gather_object(objects, {"rank": 5})
         assert objects == [{"rank": 5}] * 1024
         mesh = init_device_mesh("cpu", (128, 8), mesh_dim_names=("dp", "tp"))
-        assert mesh["tp"].get_group().ranks == list(range(0, 8)) and mesh.get_coordinate() == [0, 5]
+        assert mesh["tp"].get_group().ranks == list(range(0, 8)) and mesh.get_coordinate() == (0, 5)
         assert spmd.get_backend(mesh["dp"].get_group()) == "fake"
         with pytest.raises(ValueError, match=r"backend 'fake'.*can't connect over 'tcp'"):
             spmd.new_group([0, 5], backend="tcp")

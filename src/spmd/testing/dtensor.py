@@ -116,7 +116,7 @@ def make_dtensor(full: Tensor, mesh: DeviceMesh, placements: Sequence[Placement]
             if isinstance(placement, Partial):
                 # seeded by the coordinates above this dim too, so the ranks that split different terms
                 # along this dim draw different noise (no two ranks hold the same term)
-                generator = torch.Generator().manual_seed(base ^ zlib.crc32(repr(coordinate[:mesh_dim]).encode()))
+                generator = torch.Generator().manual_seed(base ^ zlib.crc32(repr(list(coordinate[:mesh_dim])).encode()))
                 terms = partial_terms(value, placement.reduce_op, mesh.size(mesh_dim), generator)
                 value = terms[coordinate[mesh_dim]]
     sharded_only = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
