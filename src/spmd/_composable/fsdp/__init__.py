@@ -1,8 +1,8 @@
 """Alias of `spmd.fsdp` under torch's older FSDP2 path (`_composable.fsdp`), so scripts
-written before FSDP2 moved port by swapping the package name. Layer: fsdp (an alias; it holds no logic)."""
+written before FSDP2 moved port by swapping the package name. Layer: fsdp (an alias; it holds no logic).
+As in torch, the package's `fully_shard` is the function; its module is importable by path."""
 
-import spmd._composable.fsdp.fully_shard  # noqa: F401  (the module path first; the name below is the function, as in torch)
-from spmd.fsdp import (
+from spmd._composable.fsdp.fully_shard import (
     CPUOffloadPolicy,
     FSDPModule,
     MixedPrecisionPolicy,
