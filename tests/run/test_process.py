@@ -50,6 +50,19 @@ def test_lines_are_prefixed_and_never_interleaved(tmp_path) -> None:
         assert mine[200] == f"[rank{rank}]: no newline at the end"
 
 
+def test_a_line_left_open_is_ended_when_another_writer_writes_and_its_rest_is_prefixed_again() -> None:
+    # a pdb prompt ("(Pdb) ", no newline) of rank 1 while rank 0 prints: the lines must not run together
+    out = io.BytesIO()
+    console = Console(out, io.BytesIO())
+    console.write(out, b"[rank1]: (Pdb) ", b"[rank1]: ")
+    console.write(out, b"[rank0]: after 0\n", b"[rank0]: ")
+    console.write(out, b"after 1\n", b"[rank1]: ")
+    console.write(out, b"[rank2]: no end", b"[rank2]: ")
+    console.write(out, b"[rank0]: y\n", b"[rank0]: ")
+    console.write(out, b"\n", b"[rank2]: ")          # the end of a line that was already ended: nothing more
+    assert out.getvalue() == b"[rank1]: (Pdb) \n[rank0]: after 0\n[rank1]: after 1\n[rank2]: no end\n[rank0]: y\n"
+
+
 def test_log_files_get_raw_lines_and_console_can_be_muted(tmp_path) -> None:
     code = "import sys; print('to out'); print('to err', file=sys.stderr)"
     out, err = io.BytesIO(), io.BytesIO()

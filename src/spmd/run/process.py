@@ -7,7 +7,8 @@ after a grace period. A Watchdog process kills the groups if the agent itself di
 Note: output
 Each pipe is read in chunks of at most CHUNK bytes and written prefixed with the rank (`[rank3]: ...`) at every
 line start; per-rank log files get the raw bytes. Whole lines are written at once, so lines of different workers
-never interleave mid-line, with three exceptions that keep memory bounded and output live: a partial line longer
+never interleave mid-line, with three exceptions that keep memory bounded and output live (in each, a line that
+another writer interrupts is ended there and its rest gets its prefix again): a partial line longer
 than CHUNK is forwarded in CHUNK pieces; a partial line followed by IDLE_FLUSH_S of silence (a prompt) is
 forwarded as it is; and a carriage return forwards what is buffered up to it, so `\r`-updated progress bars
 (tqdm) show each update. The text after a `\r` gets the prefix again: the terminal overwrites the line from its
@@ -47,12 +48,35 @@ class Console:
         self.err = err if err is not None else sys.stderr.buffer
         self._locks = {id(self.out): threading.Lock(), id(self.err): threading.Lock()}  # a stalled stdout
         self._gone: set[int] = set()  # reader can't hold up stderr; streams whose reader went away (EPIPE)
+        self._open_line: dict[int, bytes | None] = {}      # per stream: the writer whose line is left open
+        self._cut: dict[int, set[bytes | None]] = {}       # per stream: writers whose open line another closed
 
-    def write(self, stream: BinaryIO, data: bytes) -> None:
-        """Write and flush `data`; blocks while the reader is slow, drops it once the reader is gone."""
-        with self._locks.setdefault(id(stream), threading.Lock()):
-            if id(stream) in self._gone:
+    def write(self, stream: BinaryIO, data: bytes, writer: bytes | None = None) -> None:
+        """Write and flush `data`; blocks while the reader is slow, drops it once the reader is gone.
+
+        `writer` is a worker's rank prefix (None: the agent). A line another writer left open (a prompt, written
+        without its end) is ended first, so lines never run together; the rest of it, when it comes, gets its
+        writer's prefix again."""
+        key = id(stream)
+        with self._locks.setdefault(key, threading.Lock()):
+            if key in self._gone:
                 return
+            cut = self._cut.setdefault(key, set())
+            open_by = self._open_line.get(key)
+            head = b""
+            if open_by is not None and open_by != writer:
+                cut.add(open_by)
+                head = b"\n"
+            if writer is not None and writer in cut:
+                cut.discard(writer)
+                if data.startswith(b"\n"):
+                    data = data[1:]          # the end of the line that was ended for it
+                elif data:
+                    head += writer
+            data = head + data
+            if not data:
+                return
+            self._open_line[key] = writer if data[-1:] not in (b"\n", b"\r") else None
             try:
                 stream.write(data)
                 stream.flush()
@@ -185,7 +209,7 @@ class _Pump(threading.Thread):
 
     def _show(self, data: bytes) -> None:
         if self.stream is not None and data:
-            self.console.write(self.stream, data)
+            self.console.write(self.stream, data, self._prefixer.prefix)
 
 
 class Watchdog:
