@@ -37,7 +37,7 @@ class _DeprecatedReduceOp:
     def __getattr__(self, name: str) -> ReduceOp:
         if name not in ReduceOp.__members__:
             raise AttributeError(f"reduce_op has no member {name!r}; the members are {list(ReduceOp.__members__)}")
-        warnings.warn("spmd.reduce_op is deprecated, as torch.distributed.reduce_op is; use spmd.ReduceOp",
+        warnings.warn("spmd.reduce_op is deprecated, as torch's reduce_op is; use spmd.ReduceOp",
                       FutureWarning, stacklevel=2)
         return ReduceOp[name]
 
