@@ -84,8 +84,6 @@ class DeviceMesh:
                              f"pass {device_type.split(':')[0]!r}")
         mesh_tensor = mesh.detach().cpu() if isinstance(mesh, torch.Tensor) else torch.tensor(mesh)
         self.mesh = mesh_tensor.to(torch.int64).contiguous()
-        if self.mesh.ndim == 0:
-            self.mesh = self.mesh.reshape(1)
         # Attributes, not properties: torch.compile reads a mesh's attributes at compile time but cannot call
         # the properties of an opaque value (Note: meshes in compiled graphs).
         self.ndim: int = self.mesh.ndim
@@ -274,6 +272,8 @@ class DeviceMesh:
         Collective over the world: creates one group per flattened slice of the ROOT mesh (every rank takes
         part). The result is also reachable as `root[mesh_dim_name]`.
         """
+        if not self.ndim:
+            raise ValueError(f"DeviceMesh.flatten: {self} has no dims to flatten (a 0-d mesh is one rank)")
         name = mesh_dim_name or "_".join(self.mesh_dim_names or (f"dim{d}" for d in range(self.ndim)))
         existing = self._root._flattened.get(name)
         flat_ranks = self.mesh.reshape(-1)
@@ -402,7 +402,7 @@ def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], *,
     [(2, 0), (2, 0), (2, 1), (2, 1)]
     """
     shape = tuple(mesh_shape)
-    if not shape or any(not isinstance(s, int) or s < 1 for s in shape):
+    if any(not isinstance(s, int) or s < 1 for s in shape):
         raise ValueError(f"init_device_mesh: mesh_shape must be positive ints, got {mesh_shape}")
     if not is_initialized():
         init_process_group()

@@ -79,7 +79,7 @@ def compile_call(op: OpOverload, args: tuple, kwargs: dict, dtensors: list, plai
                              f"meet in one op; redistribute one onto the other's mesh first")
     info = op_info(op)
     mutated = frozenset(mutated_positions(op, args, kwargs, dtensor_type))
-    rule = lookup_rule(op)
+    rule = lookup_rule(op) if mesh.ndim else _on_one_rank
     if rule is None:
         single = info.returns_mutated is not None and len(info.returns_mutated) == 1
         return Compiled(op, op._op, Path.FALLBACK, (), (), single, info.returns_mutated, mutated=mutated)
@@ -93,12 +93,18 @@ def compile_call(op: OpOverload, args: tuple, kwargs: dict, dtensors: list, plai
     options = op_options(op)
     adopt = frozenset(k for k, target in enumerate(checked.targets) if target is not None and k not in mutated
                       and specs[k].has_partial()) if options.adopt_reduced_partials else frozenset()
-    fn = op._op if options.kernel is None else _kernel(schema, checked, options.kernel)
+    fn = op._op if options.kernel is None or not mesh.ndim else _kernel(schema, checked, options.kernel)
     list_args = frozenset(k for k, value in enumerate(args) if _is_dtensor_list(value, dtensor_type))
     path = _path(op, args, kwargs, plain, dtensor_type, decision, checked, info.returns_mutated, list_args)
     return Compiled(op, fn, path, checked.targets, checked.output_specs, checked.single_output,
                     info.returns_mutated, decision.local_args, decision.local_kwargs, checked.reduce_in_place,
                     adopt, mutated, list_args, torch.Tag.inplace_view in op.tags)
+
+
+def _on_one_rank(schema: OpSchema) -> ShardingDecision:
+    """Every op's decision on a 0-d mesh (one rank, no mesh dims, torch's mesh for an unparallelised run): the
+    local tensors are the whole tensors, so the op runs on them as they are and each output has no placements."""
+    return ShardingDecision(output_placements=())
 
 
 def _kernel(schema: OpSchema, checked: Checked, make_kernel: Any) -> Any:
@@ -316,6 +322,8 @@ def _output_placements(op: OpOverload, decision: ShardingDecision, specs: tuple[
     placements = decision.output_placements
     if placements is None:
         return [None] * count
+    if not specs[0].mesh.ndim:
+        return [()] * count
     if len(placements) and all(isinstance(p, Placement) for p in placements):
         return [tuple(placements)] * count   # one Placements tuple, for the output or for every output
     if len(placements) != count:
