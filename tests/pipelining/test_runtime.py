@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from examples.gpt import GPT, GPTConfig
 from torch import Tensor, nn
 
+import spmd
 from spmd.pipelining import (
     PipelineStage,
     PipeliningMetadataError,
@@ -33,9 +34,15 @@ from spmd.pipelining import (
     TensorChunkSpec,
     get_schedule_class,
     render_text,
+    schedules,
     stage_to_rank,
 )
-from spmd.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule
+from spmd.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    _PipelineSchedule,
+    _PipelineScheduleRuntime,
+)
 from spmd.testing import run_ranks, seeded
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -322,6 +329,59 @@ def test_a_program_loaded_from_csv_runs_and_a_broken_one_is_refused(tmp_path: pa
     # y = x * w0 * w1 (elementwise), loss = mean over 2 microbatches of sum(y): d/dw0 = sum_b x * w1 / 2
     torch.testing.assert_close(grads[0], x.sum(0) / 2)
     torch.testing.assert_close(grads[1], x.sum(0) / 2)
+
+
+def test_torchs_runtime_schedule_runs_the_program_it_loads(tmp_path: pathlib.Path) -> None:
+    """TorchTitan's pipeline_parallel_schedule_csv: _PipelineScheduleRuntime (or PipelineScheduleMulti) built
+    without a program, then _load_csv; the same program as a named schedule's gives the same gradients."""
+    x = torch.arange(24.0).reshape(8, 3)
+
+    def body(rank: int, world_size: int) -> list[Tensor]:
+        def stages() -> list[PipelineStage]:
+            return [PipelineStage(Scaled(), s, 4, "cpu") for s in (rank, rank + 2)]
+
+        def run(schedule: PipelineScheduleMulti) -> list[Tensor]:
+            schedule.step(*((x,) if rank == 0 else ()), target=torch.ones(8, 3) if rank == 1 else None)
+            return [stage.submod.weight.grad for stage in schedule._stages]
+
+        named = ScheduleInterleaved1F1B(stages(), 4, loss_fn=lambda y, t: (y * t).sum())
+        if rank == 0:
+            named.dump_csv(tmp_path / "interleaved.csv", format="compute_only")
+        expected = run(named)
+        spmd.barrier()
+        grads = []
+        for cls in (_PipelineScheduleRuntime, PipelineScheduleMulti):
+            schedule = cls(stages(), n_microbatches=4, loss_fn=lambda y, t: (y * t).sum(), scale_grads=True)
+            with pytest.raises(RuntimeError, match=r"step\(\): this schedule has no program yet; load one with "
+                                                   r"_load_csv\(path\)"):
+                schedule.step(x)
+            schedule._load_csv(str(tmp_path / "interleaved.csv"))
+            assert schedule.pipeline_order == named.pipeline_order
+            grads.append(run(schedule))
+        assert all(torch.equal(a, b) for got in grads for a, b in zip(got, expected, strict=True))
+        return expected
+
+    run_ranks(body, world_size=2, timeout=TIMEOUT)
+
+
+def test_torchs_module_level_names_for_actions() -> None:
+    """TorchTitan's DualPipeV module imports torch's spellings: _Action with its field names, the computation
+    types, and _wait_batch_p2p."""
+    action = schedules._Action.from_str("(0F4;3B1)OVERLAP_F_B")
+    assert action.computation_type is schedules.OVERLAP_F_B and action.sub_actions[1].is_compute_op
+    forward, backward = action.sub_actions
+    assert (forward.stage_index, forward.computation_type, forward.microbatch_index) == (0, schedules.F, 4)
+    assert backward.computation_type is schedules.FULL_BACKWARD is schedules._ComputationType.FULL_BACKWARD
+    assert issubclass(ScheduleZBVZeroBubble, schedules._PipelineScheduleRuntime)
+    assert not issubclass(ScheduleGPipe, schedules._PipelineScheduleRuntime)
+
+    def body(rank: int, world_size: int) -> Tensor:
+        buffer = torch.full((2,), float(rank))
+        works = [spmd.isend(buffer, 1 - rank), spmd.irecv(received := torch.empty(2), 1 - rank)]
+        schedules._wait_batch_p2p(works)
+        return received
+
+    assert [r.tolist() for r in run_ranks(body, world_size=2, timeout=TIMEOUT)] == [[1.0, 1.0], [0.0, 0.0]]
 
 
 def test_schedule_classes_are_found_by_torchs_names() -> None:

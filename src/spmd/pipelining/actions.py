@@ -85,8 +85,25 @@ class Action(NamedTuple):
         return str(self)
 
     @property
+    def stage_index(self) -> int:
+        """torch's name for `stage` (its _Action's field)."""
+        return self.stage
+
+    @property
+    def computation_type(self) -> ActionKind:
+        """torch's name for `kind`."""
+        return self.kind
+
+    @property
+    def microbatch_index(self) -> int | None:
+        """torch's name for `microbatch`."""
+        return self.microbatch
+
+    @property
     def is_compute(self) -> bool:
         return self.kind in COMPUTE_KINDS
+
+    is_compute_op = is_compute     # torch's name
 
     @property
     def computations(self) -> tuple[Action, ...]:
@@ -118,6 +135,8 @@ class Action(NamedTuple):
             want = "takes no microbatch" if action.kind in _NO_MICROBATCH else "needs a microbatch index"
             raise ScheduleError(f"can't parse action {text!r}: {action.kind.name} {want}")
         return action
+
+    from_str = parse     # torch's name
 
 
 _ACTION_RE = re.compile(r"(\d+)(" + "|".join(sorted((k.value for k in ActionKind if k is not ActionKind.OVERLAP_F_B),

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from spmd.comm.work import Work
 from spmd.pipelining import programs
 from spmd.pipelining.actions import (
     BACKWARD_KINDS,
@@ -74,10 +75,12 @@ class _PipelineSchedule:
         if self._num_stages != stages_per_rank * self.pp_group_size:
             raise ValueError(f"{type(self).__name__}: {self._num_stages} stages don't divide over the "
                              f"{self.pp_group_size} ranks of the pipeline group")
-        self.pipeline_order: Program = programs.build(self._name, self.pp_group_size, n_microbatches,
-                                                      stages_per_rank)
-        self._use(self.pipeline_order, stage_to_rank(self.pp_group_size, self._num_stages,
-                                                     programs.placement_of(self._name)), lower=True)
+        self.pipeline_order: Program = {}
+        self._runtime: Runtime | None = None
+        if self._name:
+            self.pipeline_order = programs.build(self._name, self.pp_group_size, n_microbatches, stages_per_rank)
+            self._use(self.pipeline_order, stage_to_rank(self.pp_group_size, self._num_stages,
+                                                         programs.placement_of(self._name)), lower=True)
 
     # -- the program --------------------------------------------------------------------------------------------
 
@@ -99,8 +102,16 @@ class _PipelineSchedule:
                                            for mode, program in ((True, full), (False, forward_only))},
                                 placement, self._stages[0].group)
 
+    def _loaded_runtime(self, what: str) -> Runtime:
+        if self._runtime is None:
+            raise RuntimeError(f"{type(self).__name__}.{what}: this schedule has no program yet; load one with "
+                               f"_load_csv(path) (a program written by dump_csv, by torch's _dump_csv, or by hand), "
+                               f"or use a named schedule such as ScheduleInterleaved1F1B")
+        return self._runtime
+
     def dump_csv(self, path: str | os.PathLike[str], format: CsvFormat = "compute_comms") -> None:
         """Write the program as torch's runtime does: with its communication, or the computations only."""
+        self._loaded_runtime("dump_csv()")
         write_csv(self.pipeline_order_with_comms if format == "compute_comms" else self.pipeline_order, path)
 
     def load_csv(self, path: str | os.PathLike[str], format: CsvFormat = "compute_only") -> None:
@@ -126,11 +137,12 @@ class _PipelineSchedule:
         """The last step run with `record_timeline` set, as every rank timed it: a report render() draws like a
         schedule, its bubble computed as validate_program predicts one (timeline.py, Note: the measured report).
         Collective over the pipeline group; every rank gets the whole report."""
-        mode = self._runtime.recorded_mode
+        runtime = self._loaded_runtime("measured_report()")
+        mode = runtime.recorded_mode
         if mode is None:
             raise RuntimeError(f"{type(self).__name__}.measured_report(): no step was recorded since the program "
                                f"was set; set record_timeline = True before step()")
-        return measured_report(self._programs[mode], self._runtime.gather_records(), self._n_microbatches,
+        return measured_report(self._programs[mode], runtime.gather_records(), self._n_microbatches,
                                self.placement)
 
     # -- running ------------------------------------------------------------------------------------------------
@@ -155,6 +167,7 @@ class _PipelineSchedule:
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, losses: list[Tensor] | None,
              return_outputs: bool, has_backward: bool) -> Any:
+        runtime = self._loaded_runtime("step()" if has_backward else "eval()")
         n = self._n_microbatches
         has_first = any(stage.is_first for stage in self._stages)
         has_last = any(stage.is_last for stage in self._stages)
@@ -173,8 +186,8 @@ class _PipelineSchedule:
         loss_fn = self._loss_fn if target is not None else None
         inputs = StepInputs(arg_mbs, kwarg_mbs, target_mbs, loss_fn, 1.0 / n if self.scale_grads else 1.0,
                             has_backward)
-        self._runtime.record = self.record_timeline
-        self._runtime.run(inputs)
+        runtime.record = self.record_timeline
+        runtime.run(inputs)
         if has_last and losses is not None and inputs.losses:
             losses.clear()
             losses.extend(inputs.losses[mb].detach() for mb in range(n))
@@ -215,6 +228,12 @@ class PipelineScheduleMulti(_PipelineSchedule):
                          output_merge_spec, scale_grads)
 
 
+class _PipelineScheduleRuntime(PipelineScheduleMulti):
+    """A multi-stage schedule that runs the program it is given, and has none until `_load_csv` (torch's runtime
+    schedule: TorchTitan builds one for a `pipeline_parallel_schedule_csv`). The named multi-stage schedules are
+    its subclasses, each with its own program, as torch's are."""
+
+
 class ScheduleGPipe(PipelineScheduleSingle):
     """GPipe: all forwards, then all backwards (programs.gpipe)."""
 
@@ -227,34 +246,53 @@ class Schedule1F1B(PipelineScheduleSingle):
     _name = "1F1B"
 
 
-class ScheduleInterleaved1F1B(PipelineScheduleMulti):
+class ScheduleInterleaved1F1B(_PipelineScheduleRuntime):
     """Interleaved 1F1B over round-robin stages (programs.interleaved_1f1b)."""
 
     _name = "Interleaved1F1B"
 
 
-class ScheduleLoopedBFS(PipelineScheduleMulti):
+class ScheduleLoopedBFS(_PipelineScheduleRuntime):
     """Breadth-first looping over round-robin stages (programs.looped_bfs)."""
 
     _name = "LoopedBFS"
 
 
-class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
+class ScheduleInterleavedZeroBubble(_PipelineScheduleRuntime):
     """Interleaved zero bubble, ZB1P (programs.interleaved_zero_bubble)."""
 
     _name = "InterleavedZeroBubble"
 
 
-class ScheduleZBVZeroBubble(PipelineScheduleMulti):
+class ScheduleZBVZeroBubble(_PipelineScheduleRuntime):
     """ZB-V: two stages per rank in a V (programs.zbv_zero_bubble)."""
 
     _name = "ZBVZeroBubble"
 
 
-class ScheduleDualPipeV(PipelineScheduleMulti):
+class ScheduleDualPipeV(_PipelineScheduleRuntime):
     """DualPipeV: two stages per rank in a V, forwards overlapped with backwards (programs.dualpipe_v)."""
 
     _name = "DualPipeV"
+
+
+# torch's module-level spellings of the computation types, of an action and of its p2p wait, for code that imports
+# them from here (TorchTitan's pipeline and DualPipeV modules do)
+_ComputationType = ActionKind
+_Action = Action
+FORWARD = F = ActionKind.FORWARD
+BACKWARD_INPUT = I = ActionKind.BACKWARD_INPUT   # noqa: E741 (torch's one-letter spelling of the IR)
+BACKWARD_WEIGHT = W = ActionKind.BACKWARD_WEIGHT
+FULL_BACKWARD = B = ActionKind.FULL_BACKWARD
+SEND_F, RECV_F = ActionKind.SEND_F, ActionKind.RECV_F
+UNSHARD, RESHARD, REDUCE_GRAD = ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD
+OVERLAP_F_B = ActionKind.OVERLAP_F_B
+
+
+def _wait_batch_p2p(works: list[Work]) -> None:
+    """Wait for each of `works` (the point-to-point operations of one batch), in order."""
+    for work in works:
+        work.wait()
 
 
 _CLASSES: dict[str, type[_PipelineSchedule]] = {
