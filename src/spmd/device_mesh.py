@@ -233,7 +233,8 @@ class DeviceMesh:
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         """The sub-mesh over the named dims that contains this rank (no new groups are created).
 
-        Names must be in this mesh's dim order; a name made by `flatten` on the root mesh also works.
+        Names must be in this mesh's dim order; a name made by `flatten` on the root mesh also works, alone or
+        beside other dims (each flattened name standing where its merged dims are).
         """
         key = (names,) if isinstance(names, str) else tuple(names)
         cached = self._submeshes.get(key)
@@ -241,8 +242,17 @@ class DeviceMesh:
             return cached
         if self.mesh_dim_names is None:
             raise KeyError("DeviceMesh: slicing needs mesh_dim_names; build the mesh with mesh_dim_names=(...)")
-        if len(key) == 1 and key[0] not in self.mesh_dim_names and key[0] in self._root._flattened:
-            return self._root._flattened[key[0]]
+        flattened = self._root._flattened
+        if len(key) == 1 and key[0] not in self.mesh_dim_names and key[0] in flattened:
+            return flattened[key[0]]
+        if any(name not in self.mesh_dim_names and name in flattened for name in key):
+            # root dims beside flattened ones (TorchTitan's HSDP mesh: mesh["dp_replicate", "dp_shard_cp"])
+            try:
+                sub = DeviceMesh._concatenate([self[name] for name in key])
+            except ValueError as error:
+                raise KeyError(f"DeviceMesh: slice {key}: {error}") from None
+            self._submeshes[key] = sub
+            return sub
         for name in key:
             if name not in self.mesh_dim_names:
                 raise KeyError(f"DeviceMesh: no mesh dim named {name!r}; this mesh's dims are {self.mesh_dim_names}"

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from spmd.device_mesh import init_device_mesh
 from spmd.fsdp import MixedPrecisionPolicy, fully_shard
 from spmd.tensor import DTensor, Replicate, Shard
 from spmd.tensor.random import manual_seed
@@ -110,6 +111,26 @@ def test_hsdp_on_a_2x2_mesh() -> None:
         assert step[1] == {"all_gather": 2 * blocks + 1, "reduce_scatter": blocks + 1}   # the shard dim
         assert step[0] == {"all_reduce": blocks + 1}                                      # the replicate dim
         for param in result["model"].parameters():
+            assert param.placements[0].is_replicate() and param.placements[1] == Shard(0)
+
+
+def test_hsdp_on_torchtitans_slice_of_a_flattened_dim() -> None:
+    """TorchTitan's HSDP mesh: the root's replicate dim beside its flattened shard dim,
+    world_mesh["dp_replicate", "dp_shard_cp"] (the groups are the 2x2 mesh's, so the harness counts them)."""
+    def shard_on_titans_mesh(model: nn.Module, _: object) -> None:
+        root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        root[("dp_shard",)]._flatten("dp_shard_cp")
+        shard_blocks_then_root(model, root["dp_replicate", "dp_shard_cp"])
+
+    results = run_ranks(lambda rank, size: fsdp_train("gpt", rank, size, mesh_shape=(2, 2),
+                                                      shard=shard_on_titans_mesh), 4, timeout=TIMEOUT)
+    assert_parity(results, reference("gpt", 4))
+    blocks = len(blocks_of(build("gpt")))
+    for result in results:
+        assert result["counts"][0] == {0: {"all_reduce": blocks + 1},
+                                       1: {"all_gather": 2 * blocks + 1, "reduce_scatter": blocks + 1}}
+        for param in result["model"].parameters():
+            assert param.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp")
             assert param.placements[0].is_replicate() and param.placements[1] == Shard(0)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed
+import torch.distributed.device_mesh
 
 import spmd
 from spmd.comm.world import current_world
@@ -111,6 +113,41 @@ def test_root_and_concatenate() -> None:
     results = run_ranks(body, 4, timeout=TIMEOUT)
     assert results[3] == ([[0, 1], [2, 3]], (1, 1))
     assert results[0] == ([[0, 1], [2, 3]], (0, 0))
+
+
+@pytest.mark.filterwarnings("ignore:Slicing a flattened dim from root mesh")   # torch's, about its own future
+def test_slices_name_flattened_dims_beside_root_dims_as_torchs_do() -> None:
+    """TorchTitan slices its HSDP mesh as world_mesh["dp_replicate", "dp_shard_cp"]; torch's layouts (from its
+    meshes in a fake world of 8) are the oracle."""
+    def layouts(mesh: object) -> list:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        hsdp, dp_cp = mesh["dp_replicate", "dp_shard_cp"], mesh["dp", "cp"]
+        return [hsdp.mesh.tolist(), tuple(hsdp.get_coordinate()), hsdp.mesh_dim_names, dp_cp.mesh.tolist(),
+                tuple(dp_cp.get_coordinate())]
+
+    names = ("dp_replicate", "dp_shard", "cp")
+    expected = []
+    for rank in range(8):
+        torch.distributed.init_process_group("fake", rank=rank, world_size=8)
+        try:
+            expected.append(layouts(torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2, 2),
+                                                                                    mesh_dim_names=names)))
+        finally:
+            torch.distributed.destroy_process_group()
+
+    def body(rank: int, world_size: int) -> list:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=names)
+        found = layouts(mesh)
+        hsdp = mesh["dp_replicate", "dp_shard_cp"]
+        assert hsdp is mesh["dp_replicate", "dp_shard_cp"] and hsdp._get_root_mesh() is mesh
+        assert hsdp.get_group(1) is mesh["dp_shard_cp"].get_group()
+        assert hsdp.get_group(0) is mesh.get_group("dp_replicate")
+        with pytest.raises(KeyError, match="in its order"):
+            mesh["dp_shard_cp", "dp_replicate"]
+        return found
+
+    assert run_ranks(body, 8, timeout=TIMEOUT) == expected
 
 
 @pytest.mark.parametrize("shape", [(1,), (2,), (4,)])
