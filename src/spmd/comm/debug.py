@@ -213,7 +213,13 @@ class StatusService:
         self._thread.start()
 
     def stop(self) -> None:
+        """End the service. With a store handle of its own, the handle is closed at once (failing the thread's
+        wait) and the thread joined: a daemon thread still inside a store call when the interpreter exits can abort
+        the process (torch's store client does), and one that outlives its world has nothing left to answer."""
         self._stopped.set()
+        if self._owns_store and self._thread is not threading.current_thread():
+            self._store.close()
+            self._thread.join(timeout=self._poll_s)
 
     def _serve(self) -> None:
         try:
