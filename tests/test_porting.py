@@ -266,6 +266,20 @@ def test_a_script_for_torchs_legacy_launcher_gets_its_local_rank_argument_under_
         torch.testing.assert_close(outputs["spmd"]["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)
 
 
+@pytest.mark.timeout(300)
+def test_spmd_and_the_spmd_backend_run_under_torchs_launcher(tmp_path: pathlib.Path) -> None:
+    """torchrun's agent hosts the job's store on MASTER_PORT: spmd's world rendezvouses there (rank 0 used to
+    try to serve a store of its own on that port), and so does torch's default group over "spmd"."""
+    command = [sys.executable, "-m", TORCH_LAUNCHER, "--standalone", "--nproc-per-node", "2",
+               str(SCRIPTS / "under_torchrun.py"), str(tmp_path / "seen")]
+    result = _run_once(command, TORCH_LAUNCHER, _script_env(), tmp_path)
+    assert result.returncode == 0, f"torchrun failed:\n{result.stdout}\n{result.stderr}"
+    for rank in (0, 1):
+        seen = torch.load(tmp_path / f"seen.{rank}")
+        assert seen["spmd sum"] == seen["torch sum"] == 3.0 and seen["ddp"]
+        assert seen["torch sees"] == (rank, 2, "spmd") and seen["left"] == (False, False)
+
+
 @pytest.mark.timeout(600)
 def test_a_job_launched_from_python_returns_what_torchs_launcher_api_returns(tmp_path: pathlib.Path) -> None:
     source = (SCRIPTS / "elastic_launch_tutorial.py").read_text()

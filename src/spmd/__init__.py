@@ -2,7 +2,8 @@
 
 `import spmd as dist` gives the communication API (init_process_group, all_reduce, ...);
 `spmd.DistributedDataParallel` wraps a module for data-parallel training. This facade holds no logic, and
-resolves every name on first use, so `import spmd.run` (the launcher) does not import torch.
+resolves every name on first use, so `import spmd.run` (the launcher) does not import torch. It makes the "spmd"
+torch.distributed backend known to torch, now or when torch is imported (comm/torch_hook.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "spmd.ddp": ("DistributedDataParallel", "GradBucket"),
     "spmd.accumulation": ("accumulate",),
 }
+importlib.import_module("spmd.comm.torch_hook").install()
+
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = sorted(_WHERE)

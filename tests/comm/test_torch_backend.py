@@ -6,12 +6,18 @@ processes, shm);
 from __future__ import annotations
 
 import copy
+import datetime
+import subprocess
+import sys
+import threading
 from typing import Any
 
 import pytest
 import torch
 
 import spmd
+from spmd._core.errors import StoreError, StoreTimeoutError
+from spmd.comm.torch_backend import TorchStore
 from tests.procpool import ProcPool
 
 
@@ -100,16 +106,87 @@ def _subgroup(rank: int, world_size: int) -> list[float]:
         pair = dist.new_group([0, 1])
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, group=pair)
-        if rank == 0:
-            dist.new_group([1, 2])                       # not a member: torch builds nothing here
-        else:
-            with pytest.raises(ValueError, match=r"group of ranks \[1, 2\], but spmd's world .* spmd.new_group"):
-                dist.new_group([1, 2])
-        return t.tolist()
+        late = dist.new_group([1, 2])                    # spmd has no such group: its members make one
+        u = torch.tensor([float(rank)])
+        if rank != 0:                                    # not a member: torch built nothing on rank 0
+            dist.all_reduce(u, group=late)
+        return t.tolist() + u.tolist()
     finally:
         spmd.destroy_process_group()
 
 
 @pytest.mark.timeout(90)
 def test_a_torch_subgroup_runs_on_spmds_group_of_the_same_ranks(procpool: ProcPool) -> None:
-    assert procpool.run(_subgroup, 3, timeout=60)[:2] == [[1.0], [1.0]]
+    assert procpool.run(_subgroup, 3, timeout=60) == [[1.0, 0.0], [1.0, 3.0], [2.0, 3.0]]
+
+
+def _torch_first(rank: int, world_size: int) -> dict[str, Any]:
+    """torch's own script, its backend named "spmd": no spmd call at all."""
+    import torch.distributed as dist
+
+    dist.init_process_group("spmd", timeout=datetime.timedelta(seconds=60))
+    out: dict[str, Any] = {"spmd": (spmd.is_initialized(), spmd.get_rank(), spmd.get_world_size())}
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    reference = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    inputs = torch.randn(2 * world_size, 4, generator=torch.Generator().manual_seed(1))
+    ddp(inputs.chunk(world_size)[rank]).square().mean().backward()
+    reference(inputs).square().mean().backward()
+    out["ddp"] = all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in
+                     zip(model.parameters(), reference.parameters(), strict=True))
+    out["sum"] = t.item()
+    dist.destroy_process_group()                          # spmd's world goes with torch's group
+    out["after torch's destroy"] = (dist.is_initialized(), spmd.is_initialized())
+    dist.init_process_group("spmd", timeout=datetime.timedelta(seconds=60))    # again, in the same job
+    u = torch.tensor([float(rank)])
+    dist.all_reduce(u)
+    out["again"] = u.item()
+    spmd.destroy_process_group()                          # and torch's group goes with spmd's world
+    out["after spmd's destroy"] = (dist.is_initialized(), spmd.is_initialized())
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_torchs_init_process_group_with_the_spmd_backend_builds_spmds_world(procpool: ProcPool) -> None:
+    for rank, out in enumerate(procpool.run(_torch_first, 2, timeout=60)):
+        assert out["spmd"] == (True, rank, 2) and out["sum"] == 3.0 and out["ddp"] and out["again"] == 1.0
+        assert out["after torch's destroy"] == (False, False) and out["after spmd's destroy"] == (False, False)
+
+
+@pytest.mark.parametrize("first", ["spmd", "torch"])
+def test_importing_spmd_makes_its_backend_known_to_torch_in_either_order(first: str) -> None:
+    imports = "import spmd; import torch" if first == "spmd" else "import torch; import spmd"
+    code = (f"import sys; {imports}; import torch.distributed as dist; "
+            f"print('SPMD' in dist.Backend._plugins, 'torch._dynamo' in sys.modules)")
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert found.stdout.split() == ["True", "False"]       # known, and importing spmd compiled nothing
+
+
+def test_torch_store_adapter_gives_spmds_store_semantics() -> None:
+    import torch.distributed as dist
+
+    store = TorchStore(dist.HashStore(), timeout=5.0)
+    store.set("a", "1")
+    assert store.get("a") == b"1" and store.add("n", 2) == 2 and store.add("n", 3) == 5
+    assert store.compare_set("a", "1", "2") == b"2" and store.multi_get(["a", "n"]) == [b"2", b"5"]
+    assert store.check(["a"]) and not store.check(["a", "b"]) and store.delete_key("a")
+    with pytest.raises(StoreTimeoutError, match=r"waiting for key\(s\) \['b'\]"):
+        store.wait(["n", "b"], timeout=0.05)
+    failures: list[BaseException] = []
+
+    def wait_for_ever() -> None:
+        try:
+            store.wait(["never"], timeout=60)
+        except StoreError as error:
+            failures.append(error)
+
+    waiting = threading.Thread(target=wait_for_ever)
+    waiting.start()
+    store.close()                                           # a wait in another thread fails at once
+    waiting.join(timeout=10)
+    assert not waiting.is_alive() and "interrupted by close()" in str(failures[0])
+    with pytest.raises(StoreError, match="used after close"):
+        store.get("n")

@@ -46,6 +46,14 @@ def store_token() -> str | None:
     return optional_str("SPMD_STORE_TOKEN")
 
 
+def torchrun_agent_store_attempt() -> int | None:
+    """Under torchrun, whose agent serves the job's store to its workers (TORCHELASTIC_USE_AGENT_STORE=True), the
+    restart attempt (TORCHELASTIC_RESTART_COUNT) whose keys a worker uses; None otherwise."""
+    if optional_str("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return _int("TORCHELASTIC_RESTART_COUNT", optional_str("TORCHELASTIC_RESTART_COUNT", "0") or "0")
+
+
 def host_identity() -> str | None:
     """An override of this process's host identity, which groups ranks by host (ranks with one identity share
     memory); an opaque label, never resolved as a name (tests fake two hosts with it)."""

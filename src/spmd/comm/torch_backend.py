@@ -14,7 +14,16 @@ default group. It is skipped where torch's default group already exists (a scrip
 first), and where the world was given its store (thread ranks: one process, many worlds, while torch has one
 default group per process).
 `spmd.destroy_process_group()` destroys the torch group it made. torch's subgroups over the "spmd" backend map
-to the spmd group of the same ranks, which must exist (made with spmd.new_group or a DeviceMesh).
+to the spmd group of the same ranks, made by their members when spmd has none (torch creates a group on its
+members only, and names it alike on each).
+
+Note: spmd's world under torch's default group
+The other way round, `torch.distributed.init_process_group("spmd")` after `import spmd` (torch's own DDP and
+FSDP2 on spmd's transports, nothing else changed): torch hands the backend its store and the rank and size, and
+`_create` builds spmd's world on that store (TorchStore below: spmd's rendezvous keys under torch's prefix for
+the group), with the same "auto" transport spmd picks itself. The world then belongs to torch's group: torch's
+`destroy_process_group()` shuts the group down, which destroys the world; `spmd.destroy_process_group()` takes
+torch's group down with it. The backend is known to torch from `import spmd` on (torch_hook.py).
 """
 
 from __future__ import annotations
@@ -30,9 +39,12 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._C._distributed_c10d import _create_work_from_future
 
+from spmd._core.deadline import Deadline, as_seconds
+from spmd._core.errors import StoreError
 from spmd.comm import collectives, p2p
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp, check_reduce_op
+from spmd.comm.store.base import Store, Value, missing_keys_error, to_bytes
 from spmd.comm.work import Work
 
 BACKEND = "spmd"
@@ -41,7 +53,7 @@ _REDUCE_OPS = {dist.ReduceOp.SUM: ReduceOp.SUM, dist.ReduceOp.AVG: ReduceOp.AVG,
                dist.ReduceOp.MAX: ReduceOp.MAX, dist.ReduceOp.BAND: ReduceOp.BAND,
                dist.ReduceOp.BOR: ReduceOp.BOR, dist.ReduceOp.BXOR: ReduceOp.BXOR}
 _registered = threading.Lock()
-_state: dict[str, Any] = {"registered": False, "owned": None}
+_state: dict[str, Any] = {"registered": False, "owned": None, "opaque": False}
 
 
 def _reduce_op(opts: Any, name: str, group: ProcessGroup, tensors: list[Tensor]) -> ReduceOp:
@@ -68,25 +80,40 @@ def _torch_work(work: Work | None, outputs: list[Tensor]) -> Any:
     return _create_work_from_future(future)
 
 
-def _eager(cls: type) -> type:
-    """Every method `cls` defines made opaque to torch.compile: torch's code calls a group's operations from code
-    dynamo may be tracing (torch's DDP, compiled whole, broadcasts its buffers before each forward), and a group
-    is an opaque object there, whose attributes (the spmd group) dynamo refuses to read, failing the compile.
-    Eager, an operation is a graph break, as a C++ backend's is."""
-    for name, value in list(vars(cls).items()):
-        if callable(value) and not name.startswith("__"):
-            setattr(cls, name, torch.compiler.disable(value))
+def _made_eager(cls: type) -> type:
+    """`cls` with every method it defines made opaque to torch.compile (once per process, at its first group, so
+    that importing this module, which `import spmd` does, never imports dynamo): torch's code calls a group's
+    operations from code dynamo may be tracing (torch's DDP, compiled whole, broadcasts its buffers before each
+    forward), and a group is an opaque object there, whose attributes (the spmd group) dynamo refuses to read,
+    failing the compile. Eager, an operation is a graph break, as a C++ backend's is."""
+    with _registered:
+        if not _state["opaque"]:
+            for name, value in list(vars(cls).items()):
+                if callable(value) and not name.startswith("__"):
+                    setattr(cls, name, torch.compiler.disable(value))
+            _state["opaque"] = True
     return cls
 
 
-@_eager
 class SpmdProcessGroup(dist.ProcessGroup):
-    """torch's ProcessGroup interface over one spmd group (see Note: torch's default group over spmd)."""
+    """torch's ProcessGroup interface over one spmd group (see Note: torch's default group over spmd). With
+    `owns_world`, the group is torch's default group and spmd's world was built for it (see Note: spmd's world
+    under torch's default group)."""
 
-    def __init__(self, group: ProcessGroup) -> None:
+    def __init__(self, group: ProcessGroup, owns_world: bool = False) -> None:
         super().__init__(group.rank(), group.size())
         self.spmd_group = group
+        self.owns_world = owns_world
         self._torch_group_name = ""
+
+    def shutdown(self) -> None:
+        """torch's destroy_process_group: the world goes with the default group that owns it."""
+        if self.owns_world:
+            from spmd.comm.world import destroy_process_group
+
+            self.owns_world = False
+            _state["world_owner"] = None
+            destroy_process_group()
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -186,16 +213,122 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
 
 def _create(options: Any, backend_options: Any) -> SpmdProcessGroup:
-    """torch's (extended) backend constructor: the spmd group of the same global ranks (see the Note)."""
-    from spmd.comm.world import current_world
+    """torch's (extended) backend constructor: spmd's world for torch's default group when spmd has none yet, else
+    the spmd group of the same global ranks, made by the members if spmd has none (see the Notes)."""
+    from spmd.comm.world import current_world, init_process_group, is_initialized
 
+    group_class = _made_eager(SpmdProcessGroup)
+    if not is_initialized():
+        if dist.is_initialized():
+            raise RuntimeError(f"spmd backend: torch asked for a group of ranks {list(options.global_ranks_in_group)}"
+                               f" over 'spmd', but this rank has no spmd world; initialise torch's default group "
+                               f"with backend 'spmd' (or call spmd.init_process_group() first)")
+        init_process_group("auto", store=TorchStore(options.store), rank=options.group_rank,
+                           world_size=options.group_size, timeout=options.timeout, torch_default_group=False)
+        owner = group_class(current_world().default_group, owns_world=True)
+        _state["world_owner"] = owner
+        return owner
     world = current_world()
     ranks = list(options.global_ranks_in_group) or list(range(options.group_size))
     for group in world.groups:
         if isinstance(group, ProcessGroup) and list(group.ranks) == ranks:
-            return SpmdProcessGroup(group)
-    raise ValueError(f"spmd backend: torch asked for a group of ranks {ranks}, but spmd's world on rank "
-                     f"{world.rank} has none; create it with spmd.new_group({ranks}) first (on every rank)")
+            return group_class(group)
+    made = world.create_group(ranks, world.timeout, world.backend, name=f"torch/{options.group_id}")
+    assert isinstance(made, ProcessGroup)     # torch asks only the members
+    return group_class(made)
+
+
+def release_torch_default_group() -> None:
+    """spmd.destroy_process_group() of a world torch's default group owns: take torch's group down too, without
+    its shutdown destroying the world a second time (see Note: spmd's world under torch's default group)."""
+    owner, _state["world_owner"] = _state.get("world_owner"), None
+    if owner is not None and dist.is_initialized() and dist.group.WORLD is owner:
+        owner.owns_world = False
+        dist.destroy_process_group()
+
+
+class TorchStore(Store):
+    """spmd's Store interface over a torch store (torch's TCPStore, or the PrefixStore torch hands a backend):
+    spmd's world rendezvouses through it when torch made the job's store (see Note: spmd's world under torch's
+    default group, and world.rendezvous under torchrun). torch's timeouts become spmd's, naming the keys."""
+
+    def __init__(self, store: Any, timeout: float | datetime.timedelta | None = None) -> None:
+        super().__init__(timeout if timeout is not None else store.timeout)
+        self._torch_store = store
+        self._closed = threading.Event()
+
+    @property
+    def torch_store(self) -> Any:
+        if self._closed.is_set():
+            raise StoreError("torch's store: used after close()")
+        return self._torch_store
+
+    def close(self) -> None:
+        """Stop using torch's store (torch's client has no close): calls fail from now on, a wait at once."""
+        self._closed.set()
+
+    def set_timeout(self, timeout: float | datetime.timedelta) -> None:
+        super().set_timeout(timeout)
+        self.torch_store.set_timeout(datetime.timedelta(seconds=self.timeout))
+
+    def set(self, key: str, value: Value) -> None:
+        self.torch_store.set(key, to_bytes(value))
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self.torch_store.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.torch_store.add(key, amount)
+
+    def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
+        return self.torch_store.compare_set(key, to_bytes(expected), to_bytes(desired))
+
+    def wait(self, keys: list[str], timeout: float | datetime.timedelta | None = None) -> None:
+        """Poll with check() at a growing pause (up to 20 ms), not torch's wait: its client warns on stderr at
+        every timeout, and blocks in C++ where close() can't reach it."""
+        seconds = as_seconds(timeout, self.timeout, "TorchStore.wait: timeout")
+        deadline = Deadline(seconds)
+        pause = 0.0005
+        while not self.torch_store.check(keys):
+            if deadline.expired():
+                missing = [key for key in keys if not self.torch_store.check([key])]
+                raise missing_keys_error("torch's store", missing, seconds)
+            if self._closed.wait(min(pause, deadline.remaining())):
+                raise StoreError(f"torch's store: wait for {keys} interrupted by close()")
+            pause = min(pause * 2, 0.02)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.torch_store.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self.torch_store.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.torch_store.num_keys()
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.wait(keys)
+        return self.torch_store.multi_get(keys)
+
+    def multi_set(self, keys: list[str], values: list[Value]) -> None:
+        self.torch_store.multi_set(keys, [to_bytes(value) for value in values])
+
+    def clone(self) -> Store:
+        return TorchStore(self.torch_store.clone(), self.timeout)
+
+    def server_host(self) -> str | None:
+        store = self._torch_store
+        while isinstance(store, dist.PrefixStore):
+            store = store.underlying_store
+        return store.host if isinstance(store, dist.TCPStore) else None
+
+
+def torchrun_agent_store(host: str, port: int, timeout: float, attempt: int) -> Store:
+    """A client of the TCPStore torchrun's agent serves at host:port for its workers (TORCHELASTIC_USE_AGENT_STORE),
+    under a prefix of this restart attempt's own, as torch's workers use it."""
+    client = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    return TorchStore(dist.PrefixStore(f"/spmd/attempt_{attempt}", client), timeout)
 
 
 def register() -> None:
@@ -212,6 +345,7 @@ def init_torch_default_group(rank: int, world_size: int, timeout: float) -> bool
     if dist.is_initialized():
         return False
     register()
+    _made_eager(SpmdProcessGroup)
     dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
     _state["owned"] = dist.group.WORLD

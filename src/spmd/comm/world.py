@@ -333,6 +333,13 @@ def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> 
                          f"of your own with spmd.register_rendezvous_handler)")
     if rank < 0 or world_size <= 0:
         raise ValueError(missing)
+    attempt = env.torchrun_agent_store_attempt() if url.scheme == "env" else None
+    if attempt is not None:
+        # torchrun's agent serves the job's store on MASTER_PORT for its workers (torch's own workers connect to
+        # it, rank 0 too): spmd's world rendezvouses there, through torch's store client
+        from spmd.comm import torch_backend
+
+        return torch_backend.torchrun_agent_store(host, port, timeout, attempt), rank, world_size
     token = env.store_token()
     if rank != 0 or port == 0:
         store: Store = TCPStore(host, port, world_size=world_size, is_master=rank == 0, timeout=timeout, token=token)
@@ -387,10 +394,12 @@ def destroy_process_group(group: AnyGroup | None = None) -> None:
         if group in world.groups:
             world.groups.remove(group)
         return
-    if world.owns_store:
-        from spmd.comm import torch_backend
+    from spmd.comm import torch_backend
 
+    if world.owns_store:
         torch_backend.destroy_torch_default_group()
+    else:
+        torch_backend.release_torch_default_group()
     world.destroy()
     _world.set(None)
     with _process_world_lock:
