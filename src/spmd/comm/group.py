@@ -37,6 +37,36 @@ from spmd.comm.transports.base import OpContext, Transport
 from spmd.comm.work import Work, active_timer, caller_stream, charge_exposed
 
 Body = Callable[[OpContext], None]
+
+
+# Note: inference tensors
+# Tensors made under torch.inference_mode() can be written in place only inside inference mode, which is a
+# per-thread setting: a collective into one (Lightning validates under inference mode, so its metrics' states are
+# such tensors) runs its body in inference mode, on whichever thread runs it (gloo writes from C++, where the rule
+# does not reach). Any other op runs with inference mode off, even when its caller has it on, so the buffers a
+# transport keeps from one op to the next are never inference tensors that a later op outside inference mode could
+# not write. (A transport's writes into its own buffers inside inference mode are allowed: they are normal tensors.)
+
+
+def _writes_inference_tensors(outputs: list | tuple) -> bool:
+    for item in outputs:       # a loop, not any(): this runs for every collective
+        if isinstance(item, Tensor):
+            if item.is_inference():
+                return True
+        elif isinstance(item, (list, tuple)) and _writes_inference_tensors(item):
+            return True
+    return False
+
+
+def _run_body(body: Body, ctx: OpContext, stream: torch.Stream | None) -> torch.Event | None:
+    """Run `body`; on an accelerator stream, after that stream's pending work, returning the event that completes
+    it (see Note: streams)."""
+    if stream is None:
+        body(ctx)
+        return None
+    with stream:
+        body(ctx)
+        return stream.record_event()
 CollectiveObserver = Callable[["ProcessGroup", Fingerprint], None]
 
 
@@ -268,13 +298,14 @@ class ProcessGroup:
         record.state = OpState.RUNNING
         ctx = OpContext(record.fingerprint, Deadline(self.timeout), self.description)
         try:
-            if stream is None:
-                body(ctx)
-                ready = None
+            if _writes_inference_tensors(work.outputs):
+                with torch.inference_mode():    # see Note: inference tensors
+                    ready = _run_body(body, ctx, stream)
+            elif torch.is_inference_mode_enabled():
+                with torch.inference_mode(False):
+                    ready = _run_body(body, ctx, stream)
             else:
-                with stream:
-                    body(ctx)
-                    ready = stream.record_event()
+                ready = _run_body(body, ctx, stream)
         except BaseException as error:   # every failure must reach the Work and abort the group
             error = self._explain(error, record.fingerprint)
             self.abort(error)

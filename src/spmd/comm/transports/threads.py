@@ -21,7 +21,7 @@ from torch import Tensor
 from spmd._core.errors import CollectiveMismatchError, CommError, CommTimeoutError, GroupAbortedError
 from spmd.comm.debug import Fingerprint, mismatch_message
 from spmd.comm.reduce_op import ReduceOp, reduce_into
-from spmd.comm.transports.base import OpContext, Transport, TransportSpec
+from spmd.comm.transports.base import OpContext, Transport, TransportSpec, deliver_into
 from spmd.comm.work import Work
 
 _HUBS: dict[str, _Hub] = {}
@@ -263,5 +263,5 @@ def _deliver(message: Tensor, destination: Tensor, work: Work, src: int) -> None
             f"recv from group rank {src}: the message holds {message.numel()} {message.dtype} elements but the "
             f"receive buffer holds {destination.numel()} {destination.dtype}"))
         return
-    destination.copy_(message)
+    deliver_into(destination, message)
     work.to_completed()

@@ -99,7 +99,8 @@ class _Views:
         if heads is None:
             if len(self._heads) >= 64:
                 self._heads.clear()
-            heads = self._heads[n] = [[slot[:n] for slot in slots] for slots in self.staging]
+            with torch.inference_mode(False):      # kept for later ops: never inference tensors
+                heads = self._heads[n] = [[slot[:n] for slot in slots] for slots in self.staging]
         return heads
 
     def regions(self, length: int) -> list[list[list[Tensor]]]:
@@ -110,8 +111,10 @@ class _Views:
             if len(self._regions) >= 64:
                 self._regions.clear()
             count, region = len(self.staging), self.region
-            regions = self._regions[length] = [[[slot[peer * region:peer * region + length] for peer in range(count)]
-                                                for slot in slots] for slots in self.staging]
+            with torch.inference_mode(False):
+                regions = self._regions[length] = [[[slot[peer * region:peer * region + length]
+                                                     for peer in range(count)] for slot in slots]
+                                                   for slots in self.staging]
         return regions
 
     def sliced(self, length: int, me: int) -> _SlicedSlots:
@@ -121,7 +124,8 @@ class _Views:
         if sliced is None:
             if len(self._sliced) >= 64:
                 self._sliced.clear()
-            sliced = self._sliced[key] = _SlicedSlots(self, length, me)
+            with torch.inference_mode(False):
+                sliced = self._sliced[key] = _SlicedSlots(self, length, me)
         return sliced
 
 
@@ -297,7 +301,8 @@ class LocalShmTransport(Transport):
         views = self._views.get(dtype)
         if views is None:
             assert self.segment is not None
-            views = self._views[dtype] = _Views(self.segment, dtype)
+            with torch.inference_mode(False):
+                views = self._views[dtype] = _Views(self.segment, dtype)
         return views
 
     def _sliced_chunks(self, flat: Tensor, views: _Views) -> list[_SlicedChunk]:

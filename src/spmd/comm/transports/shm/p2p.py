@@ -69,7 +69,7 @@ import torch
 from torch import Tensor
 
 from spmd._core.errors import CommError, GroupAbortedError, PeerLostError
-from spmd.comm.transports.base import TransportSpec
+from spmd.comm.transports.base import TransportSpec, deliver_into
 from spmd.comm.transports.shm import peer_memory
 from spmd.comm.transports.shm.segment import CACHELINE, Segment, wake_socket
 from spmd.comm.work import Work
@@ -263,7 +263,7 @@ class P2PEngine:
             recv.work.to_failed(self._size_error(message, recv))
             return
         if payload is not None and payload.data_ptr() != recv.tensor.data_ptr():
-            _as_bytes(recv.tensor).copy_(payload)
+            deliver_into(_as_bytes(recv.tensor), payload)
         recv.work.to_completed()
 
     @staticmethod
