@@ -190,3 +190,37 @@ def test_torch_store_adapter_gives_spmds_store_semantics() -> None:
     assert not waiting.is_alive() and "interrupted by close()" in str(failures[0])
     with pytest.raises(StoreError, match="used after close"):
         store.get("n")
+
+
+def _failures_reach_torch(rank: int, world_size: int) -> list[str]:
+    import torch.distributed as dist
+
+    seen = []
+    for case in ("sync", "async", "ddp"):
+        spmd.init_process_group("shm", timeout=60)
+        try:
+            mismatched = torch.ones(2 + rank)                 # rank 1 sends one element more: spmd refuses
+            if case == "sync":
+                dist.all_reduce(mismatched)
+            elif case == "async":
+                work = dist.all_reduce(mismatched, async_op=True)
+                work.wait()
+            else:
+                model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+                model.register_comm_hook(None, lambda state, bucket: dist.all_reduce(
+                    torch.cat([bucket.buffer(), torch.zeros(rank)]), async_op=True).get_future().then(
+                        lambda future: (future.wait(), bucket.buffer())[1]))
+                model(torch.ones(2, 4)).sum().backward()     # the reducer's future failed: backward raises
+            seen.append(f"{case}: returned")
+        except Exception as error:
+            seen.append(f"{case}: {type(error).__name__ if case != 'ddp' else error}")
+        finally:
+            spmd.destroy_process_group()
+    return seen
+
+
+@pytest.mark.timeout(90)
+def test_a_failed_operation_raises_in_torchs_calls_and_torchs_ddp(procpool: ProcPool) -> None:
+    for seen in procpool.run(_failures_reach_torch, 2, timeout=60):
+        assert seen[:2] == ["sync: CollectiveMismatchError", "async: CollectiveMismatchError"]
+        assert "CollectiveMismatchError" in seen[2]

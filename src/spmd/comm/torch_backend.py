@@ -37,7 +37,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._C._distributed_c10d import _create_work_from_future
 
 from spmd._core.deadline import Deadline, as_seconds
 from spmd._core.errors import StoreError
@@ -72,27 +71,68 @@ def _reduce_op(opts: Any, name: str, group: ProcessGroup, tensors: list[Tensor])
 
 def _torch_work(work: Work | None, outputs: list[Tensor]) -> Any:
     """A torch Work for spmd's `work` (None: the op already finished), whose result is `outputs`."""
-    if work is None:
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(outputs)
-    else:
-        future = work.get_future()
-    return _create_work_from_future(future)
+    return _SpmdWork(work, outputs)
 
 
-def _made_eager(cls: type) -> type:
-    """`cls` with every method it defines made opaque to torch.compile (once per process, at its first group, so
-    that importing this module, which `import spmd` does, never imports dynamo): torch's code calls a group's
-    operations from code dynamo may be tracing (torch's DDP, compiled whole, broadcasts its buffers before each
-    forward), and a group is an opaque object there, whose attributes (the spmd group) dynamo refuses to read,
-    failing the compile. Eager, an operation is a graph break, as a C++ backend's is."""
+class _SpmdWork(dist.Work):
+    """torch's Work over an spmd Work: `wait()` raises the op's error, as gloo's Work does, and `get_future()`
+    fails where the op failed. (torch's Work around a future can't: a torch Python Future's exception is its value
+    to C++, so a failed op looked successful to torch's collectives and to DDP's reducer.)"""
+
+    def __init__(self, work: Work | None, outputs: list[Tensor]) -> None:
+        super().__init__()
+        self._work = work
+        self._outputs = outputs
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if self._work is not None:
+            seconds = timeout.total_seconds() if timeout is not None else 0.0
+            self._work.wait(seconds if seconds > 0 else None)      # torch's default, 0, means no bound
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work is None or self._work.exception() is None
+
+    def exception(self) -> BaseException | None:
+        return None if self._work is None else self._work.exception()
+
+    def result(self) -> list[Tensor]:
+        self.wait()
+        return self._outputs
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        if self._work is None:
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(self._outputs)
+            return done
+        return self._work.get_future().then(_value_or_raise)
+
+
+def _value_or_raise(future: torch.futures.Future) -> Any:
+    """A child future's value: the parent's, or its error raised, which torch's C++ side sees as a failure."""
+    return future.wait()
+
+
+def _made_eager() -> type[SpmdProcessGroup]:
+    """The group class, with every method it and its Work define made opaque to torch.compile (once per process,
+    at the first group, so that importing this module, which `import spmd` does, never imports dynamo): torch's
+    code calls a group's operations from code dynamo may be tracing (torch's DDP, compiled whole, broadcasts its
+    buffers before each forward), and a group is an opaque object there, whose attributes (the spmd group) dynamo
+    refuses to read, failing the compile. Eager, an operation is a graph break, as a C++ backend's is."""
     with _registered:
         if not _state["opaque"]:
-            for name, value in list(vars(cls).items()):
-                if callable(value) and not name.startswith("__"):
-                    setattr(cls, name, torch.compiler.disable(value))
+            for cls in (SpmdProcessGroup, _SpmdWork):
+                for name, value in list(vars(cls).items()):
+                    if callable(value) and not name.startswith("__"):
+                        setattr(cls, name, torch.compiler.disable(value))
             _state["opaque"] = True
-    return cls
+    return SpmdProcessGroup
 
 
 class SpmdProcessGroup(dist.ProcessGroup):
@@ -217,7 +257,7 @@ def _create(options: Any, backend_options: Any) -> SpmdProcessGroup:
     the spmd group of the same global ranks, made by the members if spmd has none (see the Notes)."""
     from spmd.comm.world import current_world, init_process_group, is_initialized
 
-    group_class = _made_eager(SpmdProcessGroup)
+    group_class = _made_eager()
     if not is_initialized():
         if dist.is_initialized():
             raise RuntimeError(f"spmd backend: torch asked for a group of ranks {list(options.global_ranks_in_group)}"
@@ -345,7 +385,7 @@ def init_torch_default_group(rank: int, world_size: int, timeout: float) -> bool
     if dist.is_initialized():
         return False
     register()
-    _made_eager(SpmdProcessGroup)
+    _made_eager()
     dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
     _state["owned"] = dist.group.WORLD
