@@ -224,3 +224,19 @@ def test_a_failed_operation_raises_in_torchs_calls_and_torchs_ddp(procpool: Proc
     for seen in procpool.run(_failures_reach_torch, 2, timeout=60):
         assert seen[:2] == ["sync: CollectiveMismatchError", "async: CollectiveMismatchError"]
         assert "CollectiveMismatchError" in seen[2]
+
+
+def test_a_script_that_never_destroys_its_world_exits_with_no_status_thread_in_a_store_call() -> None:
+    """Most torch scripts end without destroy_process_group: spmd's status thread, inside torch's store client at
+    interpreter exit, aborted the process ('terminate called without an active exception') in about 1 run of 3."""
+    code = """if True:
+        import atexit, threading
+        atexit.register(lambda: print([t.name for t in threading.enumerate() if t.name.startswith("spmd-status")]))
+        import torch, torch.distributed as dist
+        import spmd
+        dist.init_process_group("spmd", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        print(spmd.get_world_size(), flush=True)
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "[]"]        # the atexit handler registered first runs last

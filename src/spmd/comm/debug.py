@@ -15,6 +15,7 @@ now (its innermost frames: a data loader's wait, a deadlocked lock, a forgotten 
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import enum
@@ -23,6 +24,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any
 
@@ -211,6 +213,8 @@ class StatusService:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"spmd-status-rank{rank}", daemon=True)
         self._thread.start()
+        if owns_store:
+            _running_services.add(self)
 
     def stop(self) -> None:
         """End the service. With a store handle of its own, the handle is closed at once (failing the thread's
@@ -238,6 +242,17 @@ class StatusService:
         finally:
             if self._owns_store:
                 self._store.close()
+
+
+# Services with a store handle of their own, stopped at interpreter exit when their world was never destroyed (a
+# script that ends without destroy_process_group, as most torch scripts do): see StatusService.stop.
+_running_services: weakref.WeakSet[StatusService] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_services() -> None:
+    for service in list(_running_services):
+        service.stop()
 
 
 def collect_statuses(store: Store, ranks: list[int], wait_s: float = 3.0) -> dict[int, dict[str, Any] | None]:
