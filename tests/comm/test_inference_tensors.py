@@ -38,11 +38,11 @@ def _body(rank: int, world_size: int) -> list:
         spmd.send(torch.full((2,), 7.0), 1)
     else:
         spmd.recv(received, 0)
-    return seen + [late.tolist(), [t.item() for t in normal], plain.tolist(), big[:2].tolist(), received.tolist()]
+    return [*seen, late.tolist(), [t.item() for t in normal], plain.tolist(), big[:2].tolist(), received.tolist()]
 
 
 @pytest.mark.parametrize("backend", ["threads", "shm", "tcp"])
 def test_collectives_and_p2p_write_into_inference_tensors(backend: str) -> None:
     results = run_ranks(_body, 2, timeout=TIMEOUT, backend=backend)
     common = [[3.0, 4.0], [1.0, 2.0], [3], [1.0, 2.0], [2.0, 2.0], [2.0, 2.0]]
-    assert results == [common + [[0.0, 0.0]], common + [[7.0, 7.0]]]
+    assert results == [[*common, [0.0, 0.0]], [*common, [7.0, 7.0]]]
