@@ -7,6 +7,8 @@ from __future__ import annotations
 import datetime
 import importlib
 import inspect
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -289,3 +291,11 @@ def test_the_debug_level_is_torchs_and_read_from_its_environment_variable(monkey
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG")
     spmd.set_debug_level_from_env()
     assert spmd.get_debug_level() is spmd.DebugLevel.OFF
+
+
+def test_the_tensor_package_holds_its_random_module_as_torchs_does() -> None:
+    """TorchTitan calls `torch.distributed.tensor._random.manual_seed` having imported only the package."""
+    code = "import spmd.tensor, torch.distributed.tensor as t; print(callable(spmd.tensor._random.manual_seed), " \
+           "callable(t._random.manual_seed))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == ["True", "True"]

@@ -6,6 +6,7 @@ Layer: tensor (may import _core, comm, device_mesh). Importing it registers ever
 """
 
 from spmd.device_mesh import DeviceMesh, init_device_mesh
+from spmd.tensor import _random  # noqa: F401  (torch's package holds it: TorchTitan calls tensor._random.manual_seed)
 from spmd.tensor import ops as _ops  # noqa: F401  (registers the sharding rules)
 from spmd.tensor.api import DTensor, distribute_module, distribute_tensor
 from spmd.tensor.factories import empty, full, ones, rand, randn, zeros
