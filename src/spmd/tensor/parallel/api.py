@@ -7,6 +7,7 @@ Layer: tensor.parallel. Collective over the mesh: laying out each parameter broa
 from __future__ import annotations
 
 import fnmatch
+import warnings
 
 from torch import nn
 
@@ -22,8 +23,9 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
 
     `parallelize_plan` is a ParallelStyle for `module` itself, or a dict from module paths to styles, applied
     in order; a path's dot-separated parts may be fnmatch patterns (`"layers.*.attention.wq"`), and `""` names
-    `module`. A path that matches no submodule is an error naming it. `src_data_rank`: the rank whose values
-    every parameter takes (None: each rank keeps its own, no communication). Returns `module`.
+    `module`. A path that matches no submodule is skipped with a warning naming it, as torch's is (TorchTitan
+    applies one plan to every pipeline stage, whose modules of other stages are None). `src_data_rank`: the rank
+    whose values every parameter takes (None: each rank keeps its own, no communication). Returns `module`.
     """
     if device_mesh is None:
         raise ValueError("parallelize_module: pass the tensor-parallel device_mesh (e.g. mesh['tp'])")
@@ -53,8 +55,10 @@ def _apply_plan(module: nn.Module, mesh: DeviceMesh, plan: Plan, src_data_rank: 
                             f"a ParallelStyle")
         matches = _resolve(module, path)
         if not matches:
-            raise ValueError(f"parallelize_module: plan key {path!r} matches no submodule of "
-                             f"{type(module).__name__} (its children: {[name for name, _ in module.named_children()]})")
+            warnings.warn(f"parallelize_module: plan key {path!r} matches no submodule of {type(module).__name__} "
+                          f"(its children: {[name for name, _ in module.named_children()]}); skipping this plan "
+                          f"entry", stacklevel=3)
+            continue
         for fqn, submodule in matches:
             style.src_data_rank = src_data_rank
             style._apply(submodule, mesh, fqn)
