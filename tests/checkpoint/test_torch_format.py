@@ -6,6 +6,7 @@ ranks."""
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -91,6 +92,34 @@ def test_a_torch_checkpoint_loads_into_shards_on_a_mesh(tmp_path) -> None:
         for key, want in (("embed", saved["model"]["embed"]), ("norm", saved["model"]["norm"]),
                           ("w1", saved["model"]["layers"][1]["w"])):
             assert torch.equal(got[key], want), key
+
+
+def _warmup(steps: int, step: int) -> float:
+    return min(1.0, (step + 1) / steps)
+
+
+def test_a_torch_checkpoint_of_an_lr_scheduler_with_empty_containers_loads(tmp_path) -> None:
+    """LambdaLR's state holds `lr_lambdas: [{}]`, for which torch's DCP saves no key (TorchTitan's checkpoints)."""
+    def scheduler() -> torch.optim.lr_scheduler.LambdaLR:
+        optimizer = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(_warmup, 4))   # as TorchTitan
+
+    saved = scheduler()
+    for _ in range(3):
+        saved.optimizer.step()
+        saved.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch_dcp.save({"lr_scheduler": saved.state_dict(), "nothing": {"here": {}}}, checkpoint_id=str(tmp_path),
+                       no_dist=True)
+    loaded = scheduler()
+    state = {"lr_scheduler": loaded.state_dict(), "nothing": {"here": {}}}
+    assert state["lr_scheduler"]["lr_lambdas"] == [{}]
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    loaded.load_state_dict(state["lr_scheduler"])
+    assert loaded.last_epoch == saved.last_epoch == 3 and loaded.get_last_lr() == saved.get_last_lr()
+    with pytest.raises(CheckpointError, match="has no 'missing'"):         # a real value still has to be there
+        dcp.load({"missing": [{"lr": 1.0}]}, checkpoint_id=str(tmp_path))
 
 
 class _Payload:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -304,6 +305,8 @@ def create_default_local_load_plan(state_dict: STATE_DICT_TYPE, metadata: Metada
         elif fqn in metadata.tensors:
             raise CheckpointError(f"{metadata.where}: {fqn!r} is a tensor in the checkpoint but a "
                                   f"{type(obj).__name__} in the state dict loaded into")
+        elif not _torch_writes_a_key_for(obj):
+            continue        # nothing to load, and torch's DCP saves nothing for it (LambdaLR's lr_lambdas: [{}])
         else:
             missing.append(fqn)
     if missing and strict:
@@ -311,6 +314,16 @@ def create_default_local_load_plan(state_dict: STATE_DICT_TYPE, metadata: Metada
                               f"{' ...' if len(missing) > 8 else ''} ({len(missing)} keys of the state dict; "
                               f"pass planner=DefaultLoadPlanner(allow_partial_load=True) to leave them be)")
     return LoadPlan(items)
+
+
+def _torch_writes_a_key_for(value: object) -> bool:
+    """Whether torch's DCP flattening of `value` writes any key: not for an empty mapping, nor for a list it walks
+    (one holding a mapping) whose every entry writes none."""
+    if isinstance(value, Mapping):
+        return any(_torch_writes_a_key_for(item) for item in value.values())
+    if isinstance(value, list) and value and all(isinstance(item, (Mapping, list)) for item in value):
+        return any(_torch_writes_a_key_for(item) for item in value)
+    return True
 
 
 def _tensor_reads(fqn: str, tensor: Tensor, entry: TensorEntry, metadata: Metadata) -> list[ReadItem]:
