@@ -2,9 +2,10 @@
 computed with torch ops, or the call raises (naming rank, op and dtype) before anything is sent.
 
 The table: SUM, MIN, MAX, PRODUCT reduce every real dtype (bool SUM/PRODUCT/MIN/MAX are or/and/and/or, as in
-gloo); AVG needs floats or complex; BAND/BOR/BXOR need integers or bool; complex reduces with SUM and AVG only
+gloo); AVG takes every dtype but bool; BAND/BOR/BXOR need integers or bool; complex reduces with SUM and AVG only
 (as torch refuses the rest: complex travels as pairs of reals); uint64 and float8 don't reduce at all. gloo is
-the oracle where it defines a pair: test_gloo_agrees_with_the_table runs torch's own gloo on the same table.
+the oracle where it defines a pair: test_gloo_agrees_with_the_table runs torch's own gloo on the same table. AVG on
+integers, which gloo refuses, is the sum divided with truncation toward zero, as NCCL's integer average.
 After every refused call the ranks go on to the next collective, whose result is checked too: a refused call
 that had sent anything would desynchronise them (tcp and shm check each op's fingerprint in-band).
 """
@@ -41,7 +42,12 @@ def refused(op: ReduceOp, dtype: torch.dtype) -> bool:
         return op not in (ReduceOp.SUM, ReduceOp.AVG)
     if dtype.is_floating_point:
         return op in BITWISE
-    return op is ReduceOp.AVG
+    return op is ReduceOp.AVG and dtype is torch.bool
+
+
+def gloo_refuses(op: ReduceOp, dtype: torch.dtype) -> bool:
+    """What torch's gloo refuses: the table's refusals, and AVG on integers (spmd's truncates, as NCCL's)."""
+    return refused(op, dtype) or (op is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex))
 
 
 def value(rank: int, dtype: torch.dtype, numel: int = 6) -> Tensor:
@@ -71,7 +77,8 @@ def reference(inputs: list[Tensor], op: ReduceOp) -> Tensor:
     if op is ReduceOp.SUM:
         result = stack.sum(0)
     elif op is ReduceOp.AVG:
-        result = stack.sum(0) / len(inputs)
+        result = stack.sum(0) / len(inputs) if wide is not torch.int64 else \
+            torch.div(stack.sum(0), len(inputs), rounding_mode="trunc")
     elif op is ReduceOp.PRODUCT:
         result = stack.prod(0)
     elif op is ReduceOp.MIN:
@@ -88,7 +95,7 @@ def check(actual: Tensor, expected: Tensor, what: str, op: ReduceOp, bits: bool 
     """Bit for bit (by value with bits=False), but AVG: one division, rounded in the dtype, may differ from the
     reference's last bit."""
     assert actual.dtype is expected.dtype, what
-    if op is ReduceOp.AVG:
+    if op is ReduceOp.AVG and (actual.dtype.is_floating_point or actual.dtype.is_complex):
         real = torch.view_as_real if actual.dtype.is_complex else (lambda t: t)
         torch.testing.assert_close(real(actual), real(expected), rtol=torch.finfo(real(actual).dtype).eps, atol=0,
                                    msg=lambda message: f"{what}: {message}")
@@ -210,7 +217,7 @@ def test_gloo_agrees_with_the_table(procpool: ProcPool) -> None:
     for dtype in GLOO_DTYPES:
         for op in OPS:
             outcome = outcomes[(str(dtype), op.name)]
-            if refused(op, dtype):
+            if gloo_refuses(op, dtype):
                 assert outcome == "refused", (op, dtype, outcome)
             else:
                 assert isinstance(outcome, Tensor), (op, dtype, outcome)

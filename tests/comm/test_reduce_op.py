@@ -45,7 +45,10 @@ def _left_to_right(sources: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     acc = sources[0].clone()
     for source in sources[1:]:
         acc = _REFERENCE[op](acc, source)
-    return acc / len(sources) if op is ReduceOp.AVG else acc
+    if op is not ReduceOp.AVG:
+        return acc
+    integer = not (acc.dtype.is_floating_point or acc.dtype.is_complex)
+    return torch.div(acc, len(sources), rounding_mode="trunc") if integer else acc / len(sources)
 
 
 @pytest.mark.parametrize("count", [2, 3, 5])
@@ -60,6 +63,14 @@ def test_every_op_on_every_dtype_it_accepts_matches_plain_operators_left_to_righ
     assert dst.dtype is dtype
     assert torch.equal(dst, _left_to_right(sources, op))
     assert all(torch.equal(s, b) for s, b in zip(sources, before))      # sources are only read
+
+
+def test_integer_avg_truncates_toward_zero_as_nccls() -> None:
+    a, b = torch.tensor([7, -7, 3], dtype=torch.int64), torch.tensor([0, 0, 0], dtype=torch.int64)
+    assert reduce_into(torch.empty(3, dtype=torch.int64), [a, b], ReduceOp.AVG).tolist() == [3, -3, 1]
+    partial = a.clone()
+    finish_average(partial, ReduceOp.AVG, 2)
+    assert partial.tolist() == [3, -3, 1] and partial.dtype is torch.int64
 
 
 def test_bool_sum_and_product_are_logical_or_and_and() -> None:

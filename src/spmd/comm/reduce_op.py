@@ -61,8 +61,10 @@ _WIDENED = {torch.uint16: torch.int32, torch.uint32: torch.int64}   # exact: the
 def check_reduce_op(op: ReduceOp, dtype: torch.dtype, op_name: str) -> None:
     """Raise ValueError before any communication when spmd can't reduce `dtype` with `op` exactly.
 
-    The pairs refused are those torch's gloo refuses (bitwise ops on floats, AVG on integers, anything but SUM
-    and AVG on complex) and dtypes no kernel reduces (uint64, float8); `op_name` says which op on which rank.
+    The pairs refused are those torch's gloo refuses (bitwise ops on floats, anything but SUM and AVG on complex),
+    AVG on bool, and dtypes no kernel reduces (uint64, float8); `op_name` says which op on which rank. AVG on
+    integers is the sum divided with truncation, as NCCL computes it (gloo refuses it; Lightning sends it for an
+    integer count on any backend not named "gloo").
     """
     if not isinstance(op, ReduceOp):
         raise ValueError(f"{op_name}: op must be a spmd.ReduceOp (e.g. spmd.ReduceOp.SUM), got {op!r}")
@@ -79,8 +81,9 @@ def check_reduce_op(op: ReduceOp, dtype: torch.dtype, op_name: str) -> None:
         raise ValueError(f"{op_name}: {op!r} is not defined for complex tensors ({dtype}), as in torch; only "
                          f"SUM and AVG are. Reduce torch.view_as_real(tensor) for a per-component {op.name}, "
                          f"or tensor.abs() for one of magnitudes")
-    if op is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
-        raise ValueError(f"{op_name}: ReduceOp.AVG needs a floating-point tensor, got {dtype}; use SUM and divide")
+    if op is ReduceOp.AVG and dtype is torch.bool:
+        raise ValueError(f"{op_name}: ReduceOp.AVG of a {dtype} tensor has no bool result; reduce it as an integer "
+                         f"(tensor.to(torch.int32)) or use SUM (logical or)")
 
 
 _KERNELS: dict[ReduceOp, Callable[..., Tensor]] = {
@@ -115,7 +118,7 @@ def reduce_into(dst: Tensor, sources: Sequence[Tensor], op: ReduceOp) -> Tensor:
     for source in sources[2:]:
         kernel(dst, source, out=dst)
     if op is ReduceOp.AVG:
-        dst.div_(len(sources))
+        _divide(dst, len(sources))
     return dst
 
 
@@ -127,4 +130,16 @@ def partial_op(op: ReduceOp) -> ReduceOp:
 def finish_average(tensor: Tensor, op: ReduceOp, count: int) -> None:
     """End a reduction of `count` operands made with `partial_op(op)`: AVG divides the sum once by `count`."""
     if op is ReduceOp.AVG and count > 1:
+        _divide(tensor, count)
+
+
+def _divide(tensor: Tensor, count: int) -> None:
+    """tensor /= count in place: rounded in a float dtype, truncated toward zero in an integer one (as NCCL's
+    integer average)."""
+    wide = _WIDENED.get(tensor.dtype)
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
         tensor.div_(count)
+    elif wide is not None:        # torch has no CPU division for these dtypes
+        tensor.copy_(torch.div(tensor.to(wide), count, rounding_mode="trunc"))
+    else:
+        tensor.div_(count, rounding_mode="trunc")

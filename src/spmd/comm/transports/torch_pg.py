@@ -234,12 +234,9 @@ class TorchProcessGroupTransport(Transport):
         bytes (bool) or a widened copy (see `_write_back`)."""
         if tensor.dtype is torch.bool:
             return tensor.view(torch.uint8), _BOOL_OPS.get(op, op)
+        backend_op = ReduceOp.SUM if op is ReduceOp.AVG and not self._native_avg() else op
         wide = _WIDENED.get(tensor.dtype)
-        if wide is not None:
-            return tensor.to(wide), op
-        if op is ReduceOp.AVG and not self._native_avg():
-            return tensor, ReduceOp.SUM
-        return tensor, op
+        return (tensor.to(wide) if wide is not None else tensor), backend_op
 
     def _write_back(self, result: Tensor, reduced: Tensor, op: ReduceOp) -> None:
         """result <- the backend's reduction in `reduced` (copied back if it was widened), averaged if needed."""
