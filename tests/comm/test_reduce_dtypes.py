@@ -5,7 +5,7 @@ The table: SUM, MIN, MAX, PRODUCT reduce every real dtype (bool SUM/PRODUCT/MIN/
 gloo); AVG takes every dtype but bool; BAND/BOR/BXOR need integers or bool; complex reduces with SUM and AVG only
 (as torch refuses the rest: complex travels as pairs of reals); uint64 and float8 don't reduce at all. gloo is
 the oracle where it defines a pair: test_gloo_agrees_with_the_table runs torch's own gloo on the same table. AVG on
-integers, which gloo refuses, is the sum divided with truncation toward zero, as NCCL's integer average.
+integers, which gloo refuses, is the sum divided and truncated toward zero.
 After every refused call the ranks go on to the next collective, whose result is checked too: a refused call
 that had sent anything would desynchronise them (tcp and shm check each op's fingerprint in-band).
 """
@@ -46,7 +46,7 @@ def refused(op: ReduceOp, dtype: torch.dtype) -> bool:
 
 
 def gloo_refuses(op: ReduceOp, dtype: torch.dtype) -> bool:
-    """What torch's gloo refuses: the table's refusals, and AVG on integers (spmd's truncates, as NCCL's)."""
+    """What torch's gloo refuses: the table's refusals, and AVG on integers (spmd's truncates toward zero)."""
     return refused(op, dtype) or (op is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex))
 
 

@@ -65,7 +65,7 @@ def test_every_op_on_every_dtype_it_accepts_matches_plain_operators_left_to_righ
     assert all(torch.equal(s, b) for s, b in zip(sources, before))      # sources are only read
 
 
-def test_integer_avg_truncates_toward_zero_as_nccls() -> None:
+def test_integer_avg_truncates_toward_zero() -> None:
     a, b = torch.tensor([7, -7, 3], dtype=torch.int64), torch.tensor([0, 0, 0], dtype=torch.int64)
     assert reduce_into(torch.empty(3, dtype=torch.int64), [a, b], ReduceOp.AVG).tolist() == [3, -3, 1]
     partial = a.clone()

@@ -63,8 +63,8 @@ def check_reduce_op(op: ReduceOp, dtype: torch.dtype, op_name: str) -> None:
 
     The pairs refused are those torch's gloo refuses (bitwise ops on floats, anything but SUM and AVG on complex),
     AVG on bool, and dtypes no kernel reduces (uint64, float8); `op_name` says which op on which rank. AVG on
-    integers is the sum divided with truncation, as NCCL computes it (gloo refuses it; Lightning sends it for an
-    integer count on any backend not named "gloo").
+    integers is the sum divided and truncated toward zero (NCCL averages integers too; gloo refuses them, and
+    Lightning sends one for an integer count on any backend not named "gloo").
     """
     if not isinstance(op, ReduceOp):
         raise ValueError(f"{op_name}: op must be a spmd.ReduceOp (e.g. spmd.ReduceOp.SUM), got {op!r}")
@@ -134,8 +134,7 @@ def finish_average(tensor: Tensor, op: ReduceOp, count: int) -> None:
 
 
 def _divide(tensor: Tensor, count: int) -> None:
-    """tensor /= count in place: rounded in a float dtype, truncated toward zero in an integer one (as NCCL's
-    integer average)."""
+    """tensor /= count in place: rounded in a float dtype, truncated toward zero in an integer one."""
     wide = _WIDENED.get(tensor.dtype)
     if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
         tensor.div_(count)
