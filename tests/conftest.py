@@ -10,9 +10,9 @@ import pytest
 
 from tests.procpool import ProcPool
 
-# The porting tests run these tutorial scripts as programs; imported for doctest collection they would run their
+# The porting tests run these scripts as programs; imported for doctest collection they would run their
 # module-level code with pytest's arguments as theirs.
-collect_ignore_glob = ["porting/*_tutorial.py"]
+collect_ignore_glob = ["porting/*_tutorial.py", "porting/under_torchrun.py"]
 
 
 @pytest.fixture(scope="session")
