@@ -481,4 +481,15 @@ register_opaque_type(DeviceMesh, typ="value", members={
         "get_rank", "get_coordinate", "get_local_rank", "get_group", "get_all_groups", "flatten",
         "_get_root_mesh")})
 
+class _MeshResources:
+    """torch's process-wide `_mesh_resources` registry, for code that asks it for a mesh's root (TorchTitan's
+    SimpleFSDP): spmd's meshes know their root themselves."""
+
+    @staticmethod
+    def get_root_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
+        return device_mesh._get_root_mesh()
+
+
+_mesh_resources = _MeshResources()
+
 __all__ = ["DeviceMesh", "init_device_mesh"]

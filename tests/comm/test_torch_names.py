@@ -299,3 +299,42 @@ def test_the_tensor_package_holds_its_random_module_as_torchs_does() -> None:
            "callable(t._random.manual_seed))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.split() == ["True", "True"]
+
+
+def test_the_private_names_torchtitans_simple_fsdp_imports_do_what_torchs_do() -> None:
+    """SimpleFSDP (imported by every TorchTitan run) builds specs as torch's `DTensorSpec(mesh, placements,
+    tensor_meta=...)`, reads `num_shards_map`, moves local tensors with `redistribute_local_tensor` and finds a
+    mesh's root through `_mesh_resources`; torch's answers in a fake world are the oracle."""
+    from torch.distributed.tensor import Shard as TorchShard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec as TorchSpec
+    from torch.distributed.tensor._dtensor_spec import TensorMeta as TorchMeta
+
+    from spmd.device_mesh import _mesh_resources, init_device_mesh
+    from spmd.pipelining.stage import PipelineStage, _PipelineStageBase
+    from spmd.tensor import Replicate, Shard, distribute_tensor
+    from spmd.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from spmd.tensor._redistribute import redistribute_local_tensor
+    from spmd.tensor.placement import _StridedShard
+    from spmd.tensor.placement_types import _StridedShard as served
+
+    assert served is _StridedShard and _PipelineStageBase is PipelineStage
+    torch_dist.init_process_group("fake", rank=5, world_size=8)
+    try:
+        theirs = TorchSpec(torch_dist.device_mesh.init_device_mesh("cpu", (2, 4)), (TorchShard(1), TorchShard(0)),
+                           tensor_meta=TorchMeta(torch.Size([18, 20, 30]), (600, 30, 1), torch.float32))
+        expected = theirs.num_shards_map
+    finally:
+        torch_dist.destroy_process_group()
+
+    def body(rank: int, world_size: int) -> tuple:
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        meta = TensorMeta(torch.Size([18, 20, 30]), (600, 30, 1), torch.float32)
+        spec = DTensorSpec(mesh=mesh, placements=(Shard(1), Shard(0)), tensor_meta=meta)
+        assert spec.tensor_meta == meta and spec == DTensorSpec(mesh, (Shard(1), Shard(0)), meta)
+        full = torch.arange(8.0 * 6).reshape(8, 6)
+        sharded = distribute_tensor(full, mesh["tp"], [Shard(0)])
+        whole = redistribute_local_tensor(sharded.to_local(), sharded._spec,
+                                          sharded._spec.with_placements((Replicate(),)))
+        return spec.num_shards_map, torch.equal(whole, full), _mesh_resources.get_root_mesh(mesh["tp"]) is mesh
+
+    assert run_ranks(body, 8, timeout=60)[5] == (expected, True, True)

@@ -210,6 +210,9 @@ def _nothing() -> None:
     """The W of a microbatch whose stage outputs take no gradient."""
 
 
+_PipelineStageBase = PipelineStage   # torch's base class of its stages, which TorchTitan names in annotations
+
+
 def build_stage(stage_module: nn.Module, stage_index: int, pipe_info: PipeInfo, device: torch.device | str,
                 group: AnyGroup | None = None) -> PipelineStage:
     """Wrap one of a Pipe's stage modules in a PipelineStage on `device`: the module moves there (unless its

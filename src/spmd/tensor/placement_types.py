@@ -1,5 +1,5 @@
 """Alias of `spmd.tensor.placement` at torch's module name (`tensor.placement_types`). Layer: tensor."""
 
-from spmd.tensor.placement import Partial, Placement, Replicate, Shard
+from spmd.tensor.placement import Partial, Placement, Replicate, Shard, _StridedShard
 
-__all__ = ["Partial", "Placement", "Replicate", "Shard"]
+__all__ = ["Partial", "Placement", "Replicate", "Shard", "_StridedShard"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,6 +28,14 @@ if TYPE_CHECKING:
 Placements = tuple[Placement, ...]
 
 
+class TensorMeta(NamedTuple):
+    """A DTensor's global shape, stride and dtype, as torch's DTensorSpec takes and gives them."""
+
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
 class DTensorSpec:
     """How a DTensor is laid out: `mesh`, `placements` (one per mesh dim), and global `shape`/`stride`/`dtype`.
 
@@ -37,8 +45,14 @@ class DTensorSpec:
 
     __slots__ = ("_hash", "_local_shape", "_relaid", "dtype", "mesh", "placements", "shape", "stride")
 
-    def __init__(self, mesh: DeviceMesh, placements: Placements, shape: torch.Size | tuple[int, ...],
-                 stride: tuple[int, ...], dtype: torch.dtype) -> None:
+    def __init__(self, mesh: DeviceMesh, placements: Placements,
+                 shape: torch.Size | tuple[int, ...] | TensorMeta | None = None,
+                 stride: tuple[int, ...] | None = None, dtype: torch.dtype | None = None, *,
+                 tensor_meta: TensorMeta | None = None) -> None:
+        if tensor_meta is not None or isinstance(shape, TensorMeta):   # torch's signature: (mesh, placements, meta)
+            shape, stride, dtype = tensor_meta if tensor_meta is not None else shape
+        if shape is None or stride is None or dtype is None:
+            raise TypeError("DTensorSpec needs the global tensor's shape, stride and dtype (or torch's tensor_meta=)")
         self.mesh = mesh
         self.placements = tuple(placements)
         self.shape = torch.Size(shape)
@@ -81,6 +95,16 @@ class DTensorSpec:
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+    @property
+    def tensor_meta(self) -> TensorMeta:
+        """The global shape, stride and dtype, as torch's spec holds them."""
+        return TensorMeta(self.shape, self.stride, self.dtype)
+
+    @property
+    def num_shards_map(self) -> list[int]:
+        """Per tensor dim, how many pieces it is split into across the mesh (torch's name)."""
+        return [self.num_shards(dim) for dim in range(self.ndim)]
 
     def with_placements(self, placements: Placements) -> DTensorSpec:
         """The same tensor laid out with other placements. Memoized (specs are immutable): a conversion repeated
