@@ -156,13 +156,16 @@ def test_torchs_init_process_group_with_the_spmd_backend_builds_spmds_world(proc
         assert out["after torch's destroy"] == (False, False) and out["after spmd's destroy"] == (False, False)
 
 
-@pytest.mark.parametrize("first", ["spmd", "torch"])
+@pytest.mark.parametrize("first", ["spmd", "torch", "spmd's own modules"])
 def test_importing_spmd_makes_its_backend_known_to_torch_in_either_order(first: str) -> None:
-    imports = "import spmd; import torch" if first == "spmd" else "import torch; import spmd"
+    imports = {"spmd": "import spmd; import torch", "torch": "import torch; import spmd",
+               # torch first imported from inside spmd.comm.world's import, which the registration needs whole
+               "spmd's own modules": "import spmd; import spmd.comm.world"}[first]
     code = (f"import sys; {imports}; import torch.distributed as dist; "
             f"print('SPMD' in dist.Backend._plugins, 'torch._dynamo' in sys.modules)")
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert found.stdout.split() == ["True", "False"]       # known, and importing spmd compiled nothing
+    assert "could not register" not in found.stderr
 
 
 def test_torch_store_adapter_gives_spmds_store_semantics() -> None:

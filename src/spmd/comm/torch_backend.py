@@ -40,13 +40,16 @@ from torch import Tensor
 
 from spmd._core.deadline import Deadline, as_seconds
 from spmd._core.errors import StoreError
-from spmd.comm import collectives, p2p
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp, check_reduce_op
 from spmd.comm.store.base import Store, Value, missing_keys_error, to_bytes
 from spmd.comm.work import Work
 
 BACKEND = "spmd"
+# collectives and p2p import spmd.comm.world, whose own first import of torch may be what registers this backend
+# (torch_hook.py), so they are bound at the first group (_made_eager), when every module is whole.
+collectives: Any = None
+p2p: Any = None
 _REDUCE_OPS = {dist.ReduceOp.SUM: ReduceOp.SUM, dist.ReduceOp.AVG: ReduceOp.AVG,
                dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT, dist.ReduceOp.MIN: ReduceOp.MIN,
                dist.ReduceOp.MAX: ReduceOp.MAX, dist.ReduceOp.BAND: ReduceOp.BAND,
@@ -125,8 +128,13 @@ def _made_eager() -> type[SpmdProcessGroup]:
     code calls a group's operations from code dynamo may be tracing (torch's DDP, compiled whole, broadcasts its
     buffers before each forward), and a group is an opaque object there, whose attributes (the spmd group) dynamo
     refuses to read, failing the compile. Eager, an operation is a graph break, as a C++ backend's is."""
+    global collectives, p2p
     with _registered:
         if not _state["opaque"]:
+            from spmd.comm import collectives as collectives_module
+            from spmd.comm import p2p as p2p_module
+
+            collectives, p2p = collectives_module, p2p_module
             for cls in (SpmdProcessGroup, _SpmdWork):
                 for name, value in list(vars(cls).items()):
                     if callable(value) and not name.startswith("__"):
