@@ -156,11 +156,12 @@ def test_torchs_init_process_group_with_the_spmd_backend_builds_spmds_world(proc
         assert out["after torch's destroy"] == (False, False) and out["after spmd's destroy"] == (False, False)
 
 
-@pytest.mark.parametrize("first", ["spmd", "torch", "spmd's own modules"])
+@pytest.mark.parametrize("first", ["spmd", "torch", "spmd.comm.world", "spmd.ReduceOp", "spmd.ProcessGroup"])
 def test_importing_spmd_makes_its_backend_known_to_torch_in_either_order(first: str) -> None:
+    # the last three import torch first from inside an spmd module's import, which is not whole yet then
     imports = {"spmd": "import spmd; import torch", "torch": "import torch; import spmd",
-               # torch first imported from inside spmd.comm.world's import, which the registration needs whole
-               "spmd's own modules": "import spmd; import spmd.comm.world"}[first]
+               "spmd.comm.world": "import spmd; import spmd.comm.world", "spmd.ReduceOp": "import spmd; spmd.ReduceOp",
+               "spmd.ProcessGroup": "import spmd; spmd.ProcessGroup"}[first]
     code = (f"import sys; {imports}; import torch.distributed as dist; "
             f"print('SPMD' in dist.Backend._plugins, 'torch._dynamo' in sys.modules)")
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

@@ -32,7 +32,7 @@ import contextlib
 import datetime
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,20 +40,24 @@ from torch import Tensor
 
 from spmd._core.deadline import Deadline, as_seconds
 from spmd._core.errors import StoreError
-from spmd.comm.group import ProcessGroup
-from spmd.comm.reduce_op import ReduceOp, check_reduce_op
 from spmd.comm.store.base import Store, Value, missing_keys_error, to_bytes
-from spmd.comm.work import Work
+
+if TYPE_CHECKING:
+    from spmd.comm.group import ProcessGroup
+    from spmd.comm.reduce_op import ReduceOp
+    from spmd.comm.work import Work
 
 BACKEND = "spmd"
-# collectives and p2p import spmd.comm.world, whose own first import of torch may be what registers this backend
-# (torch_hook.py), so they are bound at the first group (_made_eager), when every module is whole.
+# Note: what this module imports
+# torch_hook.py imports this module the moment torch's own import finishes, which may be inside the import of any
+# spmd module that imports torch first (spmd.comm.world, spmd.comm.reduce_op, ...): that module is not whole yet.
+# So at import this module needs only modules that never import torch (the store's base, _core); the groups'
+# modules are bound at the first group (_bind_spmd), when every module is whole.
 collectives: Any = None
 p2p: Any = None
-_REDUCE_OPS = {dist.ReduceOp.SUM: ReduceOp.SUM, dist.ReduceOp.AVG: ReduceOp.AVG,
-               dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT, dist.ReduceOp.MIN: ReduceOp.MIN,
-               dist.ReduceOp.MAX: ReduceOp.MAX, dist.ReduceOp.BAND: ReduceOp.BAND,
-               dist.ReduceOp.BOR: ReduceOp.BOR, dist.ReduceOp.BXOR: ReduceOp.BXOR}
+_group_class: Any = None         # spmd.comm.group.ProcessGroup
+_check_reduce_op: Any = None
+_REDUCE_OPS: dict[Any, ReduceOp] = {}
 _registered = threading.Lock()
 _state: dict[str, Any] = {"registered": False, "owned": None, "opaque": False}
 
@@ -68,7 +72,7 @@ def _reduce_op(opts: Any, name: str, group: ProcessGroup, tensors: list[Tensor])
         raise ValueError(f"{where}: torch's reduce op {torch_op} has no spmd counterpart (PREMUL_SUM: scale the "
                          f"tensor, then reduce with SUM)")
     for tensor in tensors:
-        check_reduce_op(op, tensor.dtype, where)
+        _check_reduce_op(op, tensor.dtype, where)
     return op
 
 
@@ -128,19 +132,27 @@ def _made_eager() -> type[SpmdProcessGroup]:
     code calls a group's operations from code dynamo may be tracing (torch's DDP, compiled whole, broadcasts its
     buffers before each forward), and a group is an opaque object there, whose attributes (the spmd group) dynamo
     refuses to read, failing the compile. Eager, an operation is a graph break, as a C++ backend's is."""
-    global collectives, p2p
     with _registered:
         if not _state["opaque"]:
-            from spmd.comm import collectives as collectives_module
-            from spmd.comm import p2p as p2p_module
-
-            collectives, p2p = collectives_module, p2p_module
+            _bind_spmd()
             for cls in (SpmdProcessGroup, _SpmdWork):
                 for name, value in list(vars(cls).items()):
                     if callable(value) and not name.startswith("__"):
                         setattr(cls, name, torch.compiler.disable(value))
             _state["opaque"] = True
     return SpmdProcessGroup
+
+
+def _bind_spmd() -> None:
+    """Bind the spmd modules the groups run on (see Note: what this module imports)."""
+    global collectives, p2p, _group_class, _check_reduce_op
+    from spmd.comm import collectives as collectives_module
+    from spmd.comm import p2p as p2p_module
+    from spmd.comm.group import ProcessGroup
+    from spmd.comm.reduce_op import ReduceOp, check_reduce_op
+
+    collectives, p2p, _group_class, _check_reduce_op = collectives_module, p2p_module, ProcessGroup, check_reduce_op
+    _REDUCE_OPS.update({getattr(dist.ReduceOp, op.name): op for op in ReduceOp})
 
 
 class SpmdProcessGroup(dist.ProcessGroup):
@@ -279,10 +291,10 @@ def _create(options: Any, backend_options: Any) -> SpmdProcessGroup:
     world = current_world()
     ranks = list(options.global_ranks_in_group) or list(range(options.group_size))
     for group in world.groups:
-        if isinstance(group, ProcessGroup) and list(group.ranks) == ranks:
+        if isinstance(group, _group_class) and list(group.ranks) == ranks:
             return group_class(group)
     made = world.create_group(ranks, world.timeout, world.backend, name=f"torch/{options.group_id}")
-    assert isinstance(made, ProcessGroup)     # torch asks only the members
+    assert isinstance(made, _group_class)     # torch asks only the members
     return group_class(made)
 
 
