@@ -59,7 +59,7 @@ _group_class: Any = None         # spmd.comm.group.ProcessGroup
 _check_reduce_op: Any = None
 _REDUCE_OPS: dict[Any, ReduceOp] = {}
 _registered = threading.Lock()
-_state: dict[str, Any] = {"registered": False, "owned": None, "opaque": False}
+_state: dict[str, Any] = {"registered": False, "owned": None, "world_owner": None, "opaque": False}
 
 
 def _reduce_op(opts: Any, name: str, group: ProcessGroup, tensors: list[Tensor]) -> ReduceOp:
@@ -126,12 +126,13 @@ def _value_or_raise(future: torch.futures.Future) -> Any:
     return future.wait()
 
 
-def _made_eager() -> type[SpmdProcessGroup]:
-    """The group class, with every method it and its Work define made opaque to torch.compile (once per process,
-    at the first group, so that importing this module, which `import spmd` does, never imports dynamo): torch's
-    code calls a group's operations from code dynamo may be tracing (torch's DDP, compiled whole, broadcasts its
-    buffers before each forward), and a group is an opaque object there, whose attributes (the spmd group) dynamo
-    refuses to read, failing the compile. Eager, an operation is a graph break, as a C++ backend's is."""
+def _group_class_ready() -> type[SpmdProcessGroup]:
+    """The group class, ready for a first group: the spmd modules it runs on bound (_bind_spmd), and every method it
+    and its Work define made opaque to torch.compile (once per process, at the first group, so that importing this
+    module, which `import spmd` does, never imports dynamo): torch's code calls a group's operations from code
+    dynamo may be tracing (torch's DDP, compiled whole, broadcasts its buffers before each forward), and a group is
+    an opaque object there, whose attributes (the spmd group) dynamo refuses to read, failing the compile. Eager,
+    an operation is a graph break, as a C++ backend's is."""
     with _registered:
         if not _state["opaque"]:
             _bind_spmd()
@@ -277,7 +278,7 @@ def _create(options: Any, backend_options: Any) -> SpmdProcessGroup:
     the spmd group of the same global ranks, made by the members if spmd has none (see the Notes)."""
     from spmd.comm.world import current_world, init_process_group, is_initialized
 
-    group_class = _made_eager()
+    group_class = _group_class_ready()
     if not is_initialized():
         if dist.is_initialized():
             raise RuntimeError(f"spmd backend: torch asked for a group of ranks {list(options.global_ranks_in_group)}"
@@ -301,7 +302,7 @@ def _create(options: Any, backend_options: Any) -> SpmdProcessGroup:
 def release_torch_default_group() -> None:
     """spmd.destroy_process_group() of a world torch's default group owns: take torch's group down too, without
     its shutdown destroying the world a second time (see Note: spmd's world under torch's default group)."""
-    owner, _state["world_owner"] = _state.get("world_owner"), None
+    owner, _state["world_owner"] = _state["world_owner"], None
     if owner is not None and dist.is_initialized() and dist.group.WORLD is owner:
         owner.owns_world = False
         dist.destroy_process_group()
@@ -405,7 +406,7 @@ def init_torch_default_group(rank: int, world_size: int, timeout: float) -> bool
     if dist.is_initialized():
         return False
     register()
-    _made_eager()
+    _group_class_ready()
     dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
     _state["owned"] = dist.group.WORLD
