@@ -48,6 +48,13 @@ Body = Callable[[OpContext], None]
 # not write. (A transport's writes into its own buffers inside inference mode are allowed: they are normal tensors.)
 
 
+# Note: writing outside autograd
+# A collective writes its results into the caller's tensors, which may require grad (a running loss summed for
+# logging, a parameter broadcast): as gloo's C++ does, the write is none of autograd's business, so every body runs
+# with grad mode off (an executor thread keeps it off; an op run on the caller's thread turns it off around the
+# body). Autograd through a collective is the functional collectives' job, around the op, not inside it.
+
+
 def _writes_inference_tensors(outputs: list | tuple) -> bool:
     for item in outputs:       # a loop, not any(): this runs for every collective
         if isinstance(item, Tensor):
@@ -259,6 +266,7 @@ class ProcessGroup:
             self._executor.start()
 
     def _drain(self) -> None:
+        torch.set_grad_enabled(False)     # this thread only moves data (see Note: writing outside autograd)
         while True:
             with self._lock:
                 while not self._queue or self._running is not None:
@@ -302,8 +310,14 @@ class ProcessGroup:
                 with torch.inference_mode():    # see Note: inference tensors
                     ready = _run_body(body, ctx, stream)
             elif torch.is_inference_mode_enabled():
-                with torch.inference_mode(False):
+                with torch.inference_mode(False), torch.no_grad():     # see Note: writing outside autograd
                     ready = _run_body(body, ctx, stream)
+            elif torch.is_grad_enabled():     # the common case of an op run inline: the cheapest switch
+                torch.set_grad_enabled(False)
+                try:
+                    ready = _run_body(body, ctx, stream)
+                finally:
+                    torch.set_grad_enabled(True)
             else:
                 ready = _run_body(body, ctx, stream)
         except BaseException as error:   # every failure must reach the Work and abort the group

@@ -167,12 +167,13 @@ _ACROSS_HOSTS: dict[str, str] = {          # what a backend builds instead for a
 def deliver_into(destination: Tensor, message: Tensor) -> None:
     """Copy a received `message` into the receiver's tensor, which may be an inference tensor (made under
     torch.inference_mode(), writable only inside it; see group.py, Note: inference tensors) while the thread
-    delivering it (a sender's or a progress thread) is outside inference mode."""
+    delivering it (a sender's or a progress thread) is outside inference mode, or a tensor that requires grad."""
     if destination.is_inference() and not torch.is_inference_mode_enabled():
         with torch.inference_mode():
             destination.copy_(message)
     else:
-        destination.copy_(message)
+        with torch.no_grad():        # a receive buffer that requires grad is written as data, as gloo does
+            destination.copy_(message)
 
 
 def available_backends() -> list[str]:
