@@ -181,7 +181,9 @@ def test_the_names_torch_213_prefers_are_the_same_ops() -> None:
 PRIVATE_NAMES_IN_EXAMPLES = [("checkpoint.state_dict", "_init_optim_state"),   # pytorch/examples' FSDP2
                              ("distributed_c10d", "_set_pg_timeout"),              # TorchTitan
                              ("pipelining.schedules", "_PipelineScheduleRuntime"),
-                             ("pipelining.schedules", "_wait_batch_p2p")]
+                             ("pipelining.schedules", "_wait_batch_p2p"),
+                             ("_tensor.placement_types", "DTensorSpec"),          # torchtune
+                             ("_tensor.placement_types", "TensorMeta")]
 
 
 @pytest.mark.parametrize(("path", "name"), PRIVATE_NAMES_IN_EXAMPLES)
