@@ -393,3 +393,21 @@ def test_save_and_load_run_no_garbage_collection_and_restore_the_collectors_stat
         gc.callbacks.remove(record)
     assert during == []
     assert collections, "the control: the test's own work between the calls collects"
+
+
+def test_the_writer_takes_torchs_arguments_and_overwrite_false_keeps_a_checkpoint(tmp_path) -> None:
+    """torchtune builds torch's FileSystemWriter(path, single_file_per_rank=False, thread_count=16)."""
+    state = {"w": torch.arange(6.0), "step": 3}
+    writer = dcp.FileSystemWriter(tmp_path, False, False, thread_count=16)     # torch's positional order
+    assert writer.sync_files is False
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    loaded = {"w": torch.zeros(6), "step": 0}
+    dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
+    with pytest.raises(CheckpointError, match="overwrite=False"):
+        dcp.save({"w": torch.ones(6), "step": 4}, storage_writer=dcp.FileSystemWriter(tmp_path, overwrite=False),
+                 no_dist=True)
+    dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)          # the first checkpoint is still there
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
+    with pytest.raises(ValueError, match="thread_count must be a positive int"):
+        dcp.FileSystemWriter(tmp_path, thread_count=0)

@@ -247,15 +247,28 @@ def speaks_torch_protocol(storage: StorageWriter | StorageReader) -> bool:
 
 class FileSystemWriter(StorageWriter):
     """A checkpoint as a directory of the local (or a shared) filesystem. `sync_files`: fsync each file before it
-    counts as written (turn off only where losing a just-written checkpoint to a power cut is acceptable)."""
+    counts as written (turn off only where losing a just-written checkpoint to a power cut is acceptable).
+    `overwrite=False` refuses to replace a file of an earlier checkpoint in the directory. torch's layout and
+    staging knobs are accepted for its signature (torchtune passes them): `single_file_per_rank` (spmd writes one
+    data file per rank either way; the layout changes nothing a load sees), `thread_count` (one file per rank
+    leaves nothing to write in parallel), `per_thread_copy_ahead` and `cache_staged_state_dict` (spmd's staging
+    is its async_save's own)."""
 
-    def __init__(self, path: str | os.PathLike[str], sync_files: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], single_file_per_rank: bool = True, sync_files: bool = True,
+                 thread_count: int = 1, per_thread_copy_ahead: int = 10_000_000,
+                 cache_staged_state_dict: bool = False, overwrite: bool = True) -> None:
+        if not isinstance(thread_count, int) or thread_count < 1:
+            raise ValueError(f"FileSystemWriter: thread_count must be a positive int, got {thread_count!r}")
         self.path = os.fspath(path)
         self.sync_files = sync_files
+        self.overwrite = overwrite
         os.makedirs(self.path, exist_ok=True)
 
     def write_file(self, name: str, parts: Iterable[memoryview]) -> int:
         final = os.path.join(self.path, name)
+        if not self.overwrite and os.path.exists(final):
+            raise FileExistsError(f"FileSystemWriter: {final} exists, and the writer was made with overwrite=False; "
+                                  f"save to another directory, or pass overwrite=True")
         partial = os.path.join(self.path, f".{name}{PARTIAL_SUFFIX}")
         size = flushed = 0
         with open(partial, "wb", buffering=0) as file:
