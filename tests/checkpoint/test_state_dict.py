@@ -467,3 +467,36 @@ def test_ignore_frozen_params_leaves_them_out_of_get_and_does_not_miss_them_on_s
     assert set_model_state_dict(other, sd, options=options).missing_keys == []
     with pytest.raises(RuntimeError, match=r"missing keys \['inp.weight', 'inp.bias'\]"):
         set_model_state_dict(other, sd)
+
+
+def test_an_optimizers_own_state_dict_loads_as_torch_takes_it() -> None:
+    """torchtune resumes with set_state_dict(model, optimizer, optim_state_dict=optimizer.state_dict()): state keyed
+    by parameter position, as torch's set_optimizer_state_dict accepts it."""
+    def body(rank: int, world_size: int) -> None:
+        mesh = init_device_mesh("cpu", (world_size,))
+
+        def sharded() -> tuple[nn.Module, torch.optim.Optimizer]:
+            model = build()
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            return model, adamw(model)
+
+        model, optimizer = sharded()
+        for step in range(2):
+            x, y = batch(step)
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        saved = copy.deepcopy(optimizer.state_dict())
+        assert all(isinstance(position, int) for position in saved["state"])
+        fresh_model, fresh = sharded()
+        set_state_dict(fresh_model, fresh, model_state_dict=model.state_dict(), optim_state_dict=saved)
+        for want, got in zip(optimizer.state_dict()["state"].values(), fresh.state_dict()["state"].values(),
+                             strict=True):
+            assert torch.equal(got["exp_avg"].to_local(), want["exp_avg"].to_local())
+            assert float(got["step"]) == float(want["step"]) == 2.0
+        with pytest.raises(ValueError, match=r"names parameter positions \[99\]"):
+            set_optimizer_state_dict(fresh_model, fresh, {"state": {99: {}}, "param_groups": []})
+
+    run_ranks(body, 2, timeout=60)

@@ -211,6 +211,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: Optimizers, optim_sta
     _reshard_fsdp(model)
     with torch.no_grad():
         params = _optimizer_params(model, optimizer_list)
+        optim_state_dict = _keyed_by_fqn(optim_state_dict, optimizer_list, params)
         current = _Leaves.of(_fqn_optimizer_state(model, optimizer_list), params)
 
         def to_layout(path: tuple, value: Any) -> Any:
@@ -339,6 +340,29 @@ def _under_submodules(model: nn.Module, state: dict[str, Any], submodules: set[n
             if fqn.startswith(prefix):
                 selected[fqn if keep_prefixes else fqn[len(prefix):]] = value
     return selected
+
+
+def _keyed_by_fqn(optim_state_dict: OptimizerStateType, optimizers: tuple[torch.optim.Optimizer, ...],
+                  params: dict[str, nn.Parameter]) -> OptimizerStateType:
+    """An optimizer's own state_dict() (state keyed by its parameters' positions, groups listing positions), which
+    torch's set_optimizer_state_dict also takes (torchtune resumes so), in the FQN-keyed form; any other as it is."""
+    state, groups = optim_state_dict.get(_STATE, {}), optim_state_dict.get(_GROUPS, [])
+    positions = [*state, *(position for group in groups for position in group.get(_PARAMS, []))]
+    if not positions or not all(isinstance(position, int) for position in positions):
+        return optim_state_dict
+    if len(optimizers) != 1:
+        raise ValueError(f"set_optimizer_state_dict: an optimizer's own state_dict() (parameters by position) "
+                         f"belongs to one optimizer, but {len(optimizers)} were given; load each optimizer's own, or "
+                         f"the FQN-keyed state dict get_optimizer_state_dict gives")
+    fqn_of = {id(param): fqn for fqn, param in params.items()}
+    order = [fqn_of[id(param)] for group in optimizers[0].param_groups for param in group[_PARAMS]]
+    outside = sorted({position for position in positions if not 0 <= position < len(order)})
+    if outside:
+        raise ValueError(f"set_optimizer_state_dict: the state dict names parameter positions {outside}, but the "
+                         f"optimizer holds {len(order)} parameters (0..{len(order) - 1})")
+    return {_STATE: {order[position]: entry for position, entry in state.items()},
+            _GROUPS: [{**group, _PARAMS: [order[position] for position in group.get(_PARAMS, [])]}
+                      for group in groups]}
 
 
 def _optimizer_params(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> dict[str, nn.Parameter]:
