@@ -13,6 +13,7 @@ default group. All ranks must therefore build the same meshes in the same order 
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -313,6 +314,37 @@ class DeviceMesh:
         return flat
 
     _flatten = flatten    # torch's spelling (DeviceMesh._flatten), for code ported from torch
+
+    @on_real_tensors
+    def _unflatten(self, dim: int | str, mesh_sizes: Sequence[int], mesh_dim_names: Sequence[str],
+                   backend_override: dict[str, str | None] | None = None) -> DeviceMesh:
+        """This mesh with dim `dim` split, row-major, into dims of `mesh_sizes` named `mesh_dim_names` (their groups'
+        backends from `backend_override`, by name): a new mesh over the same ranks, the root of its own slices, as
+        torch's `_unflatten` (TorchTitan builds its meshes so from one 1-d world mesh). Collective over the world:
+        it creates the new dims' groups (or reuses those of the same ranks)."""
+        index = self._dim_index(dim)
+        sizes, names = tuple(mesh_sizes), tuple(mesh_dim_names)
+        if len(sizes) != len(names) or not sizes:
+            raise ValueError(f"DeviceMesh._unflatten: {len(sizes)} mesh_sizes {sizes} for {len(names)} "
+                             f"mesh_dim_names {names}; give one name per size")
+        if any(not isinstance(size, int) or size < 1 for size in sizes) or math.prod(sizes) != self.shape[index]:
+            raise ValueError(f"DeviceMesh._unflatten: mesh_sizes {sizes} must be positive and multiply to the "
+                             f"{self.shape[index]} ranks of dim {dim!r} of {self}")
+        if self.mesh_dim_names is None and self.ndim > 1:
+            raise ValueError("DeviceMesh._unflatten: this mesh's other dims need names; build it with mesh_dim_names")
+        overrides = dict(backend_override or {})
+        unknown = sorted(set(overrides) - set(names))
+        if unknown:
+            raise ValueError(f"DeviceMesh._unflatten: backend_override names {unknown}, which are not among the new "
+                             f"dims {names}")
+        if any(backend is not None and not isinstance(backend, str) for backend in overrides.values()):
+            raise TypeError(f"DeviceMesh._unflatten: backend_override values must be backend names, got "
+                            f"{overrides}")
+        old_names = self.mesh_dim_names or ("",)
+        return DeviceMesh(self.device_type, self.mesh.reshape(self.shape[:index] + sizes + self.shape[index + 1:]),
+                          mesh_dim_names=old_names[:index] + names + old_names[index + 1:],
+                          backend_override=(*self._backends[:index], *(overrides.get(name) for name in names),
+                                            *self._backends[index + 1:]))
 
     def _get_root_mesh(self) -> DeviceMesh:
         """The mesh this one was sliced or flattened from (itself for a mesh built directly); torch's name."""

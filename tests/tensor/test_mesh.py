@@ -150,6 +150,40 @@ def test_slices_name_flattened_dims_beside_root_dims_as_torchs_do() -> None:
     assert run_ranks(body, 8, timeout=TIMEOUT) == expected
 
 
+def test_unflatten_builds_torchtitans_meshes_as_torchs_does() -> None:
+    """TorchTitan 0.2 builds every mesh by unflattening a 1-d world mesh (a size-1 dim over the "fake" backend);
+    torch's meshes in a fake world of 8 are the oracle."""
+    def layouts(world: object) -> list:
+        mesh = world._unflatten(0, (2, 2, 2), ("pp", "dp", "tp"))
+        flat = mesh["dp", "tp"]._flatten("dp_tp")
+        other = world._unflatten(0, (2, 1, 4), ("pp", "cp", "rest"), backend_override={"cp": "fake"})
+        return [mesh.mesh.tolist(), tuple(mesh.get_coordinate()), mesh.mesh_dim_names, mesh["dp"].mesh.tolist(),
+                mesh["pp", "tp"].mesh.tolist(), flat.mesh.tolist(), other["cp"].mesh.tolist(),
+                other["rest"].mesh.tolist()]
+
+    expected = []
+    for rank in range(8):
+        torch.distributed.init_process_group("fake", rank=rank, world_size=8)
+        try:
+            expected.append(layouts(torch.distributed.device_mesh.init_device_mesh("cpu", (8,),
+                                                                                    mesh_dim_names=("world",))))
+        finally:
+            torch.distributed.destroy_process_group()
+
+    def body(rank: int, world_size: int) -> list:
+        world = init_device_mesh("cpu", (8,), mesh_dim_names=("world",))
+        found = layouts(world)
+        mesh = world._unflatten("world", (2, 2, 2), ("pp", "dp", "tp"))
+        assert mesh._get_root_mesh() is mesh and mesh["tp"].get_group() is mesh.get_group("tp")
+        with pytest.raises(ValueError, match="multiply to the 8 ranks"):
+            world._unflatten(0, (2, 2), ("a", "b"))
+        with pytest.raises(ValueError, match="not among the new dims"):
+            world._unflatten(0, (2, 4), ("a", "b"), backend_override={"c": "fake"})
+        return found
+
+    assert run_ranks(body, 8, timeout=TIMEOUT) == expected
+
+
 @pytest.mark.parametrize("shape", [(1,), (2,), (4,)])
 def test_1d_meshes(shape: tuple[int, ...]) -> None:
     def body(rank: int, world_size: int) -> tuple:
