@@ -182,6 +182,7 @@ PRIVATE_NAMES_IN_EXAMPLES = [("checkpoint.state_dict", "_init_optim_state"),   #
                              ("distributed_c10d", "_set_pg_timeout"),              # TorchTitan
                              ("pipelining.schedules", "_PipelineScheduleRuntime"),
                              ("pipelining.schedules", "_wait_batch_p2p"),
+                             ("pipelining.schedules", "_PipelineContext"),       # TorchTitan 0.2
                              ("_tensor.placement_types", "DTensorSpec"),          # torchtune
                              ("_tensor.placement_types", "TensorMeta")]
 
@@ -340,3 +341,11 @@ def test_the_private_names_torchtitans_simple_fsdp_imports_do_what_torchs_do() -
         return spec.num_shards_map, torch.equal(whole, full), _mesh_resources.get_root_mesh(mesh["tp"]) is mesh
 
     assert run_ranks(body, 8, timeout=60)[5] == (expected, True, True)
+
+
+def test_init_process_group_takes_every_argument_torchs_takes() -> None:
+    """TorchTitan 0.2 passes torch's private `_ranks`."""
+    theirs = inspect.signature(torch_dist.init_process_group).parameters
+    ours = inspect.signature(spmd.init_process_group).parameters
+    assert [name for name in theirs if name not in ours] == []
+    assert list(ours)[:len(theirs)] == list(theirs)          # in torch's order, for positional callers

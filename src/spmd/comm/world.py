@@ -165,8 +165,9 @@ def is_initialized() -> bool:
 def init_process_group(backend: str | None = None, init_method: str | None = None,
                        timeout: float | datetime.timedelta | None = None, world_size: int | None = -1,
                        rank: int | None = -1,
-                       store: Store | None = None, group_name: str = "",
-                       device_id: torch.device | int | None = None, torch_default_group: bool = True) -> None:
+                       store: Store | None = None, group_name: str = "", pg_options: object = None,
+                       device_id: torch.device | int | None = None, _ranks: list[int] | None = None, *,
+                       torch_default_group: bool = True) -> None:
     """Join the job: rendezvous, connect the default group's transport, and make this rank's world current.
 
     Collective: every rank of the job calls it. With no arguments it reads RANK, WORLD_SIZE, MASTER_ADDR and
@@ -175,8 +176,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     a torch name: "gloo" (= "auto"), "nccl" (CUDA over torch's NCCL), a device map "cpu:gloo,cuda:nccl",
     "fake" (this process is rank `rank` of a `world_size` job whose other ranks are simulated: no store, no
     launcher, nothing sent; transports/fake.py); any case. `device_id` binds this rank to one device (a CUDA
-    one becomes the current device). `group_name` is accepted for torch compatibility and ignored, as torch
-    ignores it (the default group is always "default").
+    one becomes the current device). `group_name`, `pg_options` and torch's private `_ranks` (which only names
+    torch's default group; TorchTitan passes it) are accepted for torch's signature and not used (the default group
+    is always "default").
     `torch_default_group`: also initialise torch's default group over this world (the "spmd" backend) when this
     rank rendezvoused by itself (no `store` given), so torch's own utilities see its rank and world size
     (torch_backend.py, Note: torch's default group over spmd); pass False where the process must initialise

@@ -17,6 +17,7 @@ per-microbatch losses.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any, Literal
@@ -287,6 +288,19 @@ FULL_BACKWARD = B = ActionKind.FULL_BACKWARD
 SEND_F, RECV_F = ActionKind.SEND_F, ActionKind.RECV_F
 UNSHARD, RESHARD, REDUCE_GRAD = ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD
 OVERLAP_F_B = ActionKind.OVERLAP_F_B
+
+
+@dataclasses.dataclass
+class _PipelineContext:
+    """torch's record of a step handed to a schedule's custom functions: the schedule and this step's microbatches,
+    targets and losses. spmd's schedules take no custom functions (register_custom_function); TorchTitan imports the
+    type for the one it registers with DualPipeV's expert-parallel overlap."""
+
+    schedule_ref: _PipelineSchedule
+    arg_mbs: list[tuple] | None = None
+    kwarg_mbs: list[dict] | None = None
+    target_mbs: list | None = None
+    losses: list | None = None
 
 
 def _wait_batch_p2p(works: list[Work]) -> None:
