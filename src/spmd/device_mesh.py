@@ -13,6 +13,7 @@ default group. All ranks must therefore build the same meshes in the same order 
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections.abc import Sequence
@@ -104,6 +105,7 @@ class DeviceMesh:
         self._root = _root if _root is not None else self
         self._flattened: dict[str, DeviceMesh] = {}
         self._flattened_from: tuple[int, ...] | None = None     # the root dims a flattened mesh merges
+        self._unflattened_from: DeviceMesh | None = None          # the mesh whose ranks _unflatten laid out anew
         self._submeshes: dict[tuple[str, ...], DeviceMesh] = {}
         self.dispatch_cache: dict[Any, Any] = {}    # owned by spmd.tensor.dispatch: decisions for this mesh
         rank = self._world.rank
@@ -341,10 +343,13 @@ class DeviceMesh:
             raise TypeError(f"DeviceMesh._unflatten: backend_override values must be backend names, got "
                             f"{overrides}")
         old_names = self.mesh_dim_names or ("",)
-        return DeviceMesh(self.device_type, self.mesh.reshape(self.shape[:index] + sizes + self.shape[index + 1:]),
-                          mesh_dim_names=old_names[:index] + names + old_names[index + 1:],
-                          backend_override=(*self._backends[:index], *(overrides.get(name) for name in names),
-                                            *self._backends[index + 1:]))
+        unflattened = DeviceMesh(self.device_type,
+                                 self.mesh.reshape(self.shape[:index] + sizes + self.shape[index + 1:]),
+                                 mesh_dim_names=old_names[:index] + names + old_names[index + 1:],
+                                 backend_override=(*self._backends[:index], *(overrides.get(name) for name in names),
+                                                   *self._backends[index + 1:]))
+        unflattened._unflattened_from = self._unflattened_from or self
+        return unflattened
 
     def _get_root_mesh(self) -> DeviceMesh:
         """The mesh this one was sliced or flattened from (itself for a mesh built directly); torch's name."""
@@ -359,6 +364,9 @@ class DeviceMesh:
         parameters out on it; torch's name."""
         if not meshes:
             raise ValueError("DeviceMesh._concatenate: no meshes given")
+        if len({id(mesh._root) for mesh in meshes}) > 1 and all(mesh._root._unflattened_from is not None
+                                                                 for mesh in meshes):
+            return DeviceMesh._across_unflattenings(meshes)
         root = meshes[0]._root
         names: list[str] = []
         dims: list[int] = []
@@ -385,6 +393,46 @@ class DeviceMesh:
         if cached is None:
             cached = root._submeshes[key] = root._merged(meshes, dims, tuple(names))
         return cached
+
+    @staticmethod
+    @on_real_tensors
+    def _across_unflattenings(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
+        """`_concatenate` of slices of different `_unflatten`s of one mesh (TorchTitan 0.2 takes its tp mesh from
+        one and its fsdp mesh from another): each dim of each is a (size, stride) walk over the source mesh's ranks
+        in row-major order, so the meshes' dims together lay out this rank's sub-mesh of the source, as torch's
+        mesh layouts do; refused where they overlap. No new groups."""
+        source = meshes[0]._root._unflattened_from
+        assert source is not None
+        walks: list[tuple[int, int]] = []      # (size, stride) per dim of the result
+        coordinate: list[int] = []             # this rank's index along each
+        for mesh in meshes:
+            root = mesh._root
+            if root._unflattened_from is not source or mesh._coordinate is None:
+                raise ValueError(f"DeviceMesh._concatenate: {mesh} is not a slice of an unflattening of {source} "
+                                 f"holding this rank")
+            strides = [math.prod(root.shape[d + 1:]) for d in range(root.ndim)]
+            dims = mesh._flattened_from if mesh._flattened_from is not None else tuple(
+                root.mesh_dim_names.index(name) for name in mesh.mesh_dim_names or ())
+            if mesh._flattened_from is not None:
+                if any(strides[a] != strides[b] * root.shape[b] for a, b in itertools.pairwise(dims)):
+                    raise ValueError(f"DeviceMesh._concatenate: {mesh} merges dims of {root} that are not "
+                                     f"consecutive in its ranks' order")
+                walks.append((mesh.mesh.numel(), strides[dims[-1]]))
+            else:
+                walks.extend((root.shape[d], strides[d]) for d in dims)
+            coordinate.extend(mesh._coordinate)
+        flat = source.mesh.reshape(-1)
+        base = int((flat == source.get_rank()).nonzero()[0]) - sum(c * stride for c, (_, stride) in
+                                                                     zip(coordinate, walks))
+        index = torch.full((), base, dtype=torch.int64)
+        for size, stride in walks:
+            index = index.unsqueeze(-1) + torch.arange(size) * stride
+        if index.min() < 0 or index.max() >= flat.numel() or index.unique().numel() != index.numel():
+            raise ValueError(f"DeviceMesh._concatenate: the dims of {list(meshes)} overlap in {source}'s ranks")
+        names = tuple(name for mesh in meshes for name in mesh.mesh_dim_names or ())
+        return DeviceMesh(source.device_type, flat[index], mesh_dim_names=names,
+                          backend_override=tuple(backend for mesh in meshes for backend in mesh._backends),
+                          _groups=[group for mesh in meshes for group in mesh._groups])
 
     @on_real_tensors
     def _merged(self, meshes: Sequence[DeviceMesh], dims: list[int], names: tuple[str, ...]) -> DeviceMesh:

@@ -229,13 +229,18 @@ def reference(kind: str, optimizer: str = "sgd", model: nn.Module | None = None,
 def train(kind: str, model: nn.Module, optimizer: str = "sgd",
           shard: Callable[..., None] = shard_blocks_then_root, setup: Callable[[nn.Module], None] | None = None,
           before_step: Callable[[nn.Module], Any] | None = None, hybrid: bool = False,
-          flattened: bool = False) -> dict[str, Any]:
+          flattened: bool = False, unflattened: bool = False) -> dict[str, Any]:
     """This rank: tensor parallelism on tp, fully_shard over dp (rep and shard with `hybrid`: HSDP; with
     `flattened`, TorchTitan's dp mesh: dims ("dp_shard", "cp") of a (dp_shard, cp, tp) mesh flattened), then the
     reference's steps on its dp chunk."""
     if flattened:
         mesh = init_device_mesh("cpu", (DP, 1, TP), mesh_dim_names=("dp_shard", "cp", "tp"))
         dp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    elif unflattened:     # TorchTitan 0.2: tp from one unflattening of the world mesh, fsdp from another
+        world = init_device_mesh("cpu", (DP * TP,), mesh_dim_names=("world",))
+        mesh = world._unflatten(0, (DP, 1, TP), ("batch", "cp", "tp"), backend_override={"cp": "fake"})
+        dp_mesh = world._unflatten(0, (1, DP, TP), ("dp_replicate", "fsdp", "tp"),
+                                   backend_override={"dp_replicate": "fake"})["fsdp"]
     else:
         mesh = hybrid_mesh() if hybrid else mesh_2d()
         dp_mesh = mesh["rep", "shard"] if hybrid else mesh["dp"]
@@ -319,6 +324,17 @@ def test_over_a_flattened_data_parallel_mesh() -> None:
         up = result["model"].blocks[0].up.weight
         assert up.device_mesh.mesh_dim_names == ("dp_shard_cp", "tp") and up.device_mesh.mesh.tolist() == [[0, 1],
                                                                                                            [2, 3]]
+
+
+def test_over_meshes_from_two_unflattenings_of_the_world_mesh() -> None:
+    """TorchTitan 0.2 unflattens its 1-d world mesh several times and takes fsdp from one and tp from another:
+    DeviceMesh._concatenate lays the two out over the world's ranks."""
+    initial = build("lm", layers=1)
+    results = run(lambda rank, size: train("lm", copy.deepcopy(initial), "adamw", unflattened=True))
+    assert_parity(results, reference("lm", "adamw", layers=1))
+    for result in results:
+        up = result["model"].blocks[0].up.weight
+        assert up.device_mesh.mesh_dim_names == ("fsdp", "tp") and up.device_mesh.mesh.tolist() == [[0, 1], [2, 3]]
 
 
 def test_hybrid_sharding_over_tensor_parallelism() -> None:
