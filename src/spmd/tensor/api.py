@@ -253,6 +253,19 @@ def _unpickled_dtensor(local: Tensor, spec: DTensorSpec, requires_grad: bool, ex
 torch.serialization.add_safe_globals([_unpickled_dtensor, DTensorSpec, Shard, _StridedShard, Replicate, Partial])
 
 
+def _scaled_stride(local: Tensor, placements: Placements, mesh: DeviceMesh) -> tuple[int, ...]:
+    """The global strides of a local tensor that isn't dense (a strided slice, an expanded tensor), as torch
+    computes them: its own, each stride at least that of a sharded dim scaled by the shards. A row-major stride
+    here would call the tensor contiguous, and ops would then view a local tensor that can't be viewed."""
+    stride = list(local.stride())
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            pivot = local.stride(placement.dim)
+            stride = [value * mesh.size(mesh_dim) if dim != placement.dim and value >= pivot else value
+                      for dim, value in enumerate(stride)]
+    return tuple(stride)
+
+
 def _from_local_spec(local: Tensor, mesh: DeviceMesh, placements: Placements, shape: Sequence[int] | None,
                      stride: Sequence[int] | None) -> DTensorSpec:
     """from_local's spec, checked against the local tensor; its strides follow the local tensor's memory order.
@@ -275,8 +288,8 @@ def _from_local_spec(local: Tensor, mesh: DeviceMesh, placements: Placements, sh
             if isinstance(placement, Shard):
                 global_shape[placement.dim] *= mesh.size(mesh_dim)
         shape = global_shape
-    if stride is None:                 # the local tensor's memory order (row-major for one that isn't dense)
-        stride = stride_like(local, shape) or contiguous_stride(shape)
+    if stride is None:                 # the local tensor's memory order
+        stride = stride_like(local, shape) or _scaled_stride(local, placements, mesh)
     spec = DTensorSpec(mesh, placements, torch.Size(shape), tuple(stride), local.dtype)
     if spec.ndim != local.ndim or (mesh.get_coordinate() is not None and spec.local_shape() != local.shape):
         raise ValueError(f"DTensor.from_local on rank {mesh.get_rank()}: the local tensor has shape "

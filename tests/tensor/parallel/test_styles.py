@@ -264,3 +264,48 @@ def test_input_reshard_keeps_the_saved_input_sharded_and_gathers_it_for_backward
             torch.testing.assert_close(got, want)
         assert plain["saved"] == [(5, 6)]            # what the outer hooks see: the module's own are innermost
         assert resharded["gathers"] == plain["gathers"] + 1     # the saved input, gathered back in backward
+
+
+def test_a_colwise_linear_takes_a_strided_slice_as_input() -> None:
+    """torchtune feeds its output projection `h.chunk(n, dim=1)` pieces: not contiguous, not dense. The DTensor
+    made from one keeps torch's global strides, so the Linear reshapes rather than views it."""
+    def make() -> nn.Linear:
+        with seeded(0):
+            return nn.Linear(16, 8, bias=False)
+
+    def body(mesh, rank: int) -> tuple[Tensor, Tensor]:
+        layer = make()
+        parallelize_module(layer, mesh, ColwiseParallel(output_layouts=Replicate()))
+        hidden = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        piece = hidden.chunk(2, dim=1)[0]
+        out = layer(piece)
+        out.square().sum().backward()
+        return out.detach(), hidden.grad
+
+    reference = make()
+    hidden = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    expected = reference(hidden.chunk(2, dim=1)[0])
+    expected.square().sum().backward()
+    for out, grad in on_ranks(body):
+        torch.testing.assert_close(out, expected.detach())
+        torch.testing.assert_close(grad, hidden.grad)
+
+
+def test_from_local_of_a_tensor_that_is_not_dense_keeps_torchs_global_strides() -> None:
+    import torch.distributed as torch_dist
+    from torch.distributed.tensor import DTensor as TorchDTensor
+    from torch.distributed.tensor import Shard as TorchShard
+
+    local = torch.randn(4, 6, 5)[:, :3]                                   # a strided slice: stride (30, 5, 1)
+    torch_dist.init_process_group("fake", rank=0, world_size=2)
+    try:
+        torch_mesh = torch_dist.device_mesh.init_device_mesh("cpu", (2,))
+        expected = [TorchDTensor.from_local(local, torch_mesh, [placement], run_check=False).stride()
+                    for placement in (TorchShard(0), TorchShard(1), TorchShard(2))]
+    finally:
+        torch_dist.destroy_process_group()
+
+    def body(mesh, rank: int) -> list:
+        return [DTensor.from_local(local, mesh, [Shard(dim)], run_check=False).stride() for dim in range(3)]
+
+    assert on_ranks(body)[0] == expected
