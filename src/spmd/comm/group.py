@@ -74,6 +74,8 @@ def _run_body(body: Body, ctx: OpContext, stream: torch.Stream | None) -> torch.
     with stream:
         body(ctx)
         return stream.record_event()
+
+
 CollectiveObserver = Callable[["ProcessGroup", Fingerprint], None]
 
 
