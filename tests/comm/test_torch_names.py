@@ -184,7 +184,8 @@ PRIVATE_NAMES_IN_EXAMPLES = [("checkpoint.state_dict", "_init_optim_state"),   #
                              ("pipelining.schedules", "_wait_batch_p2p"),
                              ("pipelining.schedules", "_PipelineContext"),       # TorchTitan 0.2
                              ("_tensor.placement_types", "DTensorSpec"),          # torchtune
-                             ("_tensor.placement_types", "TensorMeta")]
+                             ("_tensor.placement_types", "TensorMeta"),
+                             ("_tensor.experimental", "local_map")]               # TorchTitan 0.2's autoparallel
 
 
 @pytest.mark.parametrize(("path", "name"), PRIVATE_NAMES_IN_EXAMPLES)
