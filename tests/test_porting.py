@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -57,13 +58,25 @@ for i, (script, out) in enumerate(zip(args[0::2], args[1::2])):
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct free ports: all held while they are picked (picked one after another, a port freed can be
-    handed out again, and two tutorials on one port would meet the first one's store)."""
+    """`count` distinct free ports below the kernel's ephemeral range: the last tutorial binds its port minutes
+    after the pick, and a port from the ephemeral range may by then be the local end of any connection the other
+    test workers opened (EADDRINUSE, seen once in make test). All are held while they are picked, so they are
+    distinct (two tutorials on one port would meet the first one's store)."""
+    ranges = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768      # Linux's default
+    candidates = random.Random().sample(range(max(1024, low - 12000), low), 200)
     with contextlib.ExitStack() as held:
-        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
+        ports: list[int] = []
+        for port in candidates:
+            sock = held.enter_context(socket.socket())
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise RuntimeError(f"no {count} free ports below the ephemeral range (from {low})")
 
 
 def _script_env() -> dict[str, str]:
