@@ -1,5 +1,5 @@
 """Make the "spmd" torch.distributed backend known in every process that imports spmd and torch, in either order,
-so `torch.distributed.init_process_group("spmd")` works after `import spmd` (torch_backend.py, Note: spmd's world
+so torch's `init_process_group("spmd")` works after `import spmd` (torch_backend.py, Note: spmd's world
 under torch's default group), while `import spmd` alone never imports torch (the launcher, `spmd.run`, stays
 light).
 
@@ -41,7 +41,7 @@ def _register() -> None:
         torch_backend.register()
     except Exception as error:   # torch's import must not fail for spmd's sake; say what is missing instead
         warnings.warn(f"spmd: could not register the 'spmd' torch.distributed backend ({error!r}); "
-                      f"torch.distributed.init_process_group('spmd') will not find it", stacklevel=2)
+                      f"torch's init_process_group('spmd') will not find it", stacklevel=2)
 
 
 class _AfterTorchImport(importlib.abc.MetaPathFinder):
