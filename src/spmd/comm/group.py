@@ -37,6 +37,7 @@ from spmd.comm.transports.base import OpContext, Transport
 from spmd.comm.work import Work, active_timer, caller_stream, charge_exposed
 
 Body = Callable[[OpContext], None]
+_set_grad_enabled = torch._C._set_grad_enabled
 
 
 # Note: inference tensors
@@ -314,12 +315,12 @@ class ProcessGroup:
             elif torch.is_inference_mode_enabled():
                 with torch.inference_mode(False), torch.no_grad():     # see Note: writing outside autograd
                     ready = _run_body(body, ctx, stream)
-            elif torch.is_grad_enabled():     # the common case of an op run inline: the cheapest switch
-                torch.set_grad_enabled(False)
+            elif torch.is_grad_enabled():     # the common case of an op run inline: torch's raw switch (0.3 µs,
+                _set_grad_enabled(False)      # its context managers 0.7-1.4 µs)
                 try:
                     ready = _run_body(body, ctx, stream)
                 finally:
-                    torch.set_grad_enabled(True)
+                    _set_grad_enabled(True)
             else:
                 ready = _run_body(body, ctx, stream)
         except BaseException as error:   # every failure must reach the Work and abort the group

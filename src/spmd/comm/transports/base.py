@@ -171,9 +171,11 @@ def deliver_into(destination: Tensor, message: Tensor) -> None:
     if destination.is_inference() and not torch.is_inference_mode_enabled():
         with torch.inference_mode():
             destination.copy_(message)
-    else:
+    elif destination.requires_grad:
         with torch.no_grad():        # a receive buffer that requires grad is written as data, as gloo does
             destination.copy_(message)
+    else:
+        destination.copy_(message)
 
 
 def available_backends() -> list[str]:
