@@ -76,15 +76,11 @@ def _reduce_op(opts: Any, name: str, group: ProcessGroup, tensors: list[Tensor])
     return op
 
 
-def _torch_work(work: Work | None, outputs: list[Tensor]) -> Any:
-    """A torch Work for spmd's `work` (None: the op already finished), whose result is `outputs`."""
-    return _SpmdWork(work, outputs)
-
-
 class _SpmdWork(dist.Work):
-    """torch's Work over an spmd Work: `wait()` raises the op's error, as gloo's Work does, and `get_future()`
-    fails where the op failed. (torch's Work around a future can't: a torch Python Future's exception is its value
-    to C++, so a failed op looked successful to torch's collectives and to DDP's reducer.)"""
+    """torch's Work over an spmd Work (None: the op already finished), whose result is its outputs: `wait()` raises
+    the op's error, as gloo's Work does, and `get_future()` fails where the op failed. (torch's Work around a future
+    can't: a torch Python Future's exception is its value to C++, so a failed op looked successful to torch's
+    collectives and to DDP's reducer.)"""
 
     def __init__(self, work: Work | None, outputs: list[Tensor]) -> None:
         super().__init__()
@@ -190,7 +186,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[Tensor], opts: Any = None) -> Any:
         op = _reduce_op(opts, "allreduce", self.spmd_group, tensors)
         works = [collectives.all_reduce(t, op=op, group=self.spmd_group, async_op=True) for t in tensors]
-        return _torch_work(works[-1] if works else None, tensors)
+        return _SpmdWork(works[-1] if works else None, tensors)
 
     def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> Any:
         return self.allreduce(tensors, opts)
@@ -198,79 +194,79 @@ class SpmdProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors: list[Tensor], opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
         works = [collectives.broadcast(t, group=self.spmd_group, group_src=root, async_op=True) for t in tensors]
-        return _torch_work(works[-1] if works else None, tensors)
+        return _SpmdWork(works[-1] if works else None, tensors)
 
     def reduce(self, tensors: list[Tensor], opts: Any = None) -> Any:
         op = _reduce_op(opts, "reduce", self.spmd_group, tensors)
         works = [collectives.reduce(t, group=self.spmd_group, group_dst=opts.rootRank, op=op, async_op=True)
                  for t in tensors]
-        return _torch_work(works[-1] if works else None, tensors)
+        return _SpmdWork(works[-1] if works else None, tensors)
 
     def allgather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> Any:
         for outputs, tensor in zip(output_lists, inputs, strict=True):
             collectives.all_gather(outputs, tensor, group=self.spmd_group)
-        return _torch_work(None, [t for outputs in output_lists for t in outputs])
+        return _SpmdWork(None, [t for outputs in output_lists for t in outputs])
 
     def all_gather_single(self, output: Tensor, input: Tensor, opts: Any = None) -> Any:
         work = collectives.all_gather_into_tensor(output, input, group=self.spmd_group, async_op=True)
-        return _torch_work(work, [output])
+        return _SpmdWork(work, [output])
 
     def all_gather_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> Any:
         """What torch's functional all_gather calls (its C++ can't reach all_gather_single of a Python group)."""
         for output, tensor in zip(outputs, inputs, strict=True):
             collectives.all_gather_into_tensor(output, tensor, group=self.spmd_group)
-        return _torch_work(None, outputs)
+        return _SpmdWork(None, outputs)
 
     def reduce_scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> Any:
         op = _reduce_op(opts, "reduce_scatter", self.spmd_group, outputs)
         for output, inputs in zip(outputs, input_lists, strict=True):
             collectives.reduce_scatter(output, inputs, op=op, group=self.spmd_group)
-        return _torch_work(None, outputs)
+        return _SpmdWork(None, outputs)
 
     def reduce_scatter_single(self, output: Tensor, input: Tensor, opts: Any = None) -> Any:
         op = _reduce_op(opts, "reduce_scatter_single", self.spmd_group, [input])
         work = collectives.reduce_scatter_tensor(output, input, op=op, group=self.spmd_group, async_op=True)
-        return _torch_work(work, [output])
+        return _SpmdWork(work, [output])
 
     def reduce_scatter_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> Any:
         op = _reduce_op(opts, "reduce_scatter_single_coalesced", self.spmd_group, inputs)
         for output, tensor in zip(outputs, inputs, strict=True):
             collectives.reduce_scatter_tensor(output, tensor, op=op, group=self.spmd_group)
-        return _torch_work(None, outputs)
+        return _SpmdWork(None, outputs)
 
     def all_to_all_single(self, output: Tensor, input: Tensor, output_splits: list[int] | None,
                           input_splits: list[int] | None, opts: Any = None) -> Any:
         work = collectives.all_to_all_single(output, input, output_splits or None, input_splits or None,
                                              group=self.spmd_group, async_op=True)
-        return _torch_work(work, [output])
+        return _SpmdWork(work, [output])
 
     def alltoall(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> Any:
         collectives.all_to_all(outputs, inputs, group=self.spmd_group)
-        return _torch_work(None, outputs)
+        return _SpmdWork(None, outputs)
 
     def gather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> Any:
         root = opts.rootRank
         gathered = output_lists[0] if self.spmd_group.rank() == root else None
         collectives.gather(inputs[0], gathered, group=self.spmd_group, group_dst=root)
-        return _torch_work(None, gathered or [])
+        return _SpmdWork(None, gathered or [])
 
     def scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> Any:
         root = opts.rootRank
         pieces = input_lists[0] if self.spmd_group.rank() == root else None
         collectives.scatter(outputs[0], pieces, group=self.spmd_group, group_src=root)
-        return _torch_work(None, outputs)
+        return _SpmdWork(None, outputs)
 
     def barrier(self, opts: Any = None) -> Any:
         collectives.barrier(group=self.spmd_group)
-        return _torch_work(None, [])
+        return _SpmdWork(None, [])
 
     def send(self, tensors: list[Tensor], dst: int, tag: int) -> Any:
         work = p2p.isend(tensors[0], group=self.spmd_group, group_dst=dst, tag=tag)
-        return _torch_work(work, tensors)
+        return _SpmdWork(work, tensors)
 
     def recv(self, tensors: list[Tensor], src: int, tag: int) -> Any:
         work = p2p.irecv(tensors[0], group=self.spmd_group, group_src=src, tag=tag)
-        return _torch_work(work, tensors)
+        return _SpmdWork(work, tensors)
 
 
 def _create(options: Any, backend_options: Any) -> SpmdProcessGroup:
