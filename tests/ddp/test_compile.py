@@ -4,7 +4,8 @@ and the reducer launches a bucket's all-reduce between the pieces, before the ba
 training; and it trains as one process does. Compiling the wrapper (a model class of the user's, or an
 nn.Sequential, whose torch-owned forward dynamo would otherwise skip) and wrapping a compiled module alike. Over
 tensor parallelism (DTensor parameters, which the cut does not take) the graph stays whole and trains as one
-process. Real processes from the pool: dynamo's tracing is not thread-safe."""
+process. torch.export of the wrapper records the module alone. Real processes from the pool: dynamo's tracing
+is not thread-safe."""
 
 from __future__ import annotations
 
@@ -122,3 +123,31 @@ def test_compiled_backward_hands_gradients_to_the_reducer_bucket_by_bucket(procp
                 launched_before = this_step[:last_backward].count("all-reduce")
                 # uncut, one backward graph runs and then every bucket launches: none before its end
                 assert launched_before >= buckets - 1, (name, step, this_step)
+
+
+def _exported_ddp(rank: int, world_size: int) -> dict[bool, tuple[set[str], torch.Tensor, torch.Tensor]]:
+    import spmd
+
+    spmd.init_process_group("shm", timeout=60, torch_default_group=False)
+    try:
+        torch.manual_seed(0)
+        ddp = spmd.DistributedDataParallel(_Net())
+        x = torch.randn(3, WIDTH)
+        exported = {}
+        for strict in (False, True):
+            program = torch.export.export(ddp, (x,), strict=strict)
+            targets = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
+            exported[strict] = (targets, program.module()(x).detach(), ddp.module(x).detach())
+        return exported
+    finally:
+        spmd.destroy_process_group()
+
+
+def test_exporting_the_wrapper_exports_the_module_without_collectives(procpool: ProcPool) -> None:
+    """torch.export of a DDP-wrapped model records the module's forward (torch's DDP refuses to be exported):
+    no collective, no reducer, the module's outputs."""
+    for result in procpool.run(_exported_ddp, 2, timeout=300):
+        for strict, (targets, out, eager) in result.items():
+            assert not any("spmd" in target or "c10d" in target for target in targets), (strict, targets)
+            assert any("linear" in target or "addmm" in target for target in targets), (strict, targets)
+            torch.testing.assert_close(out, eager, rtol=0, atol=0)

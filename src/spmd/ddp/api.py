@@ -109,6 +109,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     # -- forward --------------------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_exporting():       # an exported program is the module's computation, without DDP's
+            inputs, kwargs = self._inputs_to_device(inputs, kwargs)     # collectives and gradient hooks
+            return self.module(*inputs, **kwargs)
         self._pre_forward()
         inputs, kwargs = self._inputs_to_device(inputs, kwargs)
         if self._cut_when_compiled:
