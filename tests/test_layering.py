@@ -44,7 +44,7 @@ ALLOWED: dict[str, set[str]] = {
     "tensor.experimental._attention": {"_core", "comm", "device_mesh", "tensor", "tensor.parallel"},
     "tensor.experimental._context_parallel": {"_core", "comm", "device_mesh", "tensor", "tensor.parallel"},
     "_composable": {"_core", "_autograd", "comm", "device_mesh", "tensor", "ddp", "fsdp"},
-    "algorithms": {"_core", "_autograd", "comm", "device_mesh", "ddp", "fsdp"},
+    "algorithms": {"_core", "_autograd", "comm", "device_mesh", "ddp", "fsdp", "optim"},
     "elastic": {"_core", "comm", "run"},
     "launch": {"_core", "comm", "run"},
     "launcher": {"_core", "comm", "run"},

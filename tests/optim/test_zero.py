@@ -3,8 +3,9 @@
 DDP with ZeRO over 2 and 3 thread ranks (Adam and SGD with momentum, a learning-rate scheduler, parameters as
 bucket views or not) matches one process's training to fp32 round-off; the partition and the consolidated
 state dict are torch's own ZeroRedundancyOptimizer's (in real processes, torch's over the "spmd" backend); a
-consolidated state reloads into a world of another size and training goes on as it would have; bad arguments
-fail naming the rank.
+consolidated state reloads into a world of another size and training goes on as it would have; with
+overlap_with_ddp=True, stepped inside DDP's backward by the ddp_zero_hook hooks (after the last bucket or bucket by
+bucket), it trains as one process from the first step; bad arguments fail naming the rank.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import torch
 from torch import Tensor, nn
 
 import spmd
+from spmd.algorithms.ddp_comm_hooks.ddp_zero_hook import hook_with_zero_step, hook_with_zero_step_interleaved
+from spmd.algorithms.join import Join
+from spmd.ddp import allreduce_hook
 from spmd.optim import ZeroRedundancyOptimizer
 from spmd.testing import run_ranks
 from tests.parity.models import build
@@ -163,9 +167,135 @@ def test_more_ranks_than_parameters_and_a_param_group_added_later() -> None:
         assert got == pytest.approx(want, abs=1e-7)
 
 
+@pytest.mark.parametrize("shard_buckets", [False, True], ids=["bucket-per-rank", "sharded-buckets"])
+@pytest.mark.parametrize("hook", [hook_with_zero_step, hook_with_zero_step_interleaved], ids=["after", "interleaved"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_zero_stepped_in_ddps_backward_trains_as_one_process(name: str, hook: object, shard_buckets: bool) -> None:
+    """overlap_with_ddp: the step runs in backward from the first iteration; zero.step() warns and does nothing."""
+    want_params, want_state = _one_process(name)
+
+    def body(rank: int, size: int) -> tuple[dict[str, Tensor], dict | None, list[bool], int]:
+        model = spmd.DistributedDataParallel(_model(), bucket_cap_mb=100 / 2**20)    # a bucket per parameter
+        cls, defaults = OPTIMIZERS[name]
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, overlap_with_ddp=True, **defaults)
+        model.register_comm_hook(None, hook(allreduce_hook, model, opt, shard_buckets=shard_buckets))
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        moved_in_backward = []
+        for step in range(STEPS):
+            before = [p.detach().clone() for p in model.parameters()]
+            x, y = _batch(step)
+            _loss(model, _shard(x, rank, size), _shard(y, rank, size)).backward()
+            moved_in_backward.append(all(not torch.equal(b, p) for b, p in zip(before, model.parameters())))
+            with pytest.warns(UserWarning, match=r"step\(\) does nothing, the step runs in DDP's backward"):
+                opt.step()
+            opt.zero_grad()
+            scheduler.step()
+        opt.consolidate_state_dict(to=0)
+        owned = sum(p.numel() for group in opt.optim.param_groups for p in group["params"])
+        return ({k: v.detach().clone() for k, v in model.module.named_parameters()},
+                opt.state_dict() if rank == 0 else None, moved_in_backward, owned)
+
+    results = run_ranks(body, 2, timeout=60)
+    for params, _, moved, _ in results:
+        assert moved == [True] * STEPS
+        for key, value in want_params.items():
+            torch.testing.assert_close(params[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    state = results[0][1]
+    assert state["param_groups"] == want_state["param_groups"]
+    for index, entry in want_state["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(state["state"][index][key], value, rtol=1e-5, atol=1e-6, msg=(index, key))
+    assert sum(owned for *_, owned in results) == sum(p.numel() for p in _model().parameters())
+    assert all(owned > 0 for *_, owned in results)
+
+
+def _hook_into_a_copy(state: object, bucket: object) -> torch.futures.Future:
+    """An all-reduce whose result is another tensor than the bucket's buffer (as compression hooks return)."""
+    copy_ = bucket.buffer().div(bucket.div_factor())  # type: ignore[attr-defined]
+    work = spmd.all_reduce(copy_, async_op=True)
+    return work.get_future().then(lambda future: future.value()[0])
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")   # no step(), as torch says
+@pytest.mark.parametrize("hook", [hook_with_zero_step, hook_with_zero_step_interleaved], ids=["after", "interleaved"])
+def test_overlap_steps_on_the_hooks_result_when_it_is_another_tensor(hook: object) -> None:
+    want_params, _ = _one_process("adam")
+
+    def body(rank: int, size: int) -> dict[str, Tensor]:
+        model = spmd.DistributedDataParallel(_model(), bucket_cap_mb=100 / 2**20)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True,
+                                      lr=0.01)
+        model.register_comm_hook(None, hook(_hook_into_a_copy, model, opt))
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for step in range(STEPS):
+            x, y = _batch(step)
+            _loss(model, _shard(x, rank, size), _shard(y, rank, size)).backward()
+            opt.zero_grad()
+            scheduler.step()
+        return {k: v.detach().clone() for k, v in model.module.named_parameters()}
+
+    for params in run_ranks(body, 2, timeout=60):
+        for key, value in want_params.items():
+            torch.testing.assert_close(params[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_overlap_under_join_gives_the_weights_of_a_step_after_backward() -> None:
+    """Rank 1 runs out of batches first: its DDP shadow iterations run the hook, which steps and broadcasts."""
+    def train(overlap: object) -> list[list[Tensor]]:
+        def body(rank: int, size: int) -> list[Tensor]:
+            model = spmd.DistributedDataParallel(_model(), bucket_cap_mb=100 / 2**20)
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
+                                          overlap_with_ddp=overlap is not None, lr=0.01)
+            if overlap is not None:
+                model.register_comm_hook(None, overlap(allreduce_hook, model, opt))
+            with Join([model, opt]):
+                for step in range(3 if rank == 0 else 1):
+                    x, y = _batch(step)
+                    _loss(model, _shard(x, rank, size), _shard(y, rank, size)).backward()
+                    if overlap is None:
+                        opt.step()
+                    opt.zero_grad()
+            return [p.detach().clone() for p in model.parameters()]
+        return run_ranks(body, 2, timeout=60)
+
+    want = train(None)
+    for hook in (hook_with_zero_step, hook_with_zero_step_interleaved):
+        got = train(hook)
+        for want_rank, got_rank in zip(want, got, strict=True):
+            torch.testing.assert_close(got_rank, want_rank, rtol=1e-5, atol=1e-6)
+
+
+def test_overlap_refuses_a_plain_optimizer_other_parameters_and_a_later_param_group() -> None:
+    def body(rank: int, size: int) -> None:
+        model = spmd.DistributedDataParallel(_model())
+        plain = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+        with pytest.raises(ValueError, match=rf"rank {rank}: a hook that steps inside DDP's backward needs the "
+                                             r"optimizer built with overlap_with_ddp=True"):
+            hook_with_zero_step(allreduce_hook, model, plain)
+        extra = nn.Parameter(torch.ones(3))
+        opt = ZeroRedundancyOptimizer([*model.parameters(), extra], optimizer_class=torch.optim.SGD,
+                                      overlap_with_ddp=True, lr=0.1)
+        with pytest.raises(ValueError, match=rf"on rank {rank}: overlap_with_ddp needs the DDP module's parameters "
+                                             r"exactly: 1 of the optimizer's parameters are not in its gradient "
+                                             r"buckets"):
+            hook_with_zero_step(allreduce_hook, model, opt)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, overlap_with_ddp=True,
+                                      lr=0.1)
+        hook_with_zero_step(allreduce_hook, model, opt)
+        with pytest.raises(RuntimeError, match=r"add_param_group on rank \d: with overlap_with_ddp=True the "
+                                               r"parameters are the DDP module's"):
+            opt.add_param_group({"params": [extra]})
+        with pytest.raises(RuntimeError, match=r"already stepped by another DDP hook"):
+            hook_with_zero_step_interleaved(allreduce_hook, model, opt)
+
+    run_ranks(body, 2, timeout=60)
+
+
 BAD = [
-    (lambda: ZeroRedundancyOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=1),
-     ValueError, r"overlap_with_ddp=True .* is not supported"),
+    (lambda: ZeroRedundancyOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, overlap_with_ddp=True,
+                                     lr=1).consolidate_state_dict(),
+     RuntimeError, r"consolidate_state_dict on rank 0: with overlap_with_ddp=True the parameters' owners are known "
+                   r"once the DDP hook is built"),
     (lambda: ZeroRedundancyOptimizer([], torch.optim.SGD, lr=1), ValueError, r"empty parameter list"),
     (lambda: ZeroRedundancyOptimizer(torch.ones(2), torch.optim.SGD, lr=1), TypeError, r"got a torch.FloatTensor"),
     (lambda: ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2).double())],
@@ -176,7 +306,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("make, error, says", BAD, ids=["overlap", "empty", "tensor", "mixed-types", "to"])
+@pytest.mark.parametrize("make, error, says", BAD, ids=["overlap-before-hook", "empty", "tensor", "mixed-types", "to"])
 def test_bad_arguments_are_refused(make: object, error: type[Exception], says: str) -> None:
     def body(rank: int, size: int) -> None:
         if rank == 0:

@@ -14,12 +14,18 @@ of the buffer its parameters are views of (benchmarks/zero.py: flattening into a
 broadcasts). The state dict uses the indices a plain optimizer over all the parameters would: `state_dict()`
 returns it on the rank that `consolidate_state_dict(to)` gathered it to, and `load_state_dict` takes such a
 full state on every rank, each keeping its own parameters' part.
+
+With overlap_with_ddp=True the step runs inside DDP's backward instead (Note: ZeRO inside DDP's backward, in
+zero_overlap.py): the parameters are owned by DDP bucket, not by the greedy partition, once a hook of
+zero_overlap is built over the DDP module, and `step()` does nothing.
 """
 
 from __future__ import annotations
 
 import copy
+import enum
 import itertools
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -44,20 +50,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], optimizer_class: type[Optimizer],
                  process_group: AnyGroup | None = None, parameters_as_bucket_view: bool = False,
                  overlap_with_ddp: bool = False, **defaults: Any) -> None:
-        if overlap_with_ddp:
-            raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp=True (the step run inside DDP's "
-                             "communication hook) is not supported; call step() after backward, as by default")
         self.process_group: ProcessGroup = resolve_group(process_group, "ZeroRedundancyOptimizer")
         self.rank, self.world_size = self.process_group.group_rank, self.process_group.size()
         self.global_rank = self.process_group.global_rank
-        self.parameters_as_bucket_view = parameters_as_bucket_view
+        self.parameters_as_bucket_view = parameters_as_bucket_view and not overlap_with_ddp   # torch ignores it too
+        self._overlap = _Overlap.WAITING_FOR_HOOK if overlap_with_ddp else _Overlap.OFF
         self._optimizer_class = optimizer_class
         self._ready = False
         super().__init__(_checked(params), defaults)
         Joinable.__init__(self)
+        self._defaults = defaults
         self._owners = self._partition()
-        local_groups = [self._local_group(group, index) for index, group in enumerate(self.param_groups)]
-        self.optim: Optimizer = optimizer_class(local_groups, **defaults)
+        self.optim: Optimizer = self._local_optimizer()
         self._buckets: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
         self._build_buckets()
         self._consolidated: list[dict[str, Any]] | None = None
@@ -76,6 +80,44 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 owned[rank] += _local(param).numel()
         return owners
 
+    def _local_optimizer(self) -> Optimizer:
+        """The optimizer of the parameters this rank owns, in the param groups' order and with their settings."""
+        return self._optimizer_class([self._local_group(group, index) for index, group in enumerate(self.param_groups)],
+                                     **self._defaults)
+
+    def _own_by_buckets(self, buckets: list[list[Tensor]], shard_buckets: bool) -> None:
+        """Own the parameters by DDP bucket (overlap_with_ddp; see zero_overlap.py): each bucket to rank
+        `index % world_size`, or with `shard_buckets` each bucket cut into runs of parameters of about
+        1/world_size of all the elements, each run to the rank owning the fewest elements so far."""
+        if self._overlap is _Overlap.OFF:
+            raise ValueError(f"ZeroRedundancyOptimizer on rank {self.global_rank}: a hook that steps inside DDP's "
+                             f"backward needs the optimizer built with overlap_with_ddp=True")
+        if self._overlap is _Overlap.IN_BACKWARD:
+            raise RuntimeError(f"ZeroRedundancyOptimizer on rank {self.global_rank}: already stepped by another "
+                               f"DDP hook; build one hook per optimizer")
+        mine = set(self._owners)
+        bucketed = [p for bucket in buckets for p in bucket]
+        if set(bucketed) != mine:
+            missing = sum(1 for p in mine if p not in set(bucketed))
+            raise ValueError(f"ZeroRedundancyOptimizer on rank {self.global_rank}: overlap_with_ddp needs the DDP "
+                             f"module's parameters exactly: {missing} of the optimizer's parameters are not in its "
+                             f"gradient buckets (frozen or ignored by DDP), {len(set(bucketed) - mine)} of the "
+                             f"buckets' are not the optimizer's")
+        owners: dict[Tensor, int] = {}
+        owned = [0] * self.world_size
+        run_size = sum(_local(p).numel() for p in bucketed) / self.world_size
+        for index, bucket in enumerate(buckets):
+            if not shard_buckets:
+                owners.update(dict.fromkeys(bucket, index % self.world_size))
+                continue
+            for run in _runs(bucket, run_size):
+                rank = owned.index(min(owned))
+                owners.update(dict.fromkeys(run, rank))
+                owned[rank] += sum(_local(p).numel() for p in run)
+        self._owners = owners
+        self.optim = self._local_optimizer()
+        self._overlap = _Overlap.IN_BACKWARD
+
     def _local_group(self, group: dict[str, Any], index: int) -> dict[str, Any]:
         """This rank's part of param group `index`, with the group's settings."""
         return {**{k: v for k, v in group.items() if k != "params"},
@@ -86,6 +128,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group on every rank (collective in effect: the partition changes everywhere alike)."""
+        if self._ready and self._overlap is not _Overlap.OFF:
+            raise RuntimeError(f"ZeroRedundancyOptimizer.add_param_group on rank {self.global_rank}: with "
+                               f"overlap_with_ddp=True the parameters are the DDP module's, owned by its buckets")
         super().add_param_group(param_group)
         if self._ready:
             self._owners = self._partition()
@@ -115,13 +160,41 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     # -- the step -----------------------------------------------------------------------------------------------
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
-        """Update this rank's parameters, then every owner's go to the others. Collective."""
+        """Update this rank's parameters, then every owner's go to the others. Collective. With
+        overlap_with_ddp=True nothing: DDP's backward stepped already (as torch's, which warns)."""
+        if self._overlap is not _Overlap.OFF:
+            warnings.warn("ZeroRedundancyOptimizer(overlap_with_ddp=True): step() does nothing, the step runs in "
+                          "DDP's backward; leave it out of the training loop", stacklevel=2)
+            return None
         Join.notify_join_context(self)
         _copy_settings(self.param_groups, self.optim.param_groups)
         loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
         _copy_settings(self.optim.param_groups, self.param_groups)
         self._sync_params()
         return loss
+
+    def _step_on(self, gradients: dict[Tensor, Tensor]) -> None:
+        """Step the parameters this rank owns among `gradients` (parameter -> its averaged gradient, a local
+        tensor), each taking its gradient for the step and getting its own back after; the other parameters
+        this rank owns sit the step out (overlap_with_ddp; zero_overlap.py runs it per bucket or once)."""
+        stepping = {p: g for p, g in gradients.items() if self._owners[p] == self.rank}
+        if not stepping:
+            return
+        kept = {p: p.grad for p in stepping}
+        groups = [group["params"] for group in self.optim.param_groups]
+        try:
+            for param, grad in stepping.items():
+                param.grad = _shaped_like(param, grad)
+            for group, params in zip(self.optim.param_groups, groups, strict=True):
+                group["params"] = [p for p in params if p in stepping]
+            _copy_settings(self.param_groups, self.optim.param_groups)
+            self.optim.step()
+        finally:
+            for group, params in zip(self.optim.param_groups, groups, strict=True):
+                group["params"] = params
+            for param, grad in kept.items():
+                param.grad = grad
+        _copy_settings(self.optim.param_groups, self.param_groups)
 
     def _sync_params(self) -> None:
         """Every owner's parameters to every rank, all broadcasts in flight at once (Note: who owns what).
@@ -160,6 +233,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's optimizer state on group rank `to`, for its `state_dict()`. Collective."""
+        self._check_owners_final("consolidate_state_dict")
         if not 0 <= to < self.world_size:
             raise ValueError(f"ZeroRedundancyOptimizer.consolidate_state_dict on rank {self.global_rank}: to={to} is "
                              f"not a rank of the group (0..{self.world_size - 1})")
@@ -201,6 +275,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole optimizer's state (from `state_dict()`, or a plain optimizer's over the same parameters):
         every rank keeps its own parameters' part."""
+        self._check_owners_final("load_state_dict")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
                 len(saved["params"]) != len(group["params"]) for saved, group in zip(groups, self.param_groups)):
@@ -219,10 +294,24 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                         for group, local in zip(self.param_groups, self.optim.param_groups, strict=True)]
         self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
 
+    def _check_owners_final(self, method: str) -> None:
+        if self._overlap is _Overlap.WAITING_FOR_HOOK:
+            raise RuntimeError(f"ZeroRedundancyOptimizer.{method} on rank {self.global_rank}: with "
+                               f"overlap_with_ddp=True the parameters' owners are known once the DDP hook is built "
+                               f"(hook_with_zero_step or hook_with_zero_step_interleaved); build it first")
+
     def __repr__(self) -> str:
         return (f"ZeroRedundancyOptimizer({self._optimizer_class.__name__}, rank {self.rank} of {self.world_size}, "
                 f"owning {sum(p.numel() for p in self._owned_by(self.rank))} of "
                 f"{sum(p.numel() for p in self._owners)} elements)")
+
+
+class _Overlap(enum.Enum):
+    """Where the optimizer steps: in step() (OFF), or in DDP's backward once a hook is built (see zero_overlap)."""
+
+    OFF = "step() after backward"
+    WAITING_FOR_HOOK = "overlap_with_ddp: no DDP hook built yet"
+    IN_BACKWARD = "overlap_with_ddp: stepped in DDP's backward"
 
 
 class _StepWhenJoined(JoinHook):
@@ -230,7 +319,8 @@ class _StepWhenJoined(JoinHook):
         self.optimizer = optimizer
 
     def main_hook(self) -> None:
-        self.optimizer.step()
+        if self.optimizer._overlap is _Overlap.OFF:    # otherwise the DDP hook's shadow iteration steps
+            self.optimizer.step()
 
 
 def _checked(params: Iterable[Tensor] | Iterable[dict[str, Any]]) -> list[Any]:
@@ -252,6 +342,26 @@ def _local(param: Tensor) -> Tensor:
     """What this rank holds of `param`: a DTensor's local shard (tensor parallel under DDP: the group's ranks
     hold replicas of it, as DDP averages it), a plain parameter itself."""
     return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def _runs(params: list[Tensor], size: float) -> list[list[Tensor]]:
+    """`params` cut into consecutive runs, each closed once its elements reach `size` (the last may be smaller)."""
+    runs: list[list[Tensor]] = [[]]
+    elements = 0
+    for param in params:
+        if runs[-1] and elements >= size:
+            runs.append([])
+            elements = 0
+        runs[-1].append(param)
+        elements += _local(param).numel()
+    return runs
+
+
+def _shaped_like(param: Tensor, grad: Tensor) -> Tensor:
+    """`grad` (a local tensor) as `param`'s gradient: a DTensor parameter's is a DTensor of its layout."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(grad, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return grad
 
 
 def _copy_settings(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
