@@ -185,9 +185,9 @@ def test_bad_input_raises_value_error_before_anything_is_sent(transport: str) ->
             with pytest.raises(ValueError, match="dtype"):
                 spmd.all_gather_into_tensor(torch.empty(4, dtype=torch.float64), torch.ones(2))
             with pytest.raises(ValueError, match="contiguous"):
-                spmd.all_gather_into_tensor(torch.empty(2, 2).t(), torch.ones(2))
+                spmd.isend(torch.ones(4, 4)[:, 1], dst=1)
             with pytest.raises(ValueError, match="contiguous"):
-                spmd.all_reduce(torch.ones(4, 4)[:, 1])
+                spmd.batch_isend_irecv([spmd.P2POp(spmd.irecv, torch.empty(2, 2).t(), 1)])
             with pytest.raises(ValueError, match="rank 5 is not in"):
                 spmd.broadcast(torch.ones(2), src=5)
             with pytest.raises(ValueError, match="out of range"):

@@ -2,7 +2,10 @@
 
 Layer: comm. Every check happens before anything is sent, and every error names the rank, the op and the
 group. In-place results bump the tensor's version counter, so autograd notices a collective that overwrote a
-tensor it saved for backward.
+tensor it saved for backward. A collective takes non-contiguous tensors (a transposed or sliced view), reading
+and writing the view's own elements: the transport works on a contiguous copy, written back into the view when
+the op is done (torch's gloo takes them too, but reduces a column slice's first elements of storage instead);
+point-to-point ops refuse them, as gloo's do.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def _where(op: str, group: ProcessGroup) -> str:
 
 
 def check_tensor(tensor: object, name: str, op: str, group: ProcessGroup) -> Tensor:
-    """A dense, contiguous tensor on a device the group's transport serves; ValueError otherwise."""
+    """A dense tensor on a device the group's transport serves; ValueError otherwise."""
     if not isinstance(tensor, Tensor):
         raise TypeError(f"{_where(op, group)}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout is not torch.strided:
@@ -40,15 +43,19 @@ def check_tensor(tensor: object, name: str, op: str, group: ProcessGroup) -> Ten
                         f"lives in the tensors it wraps, which no transport can read or write; pass a plain "
                         f"tensor (torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t), and copy results "
                         f"back the same way)")
-    if not tensor.is_contiguous():
-        raise ValueError(f"{_where(op, group)}: {name} must be contiguous (shape {tuple(tensor.shape)}, "
-                         f"stride {tensor.stride()}); pass tensor.contiguous() and copy the result back")
     devices = group.transport.devices
     if tensor.device.type not in devices:
         raise ValueError(f"{_where(op, group)}: {name} is on {tensor.device}, but the {group.backend} backend "
                          f"moves only {', '.join(devices)} tensors; move it with .to() or use a group whose "
                          f"backend moves {tensor.device.type} tensors")
     return tensor
+
+
+def check_contiguous(tensor: Tensor, name: str, op: str, group: ProcessGroup) -> None:
+    """What the ops that write straight into a caller's tensor (point-to-point) need; ValueError otherwise."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"{_where(op, group)}: {name} must be contiguous (shape {tuple(tensor.shape)}, "
+                         f"stride {tensor.stride()}); pass tensor.contiguous() and copy the result back")
 
 
 def is_fake(tensor: Tensor) -> bool:
@@ -107,9 +114,46 @@ def _root(group: ProcessGroup, global_root: int | None, group_root: int | None, 
 
 
 def _flat(tensor: Tensor) -> Tensor:
+    """A contiguous tensor as one flat run of reals (a complex tensor as its real pairs): what transports move."""
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
     return tensor.view(-1)
+
+
+def _flat_numel(tensor: Tensor) -> int:
+    """The length of `tensor`'s _flat form."""
+    return tensor.numel() * (2 if tensor.is_complex() else 1)
+
+
+def _read(tensor: Tensor) -> Tensor:
+    """`tensor`'s elements in order as a flat run (_flat), copied first when it is not contiguous."""
+    return _flat(tensor if tensor.is_contiguous() else tensor.contiguous())
+
+
+def _dense(tensor: Tensor, keep_values: bool = True) -> Tensor:
+    """`tensor` itself, or for a non-contiguous one a contiguous stand-in for the transport to work in (with its
+    values when `keep_values`); _settle writes it back."""
+    if tensor.is_contiguous():
+        return tensor
+    return tensor.contiguous() if keep_values else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
+def _settle(tensor: Tensor, dense: Tensor) -> None:
+    """The op's result in `dense` (from _dense) into the caller's `tensor`, and autograd told it changed."""
+    if dense is not tensor:
+        tensor.copy_(dense)
+    increment_version(tensor)
+
+
+def _assign(tensor: Tensor, flat: Tensor) -> None:
+    """`flat` (a flat run of `tensor`'s elements, as _flat gives them) into `tensor`, contiguous or not."""
+    if tensor.is_contiguous():
+        _flat(tensor).copy_(flat)
+    elif tensor.is_complex():
+        tensor.copy_(torch.view_as_complex(flat.view(*tensor.shape, 2)))
+    else:
+        tensor.copy_(flat.view(tensor.shape))
+    increment_version(tensor)
 
 
 def _run(group: ProcessGroup, op: str, like: Tensor | None, shape: tuple[int, ...] | None, body,
@@ -131,8 +175,9 @@ def all_reduce(tensor: Tensor, op: ReduceOp = ReduceOp.SUM, group: AnyGroup | No
     check_reduce_op(op, tensor.dtype, _where("all_reduce", pg))
 
     def body(ctx: OpContext) -> None:
-        pg.transport.all_reduce(_flat(tensor), op, ctx)
-        increment_version(tensor)
+        dense = _dense(tensor)
+        pg.transport.all_reduce(_flat(dense), op, ctx)
+        _settle(tensor, dense)
 
     return _run(pg, "all_reduce", tensor, tuple(tensor.shape), body, [tensor], async_op, reduce_op=op)
 
@@ -145,11 +190,10 @@ def all_reduce_coalesced(tensors: list[Tensor], op: ReduceOp = ReduceOp.SUM, gro
     check_reduce_op(op, inputs[0].dtype, _where("all_reduce_coalesced", pg))
 
     def body(ctx: OpContext) -> None:
-        flat = torch.cat([_flat(t) for t in inputs])
+        flat = torch.cat([_read(t) for t in inputs])
         pg.transport.all_reduce(flat, op, ctx)
-        for tensor, piece in zip(inputs, flat.split([_flat(t).numel() for t in inputs]), strict=True):
-            _flat(tensor).copy_(piece)
-            increment_version(tensor)
+        for tensor, piece in zip(inputs, flat.split([_flat_numel(t) for t in inputs]), strict=True):
+            _assign(tensor, piece)
 
     shape = (sum(t.numel() for t in inputs),)
     return _run(pg, "all_reduce", inputs[0], shape, body, inputs, async_op, reduce_op=op)
@@ -175,13 +219,12 @@ def all_gather_coalesced(output_tensor_lists: list[list[Tensor]], input_tensor_l
     sizes = [t.numel() for t in inputs]
 
     def body(ctx: OpContext) -> None:
-        flat = torch.cat([_flat(t) for t in inputs])
+        flat = torch.cat([_read(t) for t in inputs])
         gathered = flat.new_empty(pg.size() * flat.numel())
         pg.transport.all_gather(gathered, flat, ctx)
         for row, block in zip(outputs, gathered.view(pg.size(), -1), strict=True):
-            for out, piece in zip(row, block.split(sizes), strict=True):
-                _flat(out).copy_(piece)
-                increment_version(out)
+            for out, piece in zip(row, block.split([_flat_numel(t) for t in inputs]), strict=True):
+                _assign(out, piece)
 
     flat_outputs = [out for row in outputs for out in row]
     return _run(pg, "all_gather", inputs[0], (sum(sizes),), body, flat_outputs, async_op)
@@ -207,8 +250,9 @@ def broadcast(tensor: Tensor, src: int | None = None, group: AnyGroup | None = N
     check_tensor(tensor, "tensor", "broadcast", pg)
 
     def body(ctx: OpContext) -> None:
-        pg.transport.broadcast(_flat(tensor), root, ctx)
-        increment_version(tensor)
+        dense = _dense(tensor, keep_values=pg.group_rank == root)
+        pg.transport.broadcast(_flat(dense), root, ctx)
+        _settle(tensor, dense)
 
     return _run(pg, "broadcast", tensor, tuple(tensor.shape), body, [tensor], async_op, root=root)
 
@@ -247,9 +291,10 @@ def reduce(tensor: Tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM, 
     root = _root(pg, dst, group_dst, "reduce", "dst")
 
     def body(ctx: OpContext) -> None:
-        pg.transport.reduce(_flat(tensor), root, op, ctx)
+        dense = _dense(tensor)
+        pg.transport.reduce(_flat(dense), root, op, ctx)
         if pg.group_rank == root:
-            increment_version(tensor)
+            _settle(tensor, dense)
 
     return _run(pg, "reduce", tensor, tuple(tensor.shape), body, [tensor], async_op, reduce_op=op, root=root)
 
@@ -266,8 +311,9 @@ def all_gather_into_tensor(output_tensor: Tensor, input_tensor: Tensor, group: A
     _check_same(output_tensor, input_tensor, "output_tensor", op, pg, numel=input_tensor.numel() * pg.size())
 
     def body(ctx: OpContext) -> None:
-        pg.transport.all_gather(_flat(output_tensor), _flat(input_tensor), ctx)
-        increment_version(output_tensor)
+        dense = _dense(output_tensor, keep_values=False)
+        pg.transport.all_gather(_flat(dense), _read(input_tensor), ctx)
+        _settle(output_tensor, dense)
 
     return _run(pg, "all_gather", input_tensor, tuple(input_tensor.shape), body, [output_tensor], async_op)
 
@@ -286,7 +332,7 @@ def all_gather(tensor_list: list[Tensor], tensor: Tensor, group: AnyGroup | None
 
     def body(ctx: OpContext) -> None:
         gathered = torch.empty(pg.size(), *tensor.shape, dtype=tensor.dtype, device=tensor.device)
-        pg.transport.all_gather(_flat(gathered), _flat(tensor), ctx)
+        pg.transport.all_gather(_flat(gathered), _read(tensor), ctx)
         for out, block in zip(outputs, gathered, strict=True):
             out.copy_(block)
             increment_version(out)
@@ -307,8 +353,9 @@ def reduce_scatter_tensor(output: Tensor, input: Tensor, op: ReduceOp = ReduceOp
     _check_same(input, output, "input", name, pg, numel=output.numel() * pg.size())
 
     def body(ctx: OpContext) -> None:
-        pg.transport.reduce_scatter(_flat(output), _flat(input), op, ctx)
-        increment_version(output)
+        dense = _dense(output, keep_values=False)
+        pg.transport.reduce_scatter(_flat(dense), _read(input), op, ctx)
+        _settle(output, dense)
 
     return _run(pg, "reduce_scatter", output, tuple(output.shape), body, [output], async_op, reduce_op=op)
 
@@ -325,9 +372,10 @@ def reduce_scatter(output: Tensor, input_list: list[Tensor], op: ReduceOp = Redu
     inputs = _check_list(input_list, "input_list", "reduce_scatter", pg, output)
 
     def body(ctx: OpContext) -> None:
-        flat_input = torch.cat([_flat(t) for t in inputs]) if inputs else _flat(output)
-        pg.transport.reduce_scatter(_flat(output), flat_input, op, ctx)
-        increment_version(output)
+        dense = _dense(output, keep_values=False)
+        flat_input = torch.cat([_read(t) for t in inputs])
+        pg.transport.reduce_scatter(_flat(dense), flat_input, op, ctx)
+        _settle(output, dense)
 
     return _run(pg, "reduce_scatter", output, tuple(output.shape), body, [output], async_op, reduce_op=op)
 
@@ -348,7 +396,7 @@ def gather(tensor: Tensor, gather_list: list[Tensor] | None = None, dst: int | N
 
     def body(ctx: OpContext) -> None:
         gathered = torch.empty(pg.size(), *tensor.shape, dtype=tensor.dtype, device=tensor.device) if is_root else None
-        pg.transport.gather(None if gathered is None else _flat(gathered), _flat(tensor), root, ctx)
+        pg.transport.gather(None if gathered is None else _flat(gathered), _read(tensor), root, ctx)
         if gathered is not None:
             for out, block in zip(outputs, gathered, strict=True):
                 out.copy_(block)
@@ -372,9 +420,10 @@ def scatter(tensor: Tensor, scatter_list: list[Tensor] | None = None, src: int |
         inputs = []
 
     def body(ctx: OpContext) -> None:
-        flat_input = torch.cat([_flat(t) for t in inputs]) if is_root else None
-        pg.transport.scatter(_flat(tensor), flat_input, root, ctx)
-        increment_version(tensor)
+        flat_input = torch.cat([_read(t) for t in inputs]) if is_root else None
+        dense = _dense(tensor, keep_values=False)
+        pg.transport.scatter(_flat(dense), flat_input, root, ctx)
+        _settle(tensor, dense)
 
     return _run(pg, "scatter", tensor, tuple(tensor.shape), body, [tensor], async_op, root=root)
 
@@ -412,8 +461,9 @@ def all_to_all_single(output: Tensor, input: Tensor, output_split_sizes: list[in
     out_splits = _splits(output_split_sizes, output, "output", name, pg)
 
     def body(ctx: OpContext) -> None:
-        pg.transport.all_to_all(_flat(output), _flat(input), out_splits, in_splits, ctx)
-        increment_version(output)
+        dense = _dense(output, keep_values=False)
+        pg.transport.all_to_all(_flat(dense), _read(input), out_splits, in_splits, ctx)
+        _settle(output, dense)
 
     return _run(pg, "all_to_all", input, None, body, [output], async_op)
 
@@ -434,17 +484,13 @@ def all_to_all(output_tensor_list: list[Tensor], input_tensor_list: list[Tensor]
     like = input_tensor_list[0]
 
     def body(ctx: OpContext) -> None:
-        flat_in = torch.cat([_flat(t) for t in input_tensor_list])
-        flat_out = torch.empty(sum(_flat(t).numel() for t in output_tensor_list), dtype=flat_in.dtype,
-                               device=flat_in.device)
-        pg.transport.all_to_all(flat_out, flat_in, [_flat(t).numel() for t in output_tensor_list],
-                                [_flat(t).numel() for t in input_tensor_list], ctx)
-        offset = 0
-        for out in output_tensor_list:
-            n = _flat(out).numel()
-            _flat(out).copy_(flat_out[offset:offset + n])
-            offset += n
-            increment_version(out)
+        flat_in = torch.cat([_read(t) for t in input_tensor_list])
+        out_sizes = [_flat_numel(t) for t in output_tensor_list]
+        flat_out = torch.empty(sum(out_sizes), dtype=flat_in.dtype, device=flat_in.device)
+        pg.transport.all_to_all(flat_out, flat_in, out_sizes,
+                                [_flat_numel(t) for t in input_tensor_list], ctx)
+        for out, piece in zip(output_tensor_list, flat_out.split(out_sizes), strict=True):
+            _assign(out, piece)
 
     return _run(pg, "all_to_all", like, None, body, list(output_tensor_list), async_op)
 

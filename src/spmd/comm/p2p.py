@@ -12,7 +12,7 @@ from collections.abc import Callable
 from torch import Tensor
 
 from spmd._core.errors import CommTimeoutError
-from spmd.comm.collectives import check_tensor
+from spmd.comm.collectives import check_contiguous, check_tensor
 from spmd.comm.debug import dtype_name, user_call_site
 from spmd.comm.group import ProcessGroup
 from spmd.comm.work import Work
@@ -33,6 +33,7 @@ def _peer(group: ProcessGroup, peer: int | None, group_peer: int | None, op: str
 
 def _start(op: str, tensor: Tensor, pg: ProcessGroup, target: int, tag: int) -> Work:
     check_tensor(tensor, "tensor", op, pg)
+    check_contiguous(tensor, "tensor", op, pg)
     name, description = pg.p2p_names(op, target, tag)
     record = pg.next_p2p_record(name, tuple(tensor.shape), dtype_name(tensor.dtype), user_call_site())
     work = Work(description, [tensor], record)
@@ -118,5 +119,6 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         pg = resolve_group(item.group, op)
         target = _peer(pg, item.peer, item.group_peer, op, "dst" if op == "isend" else "src")
         check_tensor(item.tensor, "tensor", op, pg)
+        check_contiguous(item.tensor, "tensor", op, pg)
         planned.append((op, item.tensor, pg, target, item.tag))
     return [_start(*plan) for plan in planned]
