@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import datetime
+import os
+import pathlib
 import subprocess
 import sys
 import threading
@@ -154,6 +156,46 @@ def test_torchs_init_process_group_with_the_spmd_backend_builds_spmds_world(proc
     for rank, out in enumerate(procpool.run(_torch_first, 2, timeout=60)):
         assert out["spmd"] == (True, rank, 2) and out["sum"] == 3.0 and out["ddp"] and out["again"] == 1.0
         assert out["after torch's destroy"] == (False, False) and out["after spmd's destroy"] == (False, False)
+
+
+def _torchs_device_queries(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    """torch's code that picks a device from the group: its state-dict broadcast, its async checkpoint, FSDP2
+    asking the group for buffers."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.distributed_c10d import _get_pg_default_device
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("spmd", timeout=datetime.timedelta(seconds=60))
+    try:
+        out: dict[str, Any] = {"devices": dist.group.WORLD._device_types, "default": _get_pg_default_device()}
+        torch.manual_seed(rank)                           # the ranks' models differ until rank 0's is broadcast
+        model = torch.nn.Linear(4, 4)
+        full = {k: v.clone() for k, v in model.state_dict().items()} if rank == 0 else {}
+        fully_shard(model)
+        model.set_allocate_memory_from_process_group_for_comm(True)
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        out["weight"] = model.weight.full_tensor().detach()
+        model(torch.ones(2, 4)).sum().backward()
+        out["grad"] = model.weight.grad.full_tensor()
+        dcp.async_save({"model": model.state_dict()}, checkpoint_id=folder).result()
+        out["saved"] = sorted(os.listdir(folder))
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_torchs_device_queries_on_the_spmd_backend(procpool: ProcPool, tmp_path: pathlib.Path) -> None:
+    torch.manual_seed(0)
+    want = torch.nn.Linear(4, 4).weight.detach()
+    results = procpool.run(_torchs_device_queries, 2, timeout=60, args=(str(tmp_path),))
+    for out in results:
+        assert out["devices"] == [torch.device("cpu")] and out["default"] == torch.device("cpu")
+        torch.testing.assert_close(out["weight"], want, rtol=0, atol=0)
+        torch.testing.assert_close(out["grad"], torch.full((4, 4), 2.0), rtol=0, atol=0)
+        assert ".metadata" in out["saved"]
 
 
 @pytest.mark.parametrize("first", ["spmd", "torch", "spmd.comm.world", "spmd.ReduceOp", "spmd.ProcessGroup"])

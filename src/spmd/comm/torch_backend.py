@@ -175,6 +175,25 @@ class SpmdProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND
 
+    # torch takes a ProcessGroup that a backend's creator returns as the group itself and registers no backend on
+    # it, so torch's own `_device_types` (its backends' devices) would be empty and `_get_backend` would raise;
+    # torch's Python code picks devices through them (set_model_state_dict's broadcast_from_rank0, so accelerate's
+    # FSDP2 resume; dcp.async_save; _get_pg_default_device). The group serves its transport's devices itself.
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device(device) for device in self.spmd_group.transport.devices]
+
+    def _get_backend(self, device: torch.device | str) -> SpmdProcessGroup:
+        device_type = torch.device(device).type
+        if device_type not in self.spmd_group.transport.devices:
+            raise RuntimeError(f"spmd backend: group {self.spmd_group.description} moves "
+                               f"{', '.join(self.spmd_group.transport.devices)} tensors, not {device_type} ones")
+        return self
+
+    def supports_tensor_alloc(self, device: torch.device | str) -> bool:
+        """A backend's query (FSDP2's buffers from the process group's allocator): spmd allocates none itself."""
+        return False
+
     # torch keeps a group's name in its backends, which a Python ProcessGroup has none of: without these, torch's
     # functional collectives (and so its DTensor and FSDP2) fail with "ProcessGroup name not set"
     def setGroupName(self, name: str) -> None:
