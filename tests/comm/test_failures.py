@@ -53,6 +53,30 @@ def test_all_reduce_of_different_sizes_raises_on_every_rank(transport: str, worl
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_mismatch_names_each_ranks_own_shape(transport: str) -> None:
+    def body(rank: int, size: int) -> str:
+        return _mismatch(rank, lambda: spmd.all_reduce(torch.ones(2, 3)), lambda: spmd.all_reduce(torch.ones(7, 1)))
+
+    _assert_both_sites(run_ranks(body, 2, timeout=60, comm_timeout=30, backend=transport), "shape=[2, 3]",
+                       "shape=[7, 1]")
+
+
+@pytest.mark.parametrize("transport", [*TRANSPORTS, "shm", "torch:gloo"])
+def test_shapes_may_differ_where_the_element_counts_agree(transport: str) -> None:
+    """As on torch's backends (DeepSpeed's pipeline engine all-reduces a 0-d norm on one stage, a [1] on another):
+    the transports move tensors flat."""
+    def body(rank: int, size: int) -> tuple[list[float], list[float]]:
+        norm = torch.tensor(1.5) if rank == 0 else torch.tensor([2.0])
+        spmd.all_reduce(norm)
+        block = torch.arange(6.0).view(2, 3) if rank == 0 else torch.zeros(6)
+        spmd.broadcast(block, src=0)
+        return norm.reshape(-1).tolist(), block.reshape(-1).tolist()
+
+    for norm, block in run_ranks(body, 2, timeout=60, comm_timeout=30, backend=transport):
+        assert norm == [3.5] and block == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_all_reduce_against_all_gather_raises_on_every_rank(transport: str) -> None:
     def body(rank: int, size: int) -> str:
         out = torch.empty(8)

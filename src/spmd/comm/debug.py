@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import enum
 import json
+import math
 import os
 import sys
 import threading
@@ -100,7 +101,11 @@ class Fingerprint:
     call_site: str = ""
 
     def key(self) -> tuple[Any, ...]:
-        return (self.op, self.seq, self.shape, self.dtype, self.reduce_op, self.root)
+        """What the ranks must agree on. Of the shape only the element count: transports move a tensor flat, and
+        torch's backends take an all_reduce of a 0-d tensor on one rank and of a [1] on another (DeepSpeed's
+        pipeline engine issues one; torch checks shapes only under TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
+        count = None if self.shape is None else math.prod(self.shape)
+        return (self.op, self.seq, count, self.dtype, self.reduce_op, self.root)
 
     def describe(self) -> str:
         parts = [f"{self.op} #{self.seq}"]

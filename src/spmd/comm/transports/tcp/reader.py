@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import abc
 import collections
-import json
 import socket
 import threading
 from typing import TYPE_CHECKING
@@ -271,12 +270,11 @@ class Router(Transport):
 
 
 def _decode_fingerprint(key: bytes, site: bytes) -> Fingerprint:
+    """The sender's fingerprint, from the frame's site field (see wire, Note: frame layout)."""
     try:
-        op, seq, shape, dtype, reduce_op, root = json.loads(key)
-        return Fingerprint(op, seq, None if shape is None else tuple(shape), dtype, reduce_op, root,
-                           site.decode(errors="replace"))
+        return Fingerprint.decode(site)
     except (ValueError, TypeError):
-        return Fingerprint(f"<unreadable {key[:60]!r}>", -1, None, "?", call_site=site.decode(errors="replace"))
+        return Fingerprint(f"<unreadable {key[:60]!r}>", -1, None, "?", call_site=site[:200].decode(errors="replace"))
 
 
 def copy_error(error: SpmdError) -> SpmdError:

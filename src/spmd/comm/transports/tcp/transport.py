@@ -64,7 +64,7 @@ class TcpExchange(algorithms.Exchange):
         self.ctx = ctx
         self.seq = fp.seq
         self.key = json.dumps(fp.key()).encode()
-        self.meta = self.key + fp.call_site.encode()
+        self.meta = self.key + fp.encode()         # the whole fingerprint, for a mismatch's message
         self.scratch_used = False
 
     def post(self, recvs: list[tuple[int, Tensor]]) -> list[Slot]:

@@ -6,9 +6,10 @@ tensor bytes, which are sent from and received into the tensor's own memory (`by
 Note: frame layout
 Every frame starts with HEADER (24 bytes, little endian):
     kind u8 | flags u8 | key_len u16 | site_len u16 | pad u16 | seq i64 | payload_len u64
-followed by `key_len` bytes of key, `site_len` bytes of call site and `payload_len` bytes of payload.
+followed by `key_len` bytes of key, `site_len` bytes of site and `payload_len` bytes of payload.
   COLL   a piece of a collective. seq = the collective's sequence number, key = the JSON of its
-         Fingerprint.key() (compared byte for byte with the receiver's own), site = the sender's call site.
+         Fingerprint.key() (compared byte for byte with the receiver's own), site = the sender's whole
+         Fingerprint encoded (its shape and call site, for a mismatch's message).
   P2P    a point-to-point message. seq = the tag, key = the dtype name; payload = the tensor's bytes.
   ABORT  the group failed. seq = the rank where it failed first, key = the error class name, payload = the
          UTF-8 reason. A rank passes the first ABORT it gets on to its other peers.
