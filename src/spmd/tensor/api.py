@@ -67,6 +67,7 @@ class DTensor(torch.Tensor):
 
     _local_tensor: Tensor
     _spec: DTensorSpec
+    _gathered_view: Any = None     # dispatch's: set on a view of a gathered copy (run.py, Note: writes through views)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 

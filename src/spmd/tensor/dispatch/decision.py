@@ -60,6 +60,8 @@ class Compiled:
     mutated: frozenset[int] = frozenset()          # DTensor inputs the op writes
     list_args: frozenset[int] = frozenset()        # DIRECT paths: positional args that are lists of DTensors
     inplace_view: bool = False                     # the op changes self's shape/stride (squeeze_, t_, ...)
+    returns_view: bool = False                     # a view op: its outputs alias its input (run.py, Note: writes
+                                                   # through views of gathered copies)
 
 
 def where(op: OpOverload, specs: tuple[DTensorSpec, ...]) -> str:
@@ -82,7 +84,8 @@ def compile_call(op: OpOverload, args: tuple, kwargs: dict, dtensors: list, plai
     rule = lookup_rule(op) if mesh.ndim else _on_one_rank
     if rule is None:
         single = info.returns_mutated is not None and len(info.returns_mutated) == 1
-        return Compiled(op, op._op, Path.FALLBACK, (), (), single, info.returns_mutated, mutated=mutated)
+        return Compiled(op, op._op, Path.FALLBACK, (), (), single, info.returns_mutated, mutated=mutated,
+                        returns_view=info.returns_view)
     schema = OpSchema(op, schema_form(args, dtensor_type), schema_form(kwargs, dtensor_type), specs)
     try:
         decision = rule(schema)
@@ -98,7 +101,7 @@ def compile_call(op: OpOverload, args: tuple, kwargs: dict, dtensors: list, plai
     path = _path(op, args, kwargs, plain, dtensor_type, decision, checked, info.returns_mutated, list_args)
     return Compiled(op, fn, path, checked.targets, checked.output_specs, checked.single_output,
                     info.returns_mutated, decision.local_args, decision.local_kwargs, checked.reduce_in_place,
-                    adopt, mutated, list_args, torch.Tag.inplace_view in op.tags)
+                    adopt, mutated, list_args, torch.Tag.inplace_view in op.tags, info.returns_view)
 
 
 def _on_one_rank(schema: OpSchema) -> ShardingDecision:

@@ -22,7 +22,7 @@ from spmd.tensor.dispatch.keys import call_key, substitute
 from spmd.tensor.dispatch.signature import functional_of, mutated_positions, op_info
 from spmd.tensor.placement import Replicate
 from spmd.tensor.redistribute import run_plan
-from spmd.tensor.rules import HANDLERS, note_fallback
+from spmd.tensor.rules import HANDLERS, ShardingError, note_fallback
 from spmd.tensor.spec import DTensorSpec, Placements, contiguous_stride
 
 _CACHE_LIMIT = 8192
@@ -107,9 +107,13 @@ def dispatch(cls: type, op: OpOverload, types: tuple, args: tuple = (), kwargs: 
         wrapped = _make_wrapper_subclass(cls, spec.shape, strides=spec.stride, dtype=spec.dtype, device=out.device)
         wrapped._local_tensor = out
         wrapped._spec = spec
+        if compiled.returns_view and dtensors[0]._gathered_view is not None:
+            _view_of_view(wrapped, compiled, _direct_call_args(cls, args, dtensors, compiled), kwargs, dtensors)
         return wrapped
     if path is _DIRECT_SELF:         # in-place ops
         compiled.fn(*[value._local_tensor if type(value) is cls else value for value in args], **kwargs)
+        if args[0]._gathered_view is not None:
+            _write_through(args[0], compiled.op)
         return args[0]
     return _execute(cls, args, kwargs, dtensors, plain, compiled)
 
@@ -216,9 +220,14 @@ def _execute(cls: type, args: tuple, kwargs: dict, dtensors: list, plain: list[T
         else:
             call_args = [value._local_tensor if type(value) is cls else value for value in args]
         out = compiled.fn(*call_args, **kwargs)
+        if compiled.mutated:
+            _write_through_mutated(dtensors, compiled)
         if path is _DIRECT_SELF:
             return args[0]
-        return _wrap(cls, out, args, kwargs, compiled)
+        result = _wrap(cls, out, args, kwargs, compiled)
+        if compiled.returns_view and dtensors[0]._gathered_view is not None:
+            _view_of_view(result, compiled, call_args, kwargs, dtensors)
+        return result
     if path is Path.FALLBACK:
         return _run_fallback(cls, compiled.op, args, kwargs, dtensors, plain, compiled)
     return _run(cls, args, kwargs, dtensors, plain, compiled)
@@ -255,6 +264,8 @@ def _run_out_variant(cls: type, op: OpOverload, functional: OpOverload, args: tu
             raise MixedTensorError(f"{where(op, specs)}: an out= argument and the result must both be DTensors, "
                                    f"got {type(out).__name__} for a {type(value).__name__} result")
         _write_out(out, value)
+        if out._gathered_view is not None:
+            _write_through(out, op)
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
@@ -285,7 +296,16 @@ def _run(cls: type, args: tuple, kwargs: dict, dtensors: list, plain: list[Tenso
         self_._spec = compiled.output_specs[0]
         with no_dispatch():
             compiled.op._op(*args, **kwargs)
-    return _wrap(cls, out, args, kwargs, compiled)
+    elif compiled.mutated:
+        _write_through_mutated(dtensors, compiled)
+    result = _wrap(cls, out, args, kwargs, compiled)
+    if compiled.returns_view:
+        moved = [k for k, dt in enumerate(dtensors) if locals_[k] is not dt._local_tensor]
+        if moved:
+            _view_of_gathered(result, compiled, dtensors, locals_[0], call_args, call_kwargs)
+        elif dtensors[0]._gathered_view is not None:
+            _view_of_view(result, compiled, call_args, call_kwargs, dtensors)
+    return result
 
 
 def _local_inputs(dtensors: list, compiled: Compiled) -> list[Tensor]:
@@ -353,13 +373,19 @@ def _run_fallback(cls: type, op: OpOverload, args: tuple, kwargs: dict, dtensors
         dt, full = dtensors[position], full_locals[position]
         if full is not dt._local_tensor:
             dt._local_tensor.copy_(dt._spec.local_from_full(full))
+        if dt._gathered_view is not None:
+            _write_through(dt, op)
     if compiled.returns_mutated is not None:
         return _wrap(cls, out, args, kwargs, compiled)
     first = dtensors[0]._spec
+    keep_alias = op_info(op).returns_view and all(full is dt._local_tensor for dt, full in zip(dtensors, full_locals))
 
     def reshard(value: Any) -> Any:
         if not isinstance(value, Tensor):
             return value
+        if keep_alias:      # a view of replicas stays their view (a write through it reaches them), strides and all
+            spec = DTensorSpec(mesh, _replicated(mesh.ndim), value.shape, tuple(value.stride()), value.dtype)
+            return cls._wrap_local(value, spec)
         stride = contiguous_stride(value.shape)
         if value.shape == first.shape and not first.has_partial():
             spec = DTensorSpec(mesh, first.placements, value.shape, stride, value.dtype)
@@ -367,9 +393,121 @@ def _run_fallback(cls: type, op: OpOverload, args: tuple, kwargs: dict, dtensors
         spec = DTensorSpec(mesh, _replicated(mesh.ndim), value.shape, stride, value.dtype)
         return cls._wrap_local(value.contiguous(), spec)
 
-    if isinstance(out, (tuple, list)):
-        return type(out)(reshard(item) for item in out)
-    return reshard(out)
+    result = type(out)(reshard(item) for item in out) if isinstance(out, (tuple, list)) else reshard(out)
+    if compiled.returns_view and not keep_alias:      # copies, not views: a write through one can't reach its base
+        for view in result if isinstance(result, (tuple, list)) else [result]:
+            view._gathered_view = _GatheredView(dtensors[0], None, None, str(op))
+    return result
+
+
+# Note: writes through views of gathered copies
+# A view op whose rule gathers its input (x[1] on a DTensor sharded on dim 0, x.diagonal() of a sharded dim) runs
+# on a gathered copy of the input, so its result is a view of that copy, not of the DTensor. Such a result carries
+# a _GatheredView: the DTensor it views (its base), the placements it was gathered to, and how to take the same
+# view of a fresh gathering (`replay`; views of it extend the replay). An op that writes it (x[1] = 0 runs
+# select, then fill_ on the select's result) writes its values through: the base is gathered anew, the view's
+# region of that is overwritten with the written view's local values, and the base takes its own placements of
+# the result back (a local slice after a gather: no communication). Every rank runs it, as every rank ran the
+# write. So a write through such a view changes exactly the viewed elements of the base, as on a plain tensor
+# (torch's DTensor drops these writes). A view that gathered a view of a gathered copy (x[1, 2] on a DTensor
+# sharded on both dims) has that view as its base: the base is first brought up to date from its own base, then
+# written through in turn. Where the view can't be replayed (a view op without a rule, which ran through the
+# fallback's copies, or one of two DTensors), the write is refused, naming the op.
+
+
+class _GatheredView:
+    """Where a write through a view of a gathered copy goes (see Note: writes through views of gathered copies)."""
+
+    __slots__ = ("base", "made_by", "replay", "target")
+
+    def __init__(self, base: Any, target: Placements | None, replay: Any, made_by: str) -> None:
+        self.base, self.target, self.replay, self.made_by = base, target, replay, made_by
+
+    def then(self, step: Any, made_by: str) -> _GatheredView:
+        """The same base, viewed further by `step` (a local view function), or unwritable when `step` is None."""
+        replay = self.replay
+        if replay is None or step is None:
+            return _GatheredView(self.base, self.target, None, made_by)
+        return _GatheredView(self.base, self.target, lambda full: step(replay(full)), made_by)
+
+
+def _view_of_gathered(result: Any, compiled: Compiled, dtensors: list, gathered: Tensor, call_args: list,
+                      call_kwargs: dict) -> None:
+    """Mark the outputs of a view op that ran on a gathered copy of its input (see the Note)."""
+    made_by = str(compiled.op)
+    writable = len(dtensors) == 1
+
+    def replay(full: Tensor) -> Any:
+        return compiled.fn(*[full if value is gathered else value for value in call_args], **call_kwargs)
+
+    for index, view in _outputs(result):
+        pick = (lambda full: replay(full)) if index is None else (lambda full, index=index: replay(full)[index])
+        view._gathered_view = _GatheredView(dtensors[0], compiled.input_targets[0], pick if writable else None,
+                                            made_by)
+
+
+def _view_of_view(result: Any, compiled: Compiled, call_args: list, call_kwargs: dict, dtensors: list) -> None:
+    """Mark the outputs of a view op whose input is itself a view of a gathered copy (see the Note): the same
+    base, viewed one step further. `call_args` are the op's local call, holding the input's local tensor."""
+    parent = dtensors[0]._local_tensor
+
+    def step(local: Tensor) -> Any:
+        return compiled.fn(*[local if value is parent else value for value in call_args], **call_kwargs)
+
+    for index, view in _outputs(result):
+        pick = step if index is None else (lambda local, index=index: step(local)[index])
+        view._gathered_view = dtensors[0]._gathered_view.then(pick if len(dtensors) == 1 else None, str(compiled.op))
+
+
+def _direct_call_args(cls: type, args: tuple, dtensors: list, compiled: Compiled) -> list:
+    """The local call a DIRECT_ONE hit made (dispatch builds it inline)."""
+    if compiled.local_args is None:
+        return [value._local_tensor if type(value) is cls else value for value in args]
+    locals_ = iter([dt._local_tensor for dt in dtensors])
+    return [next(locals_) if type(value) is DTensorSpec else value for value in compiled.local_args]
+
+
+def _outputs(result: Any) -> list[tuple[int | None, Any]]:
+    if isinstance(result, (tuple, list)):
+        return [(index, view) for index, view in enumerate(result) if hasattr(view, "_gathered_view")]
+    return [(None, result)]
+
+
+def _write_through_mutated(dtensors: list, compiled: Compiled) -> None:
+    for position in compiled.mutated:
+        if dtensors[position]._gathered_view is not None:
+            _write_through(dtensors[position], compiled.op)
+
+
+def _write_through(view: Any, op: Any) -> None:
+    """`view` was just written by `op`: its values go to the DTensor it views (see the Note). Collective."""
+    gathered = view._gathered_view
+    base = gathered.base
+    if gathered.replay is None:
+        raise ShardingError(
+            f"{where(op, (view._spec,))}: this DTensor is a copy of part of another DTensor (taken by "
+            f"{gathered.made_by} on a copy of its input: a view op without a sharding rule, or over two DTensors), "
+            f"so the write can't reach the DTensor it views; redistribute that DTensor to Replicate before taking "
+            f"the view, or write with an op on the whole tensor (torch.where, index_put_)")
+    if base._gathered_view is not None:      # itself a view of a gathered copy: bring it up to date first
+        _refresh(base)
+    fresh = run_plan(base._local_tensor, base._spec, gathered.target)
+    gathered.replay(fresh).copy_(view._local_tensor)
+    base._local_tensor.copy_(run_plan(fresh, base._spec.with_placements(gathered.target), base._spec.placements))
+    if base._gathered_view is not None:
+        _write_through(base, op)
+
+
+def _refresh(view: Any) -> None:
+    """`view`'s local values taken anew from the DTensor it views (before a write through it lands on them, so
+    that writing all of it back changes nothing else). Collective."""
+    gathered = view._gathered_view
+    base = gathered.base
+    if gathered.replay is None:
+        return
+    if base._gathered_view is not None:
+        _refresh(base)
+    view._local_tensor.copy_(gathered.replay(run_plan(base._local_tensor, base._spec, gathered.target)))
 
 
 def local_as(dtensor: Any, placements: Placements) -> Tensor:

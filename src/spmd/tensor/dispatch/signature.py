@@ -21,6 +21,7 @@ class OpInfo:
     mutated_kwargs: frozenset[str]
     returns_mutated: tuple[int | str, ...] | None  # per output, the written argument it returns; None: fresh
     out_args: tuple[str, ...] = ()               # an out= variant's output arguments (keyword-only, returned)
+    returns_view: bool = False                   # its outputs alias an input without writing it (a view op)
 
 
 _OP_INFO: dict[OpOverload, OpInfo] = {}
@@ -53,8 +54,10 @@ def op_info(op: OpOverload) -> OpInfo:
         returns_mutated = tuple(returns) if returns and all(r is not None for r in returns) else None
         out_args = tuple(r for r in returns_mutated or () if isinstance(r, str))
         is_out = bool(out_args) and len(out_args) == len(returns) and set(out_args) == mutated_kwargs
+        views = bool(schema.returns) and all(ret.alias_info is not None and not ret.alias_info.is_write
+                                             for ret in schema.returns)
         info = OpInfo(frozenset(mutated_args), frozenset(mutated_kwargs), returns_mutated,
-                       out_args if is_out and not mutated_args else ())
+                       out_args if is_out and not mutated_args else (), views)
         _OP_INFO[op] = info
     return info
 

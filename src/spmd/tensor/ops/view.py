@@ -210,6 +210,41 @@ def _as_strided_(schema: OpSchema) -> ShardingDecision:
     return ShardingDecision(spec.placements)
 
 
+@register_rule(aten.diagonal.default)
+def _diagonal(schema: OpSchema) -> ShardingDecision:
+    """diagonal(x, offset, dim1, dim2): the two dims go (their shards are gathered), the diagonal is the last
+    output dim; the other dims keep their shards, renumbered."""
+    spec = schema.input_specs[0]
+    args = [*schema.args[1:], *[None] * 3]
+    dim1 = args[1] if args[1] is not None else schema.kwargs.get("dim1", 0)
+    dim2 = args[2] if args[2] is not None else schema.kwargs.get("dim2", 1)
+    d1, d2 = _norm(dim1, spec.ndim), _norm(dim2, spec.ndim)
+    return _decide(schema, lambda d: None if d in (d1, d2) else d - (d > d1) - (d > d2))
+
+
+@register_rule(aten.unfold.default)
+def _unfold(schema: OpSchema) -> ShardingDecision:
+    """x.unfold(dim, size, step): windows along `dim` (its shards are gathered) in a new last dim; the other dims
+    keep their shards."""
+    spec = schema.input_specs[0]
+    dim = _norm(schema.args[1], max(spec.ndim, 1))
+    return _decide(schema, lambda d: None if d == dim else d)
+
+
+@register_rule(aten.view.dtype)
+def _view_dtype(schema: OpSchema) -> ShardingDecision:
+    """x.view(dtype): the same bits read as another dtype. Not linear, so a Partial is reduced first; a dtype of
+    another size rescales the last dim, whose shards are gathered; the other dims keep theirs."""
+    spec = schema.input_specs[0]
+    same_size = torch.empty((), dtype=schema.args[1]).element_size() == spec.dtype.itemsize
+    needed, out = _map_placements(spec, lambda d: d if same_size or d != spec.ndim - 1 else None)
+
+    def reduced(placements: Placements) -> Placements:
+        return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+    return ShardingDecision(reduced(out), [reduced(needed)])
+
+
 @register_rule(aten.expand.default)
 def _expand(schema: OpSchema) -> ShardingDecision:
     spec = schema.input_specs[0]
