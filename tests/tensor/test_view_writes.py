@@ -1,7 +1,8 @@
 """Writes through views of DTensors reach the DTensor they view, as on plain tensors (run.py, Note: writes through
 views of gathered copies): `x[1] = 0`, `x[1].zero_()`, a slice scaled in place, a piece of split or unbind,
 `x[1, 2] = 5` over two sharded dims, `out=` into a view, a diagonal written over sharded dims; also when the base
-changed after the view was taken, and under autograd. A view that can't carry the write refuses it by name. The
+changed after the view was taken, and under autograd. A view that can't carry the write refuses it by name, as does
+resize_ of a sharded DTensor (a replicated one resizes as a plain tensor does). The
 view ops that had no rule (diagonal, unfold, view(dtype)) keep shards where they can, and a view taken through the
 fallback of replicated inputs stays a view: linalg.qr's backward, which writes through a diagonal, is right."""
 
@@ -157,3 +158,23 @@ def test_qr_backward_which_writes_through_a_diagonal_matches_plain_tensors() -> 
 
     for got in run_ranks(body, 2, timeout=60):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_resize_of_a_replicated_dtensor_is_a_plain_tensors_and_of_a_sharded_one_is_refused() -> None:
+    want = torch.arange(20.0).view(4, 5)
+    want.resize_(2, 3)
+
+    def body(rank: int, size: int) -> Tensor:
+        mesh = init_device_mesh("cpu", (size,))
+        sharded = distribute_tensor(torch.arange(20.0).view(4, 5), mesh, [Shard(0)])
+        sharded.resize_(4, 5)                                      # its own size: nothing to do
+        with pytest.raises(ShardingError, match=r"aten.resize_.default on rank \d of a \[Shard\(0\)\] DTensor "
+                                                r"of shape \(4, 5\) to \(3, 13\): only a replicated DTensor resizes"):
+            sharded.resize_(3, 13)
+        replicated = distribute_tensor(torch.arange(20.0).view(4, 5), mesh, [Replicate()])
+        replicated.resize_(2, 3)
+        assert replicated.shape == (2, 3) and replicated.stride() == want.stride()
+        return replicated.full_tensor()
+
+    for got in run_ranks(body, 2, timeout=60):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -69,3 +69,17 @@ def test_make_dtensor_holds_random_terms_on_every_rank_of_every_partial_mesh_dim
         assert torch.equal(replicated, VALUE)
     assert all(not torch.equal(local, VALUE) for local in locals_)
     assert len({tuple(local.flatten().tolist()) for local in locals_}) == 4   # four different terms
+
+
+def test_make_dtensor_takes_0_d_values_and_size_1_dims_of_any_stride() -> None:
+    odd = torch.randn(1, 3, generator=torch.Generator().manual_seed(4)).t()      # (3, 1), last dim's stride 3
+    assert odd.is_contiguous() and odd.stride()[-1] != 1
+
+    def body(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mesh = init_device_mesh("cpu", (world_size,))
+        return (make_dtensor(torch.tensor(3.0), mesh, [Partial()]).full_tensor(),
+                make_dtensor(odd, mesh, [Partial()]).full_tensor())
+
+    for scalar, column in run_ranks(body, world_size=2, timeout=30):
+        torch.testing.assert_close(scalar, torch.tensor(3.0))
+        torch.testing.assert_close(column, odd)

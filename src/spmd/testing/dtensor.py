@@ -94,7 +94,7 @@ def _dominated(value: Tensor, reduce_op: str, generator: torch.Generator) -> Ten
 
 
 def _seed(full: Tensor, placements: Sequence[Placement], seed: int) -> int:
-    data = full.detach().cpu().contiguous()
+    data = full.detach().cpu().reshape(-1).clone()      # flat and dense: viewable as bytes (0-d too)
     raw = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
     return zlib.crc32(raw + repr(tuple(placements)).encode() + str(seed).encode())
 

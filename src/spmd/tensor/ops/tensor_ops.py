@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import ops
 from torch._ops import OpOverload
+from torch.utils._mode_utils import no_dispatch
 
 from spmd.tensor.api import DTensor
 from spmd.tensor.dispatch import local_as
@@ -25,7 +27,7 @@ from spmd.tensor.rules import (
     register_strategy,
     replicated,
 )
-from spmd.tensor.spec import DTensorSpec
+from spmd.tensor.spec import DTensorSpec, contiguous_stride
 
 aten = ops.aten
 
@@ -196,6 +198,27 @@ def _equal(op: OpOverload, args: tuple, kwargs: dict) -> bool:
         return False
     full = [local_as(t, replicated(t._spec.mesh)) if isinstance(t, DTensor) else t for t in (a, b)]
     return bool(op(*full))
+
+
+@register_handler(aten.resize_.default, aten.resize_as_.default)
+def _resize_(op: OpOverload, args: tuple, kwargs: dict) -> Any:
+    """x.resize_(size): a replicated DTensor resizes its local tensor and its wrapper (its data stays where it is,
+    as a plain tensor's); a sharded or Partial one only to its own size (which shard would the new elements be
+    in?): anything else is refused."""
+    self = args[0]
+    size = torch.Size(args[1].shape if op is aten.resize_as_.default else args[1])
+    spec = self._spec
+    if size == spec.shape:
+        return self
+    if not all(isinstance(p, Replicate) for p in spec.placements):
+        raise ShardingError(f"spmd DTensor: {op} on rank {spec.mesh.get_rank()} of a {list(spec.placements)} "
+                            f"DTensor of shape {tuple(spec.shape)} to {tuple(size)}: only a replicated DTensor "
+                            f"resizes; redistribute it to Replicate first")
+    self._local_tensor.resize_(size)
+    with no_dispatch():
+        torch.Tensor.resize_(self, size)
+    self._spec = DTensorSpec(spec.mesh, spec.placements, size, contiguous_stride(size), spec.dtype)
+    return self
 
 
 @register_handler(aten.is_same_size.default)
