@@ -383,7 +383,13 @@ def _run_fallback(cls: type, op: OpOverload, args: tuple, kwargs: dict, dtensors
     def reshard(value: Any) -> Any:
         if not isinstance(value, Tensor):
             return value
-        if keep_alias:      # a view of replicas stays their view (a write through it reaches them), strides and all
+        if value.layout is not torch.strided:
+            raise ShardingError(f"{where(op, tuple(dt._spec for dt in dtensors))}: the op returns a {value.layout} "
+                                f"tensor, and a DTensor holds dense (strided) tensors; call it on a plain tensor "
+                                f"(dtensor.full_tensor() or .to_local())")
+        # a view of replicas stays their view (a write through it reaches them), strides and all; but not the
+        # conjugate or negative views (_conj, _neg_view), whose bits a wrapper can't carry
+        if keep_alias and not (value.is_conj() or value.is_neg()):
             spec = DTensorSpec(mesh, _replicated(mesh.ndim), value.shape, tuple(value.stride()), value.dtype)
             return cls._wrap_local(value, spec)
         stride = contiguous_stride(value.shape)

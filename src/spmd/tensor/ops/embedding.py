@@ -84,13 +84,15 @@ register_rule(aten.embedding.default, kernel=_lookup_kernel)(_lookup_rule)
 
 @register_strategy(aten.embedding_dense_backward.default)
 def _embedding_backward(schema: OpSchema) -> list[Strategy]:
-    # args: grad_output, indices, num_weights, padding_idx, scale_grad_by_freq
-    grad, ids = schema.input_specs
+    # args: grad_output, indices, num_weights, padding_idx, scale_grad_by_freq; the indices are a DTensor, or a
+    # plain one-element tensor (one id, the same on every rank)
+    grad, *ids = schema.input_specs
     scale_by_freq = bool(schema.args[4])
-    candidates = [Strategy((Replicate(), Replicate()), Replicate()),
-                  Strategy((Shard(grad.ndim - 1), Replicate()), Shard(1))]
-    if not scale_by_freq:
-        candidates += [Strategy((Shard(d), Shard(d)), Partial()) for d in range(ids.ndim)]
+    with_ids = (Replicate(),) if ids else ()
+    candidates = [Strategy((Replicate(), *with_ids), Replicate()),
+                  Strategy((Shard(grad.ndim - 1), *with_ids), Shard(1))]
+    if ids and not scale_by_freq:
+        candidates += [Strategy((Shard(d), Shard(d)), Partial()) for d in range(ids[0].ndim)]
     partials: list[Placement] = [p for p in grad.placements if isinstance(p, Partial) and p.is_linear]
-    candidates += [Strategy((p, Replicate()), p) for p in dict.fromkeys(partials)]
+    candidates += [Strategy((p, *with_ids), p) for p in dict.fromkeys(partials)]
     return candidates
