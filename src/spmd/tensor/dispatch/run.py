@@ -418,7 +418,9 @@ def _run_fallback(cls: type, op: OpOverload, args: tuple, kwargs: dict, dtensors
 # (torch's DTensor drops these writes). A view that gathered a view of a gathered copy (x[1, 2] on a DTensor
 # sharded on both dims) has that view as its base: the base is first brought up to date from its own base, then
 # written through in turn. Where the view can't be replayed (a view op without a rule, which ran through the
-# fallback's copies, or one of two DTensors), the write is refused, naming the op.
+# fallback's copies, or one of two DTensors), the write is refused, naming the op. Reads through such a view see
+# the base as it was when the view was taken (as in torch's DTensor): a view of a sharded dim is a snapshot for
+# reading, and a window for writing.
 
 
 class _GatheredView:
@@ -447,7 +449,7 @@ def _view_of_gathered(result: Any, compiled: Compiled, dtensors: list, gathered:
         return compiled.fn(*[full if value is gathered else value for value in call_args], **call_kwargs)
 
     for index, view in _outputs(result):
-        pick = (lambda full: replay(full)) if index is None else (lambda full, index=index: replay(full)[index])
+        pick = replay if index is None else (lambda full, index=index: replay(full)[index])
         view._gathered_view = _GatheredView(dtensors[0], compiled.input_targets[0], pick if writable else None,
                                             made_by)
 
