@@ -31,13 +31,6 @@ BY_SHAPE = {"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty
 
 # op -> why spmd refuses it on these layouts (the error names it, with what to do instead)
 KNOWN_REFUSALS = {
-    "cummax": "its backward scatters into a plain zeros tensor",
-    "cummin": "its backward scatters into a plain zeros tensor",
-    "trace": "its backward fills a plain index tensor",
-    "index_put": "its backward puts plain zeros (torch's saved metadata of the values)",
-    "diagonal_scatter": "its backward scatters plain zeros",
-    "select_scatter": "its backward scatters plain zeros",
-    "slice_scatter": "its backward scatters plain zeros",
     "nn.functional.linear_cross_entropy.chunked_none": "its chunks write into a plain out= buffer",
     "nn.functional.fractional_max_pool2d": "it draws its random samples as a plain tensor",
     "nn.functional.fractional_max_pool3d": "it draws its random samples as a plain tensor",
@@ -46,7 +39,6 @@ KNOWN_REFUSALS = {
     "pca_lowrank": "it draws a plain random projection",
     "resize_": "a sharded DTensor resizes only to its own size",
     "to_sparse": "a DTensor holds dense tensors",
-    "stft": "its backward adds into a plain tensor",
     "__getitem__": "a Python list of indices becomes a plain index tensor",
     "tensor_split": "torch's C++ reads the data of a DTensor of split indices before dispatch sees the call (torch's "
                     "own DTensor fails alike); plain indices work",

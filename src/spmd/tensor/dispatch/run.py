@@ -43,6 +43,14 @@ _PLAIN_AS_REPLICATE = frozenset({torch.ops.aten.cat.default, torch.ops.aten.stac
                                  torch.ops.aten.where.self})
 
 
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread: a plain tensor meeting DTensors there is one
+    a derivative formula made from saved metadata (the zeros index_put's backward puts, the index trace's fills, the
+    zeros cummax's scatters into), the same on every rank, and is taken as a Replicate DTensor as in
+    _PLAIN_AS_REPLICATE's ops."""
+    return torch._C._current_graph_task_id() != -1
+
+
 _implicitly_replicated: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_implicit_replication",
                                                                             default=False)
 
@@ -130,7 +138,7 @@ def _first_call(cls: type, op: OpOverload, types: tuple, args: tuple, kwargs: di
         functional = functional_of(op, out_args)
         if functional is not None:
             return _run_out_variant(cls, op, functional, args, kwargs, out_args)
-    if plain and (op in _PLAIN_AS_REPLICATE or _implicitly_replicated.get()):
+    if plain and (op in _PLAIN_AS_REPLICATE or _implicitly_replicated.get() or _in_backward()):
         args = _replicate_plain(cls, args, dtensors[0]._spec.mesh)
         return dispatch(cls, op, types, args, kwargs)
     if op._schema.name.startswith("aten::_foreach_") and len({dt._spec.mesh for dt in dtensors}) > 1:
