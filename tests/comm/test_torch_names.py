@@ -127,6 +127,7 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "nn.functional", "elastic.multiprocessing.errors", "launcher",
                  "launcher.api", "_tensor", "_composable.fsdp", "distributed_c10d", "_functional_collectives",
                  "fsdp._fully_shard", "fsdp._fully_shard._fsdp_api", "tensor.parallel.input_reshard",
+                 "tensor.parallel.ddp",
                  "optim.apply_optimizer_in_backward", "constants", "checkpoint.optimizer",
                  "_tools", "_tools.mem_tracker", "_tools.fsdp2_mem_tracker", "_tools.mod_tracker",
                  "_tools.runtime_estimator", "debug", "tensor._random", "_composable.fsdp.fully_shard"]

@@ -24,6 +24,7 @@ from spmd.device_mesh import DeviceMesh, init_device_mesh
 from spmd.fsdp import fully_shard
 from spmd.optim import ZeroRedundancyOptimizer
 from spmd.tensor import DTensor, Shard
+from spmd.tensor.parallel.ddp import _pre_dp_module_transform
 from spmd.testing import run_ranks
 from tests.procpool import ProcPool, free_port
 from tests.tensor.parallel.plans import Layout, parallelize, torch_api
@@ -118,6 +119,19 @@ def test_ddp_over_tensor_parallel_on_a_2x2_mesh_matches_one_process(kind: str, l
     _check([result for result, _ in results], reference(kind))
     for _, grads in results:
         assert all(grad == (DTensor, True) for grad in grads.values()), grads
+
+
+def test_torchs_two_d_recipe_transform_then_ddp_over_the_dp_group_matches_one_process() -> None:
+    """torch's TP x DDP recipe, ported by the import swap: _pre_dp_module_transform(model), then DDP over the mesh's
+    dp process group (not its mesh dim)."""
+    def body(rank: int, size: int) -> Result:
+        mesh = _mesh()
+        model = parallelize("gpt", fresh("gpt"), mesh["tp"], Layout.TP)
+        _pre_dp_module_transform(model)
+        return _train(DistributedDataParallel(model, process_group=mesh.get_group(mesh_dim=0)), mesh,
+                      use_loss_parallel=False)
+
+    _check(run_ranks(body, 4, timeout=TIMEOUT), reference("gpt"))
 
 
 def test_accumulation_clipping_and_comm_hooks_over_tensor_parallel() -> None:
