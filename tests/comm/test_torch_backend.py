@@ -198,6 +198,34 @@ def test_torchs_device_queries_on_the_spmd_backend(procpool: ProcPool, tmp_path:
         assert ".metadata" in out["saved"]
 
 
+def _coalesced(rank: int, world_size: int) -> dict[str, Any]:
+    """torch's _coalescing_manager with a device (DeepSpeed's all_gather_coalesced), async and not."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    dist.init_process_group("spmd", timeout=datetime.timedelta(seconds=60))
+    try:
+        gathered = [torch.empty(4 * world_size), torch.empty(2 * world_size)]
+        with _coalescing_manager(device=torch.device("cpu"), async_ops=True) as manager:
+            for out, value in zip(gathered, (torch.full((4,), float(rank)), torch.full((2,), 10.0 + rank))):
+                dist.all_gather_into_tensor(out, value, async_op=True)
+        manager.wait()
+        summed = [torch.full((3,), float(rank + 1)), torch.full((2,), 2.0)]
+        with _coalescing_manager(device=torch.device("cpu")):
+            for tensor in summed:
+                dist.all_reduce(tensor)
+        return {"gathered": [t.tolist() for t in gathered], "summed": [t.tolist() for t in summed]}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_torchs_coalescing_manager_runs_on_the_spmd_backend(procpool: ProcPool) -> None:
+    for out in procpool.run(_coalesced, 2, timeout=60):
+        assert out["gathered"] == [[0.0] * 4 + [1.0] * 4, [10.0, 10.0, 11.0, 11.0]]
+        assert out["summed"] == [[3.0, 3.0, 3.0], [4.0, 4.0]]
+
+
 @pytest.mark.parametrize("first", ["spmd", "torch", "spmd.comm.world", "spmd.ReduceOp", "spmd.ProcessGroup"])
 def test_importing_spmd_makes_its_backend_known_to_torch_in_either_order(first: str) -> None:
     # the last three import torch first from inside an spmd module's import, which is not whole yet then

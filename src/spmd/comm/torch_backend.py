@@ -117,6 +117,45 @@ class _SpmdWork(dist.Work):
         return self._work.get_future().then(_value_or_raise)
 
 
+class _CoalescedWork(dist.Work):
+    """torch's Work over the operations of one coalescing block: done when every one is, failed where one failed."""
+
+    def __init__(self, works: list[_SpmdWork]) -> None:
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        for work in self._works:
+            work.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def is_success(self) -> bool:
+        return all(work.is_success() for work in self._works)
+
+    def exception(self) -> BaseException | None:
+        return next((error for error in (work.exception() for work in self._works) if error is not None), None)
+
+    def result(self) -> list[Tensor]:
+        self.wait()
+        return [tensor for work in self._works for tensor in work._outputs]
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        outputs = [tensor for work in self._works for tensor in work._outputs]
+
+        def all_done(done: torch.futures.Future) -> list[Tensor]:
+            for future in done.wait():
+                future.wait()          # raises where an operation failed, failing this future
+            return outputs
+
+        return torch.futures.collect_all([work.get_future() for work in self._works]).then(all_done)
+
+
 def _value_or_raise(future: torch.futures.Future) -> Any:
     """A child future's value: the parent's, or its error raised, which torch's C++ side sees as a failure."""
     return future.wait()
@@ -132,7 +171,7 @@ def _group_class_ready() -> type[SpmdProcessGroup]:
     with _registered:
         if not _state["opaque"]:
             _bind_spmd()
-            for cls in (SpmdProcessGroup, _SpmdWork):
+            for cls in (SpmdProcessGroup, _SpmdWork, _CoalescedWork):
                 for name, value in list(vars(cls).items()):
                     if callable(value) and not name.startswith("__"):
                         setattr(cls, name, torch.compiler.disable(value))
@@ -162,6 +201,23 @@ class SpmdProcessGroup(dist.ProcessGroup):
         self.spmd_group = group
         self.owns_world = owns_world
         self._torch_group_name = ""
+        self._coalesced: list[_SpmdWork] | None = None     # the works issued since _start_coalescing
+
+    def _issued(self, work: Work | None, outputs: list[Tensor]) -> _SpmdWork:
+        """torch's Work for an operation this group just issued (kept for _end_coalescing while coalescing)."""
+        issued = _SpmdWork(work, outputs)
+        if self._coalesced is not None:
+            self._coalesced.append(issued)
+        return issued
+
+    # torch's _coalescing_manager(group, device) brackets a block of operations (DeepSpeed's all_gather_coalesced):
+    # spmd runs each as it is issued, and the block's Work is done when all of them are
+    def _start_coalescing(self, device: torch.device) -> None:
+        self._coalesced = []
+
+    def _end_coalescing(self, device: torch.device) -> _CoalescedWork:
+        works, self._coalesced = self._coalesced or [], None
+        return _CoalescedWork(works)
 
     def shutdown(self) -> None:
         """torch's destroy_process_group: the world goes with the default group that owns it."""
@@ -205,7 +261,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[Tensor], opts: Any = None) -> Any:
         op = _reduce_op(opts, "allreduce", self.spmd_group, tensors)
         works = [collectives.all_reduce(t, op=op, group=self.spmd_group, async_op=True) for t in tensors]
-        return _SpmdWork(works[-1] if works else None, tensors)
+        return self._issued(works[-1] if works else None, tensors)
 
     def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> Any:
         return self.allreduce(tensors, opts)
@@ -213,79 +269,79 @@ class SpmdProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors: list[Tensor], opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
         works = [collectives.broadcast(t, group=self.spmd_group, group_src=root, async_op=True) for t in tensors]
-        return _SpmdWork(works[-1] if works else None, tensors)
+        return self._issued(works[-1] if works else None, tensors)
 
     def reduce(self, tensors: list[Tensor], opts: Any = None) -> Any:
         op = _reduce_op(opts, "reduce", self.spmd_group, tensors)
         works = [collectives.reduce(t, group=self.spmd_group, group_dst=opts.rootRank, op=op, async_op=True)
                  for t in tensors]
-        return _SpmdWork(works[-1] if works else None, tensors)
+        return self._issued(works[-1] if works else None, tensors)
 
     def allgather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> Any:
         for outputs, tensor in zip(output_lists, inputs, strict=True):
             collectives.all_gather(outputs, tensor, group=self.spmd_group)
-        return _SpmdWork(None, [t for outputs in output_lists for t in outputs])
+        return self._issued(None, [t for outputs in output_lists for t in outputs])
 
     def all_gather_single(self, output: Tensor, input: Tensor, opts: Any = None) -> Any:
         work = collectives.all_gather_into_tensor(output, input, group=self.spmd_group, async_op=True)
-        return _SpmdWork(work, [output])
+        return self._issued(work, [output])
 
     def all_gather_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> Any:
         """What torch's functional all_gather calls (its C++ can't reach all_gather_single of a Python group)."""
         for output, tensor in zip(outputs, inputs, strict=True):
             collectives.all_gather_into_tensor(output, tensor, group=self.spmd_group)
-        return _SpmdWork(None, outputs)
+        return self._issued(None, outputs)
 
     def reduce_scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> Any:
         op = _reduce_op(opts, "reduce_scatter", self.spmd_group, outputs)
         for output, inputs in zip(outputs, input_lists, strict=True):
             collectives.reduce_scatter(output, inputs, op=op, group=self.spmd_group)
-        return _SpmdWork(None, outputs)
+        return self._issued(None, outputs)
 
     def reduce_scatter_single(self, output: Tensor, input: Tensor, opts: Any = None) -> Any:
         op = _reduce_op(opts, "reduce_scatter_single", self.spmd_group, [input])
         work = collectives.reduce_scatter_tensor(output, input, op=op, group=self.spmd_group, async_op=True)
-        return _SpmdWork(work, [output])
+        return self._issued(work, [output])
 
     def reduce_scatter_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> Any:
         op = _reduce_op(opts, "reduce_scatter_single_coalesced", self.spmd_group, inputs)
         for output, tensor in zip(outputs, inputs, strict=True):
             collectives.reduce_scatter_tensor(output, tensor, op=op, group=self.spmd_group)
-        return _SpmdWork(None, outputs)
+        return self._issued(None, outputs)
 
     def all_to_all_single(self, output: Tensor, input: Tensor, output_splits: list[int] | None,
                           input_splits: list[int] | None, opts: Any = None) -> Any:
         work = collectives.all_to_all_single(output, input, output_splits or None, input_splits or None,
                                              group=self.spmd_group, async_op=True)
-        return _SpmdWork(work, [output])
+        return self._issued(work, [output])
 
     def alltoall(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> Any:
         collectives.all_to_all(outputs, inputs, group=self.spmd_group)
-        return _SpmdWork(None, outputs)
+        return self._issued(None, outputs)
 
     def gather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> Any:
         root = opts.rootRank
         gathered = output_lists[0] if self.spmd_group.rank() == root else None
         collectives.gather(inputs[0], gathered, group=self.spmd_group, group_dst=root)
-        return _SpmdWork(None, gathered or [])
+        return self._issued(None, gathered or [])
 
     def scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> Any:
         root = opts.rootRank
         pieces = input_lists[0] if self.spmd_group.rank() == root else None
         collectives.scatter(outputs[0], pieces, group=self.spmd_group, group_src=root)
-        return _SpmdWork(None, outputs)
+        return self._issued(None, outputs)
 
     def barrier(self, opts: Any = None) -> Any:
         collectives.barrier(group=self.spmd_group)
-        return _SpmdWork(None, [])
+        return self._issued(None, [])
 
     def send(self, tensors: list[Tensor], dst: int, tag: int) -> Any:
         work = p2p.isend(tensors[0], group=self.spmd_group, group_dst=dst, tag=tag)
-        return _SpmdWork(work, tensors)
+        return self._issued(work, tensors)
 
     def recv(self, tensors: list[Tensor], src: int, tag: int) -> Any:
         work = p2p.irecv(tensors[0], group=self.spmd_group, group_src=src, tag=tag)
-        return _SpmdWork(work, tensors)
+        return self._issued(work, tensors)
 
 
 def _create(options: Any, backend_options: Any) -> SpmdProcessGroup:
