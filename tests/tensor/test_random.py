@@ -65,6 +65,33 @@ def test_consecutive_ops_stay_in_step_and_replicas_agree() -> None:
     assert all(torch.equal(r, results[0]) for r in results)
 
 
+FALLBACK_DRAWS = {
+    "multinomial": lambda t, g: torch.multinomial(t.abs() + 0.1, 3, generator=g),
+    "normal(tensor, float)": lambda t, g: torch.normal(t, 1.0, generator=g),
+    "normal(float, tensor)": lambda t, g: torch.normal(2.7, t.abs(), generator=g),
+    "poisson": lambda t, g: torch.poisson(t.abs(), generator=g),
+}
+
+
+def test_random_ops_without_a_rule_draw_from_the_ranks_generator_too() -> None:
+    """The ops the fallback runs draw the one-process numbers (they drew from torch's default generator)."""
+    source = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
+    want = {name: draw(source, torch.Generator().manual_seed(11)) for name, draw in FALLBACK_DRAWS.items()}
+
+    def body(mesh) -> dict[str, torch.Tensor]:
+        got = {}
+        for name, draw in FALLBACK_DRAWS.items():
+            manual_seed(11)
+            got[name] = draw(distribute_tensor(source, mesh, [Shard(0), Replicate()]), None).full_tensor()
+        return got
+
+    fallbacks = ["aten.multinomial.default", "aten.normal.Tensor_float", "aten.normal.float_Tensor",
+                 "aten.poisson.default"]
+    for got in run_on_mesh((2, 2), body, timeout=TIMEOUT, expect_fallbacks=fallbacks):
+        for name, value in got.items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=0, msg=name)
+
+
 def test_manual_seed_takes_torchs_mesh_argument() -> None:
     # torch.distributed.tensor._random.manual_seed(seed, mesh), as TorchTitan calls it
     from spmd.tensor._random import is_rng_supported_mesh

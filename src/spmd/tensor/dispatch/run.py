@@ -21,6 +21,7 @@ from spmd.tensor.dispatch.decision import Compiled, Path, compile_call, where
 from spmd.tensor.dispatch.keys import call_key, substitute
 from spmd.tensor.dispatch.signature import functional_of, mutated_positions, op_info
 from spmd.tensor.placement import Replicate
+from spmd.tensor.random import get_generator
 from spmd.tensor.redistribute import run_plan
 from spmd.tensor.rules import HANDLERS, ShardingError, note_fallback
 from spmd.tensor.spec import DTensorSpec, Placements, contiguous_stride
@@ -367,6 +368,22 @@ def _wrap_one(cls: type, local: Tensor, spec: DTensorSpec) -> Any:
     return wrapped
 
 
+def _draw_from_the_ranks_generator(op: OpOverload, call_args: list, call_kwargs: dict, device: torch.device) -> None:
+    """A random op the fallback runs (multinomial, normal of tensors, poisson, rrelu_with_noise) draws from this
+    rank's DTensor generator, as the random ops with handlers do (spmd.tensor.random): the one-process run's
+    numbers, the same on every rank. Fills the op's `generator` argument where the caller left it None."""
+    generator = get_generator(device)
+    names = [argument.name for argument in op._schema.arguments]
+    if generator is None or "generator" not in names:
+        return
+    index = names.index("generator")
+    if index < len(call_args) and not op._schema.arguments[index].kwarg_only:
+        if call_args[index] is None:
+            call_args[index] = generator
+    elif call_kwargs.get("generator") is None:
+        call_kwargs["generator"] = generator
+
+
 def _run_fallback(cls: type, op: OpOverload, args: tuple, kwargs: dict, dtensors: list, plain: list[Tensor],
                   compiled: Compiled) -> Any:
     """Replicate-compute-reshard (see the rules module docstring); writes mutated inputs back."""
@@ -376,6 +393,8 @@ def _run_fallback(cls: type, op: OpOverload, args: tuple, kwargs: dict, dtensors
     local_iter, plain_iter = iter(full_locals), iter(plain)
     call_args = [substitute(a, cls, DTensorSpec, local_iter, plain_iter) for a in args]
     call_kwargs = {k: substitute(v, cls, DTensorSpec, local_iter, plain_iter) for k, v in kwargs.items()}
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        _draw_from_the_ranks_generator(op, call_args, call_kwargs, full_locals[0].device)
     out = op(*call_args, **call_kwargs)
     for position in mutated_positions(op, args, kwargs, cls):
         dt, full = dtensors[position], full_locals[position]
