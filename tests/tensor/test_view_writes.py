@@ -178,3 +178,14 @@ def test_resize_of_a_replicated_dtensor_is_a_plain_tensors_and_of_a_sharded_one_
 
     for got in run_ranks(body, 2, timeout=60):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_boolean_mask_indexing_is_refused_saying_why_and_what_to_do() -> None:
+    def body(rank: int, size: int) -> None:
+        mesh = init_device_mesh("cpu", (size,))
+        x = distribute_tensor(BASE.clone(), mesh, [Shard(0)])
+        with pytest.raises(ShardingError, match=r"aten.index.Tensor on rank \d .*: indexing with a boolean mask gives "
+                                                r"a shape that depends on the mask's values.*x.full_tensor\(\)"):
+            x[x > 10]
+
+    run_ranks(body, 2, timeout=60)

@@ -358,6 +358,10 @@ def _index(schema: OpSchema) -> ShardingDecision:
     """x[idx...]: indexed dims and the index tensors are replicated; the other dims keep their shards."""
     spec = schema.input_specs[0]
     indices = list(schema.args[1])
+    if any(index is not None and index.dtype in (torch.bool, torch.uint8) for index in indices):
+        raise ShardingError("indexing with a boolean mask gives a shape that depends on the mask's values, which "
+                            "no rank knows before the others' are counted; select on the full tensor "
+                            "(x.full_tensor()[mask.full_tensor()]) or keep the shape with torch.where / masked_fill")
     indexed = [d for d, index in enumerate(indices) if index is not None]
     index_shapes = [index.shape for index in indices if index is not None]
     index_ndim = len(torch.broadcast_shapes(*index_shapes)) if index_shapes else 0
