@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 
@@ -140,15 +141,20 @@ def _overlap_rank(rank: int, world_size: int, init_file: str, layers: int, width
     spmd.destroy_process_group()
 
 
-def _overlap_main(args: argparse.Namespace) -> None:
+def _launch(args: argparse.Namespace, worker: Any, extra: tuple, what: str) -> tuple[list[dict], dict[str, float], int]:
+    """Run `worker(rank, world, init, layers, width, steps, *extra, out)` on every rank; the per-rank results, the
+    median time of each implementation, and the parameter count."""
     with tempfile.TemporaryDirectory() as tmp:
         results = run_saving_processes(
-            _overlap_rank, args.ranks, lambda rank, out: (rank, args.ranks, f"{tmp}/init", args.layers, args.width,
-                                                          args.steps, out),
-            timeout=600, what="zero overlap benchmark")
-    times = results[0]["times"]
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    params = args.layers * (args.width * args.width + args.width)
+            worker, args.ranks, lambda rank, out: (rank, args.ranks, f"{tmp}/init", args.layers, args.width,
+                                                   args.steps, *extra, out),
+            timeout=600, what=what)
+    medians = {name: statistics.median(values) for name, values in results[0]["times"].items()}
+    return results, medians, args.layers * (args.width * args.width + args.width)
+
+
+def _overlap_main(args: argparse.Namespace) -> None:
+    results, medians, params = _launch(args, _overlap_rank, (), "zero overlap benchmark")
     print(f"{args.ranks} ranks, {params / 1e6:.1f} M parameters, DDP (4 MB buckets) + ZeRO Adam, 32 rows per rank, "
           f"{args.steps} training steps each (median ms per step, slowest rank)")
     for name in OVERLAP_NAMES:
@@ -171,14 +177,8 @@ def main() -> None:
     if args.overlap:
         _overlap_main(args)
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        results = run_saving_processes(
-            _rank, args.ranks, lambda rank, out: (rank, args.ranks, f"{tmp}/init", args.layers, args.width,
-                                                  args.steps, args.bucket_view, out),
-            timeout=600, what="zero benchmark")
+    results, medians, params = _launch(args, _rank, (args.bucket_view,), "zero benchmark")
     times = results[0]["times"]
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    params = args.layers * (args.width * args.width + args.width)
     print(f"{args.ranks} ranks, {params / 1e6:.1f} M parameters, Adam, bucket view {args.bucket_view}, {args.steps} "
           f"steps each (median ms per step)")
     for name in ("spmd", "torch", "plain"):
