@@ -94,15 +94,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                              f"backward needs the optimizer built with overlap_with_ddp=True")
         if self._overlap is _Overlap.IN_BACKWARD:
             raise RuntimeError(f"ZeroRedundancyOptimizer on rank {self.global_rank}: already stepped by another "
-                               f"DDP hook; build one hook per optimizer")
+                               f"DDP hook built over it; build one hook per optimizer")
         mine = set(self._owners)
         bucketed = [p for bucket in buckets for p in bucket]
-        if set(bucketed) != mine:
-            missing = sum(1 for p in mine if p not in set(bucketed))
+        in_buckets = set(bucketed)
+        if in_buckets != mine:
             raise ValueError(f"ZeroRedundancyOptimizer on rank {self.global_rank}: overlap_with_ddp needs the DDP "
-                             f"module's parameters exactly: {missing} of the optimizer's parameters are not in its "
-                             f"gradient buckets (frozen or ignored by DDP), {len(set(bucketed) - mine)} of the "
-                             f"buckets' are not the optimizer's")
+                             f"module's parameters exactly: {len(mine - in_buckets)} of the optimizer's parameters "
+                             f"are not in its gradient buckets (frozen or ignored by DDP), {len(in_buckets - mine)} "
+                             f"of the buckets' are not the optimizer's")
         owners: dict[Tensor, int] = {}
         owned = [0] * self.world_size
         run_size = sum(_local(p).numel() for p in bucketed) / self.world_size
