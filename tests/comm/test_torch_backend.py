@@ -11,6 +11,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import textwrap
 import threading
 from typing import Any
 
@@ -237,6 +238,30 @@ def test_importing_spmd_makes_its_backend_known_to_torch_in_either_order(first: 
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert found.stdout.split() == ["True", "False"]       # known, and importing spmd compiled nothing
     assert "could not register" not in found.stderr
+
+
+def test_a_job_that_never_compiles_never_imports_dynamo_and_compiling_later_still_sees_spmds_opaque_code(
+        tmp_path: pathlib.Path) -> None:
+    # dynamo costs a process 1.5 s to import: a group (spmd's and torch's default over it) and a DDP step must
+    # not import it, and importing it afterwards must still make the groups' methods and DDP's forward opaque
+    code = textwrap.dedent("""
+        import sys, torch, spmd
+        from spmd.ddp.api import DistributedDataParallel
+        from spmd.comm.torch_backend import SpmdProcessGroup
+        spmd.init_process_group("tcp", init_method=sys.argv[1], rank=0, world_size=1)
+        assert torch.distributed.get_backend() == "spmd"
+        model = DistributedDataParallel(torch.nn.Linear(2, 2))
+        model(torch.ones(1, 2)).sum().backward()
+        print("imported", "torch._dynamo" in sys.modules)
+        import torch._dynamo
+        print("opaque", DistributedDataParallel._run_module._torchdynamo_disable,
+              SpmdProcessGroup.allreduce._torchdynamo_disable)
+        spmd.destroy_process_group()
+    """)
+    found = subprocess.run([sys.executable, "-c", code, f"file://{tmp_path / 'store'}"], capture_output=True,
+                           text=True, timeout=120)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.split() == ["imported", "False", "opaque", "True", "True"], found.stdout
 
 
 def test_torch_store_adapter_gives_spmds_store_semantics() -> None:

@@ -13,7 +13,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -79,6 +79,18 @@ def when_dynamo_imported(then: Callable[[ModuleType], None]) -> None:
     if not _pending:
         sys.meta_path.insert(0, _OnDynamoImport())
     _pending.append(then)
+
+
+def disable_once_dynamo_imported(cls: type, names: Iterable[str], *, recursive: bool = True) -> None:
+    """torch.compiler.disable `cls`'s methods `names` right after dynamo is first imported (now if it is): what
+    decorating them does, without importing dynamo in a process that never compiles."""
+    names = tuple(names)
+
+    def disable(dynamo: ModuleType) -> None:
+        for name in names:
+            setattr(cls, name, torch.compiler.disable(vars(cls)[name], recursive=recursive))
+
+    when_dynamo_imported(disable)
 
 
 class _OnDynamoImport(importlib.abc.MetaPathFinder):

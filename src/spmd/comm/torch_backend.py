@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from spmd._core.compile import disable_once_dynamo_imported
 from spmd._core.deadline import Deadline, as_seconds
 from spmd._core.errors import StoreError
 from spmd.comm.store.base import Store, Value, missing_keys_error, to_bytes
@@ -59,7 +60,7 @@ _group_class: Any = None         # spmd.comm.group.ProcessGroup
 _check_reduce_op: Any = None
 _REDUCE_OPS: dict[Any, ReduceOp] = {}
 _registered = threading.Lock()
-_state: dict[str, Any] = {"registered": False, "owned": None, "world_owner": None, "opaque": False}
+_state: dict[str, Any] = {"registered": False, "owned": None, "world_owner": None, "bound": False}
 
 
 def _reduce_op(opts: Any, name: str, group: ProcessGroup, tensors: list[Tensor]) -> ReduceOp:
@@ -163,19 +164,18 @@ def _value_or_raise(future: torch.futures.Future) -> Any:
 
 def _group_class_ready() -> type[SpmdProcessGroup]:
     """The group class, ready for a first group: the spmd modules it runs on bound (_bind_spmd), and every method it
-    and its Work define made opaque to torch.compile (once per process, at the first group, so that importing this
-    module, which `import spmd` does, never imports dynamo): torch's code calls a group's operations from code
+    and its Work define made opaque to torch.compile once dynamo is imported (so that neither importing this
+    module, which `import spmd` does, nor a group imports dynamo): torch's code calls a group's operations from code
     dynamo may be tracing (torch's DDP, compiled whole, broadcasts its buffers before each forward), and a group is
     an opaque object there, whose attributes (the spmd group) dynamo refuses to read, failing the compile. Eager,
     an operation is a graph break, as a C++ backend's is."""
     with _registered:
-        if not _state["opaque"]:
+        if not _state["bound"]:
             _bind_spmd()
             for cls in (SpmdProcessGroup, _SpmdWork, _CoalescedWork):
-                for name, value in list(vars(cls).items()):
-                    if callable(value) and not name.startswith("__"):
-                        setattr(cls, name, torch.compiler.disable(value))
-            _state["opaque"] = True
+                disable_once_dynamo_imported(cls, [name for name, value in vars(cls).items()
+                                                   if callable(value) and not name.startswith("__")])
+            _state["bound"] = True
     return SpmdProcessGroup
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from spmd._autograd import DDP_STEPS_IN_BACKWARD, add_in_backward_optimizer, in_backward_optimizers
+from spmd._core.compile import disable_once_dynamo_imported
 from spmd.comm.collectives import is_wrapper_subclass
 from spmd.comm.group import NonMemberGroup, ProcessGroup
 from spmd.comm.join import Join, Joinable, JoinHook
@@ -118,11 +119,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             return self._post_forward(self._run_module(inputs, kwargs))
         return self._post_forward(self.module(*inputs, **kwargs))
 
-    @torch.compiler.disable(recursive=False)
     def _run_module(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The module's forward, announced to torch.compile as a DDP module's: this frame stays out of any graph,
-        and the frames compiled inside it are cut at bucket boundaries, so a compiled backward hands gradients to
-        the reducer bucket by bucket (torch_backend, Note: spmd's DDP under torch.compile)."""
+        """The module's forward, announced to torch.compile as a DDP module's: this frame stays out of any graph (it
+        is disabled non-recursively once dynamo is imported, below the class), and the frames compiled inside it are
+        cut at bucket boundaries, so a compiled backward hands gradients to the reducer bucket by bucket
+        (torch_backend, Note: spmd's DDP under torch.compile)."""
         from spmd.comm import torch_backend
 
         with torch_backend.announced_to_dynamo_as_ddp(self.bucket_bytes_cap):
@@ -258,6 +259,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             f"changed after wrapping (added or newly trainable: {added}; removed or frozen: {removed}; reshaped: "
             f"{reshaped}). DDP lays out its gradient buckets at construction: finish changing the model, then "
             f"wrap it again.")
+
+
+disable_once_dynamo_imported(DistributedDataParallel, ["_run_module"], recursive=False)
 
 
 def _resolve(process_group: ProcessGroup | NonMemberGroup | None, device_mesh: Any) -> ProcessGroup:
