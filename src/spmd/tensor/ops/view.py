@@ -236,7 +236,7 @@ def _view_dtype(schema: OpSchema) -> ShardingDecision:
     """x.view(dtype): the same bits read as another dtype. Not linear, so a Partial is reduced first; a dtype of
     another size rescales the last dim, whose shards are gathered; the other dims keep theirs."""
     spec = schema.input_specs[0]
-    same_size = torch.empty((), dtype=schema.args[1]).element_size() == spec.dtype.itemsize
+    same_size = schema.args[1].itemsize == spec.dtype.itemsize
     needed, out = _map_placements(spec, lambda d: d if same_size or d != spec.ndim - 1 else None)
 
     def reduced(placements: Placements) -> Placements:
