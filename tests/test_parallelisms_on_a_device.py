@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 import spmd
 from spmd.algorithms.ddp_comm_hooks import default_hooks
+from spmd.algorithms.ddp_comm_hooks.ddp_zero_hook import hook_with_zero_step, hook_with_zero_step_interleaved
 from spmd.algorithms.model_averaging.averagers import PeriodicModelAverager
 from spmd.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from spmd.device_mesh import DeviceMesh, init_device_mesh
@@ -162,6 +163,27 @@ def test_ddp_with_zero_accumulation_and_model_averaging() -> None:
                 lm_loss(model(tokens), targets).backward()
             optimizer.step()
             averager.average_parameters(model.parameters())
+            kept = devices(model)
+            optimizer.zero_grad()
+        return kept
+
+    assert on_meta(step, (2,)) == [{"meta"}] * 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shard_buckets", [False, True], ids=["bucket-per-rank", "sharded-buckets"])
+@pytest.mark.parametrize("zero_hook", [hook_with_zero_step, hook_with_zero_step_interleaved],
+                         ids=["after", "interleaved"])
+def test_ddp_stepping_zero_inside_its_backward(zero_hook: Callable, shard_buckets: bool) -> None:
+    def step(mesh: DeviceMesh) -> set:
+        model = spmd.DistributedDataParallel(gpt(), bucket_cap_mb=0.01)
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1,
+                                            momentum=0.9, overlap_with_ddp=True)
+        model.register_comm_hook(None, zero_hook(default_hooks.allreduce_hook, model, optimizer,
+                                                 shard_buckets=shard_buckets))
+        for _ in range(2):
+            tokens, targets = batch()
+            lm_loss(model(tokens), targets).backward()
             kept = devices(model)
             optimizer.zero_grad()
         return kept
