@@ -127,7 +127,11 @@ def _collectives(rank: int, size: int, async_op: bool) -> None:
     done(spmd.all_to_all([meta(rank + 1, 2) for _ in range(size)], [meta(r + 1, 2) for r in range(size)],
                          async_op=async_op))
     done(spmd.barrier(async_op=async_op))
+    columns = meta(3, 2 * size).t()                 # non-contiguous tensors are staged through contiguous copies
+    done(spmd.all_reduce(columns, async_op=async_op))
+    done(spmd.all_gather_into_tensor(columns, meta(3, 2).t(), async_op=async_op))
     assert all(t.device.type == "meta" and t.shape == (2, 3) for t in [x, *gathered])
+    assert columns.device.type == "meta" and columns.shape == (2 * size, 3)
 
 
 @pytest.mark.parametrize("async_op", [False, True])
@@ -245,8 +249,13 @@ def test_common_dtensor_ops_run_on_meta() -> None:
             target = distribute_tensor(meta(6, dtype=torch.long), mesh, [Shard(0)])
             for made in (a @ b, a.sum(), a.mean(1), a.softmax(-1), torch.nn.functional.layer_norm(a, (4,)),
                          torch.nn.functional.cross_entropy(a @ b, target), torch.nn.functional.embedding(ids, weight),
-                         a.full_tensor(), a.max(), a.view(24), *torch._foreach_norm([a, a])):
+                         a.full_tensor(), a.max(), a.view(24), *torch._foreach_norm([a, a]),
+                         torch.triu(a)):             # no sharding rule: gathered, run, resharded
                 assert made.device.type == "meta"
+            a[1] = 0                                 # writes through views that gather a sharded dim
+            a[:, 1:3].mul_(2)
+            b[2, 3] = 5
+            assert a.to_local().device.type == b.to_local().device.type == "meta"
 
     run_ranks(body, 2, timeout=TIMEOUT, backend=MetaTransport.name)
 

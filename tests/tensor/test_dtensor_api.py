@@ -228,6 +228,27 @@ def test_bad_input_errors() -> None:
     run_ranks(body, 4, timeout=TIMEOUT)
 
 
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1), Replicate()], ids=["shard0", "shard1", "replicate"])
+def test_a_plain_tensor_that_is_one_element_broadcast_counts_as_a_scalar(placement) -> None:
+    """On an accelerator torch's `x[1] = 5` copies a 0-d tensor expanded to the slice's shape (on the CPU it
+    fills): such a tensor holds one value, as unambiguous as a one-element one, and is taken as replicated."""
+    def body(rank: int, world_size: int) -> None:
+        mesh = init_device_mesh("cpu", (2,))
+        x = distribute_tensor(FULL, mesh, [placement])
+        want = FULL.clone()
+        x[1].copy_(torch.scalar_tensor(5.0).expand(5))         # what x[1] = 5 runs on a CUDA tensor
+        want[1] = 5.0
+        x[:, 2].copy_(torch.scalar_tensor(-1.0).expand(7))
+        want[:, 2] = -1.0
+        torch.testing.assert_close(x.full_tensor(), want, rtol=0, atol=0)
+        assert x.placements == (placement,)
+        torch.testing.assert_close((x + torch.tensor(2.0).expand(7, 5)).full_tensor(), want + 2, rtol=0, atol=0)
+        with pytest.raises(MixedTensorError, match=r"plain torch\.Tensor of shape \(7, 5\)"):
+            x + torch.arange(5.0).expand(7, 5)                  # broadcast along one dim only: many values
+
+    run_ranks(body, 2, timeout=TIMEOUT)
+
+
 def test_deepcopy_keeps_layout_and_parameterness() -> None:
     def body(mesh) -> None:
         model = nn.Linear(5, 7)

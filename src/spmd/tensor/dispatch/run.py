@@ -139,7 +139,8 @@ def _first_call(cls: type, op: OpOverload, types: tuple, args: tuple, kwargs: di
         functional = functional_of(op, out_args)
         if functional is not None:
             return _run_out_variant(cls, op, functional, args, kwargs, out_args)
-    if plain and (op in _PLAIN_AS_REPLICATE or _implicitly_replicated.get() or _in_backward()):
+    if plain and (op in _PLAIN_AS_REPLICATE or _implicitly_replicated.get() or _in_backward()
+                  or _one_value_broadcast(plain)):
         args = _replicate_plain(cls, args, dtensors[0]._spec.mesh)
         return dispatch(cls, op, types, args, kwargs)
     if op._schema.name.startswith("aten::_foreach_") and len({dt._spec.mesh for dt in dtensors}) > 1:
@@ -153,7 +154,7 @@ def _first_call(cls: type, op: OpOverload, types: tuple, args: tuple, kwargs: di
                 f"{tuple(tensor.shape)} beside DTensors; its layout is ambiguous. Make it a DTensor first "
                 f"(distribute_tensor(t, mesh, placements) or DTensor.from_local(...)), or, for a value equal on "
                 f"every rank, run the op under spmd.tensor.experimental.implicit_replication(). Only "
-                f"one-element plain tensors are treated as replicated scalars.")
+                f"one-element plain tensors (or one element broadcast) are treated as replicated scalars.")
     compiled = compile_call(op, args, kwargs, dtensors, plain, cls)
     if key is not None:
         mesh = dtensors[0]._spec.mesh
@@ -166,6 +167,16 @@ def _first_call(cls: type, op: OpOverload, types: tuple, args: tuple, kwargs: di
 
 
 _MESHES_WITH_DECISIONS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _one_value_broadcast(plain: list[Tensor]) -> bool:
+    """Whether the plain tensors are one-element ones and at least one element broadcast to a shape (every stride
+    0), which is as unambiguous as a one-element tensor: torch's `x[i] = 0` on an accelerator copies a 0-d tensor
+    expanded to the slice's shape (on the CPU it fills)."""
+    def one_value(tensor: Tensor) -> bool:
+        return tensor.numel() > 0 and all(stride == 0 for stride, size in zip(tensor.stride(), tensor.shape)
+                                          if size > 1)
+    return any(tensor.numel() > 1 for tensor in plain) and all(one_value(tensor) for tensor in plain)
 
 
 def forget_decisions() -> None:
