@@ -15,6 +15,8 @@ least one) as spawned processes, backend "nccl" (spmd's torch:nccl transport), e
     SGD step must match to 1e-5 (SGD: Adam's first step would blow reduction-order noise up); the same FSDP2 step
     with the collective buffers from NCCL's own allocator (set_allocate_memory_from_process_group_for_comm), with
     a frozen int64 table (the byte all-gather), and replicate on FSDP2's machinery;
+  - a conv net's DDP step with synchronised batch norm against the whole batch in one process: spmd.nn's
+    SyncBatchNorm, and torch.nn's over spmd's world (torch's default group on the "spmd" backend);
   - a tensor-parallel MLP block under torch.compile (inductor) over three sequence lengths against eager;
   - a 1F1B pipeline step (a stage per rank) against one process, and a distributed checkpoint of an FSDP2
     model with its AdamW state saved and loaded bit-exact;
@@ -24,7 +26,7 @@ least one) as spawned processes, backend "nccl" (spmd's torch:nccl transport), e
     dealt by PTRR, made by the compiled create_block_mask on the device), output and q/k/v gradients likewise.
   - with one GPU only, also 2 ranks sharing it over spmd's shared-memory transport ("shm", which has to stage
     CUDA tensors through host memory): an all_reduce on CUDA tensors, expected to work or to fail with a clear
-    error naming the transport's devices, and the two attention checks on 2 ranks.
+    error naming the transport's devices, the two SyncBatchNorm checks and the two attention checks on 2 ranks.
 Each row: name, PASS/FAIL, seconds, and the error's first line for a failure. Exit status 1 if any row failed.
 """
 
@@ -186,6 +188,40 @@ def _parallel_steps(rows: list[Row], rank: int, world: int, device: torch.device
     _check(rows, "FSDP2 step, buffers from the group's allocator", lambda: fsdp(group_buffers=True))
     _check(rows, "replicate (FSDP2's machinery) step vs one process", lambda: fsdp(replicate))
     _check(rows, "FSDP2 step, frozen int64 beside float32 (byte all-gather)", fsdp_mixed_dtypes)
+
+
+def _sync_batch_norm_checks(rows: list[Row], rank: int, world: int, device: torch.device) -> None:
+    """A conv net's DDP step with its batch norm synchronised, against the whole batch in one process: spmd's
+    SyncBatchNorm, and on CUDA torch's own over spmd's world (torch's default group, backend "spmd"; torch's
+    runs on accelerators only)."""
+    import spmd
+    from spmd.nn import SyncBatchNorm
+
+    def net() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                   torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 8, 4)).to(device)
+
+    x = torch.randn(4 * world, 3, 8, 8, generator=torch.Generator().manual_seed(2)).to(device)
+    reference = net()
+    reference(x).square().mean().backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    rtol = 2e-3 if device.type == "cuda" else 1e-5        # cuDNN's convolutions may pick TF32 per batch size
+
+    def step(convert: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
+        model = spmd.DistributedDataParallel(convert(net()),
+                                             device_ids=[device.index] if device.type == "cuda" else None)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(x.chunk(world)[rank]).square().mean().backward()
+        optimizer.step()
+        for got, expected in zip(model.module.parameters(), reference.parameters(), strict=True):
+            _expect(got, expected.detach().cpu(), "parameter", rtol=rtol)
+        _expect(model.module[1].running_var, reference[1].running_var.cpu(), "running variance", rtol=rtol)
+
+    _check(rows, "spmd.nn.SyncBatchNorm DDP step vs one process", lambda: step(SyncBatchNorm.convert_sync_batchnorm))
+    if device.type == "cuda":
+        _check(rows, "torch.nn.SyncBatchNorm over spmd's world vs one process",
+               lambda: step(torch.nn.SyncBatchNorm.convert_sync_batchnorm))
 
 
 class _Attention(torch.nn.Module):
@@ -412,6 +448,7 @@ def _nccl_rank(rank: int, world: int, port: int, out_file: str, backend: str = "
     try:
         _collectives(rows, rank, world, device)
         _parallel_steps(rows, rank, world, device)
+        _sync_batch_norm_checks(rows, rank, world, device)
         _attention_checks(rows, rank, world, device)
         _compiled_tensor_parallel(rows, world, device)
         _pipeline_and_checkpoint(rows, rank, world, device, out_file)
@@ -432,6 +469,7 @@ def _shared_gpu_rank(rank: int, world: int, port: int, out_file: str) -> None:
             spmd.all_reduce(t)
             _expect(t, torch.full((1 << 16,), float(world * (world + 1) // 2)), "all_reduce over shm")
         _check(rows, "2 ranks on 1 GPU over shm: all_reduce", all_reduce)
+        _sync_batch_norm_checks(rows, rank, world, torch.device("cuda", 0))
         _attention_checks(rows, rank, world, torch.device("cuda", 0))
     finally:
         spmd.destroy_process_group()

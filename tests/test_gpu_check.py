@@ -12,8 +12,8 @@ import pytest
 import torch
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-CHECKS = 23     # the main table's rows: 12 collectives, 5 data-parallel steps, 3 attention checks, compiled TP,
-                # a pipeline step and a checkpoint
+CHECKS = 24     # the main table's rows: 12 collectives, 5 data-parallel steps, spmd's SyncBatchNorm, 3 attention
+                # checks, compiled TP, a pipeline step and a checkpoint
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -24,6 +24,7 @@ from spmd.algorithms.model_averaging.averagers import PeriodicModelAverager
 from spmd.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from spmd.device_mesh import DeviceMesh, init_device_mesh
 from spmd.fsdp import MixedPrecisionPolicy, fully_shard
+from spmd.nn import SyncBatchNorm
 from spmd.optim import ZeroRedundancyOptimizer
 from spmd.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, runtime
 from spmd.tensor import DTensor
@@ -185,6 +186,24 @@ def test_ddp_stepping_zero_inside_its_backward(zero_hook: Callable, shard_bucket
             tokens, targets = batch()
             lm_loss(model(tokens), targets).backward()
             kept = devices(model)
+            optimizer.zero_grad()
+        return kept
+
+    assert on_meta(step, (2,)) == [{"meta"}] * 2
+
+
+@pytest.mark.timeout(60)
+def test_ddp_with_sync_batch_norm() -> None:
+    def step(mesh: DeviceMesh) -> set:
+        with torch.device("meta"):
+            net = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(16, 6),
+                                nn.BatchNorm1d(6, momentum=None), nn.Linear(6, 1))
+        model = spmd.DistributedDataParallel(SyncBatchNorm.convert_sync_batchnorm(net))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(2):
+            model(meta(3, 2, 4, 4)).square().mean().backward()
+            optimizer.step()
+            kept = devices(model) | {buffer.device.type for buffer in model.buffers()}
             optimizer.zero_grad()
         return kept
 
