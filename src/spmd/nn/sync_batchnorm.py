@@ -40,8 +40,8 @@ class _SyncBatchNormFunction(Function):
         x = input.to(torch.promote_types(input.dtype, torch.float32))
         count = input.numel() // channels
         if count:
-            mean = x.mean(reduced_dims)
-            squares = (x - _per_channel(mean, x)).square().sum(reduced_dims)
+            variance, mean = torch.var_mean(x, reduced_dims, correction=0)      # one pass (Welford's)
+            squares = variance * count
         else:                   # a rank with an empty batch counts for nothing
             mean = squares = x.new_zeros(channels)
         # combined in float64: counts past 2**24 elements a channel stay exact, and so do the corrections
@@ -60,11 +60,9 @@ class _SyncBatchNormFunction(Function):
         invstd = torch.rsqrt(global_squares / total + eps).to(x.dtype)
         global_mean = global_mean.to(x.dtype)
         total = total.to(x.dtype)
-        out = (x - _per_channel(global_mean, x)) * _per_channel(invstd, x)
-        if weight is not None:
-            out = out * _per_channel(weight, x)
-        if bias is not None:
-            out = out + _per_channel(bias, x)
+        scale = invstd if weight is None else invstd * weight.to(x.dtype)     # out = x * scale + shift, one
+        shift = -global_mean * scale if bias is None else bias.to(x.dtype) - global_mean * scale   # kernel, as
+        out = torch.addcmul(_per_channel(shift, x), x, _per_channel(scale, x))          # torch's CPU batch norm
         ctx.save_for_backward(input, weight, global_mean, invstd, total)
         ctx.group = group
         return out.to(input.dtype)
@@ -84,8 +82,10 @@ class _SyncBatchNormFunction(Function):
             c.all_reduce(sums, group=ctx.group)
             mean_dy, mean_dy_centred = (sums / total).chunk(2)
             scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
-            grad_input = ((dy - _per_channel(mean_dy, x) - centred * _per_channel(invstd.square() * mean_dy_centred, x))
-                          * _per_channel(scale, x)).to(input.dtype)
+            # (dy - mean_dy - centred * invstd^2 * mean_dy_centred) * scale, as two fused multiply-adds
+            grad_input = torch.addcmul(_per_channel(-mean_dy * scale, x), dy, _per_channel(scale, x))
+            grad_input = grad_input.addcmul_(centred, _per_channel(-invstd.square() * mean_dy_centred * scale, x))
+            grad_input = grad_input.to(input.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
             grad_weight = (sum_dy_centred * invstd).to(weight.dtype)
         if ctx.needs_input_grad[2]:
