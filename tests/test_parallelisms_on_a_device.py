@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from examples.gpt import GPT, GPTConfig
 from torch import Tensor, nn
+from torch.optim import optimizer as torch_optimizer
+from torch.utils import _foreach_utils
 
 import spmd
 from spmd.algorithms.ddp_comm_hooks import default_hooks
@@ -42,6 +44,15 @@ VOCAB, CONTEXT, BATCH = 64, 16, 4
 @pytest.fixture(autouse=True)
 def fake_transports(monkeypatch: pytest.MonkeyPatch) -> None:
     register_fake_transports(monkeypatch)
+
+
+@pytest.fixture(autouse=True)
+def accelerator_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's optimizers and clip_grad_norm_ take their accelerator defaults on meta, as on CUDA: foreach ops over
+    a group's whole parameter list (on the CPU and meta they loop over the parameters)."""
+    with_meta = [*_foreach_utils._get_foreach_kernels_supported_devices(), "meta"]
+    monkeypatch.setattr(_foreach_utils, "_get_foreach_kernels_supported_devices", lambda: with_meta)
+    monkeypatch.setattr(torch_optimizer, "_get_foreach_kernels_supported_devices", lambda: with_meta)
 
 
 def on_meta(fn: Callable[[DeviceMesh], Any], shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> list:

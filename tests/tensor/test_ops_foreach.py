@@ -111,6 +111,34 @@ def test_foreach_ops_over_several_meshes_run_per_mesh() -> None:
     on_meshes(body, [(4,)])
 
 
+@pytest.mark.parametrize("implementation", ["foreach", "fused"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_step_over_plain_parameters_beside_dtensors_runs_per_kind(name: str, implementation: str) -> None:
+    """A tensor-parallel plan that leaves some parameters plain (a position embedding): torch's optimizers step a
+    group's parameters in one foreach (or fused) call, the default on accelerators, plain ones beside DTensors in
+    its lists; it runs once for the DTensor positions and once for the plain ones (torch's DTensor refuses it)."""
+    optimizer, options = OPTIMIZERS[name]
+
+    def body(mesh: DeviceMesh) -> None:
+        plain = [t.clone().requires_grad_() for t in INIT]
+        mixed = [torch.nn.Parameter(make_dtensor(INIT[0], mesh, [Shard(0)])), torch.nn.Parameter(INIT[1].clone()),
+                 torch.nn.Parameter(make_dtensor(INIT[2], mesh, [Replicate()]))]
+        plain_opt = optimizer(plain, **options)
+        mixed_opt = optimizer(mixed, **options, **IMPLEMENTATIONS[implementation])
+        for step_grads in GRADS:
+            for p, g in zip(plain, step_grads):
+                p.grad = g.clone()
+            for p, g in zip(mixed, step_grads):
+                p.grad = make_dtensor(g, mesh, [Partial()]) if isinstance(p, DTensor) else g.clone()
+            plain_opt.step()
+            mixed_opt.step()
+        assert [isinstance(p, DTensor) for p in mixed] == [True, False, True]
+        for k, (p, m) in enumerate(zip(plain, mixed)):
+            got = m.full_tensor() if isinstance(m, DTensor) else m.detach()
+            torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6, msg=lambda msg, k=k: f"{k}: {msg}")
+    on_meshes(body, [(2,)])
+
+
 def test_partial_self_stays_partial_through_linear_ops() -> None:
     """A momentum buffer cloned from a Partial gradient is updated without communication."""
     def body(mesh: DeviceMesh) -> None:

@@ -143,7 +143,7 @@ def _first_call(cls: type, op: OpOverload, types: tuple, args: tuple, kwargs: di
                   or _one_value_broadcast(plain)):
         args = _replicate_plain(cls, args, dtensors[0]._spec.mesh)
         return dispatch(cls, op, types, args, kwargs)
-    if op._schema.name.startswith("aten::_foreach_") and len({dt._spec.mesh for dt in dtensors}) > 1:
+    if op._schema.name.startswith("aten::_foreach_") and (plain or len({dt._spec.mesh for dt in dtensors}) > 1):
         split = _foreach_by_mesh(op, args, kwargs, cls)
         if split is not _NOT_SPLIT:
             return split
@@ -188,13 +188,17 @@ def forget_decisions() -> None:
 
 # Note: foreach ops over several meshes
 # An optimizer's foreach ops take every parameter of a group in one list, and the parameters may live on different
-# meshes (under FSDP over tensor parallelism, plain parameters on the dp mesh beside (dp, tp) ones). The
-# operands at one list position share a mesh, so such a call runs as one call per mesh, on the positions whose
-# tensors live there (each decided and cached as usual), and the outputs go back in list order: torch's DTensor
-# allows the same. A call that doesn't split so cleanly (a position holding no DTensor or DTensors of two
-# meshes, a DTensor outside the lists) goes on to compile_call, which names the meshes.
+# meshes (under FSDP over tensor parallelism, plain parameters on the dp mesh beside (dp, tp) ones), or be plain
+# tensors beside DTensors (a model whose tensor-parallel plan leaves some parameters alone: torch's optimizers
+# step with foreach by default on accelerators, so every step there makes such calls). The operands at one list
+# position share a mesh, or are all plain, so such a call runs as one call per mesh and one on the plain
+# positions (each decided and cached as usual), and the outputs go back in list order: torch's DTensor allows the
+# meshes, not the plain tensors. A call that doesn't split so cleanly (a position holding a plain tensor beside a
+# DTensor or DTensors of two meshes, a DTensor outside the lists) goes on to compile_call, which names the meshes
+# or the plain tensor.
 
 _NOT_SPLIT = object()
+_PLAIN_POSITION = object()      # _foreach_by_mesh's key for the positions of plain tensors
 
 
 def _foreach_by_mesh(op: OpOverload, args: tuple, kwargs: dict, cls: type) -> Any:
@@ -210,10 +214,16 @@ def _foreach_by_mesh(op: OpOverload, args: tuple, kwargs: dict, cls: type) -> An
         return _NOT_SPLIT
     positions: dict[Any, list[int]] = {}
     for i in range(length):
-        meshes = {args[k][i]._spec.mesh for k in tensor_lists if isinstance(args[k][i], cls)}
-        if len(meshes) != 1 or any(type(args[k][i]) is not cls for k in tensor_lists if args[k][i] is not None):
+        items = [args[k][i] for k in tensor_lists if args[k][i] is not None]
+        meshes = {item._spec.mesh for item in items if isinstance(item, cls)}
+        if not meshes:              # no DTensor at this position: plain tensors (parameters too) and scalars
+            positions.setdefault(_PLAIN_POSITION, []).append(i)
+            continue
+        if len(meshes) != 1 or any(type(item) is not cls for item in items):
             return _NOT_SPLIT
         positions.setdefault(meshes.pop(), []).append(i)
+    if len(positions) < 2:
+        return _NOT_SPLIT
     results: list[Any] = [None] * length
     returned = False
     for where_ in positions.values():
