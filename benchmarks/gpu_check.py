@@ -266,12 +266,17 @@ def _attention_checks(rows: list[Row], rank: int, world: int, device: torch.devi
     mesh = init_device_mesh(device.type, (world,))
 
     def tensor_parallel() -> None:
+        from spmd.tensor.rules import record_fallbacks
+
         model = _attention(device)
         model.heads //= world
         parallelize_module(model, mesh, {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
                                          "wo": RowwiseParallel()})
-        out = model(x)
-        out.square().mean().backward()
+        with record_fallbacks() as fallbacks:       # the device's attention kernels have sharding rules
+            out = model(x)
+            out.square().mean().backward()
+        if fallbacks:
+            raise AssertionError(f"ops ran gathered (no sharding rule): {sorted(set(map(str, fallbacks)))}")
         _expect(out, want_out.detach().cpu(), "TP attention output", rtol=1e-4)
         for param, expected in zip(model.parameters(), want_grads, strict=True):
             _expect(param.grad.full_tensor(), expected, "TP attention gradient", rtol=1e-4)

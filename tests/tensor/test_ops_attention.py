@@ -1,4 +1,5 @@
-"""Scaled dot-product attention on DTensors: the CPU flash kernel's forward and backward rules.
+"""Scaled dot-product attention on DTensors: the CPU flash kernel's forward and backward rules, and (on meta
+tensors, shapes and placements) those of the CUDA flash, memory-efficient and cuDNN kernels.
 
 q is (B=3, H=4, L=5, E=8) and k, v (3, 4, S=6, 8): 3 batches over 2 or 4 ranks are uneven, 4 heads split
 evenly (the tensor-parallel case). Every layout of q, k, v (the same for all three, or q alone) is compared
@@ -79,3 +80,96 @@ def test_query_sharded_backward_gives_partial_key_value_gradients() -> None:
         assert dq.placements == (Shard(2),)
         assert dk.placements == (Partial(),) and dv.placements == (Partial(),)
     on_meshes(body, [(2,)])
+
+
+# -- the accelerator kernels, on meta tensors (shapes only: their CPU versions don't exist) ---------------------
+
+aten = torch.ops.aten
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> list:
+    out = aten._scaled_dot_product_flash_attention(q, k, v, dropout, True)
+    o, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = out
+    return [*out, *aten._scaled_dot_product_flash_attention_backward(o, q, k, v, o, lse, cum_q, cum_k, max_q, max_k,
+                                                                     dropout, True, seed, offset)]
+
+
+def _efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
+               bias: torch.Tensor | None = None) -> list:
+    out = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout, False)
+    o, lse, seed, offset = out
+    return [*out, *aten._scaled_dot_product_efficient_attention_backward(
+        o, q, k, v, bias, o, lse, seed, offset, dropout, [True, True, True, bias is not None], False)]
+
+
+def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> list:
+    out = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, dropout, True)
+    o, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = out
+    return [*out, *aten._scaled_dot_product_cudnn_attention_backward(o, q, k, v, o, lse, seed, offset, None, cum_q,
+                                                                     cum_k, max_q, max_k, dropout, True)]
+
+
+@pytest.mark.parametrize("kernels", [_flash, _efficient, _cudnn], ids=["flash", "efficient", "cudnn"])
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1)], ids=["batch", "heads"])
+def test_accelerator_kernels_shard_batch_or_heads_without_communication(kernels, placement,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's CUDA attention kernels (flash, memory-efficient, cuDNN) and their backwards run on each rank's
+    batch or heads, their random-state outputs replicated; the shapes are those of the kernel on the local
+    tensors, no op falls back, no CPU tensor is made (see Note: attention on accelerator kernels)."""
+    from spmd.tensor import DeviceMesh as Mesh
+    from spmd.tensor import DTensor, distribute_tensor
+    from spmd.tensor.rules import record_fallbacks
+    from spmd.testing import run_ranks
+    from tests.meta_device import MetaTransport, NoCpuTensors, register_fake_transports
+
+    register_fake_transports(monkeypatch)
+    q = torch.empty(4, 4, 8, 16, device="meta")
+
+    def body(rank: int, size: int) -> None:
+        mesh = Mesh("meta", list(range(size)))
+        local = q.chunk(size, dim=placement.dim)[rank]
+        want = kernels(local, local, local, 0.0)
+        with NoCpuTensors(), record_fallbacks() as fallbacks:
+            x = distribute_tensor(q, mesh, [placement])
+            got = kernels(x, x, x, 0.0)
+            dropped = kernels(x, x, x, 0.1)
+        assert fallbacks == []
+        assert len(got) == len(want)
+        for value, expected in zip(got, want):
+            if isinstance(expected, torch.Tensor):
+                assert isinstance(value, DTensor) and value.to_local().shape == expected.shape
+                sharded = expected.dim() >= 3
+                assert value.placements == ((placement,) if sharded else (Replicate(),))
+            else:
+                assert value == expected
+        # with dropout the kernel draws in-kernel from the device's generator: the call runs whole
+        assert all(value.placements == (Replicate(),) for value in dropped if isinstance(value, DTensor))
+
+    run_ranks(body, 2, backend=MetaTransport.name, timeout=60)
+
+
+def test_accelerator_kernels_keep_a_bias_and_a_partial_gradient_sharded_with_the_heads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from spmd.tensor import DeviceMesh as Mesh
+    from spmd.tensor import distribute_tensor
+    from spmd.testing import run_ranks
+    from tests.meta_device import MetaTransport, register_fake_transports
+
+    register_fake_transports(monkeypatch)
+
+    def body(rank: int, size: int) -> None:
+        mesh = Mesh("meta", list(range(size)))
+        x = distribute_tensor(torch.empty(2, 4, 8, 16, device="meta"), mesh, [Shard(1)])
+        bias = distribute_tensor(torch.empty(2, 4, 8, 8, device="meta"), mesh, [Shard(1)])
+        *_, grad_bias = _efficient(x, x, x, 0.0, bias)
+        assert grad_bias.placements == (Shard(1),) and grad_bias.to_local().shape == (2, 2, 8, 8)
+        o, lse, seed, offset = aten._scaled_dot_product_efficient_attention(x, x, x, None, True, 0.0, False)
+        whole = [t.redistribute(mesh, [Replicate()]) for t in (x, o, lse)]
+        partial = distribute_tensor(torch.empty(2, 4, 8, 16, device="meta"), mesh, [Replicate()]).redistribute(
+            mesh, [Partial()])
+        grads = aten._scaled_dot_product_efficient_attention_backward(
+            partial, whole[0], whole[0], whole[0], None, whole[1], whole[2], seed, offset, 0.0,
+            [True, True, True, False], False)
+        assert [g.placements for g in grads[:3]] == [(Partial(),)] * 3     # linear in the output's gradient
+
+    run_ranks(body, 2, backend=MetaTransport.name, timeout=60)

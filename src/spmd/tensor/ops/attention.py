@@ -3,7 +3,8 @@
 Layer: tensor. The rules decide; the local kernel (`kernel=`) guards an empty local shard. On CPU,
 F.scaled_dot_product_attention runs `_scaled_dot_product_flash_attention_for_cpu` (and its backward) when
 dropout is off; with dropout it runs the math decomposition (bmm, softmax, dropout), which the matmul / norm /
-random rules shard.
+random rules shard. On CUDA it runs the flash, memory-efficient or cuDNN kernels (see Note: attention on
+accelerator kernels).
 
 Note: attention sharding
 Attention is independent per (batch, head): q, k, v of shape (B, H, L, E) / (B, H, S, E), the output
@@ -34,7 +35,7 @@ from torch import Tensor, ops
 from spmd.tensor.ops.custom import LocalKernel, LocalPlan, empty_outputs
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard
 from spmd.tensor.ring_attention import RingLayout, cp_options, ring_attention_backward, ring_attention_forward
-from spmd.tensor.rules import OpSchema, ShardingDecision, Strategy, pick_per_mesh_dim, register_rule
+from spmd.tensor.rules import OpSchema, ShardingDecision, ShardingError, Strategy, pick_per_mesh_dim, register_rule
 from spmd.tensor.spec import DTensorSpec
 
 aten = ops.aten
@@ -189,3 +190,92 @@ def _rule(schema: OpSchema) -> ShardingDecision:
 
 
 register_rule(_FORWARD, _BACKWARD, kernel=_kernel)(_rule)
+
+
+# Note: attention on accelerator kernels
+# On CUDA, F.scaled_dot_product_attention runs torch's flash, memory-efficient or cuDNN kernels (and their
+# backwards), each with its own signature and extra outputs: random-state tensors (philox seed and offset),
+# cumulative sequence lengths and maximum lengths (None and ints when the batch is not packed), a debug mask. Their
+# rule shards batch or heads (Note: attention sharding), the extra tensors replicated; an attention bias follows
+# the scores. Not the query rows: the memory-efficient kernel pads its log-sum-exp to 32 rows, which doesn't shard.
+# With dropout the kernels draw in-kernel from the device generator, the same stream on every rank, so a sharded
+# call would not draw the one-process numbers: it runs whole (replicated) instead. Sequence-sharded q, k, v
+# (context parallelism through DTensors) gather; the experimental context_parallel runs ring attention on these
+# kernels itself.
+
+@dataclasses.dataclass(frozen=True)
+class _AcceleratorAttention:
+    """Where an accelerator attention op keeps its arguments: `roles` names each positional argument ("q", "k",
+    "v" and the like-shaped "out"/"grad", "lse", "bias", "extra" for a random-state or length tensor, None for
+    a non-tensor); `outputs` each output ("shard" like q, "lse", "bias", "extra", None for a non-tensor or an
+    undefined tensor)."""
+
+    roles: tuple[str | None, ...]
+    outputs: tuple[str | None, ...]
+    dropout: int            # the position of dropout_p
+
+
+def _argument(schema: OpSchema, position: int, name: str, default: Any) -> Any:
+    return schema.args[position] if len(schema.args) > position else schema.kwargs.get(name, default)
+
+
+def _accelerator_attention(schema: OpSchema) -> list[Strategy]:
+    layout = _ACCELERATOR_OPS[schema.op]
+    roles = {role: schema.args[k] for k, role in enumerate(layout.roles)
+             if role is not None and k < len(schema.args) and isinstance(schema.args[k], DTensorSpec)}
+    query, key, bias = roles["q"], roles["k"], roles.get("bias")
+    input_roles = [role for k, role in enumerate(layout.roles)
+                   if k < len(schema.args) and isinstance(schema.args[k], DTensorSpec)]
+    if len(input_roles) != len(schema.input_specs):
+        raise ShardingError(f"{schema.op}: DTensors outside the positions its rule knows")
+    replicated = Strategy((Replicate(),) * len(input_roles),
+                          tuple(None if kind is None else Replicate() for kind in layout.outputs))
+    if float(_argument(schema, layout.dropout, "dropout_p", 0.0)):
+        return [replicated]
+    candidates = [replicated]
+    dims = [0, 1] if query.shape[1] == key.shape[1] else [0]
+    for dim in dims:
+        bias_placement = _mask_placement(bias, dim, query.shape[dim])
+        by_role = {"bias": bias_placement, "extra": Replicate()}
+        inputs = tuple(by_role.get(role, Shard(dim)) for role in input_roles)
+        outputs = tuple(None if kind is None else
+                        (bias_placement if bias is not None else None) if kind == "bias" else
+                        Replicate() if kind == "extra" else Shard(dim) for kind in layout.outputs)
+        candidates.append(Strategy(inputs, outputs))
+    if schema.op in _ACCELERATOR_BACKWARDS:
+        grad = schema.input_specs[0]
+        for placement in grad.placements:        # linear in the output's gradient
+            if isinstance(placement, Partial) and placement.is_linear:
+                outputs = tuple(None if kind is None or (kind == "bias" and bias is None) else placement
+                                for kind in layout.outputs)
+                candidates.append(Strategy((placement,) + (Replicate(),) * (len(input_roles) - 1), outputs))
+    return candidates
+
+
+_ACCELERATOR_OPS = {
+    aten._scaled_dot_product_flash_attention.default: _AcceleratorAttention(
+        ("q", "k", "v", None, None, None), ("shard", "lse", None, None, None, None, "extra", "extra", "extra"),
+        dropout=3),
+    aten._scaled_dot_product_flash_attention_backward.default: _AcceleratorAttention(
+        ("grad", "q", "k", "v", "out", "lse", "extra", "extra", None, None, None, None, "extra", "extra"),
+        ("shard", "shard", "shard"), dropout=10),
+    aten._scaled_dot_product_efficient_attention.default: _AcceleratorAttention(
+        ("q", "k", "v", "bias", None, None, None), ("shard", "lse", "extra", "extra"), dropout=5),
+    aten._scaled_dot_product_efficient_attention_backward.default: _AcceleratorAttention(
+        ("grad", "q", "k", "v", "bias", "out", "lse", "extra", "extra", None, None, None),
+        ("shard", "shard", "shard", "bias"), dropout=9),
+    aten._scaled_dot_product_cudnn_attention.default: _AcceleratorAttention(
+        ("q", "k", "v", "bias", None, None, None, None),
+        ("shard", "lse", None, None, None, None, "extra", "extra", None), dropout=5),
+    aten._scaled_dot_product_cudnn_attention_backward.default: _AcceleratorAttention(
+        ("grad", "q", "k", "v", "out", "lse", "extra", "extra", "bias", "extra", "extra", None, None, None, None),
+        ("shard", "shard", "shard"), dropout=13),
+}
+_ACCELERATOR_BACKWARDS = {aten._scaled_dot_product_flash_attention_backward.default,
+                          aten._scaled_dot_product_efficient_attention_backward.default,
+                          aten._scaled_dot_product_cudnn_attention_backward.default}
+
+
+@register_rule(*_ACCELERATOR_OPS)
+def _accelerator_rule(schema: OpSchema) -> ShardingDecision:
+    return pick_per_mesh_dim(schema, _accelerator_attention(schema))
