@@ -22,8 +22,10 @@ least one) as spawned processes, backend "nccl" (spmd's torch:nccl transport), e
     model with its AdamW state saved and loaded bit-exact;
   - causal attention on SDPA's CUDA kernels, tensor-parallel (heads over the ranks) and context-parallel (ring
     attention over the sequence, on torch's memory-efficient kernels), output and gradients against the whole
-    attention in one process to 1e-4; and flex_attention's context parallelism (a document-causal BlockMask
-    dealt by PTRR, made by the compiled create_block_mask on the device), output and q/k/v gradients likewise.
+    attention in one process to 1e-4; the same ring attention reached TorchTitan's way, through sequence-sharded
+    DTensors in bfloat16 (the flash or cuDNN op's rule), to 2e-2; and flex_attention's context parallelism (a
+    document-causal BlockMask dealt by PTRR, made by the compiled create_block_mask on the device), output and
+    q/k/v gradients likewise.
   - with one GPU only, also 2 ranks sharing it over spmd's shared-memory transport ("shm", which has to stage
     CUDA tensors through host memory): an all_reduce on CUDA tensors, expected to work or to fail with a clear
     error naming the transport's devices, the two SyncBatchNorm checks and the two attention checks on 2 ranks.
@@ -294,8 +296,50 @@ def _attention_checks(rows: list[Row], rank: int, world: int, device: torch.devi
             spmd.all_reduce(grad, group=mesh.get_group())       # ...summed over the ranks: the whole one
             _expect(grad / world, expected, "CP attention gradient", rtol=1e-4)
 
+    def context_parallel_through_dtensors() -> None:
+        """TorchTitan's way: the attention call's q, k, v as sequence-sharded DTensors, ring attention from the
+        dispatcher (on CUDA through the flash or cuDNN op's rule)."""
+        from spmd.tensor.experimental._attention import (
+            _context_parallel_shard,
+            _ContextParallel,
+            _disable_context_parallel_dispatcher,
+            _enable_context_parallel_dispatcher,
+            _HeadTailLoadBalancer,
+        )
+        from spmd.tensor.rules import record_fallbacks
+
+        class Inner(torch.nn.Module):
+            def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32     # bf16: the flash kernel on CUDA
+        gen = torch.Generator().manual_seed(5)
+        q, k, v, weights = (torch.randn(2, 4, 64, 32, generator=gen).to(device, dtype) for _ in range(4))
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True)
+        want.backward(weights)
+        attention = spmd.tensor.parallel.parallelize_module(
+            Inner(), mesh, _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA))
+        balancer = _HeadTailLoadBalancer(64, world, device)
+        _enable_context_parallel_dispatcher()
+        try:
+            local = _context_parallel_shard(mesh, [q, k, v, weights], [2] * 4, load_balancer=balancer)
+            parts = [t.requires_grad_() for t in local[:3]]
+            with record_fallbacks() as fallbacks:
+                out = attention(*parts)
+                out.backward(local[3])
+        finally:
+            _disable_context_parallel_dispatcher()
+        if fallbacks:
+            raise AssertionError(f"ops ran gathered (no sharding rule): {sorted(set(map(str, fallbacks)))}")
+        got = context_parallel_unshard(mesh, [out.detach(), *(p.grad for p in parts)], [2] * 4, balancer)
+        tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        for value, expected, what in zip(got, [want, *(t.grad for t in whole)], ["output", "dq", "dk", "dv"]):
+            _expect(value, expected.detach().cpu(), f"CP through DTensors {what}", rtol=tolerance)
+
     _check(rows, "TP attention step vs one process", tensor_parallel)
     _check(rows, "CP ring attention vs one process", context_parallel_attention)
+    _check(rows, "CP through DTensors (TorchTitan's) vs one process", context_parallel_through_dtensors)
     _check(rows, "CP flex attention (PTRR) vs one process", lambda: _flex_context_parallel(mesh, device))
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-CHECKS = 24     # the main table's rows: 12 collectives, 5 data-parallel steps, spmd's SyncBatchNorm, 3 attention
+CHECKS = 25     # the main table's rows: 12 collectives, 5 data-parallel steps, spmd's SyncBatchNorm, 4 attention
                 # checks, compiled TP, a pipeline step and a checkpoint
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import spmd
-from spmd.tensor import DTensor, Replicate, Shard
+from spmd.tensor import DTensor, Replicate, Shard, distribute_tensor
 from spmd.tensor.experimental._attention import (
     _CausalBehavior,
     _context_parallel_shard,
@@ -246,3 +246,34 @@ def test_misuse_raises_before_anything_is_sent() -> None:
             _context_parallel_shard(mesh, [torch.zeros(1, 8)], [1])
 
     run_on_mesh((2, 2), two_d, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_accelerator_attention_ops_run_ring_attention_on_sequence_shards(kernel: str, causal: bool,
+                                                                         dispatcher: str) -> None:
+    """TorchTitan's context parallelism on CUDA reaches the flash or cuDNN op with q, k and v sharded on the
+    sequence: it runs as ring attention there too (see Note: attention on accelerator kernels). Their CUDA
+    kernels don't exist on the CPU, but the ring's CPU block kernels do: the op's outputs and gradients equal
+    the whole attention's."""
+    _cp_options.enable_load_balance = False          # the sequence dealt in order, not head-tail
+    aten = torch.ops.aten
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, weights = (torch.randn(2, 4, 16, 8, generator=gen) for _ in range(4))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*whole, is_causal=causal)
+    (want * weights).sum().backward()
+
+    def body(mesh) -> list[torch.Tensor]:
+        parts = [distribute_tensor(t, mesh, [Shard(2)]).requires_grad_() for t in (q, k, v)]
+        if kernel == "flash":
+            out = aten._scaled_dot_product_flash_attention(*parts, 0.0, causal)[0]
+        else:
+            out = aten._scaled_dot_product_cudnn_attention(*parts, None, True, 0.0, causal)[0]
+        assert out.placements == (Shard(2),)
+        (out * distribute_tensor(weights, mesh, [Shard(2)])).sum().backward()
+        return [out.full_tensor(), *(p.grad.full_tensor() for p in parts)]
+
+    for got in run_on_mesh((2,), body, timeout=TIMEOUT):
+        for value, expected in zip(got, [want, *(t.grad for t in whole)], strict=True):
+            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-5)

@@ -199,9 +199,11 @@ register_rule(_FORWARD, _BACKWARD, kernel=_kernel)(_rule)
 # rule shards batch or heads (Note: attention sharding), the extra tensors replicated; an attention bias follows
 # the scores. Not the query rows: the memory-efficient kernel pads its log-sum-exp to 32 rows, which doesn't shard.
 # With dropout the kernels draw in-kernel from the device generator, the same stream on every rank, so a sharded
-# call would not draw the one-process numbers: it runs whole (replicated) instead. Sequence-sharded q, k, v
-# (context parallelism through DTensors) gather; the experimental context_parallel runs ring attention on these
-# kernels itself.
+# call would not draw the one-process numbers: it runs whole (replicated) instead. While the context-parallel
+# dispatcher is on, the flash and cuDNN ops with q, k, v sharded on the sequence run ring attention (Note:
+# context-parallel attention; its blocks on the memory-efficient kernels), returning the op's outputs: the
+# random-state tensors zeros, the lengths local. The memory-efficient op gathers the sequence instead: its padded
+# log-sum-exp does not shard.
 
 @dataclasses.dataclass(frozen=True)
 class _AcceleratorAttention:
@@ -213,13 +215,14 @@ class _AcceleratorAttention:
     roles: tuple[str | None, ...]
     outputs: tuple[str | None, ...]
     dropout: int            # the position of dropout_p
+    ring: bool              # whether its log-sum-exp holds one entry per query row, as ring attention's
 
 
 def _argument(schema: OpSchema, position: int, name: str, default: Any) -> Any:
     return schema.args[position] if len(schema.args) > position else schema.kwargs.get(name, default)
 
 
-def _accelerator_attention(schema: OpSchema) -> list[Strategy]:
+def _accelerator_attention(schema: OpSchema) -> Callable[[int], list[Strategy]]:
     layout = _ACCELERATOR_OPS[schema.op]
     roles = {role: schema.args[k] for k, role in enumerate(layout.roles)
              if role is not None and k < len(schema.args) and isinstance(schema.args[k], DTensorSpec)}
@@ -231,7 +234,7 @@ def _accelerator_attention(schema: OpSchema) -> list[Strategy]:
     replicated = Strategy((Replicate(),) * len(input_roles),
                           tuple(None if kind is None else Replicate() for kind in layout.outputs))
     if float(_argument(schema, layout.dropout, "dropout_p", 0.0)):
-        return [replicated]
+        return lambda mesh_dim: [replicated]
     candidates = [replicated]
     dims = [0, 1] if query.shape[1] == key.shape[1] else [0]
     for dim in dims:
@@ -249,33 +252,101 @@ def _accelerator_attention(schema: OpSchema) -> list[Strategy]:
                 outputs = tuple(None if kind is None or (kind == "bias" and bias is None) else placement
                                 for kind in layout.outputs)
                 candidates.append(Strategy((placement,) + (Replicate(),) * (len(input_roles) - 1), outputs))
-    return candidates
+    ring_dim = _accelerator_ring_dim(schema, schema.input_specs)
+    if ring_dim is None:
+        return lambda mesh_dim: candidates
+    ring = [Strategy(tuple(Replicate() if role == "extra" else _SEQUENCE for role in input_roles),
+                     tuple(None if kind is None else Replicate() if kind == "extra" else _SEQUENCE
+                           for kind in layout.outputs))]
+    return lambda mesh_dim: ring if mesh_dim == ring_dim else candidates
+
+
+def _accelerator_ring_dim(schema: OpSchema, specs: tuple[DTensorSpec, ...]) -> int | None:
+    """The mesh dim that runs an accelerator attention call as ring attention (see Note: context-parallel
+    attention): its log-sum-exp must hold one entry per query row (not the memory-efficient kernel's padded one)."""
+    layout = _ACCELERATOR_OPS[schema.op]
+    if not ring_dispatch.enabled or not layout.ring or float(_argument(schema, layout.dropout, "dropout_p", 0.0)):
+        return None
+    positions = [k for k, role in enumerate(layout.roles)
+                 if k < len(schema.args) and isinstance(schema.args[k], DTensorSpec)]
+    by_role = {layout.roles[k]: specs[i] for i, k in enumerate(positions)}
+    if "bias" in by_role:
+        return None
+    q, k, v = by_role["q"], by_role["k"], by_role["v"]
+    dims = [d for d, placement in enumerate(q.placements) if placement == _SEQUENCE]
+    if len(dims) != 1 or k.placements[dims[0]] != _SEQUENCE or v.placements[dims[0]] != _SEQUENCE:
+        return None
+    return dims[0]
+
+
+def _accelerator_kernel(plan: LocalPlan) -> LocalKernel:
+    """The op on the local shards, or ring attention over the ring's mesh dim, returning what the op returns:
+    its output and log-sum-exp, and for the rest what the op's rule computed (random-state tensors, zeros: no
+    dropout here; None for the lengths of a packed batch; the local lengths)."""
+    ring_dim = _accelerator_ring_dim(plan.schema, plan.input_specs)
+    if ring_dim is None:
+        return plan.op
+    group = plan.schema.mesh.get_group(ring_dim)
+    op = plan.op
+    cudnn = op in (aten._scaled_dot_product_cudnn_attention.default,
+                   aten._scaled_dot_product_cudnn_attention_backward.default)
+
+    def layout(is_causal: bool, scale: float | None) -> RingLayout:
+        return RingLayout(group, bool(is_causal), bool(is_causal) and cp_options.enable_load_balance, scale,
+                          cp_options.rotate_method)
+
+    def extras(like: Tensor) -> list[Tensor | None]:
+        return [None if spec is None else like.new_zeros(spec.local_shape(), dtype=spec.dtype)
+                for spec in plan.output_specs[6:]]
+
+    if op in _ACCELERATOR_BACKWARDS:
+        def backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
+                     *args: Any, scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+            is_causal = args[8] if cudnn else args[5]
+            return ring_attention_backward(layout(is_causal, scale), grad_out.contiguous(), query, key, value, out,
+                                           lse.squeeze(-1) if cudnn else lse)
+        return backward
+
+    def forward(query: Tensor, key: Tensor, value: Tensor, *args: Any, scale: float | None = None) -> tuple:
+        is_causal = _positional(args, 3 if cudnn else 1, False)
+        ring = layout(is_causal, scale)
+        ring.check(query, key, value, f"spmd DTensor: {op} (context parallel, mesh dim {ring_dim}) on rank "
+                                      f"{group.global_rank}")
+        out, lse = ring_attention_forward(ring, query, key, value)
+        return (out, lse.unsqueeze(-1) if cudnn else lse, None, None, query.shape[-2], key.shape[-2],
+                *extras(query))
+    return forward
+
+
+def _positional(args: tuple, index: int, default: Any) -> Any:
+    return args[index] if len(args) > index else default
 
 
 _ACCELERATOR_OPS = {
     aten._scaled_dot_product_flash_attention.default: _AcceleratorAttention(
         ("q", "k", "v", None, None, None), ("shard", "lse", None, None, None, None, "extra", "extra", "extra"),
-        dropout=3),
+        dropout=3, ring=True),
     aten._scaled_dot_product_flash_attention_backward.default: _AcceleratorAttention(
         ("grad", "q", "k", "v", "out", "lse", "extra", "extra", None, None, None, None, "extra", "extra"),
-        ("shard", "shard", "shard"), dropout=10),
+        ("shard", "shard", "shard"), dropout=10, ring=True),
     aten._scaled_dot_product_efficient_attention.default: _AcceleratorAttention(
-        ("q", "k", "v", "bias", None, None, None), ("shard", "lse", "extra", "extra"), dropout=5),
+        ("q", "k", "v", "bias", None, None, None), ("shard", "lse", "extra", "extra"), dropout=5,
+        ring=False),
     aten._scaled_dot_product_efficient_attention_backward.default: _AcceleratorAttention(
         ("grad", "q", "k", "v", "bias", "out", "lse", "extra", "extra", None, None, None),
-        ("shard", "shard", "shard", "bias"), dropout=9),
+        ("shard", "shard", "shard", "bias"), dropout=9, ring=False),
     aten._scaled_dot_product_cudnn_attention.default: _AcceleratorAttention(
         ("q", "k", "v", "bias", None, None, None, None),
-        ("shard", "lse", None, None, None, None, "extra", "extra", None), dropout=5),
+        ("shard", "lse", None, None, None, None, "extra", "extra", None), dropout=5, ring=True),
     aten._scaled_dot_product_cudnn_attention_backward.default: _AcceleratorAttention(
         ("grad", "q", "k", "v", "out", "lse", "extra", "extra", "bias", "extra", "extra", None, None, None, None),
-        ("shard", "shard", "shard"), dropout=13),
+        ("shard", "shard", "shard"), dropout=13, ring=True),
 }
 _ACCELERATOR_BACKWARDS = {aten._scaled_dot_product_flash_attention_backward.default,
                           aten._scaled_dot_product_efficient_attention_backward.default,
                           aten._scaled_dot_product_cudnn_attention_backward.default}
 
 
-@register_rule(*_ACCELERATOR_OPS)
+@register_rule(*_ACCELERATOR_OPS, kernel=_accelerator_kernel)
 def _accelerator_rule(schema: OpSchema) -> ShardingDecision:
     return pick_per_mesh_dim(schema, _accelerator_attention(schema))
