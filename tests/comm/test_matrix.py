@@ -174,6 +174,18 @@ def gather_family(rank: int, group: spmd.ProcessGroup | None, members: list[int]
     out = torch.empty(2 * n, 3, dtype=torch.float64)
     spmd.all_gather_into_tensor(out, two_d, group=group)
     check(out, torch.cat([value(r, 6, torch.float64, 5).reshape(2, 3) for r in members]), "all_gather 2-d")
+    sizes = uneven_sizes(n)                 # a list of uneven sizes (torch's NCCL takes it; its gloo refuses)
+    for dtype, async_op in ((torch.float32, False), (torch.int64, True)):
+        outs = [torch.empty(size, dtype=dtype) for size in sizes]
+        mine = value(rank, sizes[members.index(rank)], dtype, 11)
+        finish(spmd.all_gather(outs, mine, group=group, async_op=async_op), async_op)
+        for got, member, size in zip(outs, members, sizes):
+            check(got, value(member, size, dtype, 11), f"all_gather uneven {dtype} sizes={sizes}")
+
+
+def uneven_sizes(n: int) -> list[int]:
+    """Sizes of a list collective's pieces, one per group rank: uneven, one of them 0 in a group of four."""
+    return [(3 * i + 1) % 5 for i in range(n)]
 
 
 def reduce_scatter_family(rank: int, group: spmd.ProcessGroup | None, members: list[int]) -> None:
@@ -195,6 +207,13 @@ def reduce_scatter_family(rank: int, group: spmd.ProcessGroup | None, members: l
     out = torch.empty(5)
     spmd.reduce_scatter_tensor(out, inputs[me], op=ReduceOp.AVG, group=group)
     check(out, reference(inputs, ReduceOp.AVG)[me * 5:(me + 1) * 5], "reduce_scatter_tensor AVG", ReduceOp.AVG)
+    sizes = uneven_sizes(n)                 # pieces of uneven sizes, each the size of its rank's output (TorchRec)
+    for op, dtype, async_op in ((ReduceOp.SUM, torch.float32, False), (ReduceOp.MAX, torch.int32, True)):
+        pieces = [value(rank, size, dtype, 12 + i) for i, size in enumerate(sizes)]
+        out = torch.empty(sizes[me], dtype=dtype)
+        finish(spmd.reduce_scatter(out, pieces, op=op, group=group, async_op=async_op), async_op)
+        expected = reference([value(member, sizes[me], dtype, 12 + me) for member in members], op)
+        check(out, expected, f"reduce_scatter uneven {op} {dtype} sizes={sizes}")
 
 
 def all_to_all_family(rank: int, group: spmd.ProcessGroup | None, members: list[int]) -> None:

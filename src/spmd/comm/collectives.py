@@ -100,6 +100,24 @@ def _check_list(tensors: object, name: str, op: str, group: ProcessGroup, like: 
     return list(tensors)
 
 
+def _check_sized_list(tensors: object, name: str, op: str, group: ProcessGroup, own: Tensor) -> list[Tensor]:
+    """A list of a tensor per rank, of one dtype and device, each of its own size (torch's all_gather and
+    reduce_scatter take lists of uneven sizes: its NCCL and, for reduce_scatter, its gloo), this rank's entry
+    the size of `own`."""
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != group.size():
+        got = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
+        raise ValueError(f"{_where(op, group)}: {name} must be a list of {group.size()} tensors, got {got}")
+    for index, tensor in enumerate(tensors):
+        check_tensor(tensor, f"{name}[{index}]", op, group)
+        _check_same(tensor, own, f"{name}[{index}]", op, group,
+                    numel=own.numel() if index == group.group_rank else tensor.numel())
+    return list(tensors)
+
+
+def _uneven(tensors: list[Tensor]) -> bool:
+    return len({t.numel() for t in tensors}) > 1
+
+
 def _root(group: ProcessGroup, global_root: int | None, group_root: int | None, op: str, role: str) -> int:
     if global_root is not None and group_root is not None:
         raise ValueError(f"{_where(op, group)}: pass {role} or group_{role}, not both")
@@ -328,7 +346,9 @@ def all_gather(tensor_list: list[Tensor], tensor: Tensor, group: AnyGroup | None
     if traceable.tracing(tensor, async_op):
         return traceable.all_gather_list_into(tensor_list, tensor, pg)
     check_tensor(tensor, "tensor", "all_gather", pg)
-    outputs = _check_list(tensor_list, "tensor_list", "all_gather", pg, tensor)
+    outputs = _check_sized_list(tensor_list, "tensor_list", "all_gather", pg, tensor)
+    if _uneven(outputs):
+        return _all_gather_uneven(outputs, tensor, pg, async_op)
 
     def body(ctx: OpContext) -> None:
         gathered = torch.empty(pg.size(), *tensor.shape, dtype=tensor.dtype, device=tensor.device)
@@ -338,6 +358,28 @@ def all_gather(tensor_list: list[Tensor], tensor: Tensor, group: AnyGroup | None
             increment_version(out)
 
     return _run(pg, "all_gather", tensor, tuple(tensor.shape), body, outputs, async_op)
+
+
+# Note: uneven list collectives
+# all_gather into a list of uneven sizes, and reduce_scatter of one (TorchRec's pooled embeddings over ranks with
+# different batch sizes), run as the even collective over pieces padded to the largest: every rank knows every
+# size from its list, so every rank pads alike and the ranks' fingerprints carry the padded size; each piece is
+# read back without its padding. The padding costs (largest - own) elements a rank on the wire.
+
+def _all_gather_uneven(outputs: list[Tensor], tensor: Tensor, pg: ProcessGroup, async_op: bool) -> Work | None:
+    """all_gather into `outputs` of uneven sizes (see Note: uneven list collectives)."""
+    width = max(_flat_numel(t) for t in outputs)
+
+    def body(ctx: OpContext) -> None:
+        mine = _read(tensor)
+        padded = mine.new_zeros(width)
+        padded[:mine.numel()] = mine
+        gathered = padded.new_empty(pg.size() * width)
+        pg.transport.all_gather(gathered, padded, ctx)
+        for out, block in zip(outputs, gathered.view(pg.size(), width), strict=True):
+            _assign(out, block[:_flat_numel(out)])
+
+    return _run(pg, "all_gather", tensor, (width,), body, outputs, async_op)
 
 
 def reduce_scatter_tensor(output: Tensor, input: Tensor, op: ReduceOp = ReduceOp.SUM,
@@ -369,7 +411,9 @@ def reduce_scatter(output: Tensor, input_list: list[Tensor], op: ReduceOp = Redu
     pg = resolve_group(group, "reduce_scatter")
     check_tensor(output, "output", "reduce_scatter", pg)
     check_reduce_op(op, output.dtype, _where("reduce_scatter", pg))
-    inputs = _check_list(input_list, "input_list", "reduce_scatter", pg, output)
+    inputs = _check_sized_list(input_list, "input_list", "reduce_scatter", pg, output)
+    if _uneven(inputs):
+        return _reduce_scatter_uneven(output, inputs, op, pg, async_op)
 
     def body(ctx: OpContext) -> None:
         dense = _dense(output, keep_values=False)
@@ -378,6 +422,22 @@ def reduce_scatter(output: Tensor, input_list: list[Tensor], op: ReduceOp = Redu
         _settle(output, dense)
 
     return _run(pg, "reduce_scatter", output, tuple(output.shape), body, [output], async_op, reduce_op=op)
+
+
+def _reduce_scatter_uneven(output: Tensor, inputs: list[Tensor], op: ReduceOp, pg: ProcessGroup,
+                           async_op: bool) -> Work | None:
+    """reduce_scatter of `inputs` of uneven sizes (see Note: uneven list collectives)."""
+    width = max(_flat_numel(t) for t in inputs)
+
+    def body(ctx: OpContext) -> None:
+        padded = _read(inputs[0]).new_zeros(pg.size(), width)
+        for row, piece in zip(padded, inputs, strict=True):
+            row[:_flat_numel(piece)] = _read(piece)
+        reduced = padded.new_empty(width)
+        pg.transport.reduce_scatter(reduced, padded.view(-1), op, ctx)
+        _assign(output, reduced[:_flat_numel(output)])
+
+    return _run(pg, "reduce_scatter", output, (width,), body, [output], async_op, reduce_op=op)
 
 
 def gather(tensor: Tensor, gather_list: list[Tensor] | None = None, dst: int | None = None,
