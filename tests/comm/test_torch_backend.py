@@ -182,6 +182,8 @@ def _torchs_device_queries(rank: int, world_size: int, folder: str) -> dict[str,
         out["grad"] = model.weight.grad.full_tensor()
         dcp.async_save({"model": model.state_dict()}, checkpoint_id=folder).result()
         out["saved"] = sorted(os.listdir(folder))
+        out["backend"] = dist.get_backend()
+        out["shard_devices"] = _sharded_tensor_devices()
         return out
     finally:
         dist.destroy_process_group()
@@ -194,9 +196,20 @@ def test_torchs_device_queries_on_the_spmd_backend(procpool: ProcPool, tmp_path:
     results = procpool.run(_torchs_device_queries, 2, timeout=60, args=(str(tmp_path),))
     for out in results:
         assert out["devices"] == [torch.device("cpu")] and out["default"] == torch.device("cpu")
+        assert out["backend"] == "spmd" and out["shard_devices"] == [torch.device("cpu")] * 2
         torch.testing.assert_close(out["weight"], want, rtol=0, atol=0)
         torch.testing.assert_close(out["grad"], torch.full((4, 4), 2.0), rtol=0, atol=0)
         assert ".metadata" in out["saved"]
+
+
+def _sharded_tensor_devices() -> list[torch.device]:
+    """A ShardedTensor all on rank 0 (TorchRec's table-wise tables, which its checkpoint loads build): its device
+    on a rank without a shard, and after a cast (torch picks CPU there only for a gloo group, else CUDA's)."""
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    table = sharded_tensor.zeros(ChunkShardingSpec(dim=0, placements=["rank:0/cpu"]), 4, 2)
+    return [table.device, table.to(torch.float64).device]
 
 
 def _coalesced(rank: int, world_size: int) -> dict[str, Any]:

@@ -239,6 +239,13 @@ class SpmdProcessGroup(dist.ProcessGroup):
     def _device_types(self) -> list[torch.device]:
         return [torch.device(device) for device in self.spmd_group.transport.devices]
 
+    def _get_backend_name(self) -> str:
+        """torch's own code asks a group's backend name only to learn whether it is a CPU group (`== "gloo"`: a
+        ShardedTensor with no shard on this rank takes that device, else CUDA's; SyncBatchNorm picks its gather):
+        a group whose transport moves only CPU tensors answers as gloo's does. `dist.get_backend()` still names
+        "spmd" (torch keeps the name a group was made with)."""
+        return "gloo" if set(self.spmd_group.transport.devices) == {"cpu"} else BACKEND
+
     def _get_backend(self, device: torch.device | str) -> SpmdProcessGroup:
         device_type = torch.device(device).type
         if device_type not in self.spmd_group.transport.devices:
