@@ -267,7 +267,7 @@ def test_accelerator_attention_ops_run_ring_attention_on_sequence_shards(kernel:
     def body(mesh) -> list[torch.Tensor]:
         parts = [distribute_tensor(t, mesh, [Shard(2)]).requires_grad_() for t in (q, k, v)]
         if kernel == "flash":
-            out = aten._scaled_dot_product_flash_attention(*parts, 0.0, causal)[0]
+            out = aten._scaled_dot_product_flash_attention(*parts, 0.0, is_causal=causal)[0]
         else:
             out = aten._scaled_dot_product_cudnn_attention(*parts, None, True, 0.0, causal)[0]
         assert out.placements == (Shard(2),)

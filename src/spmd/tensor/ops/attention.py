@@ -307,9 +307,9 @@ def _accelerator_kernel(plan: LocalPlan) -> LocalKernel:
                                            lse.squeeze(-1) if cudnn else lse)
         return backward
 
-    def forward(query: Tensor, key: Tensor, value: Tensor, *args: Any, scale: float | None = None) -> tuple:
-        is_causal = _positional(args, 3 if cudnn else 1, False)
-        ring = layout(is_causal, scale)
+    def forward(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> tuple:
+        is_causal = kwargs.get("is_causal", _positional(args, 3 if cudnn else 1, False))
+        ring = layout(is_causal, kwargs.get("scale"))
         ring.check(query, key, value, f"spmd DTensor: {op} (context parallel, mesh dim {ring_dim}) on rank "
                                       f"{group.global_rank}")
         out, lse = ring_attention_forward(ring, query, key, value)
