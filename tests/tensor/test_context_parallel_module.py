@@ -248,18 +248,18 @@ def test_misuse_raises_before_anything_is_sent() -> None:
     run_on_mesh((2, 2), two_d, timeout=TIMEOUT)
 
 
-@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+@pytest.mark.parametrize("kernel", ["flash", "efficient", "cudnn"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_accelerator_attention_ops_run_ring_attention_on_sequence_shards(kernel: str, causal: bool,
                                                                          dispatcher: str) -> None:
-    """TorchTitan's context parallelism on CUDA reaches the flash or cuDNN op with q, k and v sharded on the
-    sequence: it runs as ring attention there too (see Note: attention on accelerator kernels). Their CUDA
-    kernels don't exist on the CPU, but the ring's CPU block kernels do: the op's outputs and gradients equal
-    the whole attention's."""
+    """TorchTitan's context parallelism on CUDA reaches the flash, memory-efficient or cuDNN op with q, k and v
+    sharded on the sequence: it runs as ring attention there too (see Note: attention on accelerator kernels).
+    Their CUDA kernels don't exist on the CPU, but the ring's CPU block kernels do: the op's outputs and
+    gradients equal the whole attention's."""
     _cp_options.enable_load_balance = False          # the sequence dealt in order, not head-tail
     aten = torch.ops.aten
     gen = torch.Generator().manual_seed(3)
-    q, k, v, weights = (torch.randn(2, 4, 16, 8, generator=gen) for _ in range(4))
+    q, k, v, weights = (torch.randn(2, 4, 64, 8, generator=gen) for _ in range(4))
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     want = F.scaled_dot_product_attention(*whole, is_causal=causal)
     (want * weights).sum().backward()
@@ -268,6 +268,8 @@ def test_accelerator_attention_ops_run_ring_attention_on_sequence_shards(kernel:
         parts = [distribute_tensor(t, mesh, [Shard(2)]).requires_grad_() for t in (q, k, v)]
         if kernel == "flash":
             out = aten._scaled_dot_product_flash_attention(*parts, 0.0, is_causal=causal)[0]
+        elif kernel == "efficient":
+            out = aten._scaled_dot_product_efficient_attention(*parts, None, True, 0.0, causal)[0]
         else:
             out = aten._scaled_dot_product_cudnn_attention(*parts, None, True, 0.0, causal)[0]
         assert out.placements == (Shard(2),)
@@ -277,3 +279,24 @@ def test_accelerator_attention_ops_run_ring_attention_on_sequence_shards(kernel:
     for got in run_on_mesh((2,), body, timeout=TIMEOUT):
         for value, expected in zip(got, [want, *(t.grad for t in whole)], strict=True):
             torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("length", [64, 24])
+def test_the_memory_efficient_op_rings_only_when_its_padded_rows_shard_as_the_sequence(
+        length: int, dispatcher: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its log-sum-exp pads the rows to a multiple of 32: a sequence of 64 rings, one of 24 is resharded onto the
+    batch instead (on meta tensors: the op's CUDA kernel doesn't exist on the CPU)."""
+    from spmd.tensor import DeviceMesh
+    from spmd.testing import run_ranks
+    from tests.meta_device import MetaTransport, register_fake_transports
+
+    register_fake_transports(monkeypatch)
+
+    def body(rank: int, size: int) -> tuple:
+        mesh = DeviceMesh("meta", list(range(size)))
+        q = distribute_tensor(torch.empty(2, 4, length, 8, device="meta"), mesh, [Shard(2)])
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, None, True, 0.0, False)
+        return out.placements, lse.placements
+
+    want = (Shard(2),) if length % 32 == 0 else (Shard(0),)
+    assert run_ranks(body, 2, backend=MetaTransport.name, timeout=TIMEOUT) == [(want, want)] * 2

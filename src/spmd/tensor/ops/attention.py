@@ -200,10 +200,10 @@ register_rule(_FORWARD, _BACKWARD, kernel=_kernel)(_rule)
 # the scores. Not the query rows: the memory-efficient kernel pads its log-sum-exp to 32 rows, which doesn't shard.
 # With dropout the kernels draw in-kernel from the device generator, the same stream on every rank, so a sharded
 # call would not draw the one-process numbers: it runs whole (replicated) instead. While the context-parallel
-# dispatcher is on, the flash and cuDNN ops with q, k, v sharded on the sequence run ring attention (Note:
-# context-parallel attention; its blocks on the memory-efficient kernels), returning the op's outputs: the
-# random-state tensors zeros, the lengths local. The memory-efficient op gathers the sequence instead: its padded
-# log-sum-exp does not shard.
+# dispatcher is on, the three ops with q, k, v sharded on the sequence run ring attention (Note: context-parallel
+# attention; its blocks on the memory-efficient kernels), returning the op's outputs: the random-state tensors
+# zeros, the lengths local. The memory-efficient op rings when the sequence is a multiple of 32 (its log-sum-exp
+# pads the rows to one, which then shards as the rows do); otherwise the sequence is resharded (onto the batch).
 
 @dataclasses.dataclass(frozen=True)
 class _AcceleratorAttention:
@@ -215,7 +215,7 @@ class _AcceleratorAttention:
     roles: tuple[str | None, ...]
     outputs: tuple[str | None, ...]
     dropout: int            # the position of dropout_p
-    ring: bool              # whether its log-sum-exp holds one entry per query row, as ring attention's
+    padded_rows: bool = False   # the memory-efficient kernel's log-sum-exp: rows padded to a multiple of 32
 
 
 def _argument(schema: OpSchema, position: int, name: str, default: Any) -> Any:
@@ -263,9 +263,9 @@ def _accelerator_attention(schema: OpSchema) -> Callable[[int], list[Strategy]]:
 
 def _accelerator_ring_dim(schema: OpSchema, specs: tuple[DTensorSpec, ...]) -> int | None:
     """The mesh dim that runs an accelerator attention call as ring attention (see Note: context-parallel
-    attention): its log-sum-exp must hold one entry per query row (not the memory-efficient kernel's padded one)."""
+    attention), or None."""
     layout = _ACCELERATOR_OPS[schema.op]
-    if not ring_dispatch.enabled or not layout.ring or float(_argument(schema, layout.dropout, "dropout_p", 0.0)):
+    if not ring_dispatch.enabled or float(_argument(schema, layout.dropout, "dropout_p", 0.0)):
         return None
     positions = [k for k, role in enumerate(layout.roles)
                  if k < len(schema.args) and isinstance(schema.args[k], DTensorSpec)]
@@ -273,6 +273,8 @@ def _accelerator_ring_dim(schema: OpSchema, specs: tuple[DTensorSpec, ...]) -> i
     if "bias" in by_role:
         return None
     q, k, v = by_role["q"], by_role["k"], by_role["v"]
+    if layout.padded_rows and q.shape[2] % 32:      # its log-sum-exp's rows, padded to 32, would not shard as q's
+        return None
     dims = [d for d, placement in enumerate(q.placements) if placement == _SEQUENCE]
     if len(dims) != 1 or k.placements[dims[0]] != _SEQUENCE or v.placements[dims[0]] != _SEQUENCE:
         return None
@@ -290,29 +292,43 @@ def _accelerator_kernel(plan: LocalPlan) -> LocalKernel:
     op = plan.op
     cudnn = op in (aten._scaled_dot_product_cudnn_attention.default,
                    aten._scaled_dot_product_cudnn_attention_backward.default)
+    efficient = op in (aten._scaled_dot_product_efficient_attention.default,
+                       aten._scaled_dot_product_efficient_attention_backward.default)
 
     def layout(is_causal: bool, scale: float | None) -> RingLayout:
         return RingLayout(group, bool(is_causal), bool(is_causal) and cp_options.enable_load_balance, scale,
                           cp_options.rotate_method)
 
     def extras(like: Tensor) -> list[Tensor | None]:
+        """The random-state (and debug) outputs: the efficient op's last two, the others' from the seventh."""
         return [None if spec is None else like.new_zeros(spec.local_shape(), dtype=spec.dtype)
-                for spec in plan.output_specs[6:]]
+                for spec in plan.output_specs[2 if efficient else 6:]]
+
+    if efficient and op in _ACCELERATOR_BACKWARDS:
+        def efficient_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, bias: Tensor | None,
+                               out: Tensor, lse: Tensor, *args: Any, **kwargs: Any) -> tuple:
+            is_causal = kwargs.get("is_causal", _positional(args, 4, False))
+            grads = ring_attention_backward(layout(is_causal, kwargs.get("scale")), grad_out.contiguous(), query,
+                                            key, value, out, lse)
+            return (*grads, None)
+        return efficient_backward
 
     if op in _ACCELERATOR_BACKWARDS:
         def backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
-                     *args: Any, scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
-            is_causal = args[8] if cudnn else args[5]
-            return ring_attention_backward(layout(is_causal, scale), grad_out.contiguous(), query, key, value, out,
-                                           lse.squeeze(-1) if cudnn else lse)
+                     *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor, Tensor]:
+            is_causal = kwargs.get("is_causal", args[8] if cudnn else args[5])
+            return ring_attention_backward(layout(is_causal, kwargs.get("scale")), grad_out.contiguous(), query,
+                                           key, value, out, lse.squeeze(-1) if cudnn else lse)
         return backward
 
     def forward(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> tuple:
-        is_causal = kwargs.get("is_causal", _positional(args, 3 if cudnn else 1, False))
+        is_causal = kwargs.get("is_causal", _positional(args, 3 if cudnn or efficient else 1, False))
         ring = layout(is_causal, kwargs.get("scale"))
         ring.check(query, key, value, f"spmd DTensor: {op} (context parallel, mesh dim {ring_dim}) on rank "
                                       f"{group.global_rank}")
         out, lse = ring_attention_forward(ring, query, key, value)
+        if efficient:
+            return (out, lse, *extras(query))
         return (out, lse.unsqueeze(-1) if cudnn else lse, None, None, query.shape[-2], key.shape[-2],
                 *extras(query))
     return forward
@@ -325,22 +341,22 @@ def _positional(args: tuple, index: int, default: Any) -> Any:
 _ACCELERATOR_OPS = {
     aten._scaled_dot_product_flash_attention.default: _AcceleratorAttention(
         ("q", "k", "v", None, None, None), ("shard", "lse", None, None, None, None, "extra", "extra", "extra"),
-        dropout=3, ring=True),
+        dropout=3),
     aten._scaled_dot_product_flash_attention_backward.default: _AcceleratorAttention(
         ("grad", "q", "k", "v", "out", "lse", "extra", "extra", None, None, None, None, "extra", "extra"),
-        ("shard", "shard", "shard"), dropout=10, ring=True),
+        ("shard", "shard", "shard"), dropout=10),
     aten._scaled_dot_product_efficient_attention.default: _AcceleratorAttention(
         ("q", "k", "v", "bias", None, None, None), ("shard", "lse", "extra", "extra"), dropout=5,
-        ring=False),
+        padded_rows=True),
     aten._scaled_dot_product_efficient_attention_backward.default: _AcceleratorAttention(
         ("grad", "q", "k", "v", "bias", "out", "lse", "extra", "extra", None, None, None),
-        ("shard", "shard", "shard", "bias"), dropout=9, ring=False),
+        ("shard", "shard", "shard", "bias"), dropout=9, padded_rows=True),
     aten._scaled_dot_product_cudnn_attention.default: _AcceleratorAttention(
         ("q", "k", "v", "bias", None, None, None, None),
-        ("shard", "lse", None, None, None, None, "extra", "extra", None), dropout=5, ring=True),
+        ("shard", "lse", None, None, None, None, "extra", "extra", None), dropout=5),
     aten._scaled_dot_product_cudnn_attention_backward.default: _AcceleratorAttention(
         ("grad", "q", "k", "v", "out", "lse", "extra", "extra", "bias", "extra", "extra", None, None, None, None),
-        ("shard", "shard", "shard"), dropout=13, ring=True),
+        ("shard", "shard", "shard"), dropout=13),
 }
 _ACCELERATOR_BACKWARDS = {aten._scaled_dot_product_flash_attention_backward.default,
                           aten._scaled_dot_product_efficient_attention_backward.default,
