@@ -65,7 +65,11 @@ def _ring_dim(schema: OpSchema, specs: tuple[DTensorSpec, ...]) -> int | None:
     if not ring_dispatch.enabled or isinstance(schema.kwargs.get("attn_mask"), DTensorSpec) or dropout_p:
         return None
     query_position = 1 if backward else 0
-    q, k, v = specs[query_position:query_position + 3]
+    return _sequence_mesh_dim(*specs[query_position:query_position + 3])
+
+
+def _sequence_mesh_dim(q: DTensorSpec, k: DTensorSpec, v: DTensorSpec) -> int | None:
+    """The only mesh dim sharding q on the sequence, if k and v are sharded so there too, else None."""
     dims = [d for d, placement in enumerate(q.placements) if isinstance(placement, Shard) and placement.dim == 2]
     if len(dims) != 1 or k.placements[dims[0]] != _SEQUENCE or v.placements[dims[0]] != _SEQUENCE:
         return None
@@ -222,7 +226,7 @@ def _argument(schema: OpSchema, position: int, name: str, default: Any) -> Any:
     return schema.args[position] if len(schema.args) > position else schema.kwargs.get(name, default)
 
 
-def _accelerator_attention(schema: OpSchema) -> Callable[[int], list[Strategy]]:
+def _accelerator_attention(schema: OpSchema) -> list[Strategy] | Callable[[int], list[Strategy]]:
     layout = _ACCELERATOR_OPS[schema.op]
     roles = {role: schema.args[k] for k, role in enumerate(layout.roles)
              if role is not None and k < len(schema.args) and isinstance(schema.args[k], DTensorSpec)}
@@ -234,7 +238,7 @@ def _accelerator_attention(schema: OpSchema) -> Callable[[int], list[Strategy]]:
     replicated = Strategy((Replicate(),) * len(input_roles),
                           tuple(None if kind is None else Replicate() for kind in layout.outputs))
     if float(_argument(schema, layout.dropout, "dropout_p", 0.0)):
-        return lambda mesh_dim: [replicated]
+        return [replicated]
     candidates = [replicated]
     dims = [0, 1] if query.shape[1] == key.shape[1] else [0]
     for dim in dims:
@@ -254,7 +258,7 @@ def _accelerator_attention(schema: OpSchema) -> Callable[[int], list[Strategy]]:
                 candidates.append(Strategy((placement,) + (Replicate(),) * (len(input_roles) - 1), outputs))
     ring_dim = _accelerator_ring_dim(schema, schema.input_specs)
     if ring_dim is None:
-        return lambda mesh_dim: candidates
+        return candidates
     ring = [Strategy(tuple(Replicate() if role == "extra" else _SEQUENCE for role in input_roles),
                      tuple(None if kind is None else Replicate() if kind == "extra" else _SEQUENCE
                            for kind in layout.outputs))]
@@ -272,13 +276,9 @@ def _accelerator_ring_dim(schema: OpSchema, specs: tuple[DTensorSpec, ...]) -> i
     by_role = {layout.roles[k]: specs[i] for i, k in enumerate(positions)}
     if "bias" in by_role:
         return None
-    q, k, v = by_role["q"], by_role["k"], by_role["v"]
-    if layout.padded_rows and q.shape[2] % 32:      # its log-sum-exp's rows, padded to 32, would not shard as q's
-        return None
-    dims = [d for d, placement in enumerate(q.placements) if placement == _SEQUENCE]
-    if len(dims) != 1 or k.placements[dims[0]] != _SEQUENCE or v.placements[dims[0]] != _SEQUENCE:
-        return None
-    return dims[0]
+    if layout.padded_rows and by_role["q"].shape[2] % 32:    # its log-sum-exp's rows, padded to 32, would not
+        return None                                           # shard as q's
+    return _sequence_mesh_dim(by_role["q"], by_role["k"], by_role["v"])
 
 
 def _accelerator_kernel(plan: LocalPlan) -> LocalKernel:
