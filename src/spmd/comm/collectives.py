@@ -90,27 +90,18 @@ def _check_same(tensor: Tensor, like: Tensor, name: str, op: str, group: Process
                          f"{tuple(tensor.shape)}), expected {want}")
 
 
-def _check_list(tensors: object, name: str, op: str, group: ProcessGroup, like: Tensor) -> list[Tensor]:
+def _check_list(tensors: object, name: str, op: str, group: ProcessGroup, like: Tensor,
+                sizes_may_differ: bool = False) -> list[Tensor]:
+    """A list of a tensor per rank, of `like`'s dtype and device and, unless `sizes_may_differ`, its size (torch's
+    all_gather and reduce_scatter take lists of uneven sizes: its NCCL and, for reduce_scatter, its gloo; this
+    rank's entry is `like`'s size still)."""
     if not isinstance(tensors, (list, tuple)) or len(tensors) != group.size():
         got = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
         raise ValueError(f"{_where(op, group)}: {name} must be a list of {group.size()} tensors, got {got}")
     for index, tensor in enumerate(tensors):
         check_tensor(tensor, f"{name}[{index}]", op, group)
-        _check_same(tensor, like, f"{name}[{index}]", op, group)
-    return list(tensors)
-
-
-def _check_sized_list(tensors: object, name: str, op: str, group: ProcessGroup, own: Tensor) -> list[Tensor]:
-    """A list of a tensor per rank, of one dtype and device, each of its own size (torch's all_gather and
-    reduce_scatter take lists of uneven sizes: its NCCL and, for reduce_scatter, its gloo), this rank's entry
-    the size of `own`."""
-    if not isinstance(tensors, (list, tuple)) or len(tensors) != group.size():
-        got = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
-        raise ValueError(f"{_where(op, group)}: {name} must be a list of {group.size()} tensors, got {got}")
-    for index, tensor in enumerate(tensors):
-        check_tensor(tensor, f"{name}[{index}]", op, group)
-        _check_same(tensor, own, f"{name}[{index}]", op, group,
-                    numel=own.numel() if index == group.group_rank else tensor.numel())
+        own_size = not sizes_may_differ or index == group.group_rank
+        _check_same(tensor, like, f"{name}[{index}]", op, group, numel=like.numel() if own_size else tensor.numel())
     return list(tensors)
 
 
@@ -346,7 +337,7 @@ def all_gather(tensor_list: list[Tensor], tensor: Tensor, group: AnyGroup | None
     if traceable.tracing(tensor, async_op):
         return traceable.all_gather_list_into(tensor_list, tensor, pg)
     check_tensor(tensor, "tensor", "all_gather", pg)
-    outputs = _check_sized_list(tensor_list, "tensor_list", "all_gather", pg, tensor)
+    outputs = _check_list(tensor_list, "tensor_list", "all_gather", pg, tensor, sizes_may_differ=True)
     if _uneven(outputs):
         return _all_gather_uneven(outputs, tensor, pg, async_op)
 
@@ -411,7 +402,7 @@ def reduce_scatter(output: Tensor, input_list: list[Tensor], op: ReduceOp = Redu
     pg = resolve_group(group, "reduce_scatter")
     check_tensor(output, "output", "reduce_scatter", pg)
     check_reduce_op(op, output.dtype, _where("reduce_scatter", pg))
-    inputs = _check_sized_list(input_list, "input_list", "reduce_scatter", pg, output)
+    inputs = _check_list(input_list, "input_list", "reduce_scatter", pg, output, sizes_may_differ=True)
     if _uneven(inputs):
         return _reduce_scatter_uneven(output, inputs, op, pg, async_op)
 
