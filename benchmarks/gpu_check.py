@@ -318,7 +318,7 @@ def _attention_checks(rows: list[Row], rank: int, world: int, device: torch.devi
         whole = [t.clone().requires_grad_() for t in (q, k, v)]
         want = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True)
         want.backward(weights)
-        attention = spmd.tensor.parallel.parallelize_module(
+        attention = parallelize_module(
             Inner(), mesh, _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA))
         balancer = _HeadTailLoadBalancer(64, world, device)
         _enable_context_parallel_dispatcher()
