@@ -1,9 +1,10 @@
-"""DDP, FSDP2, tensor, sequence, loss and context parallelism, their compositions and pipelining run on an accelerator's
-tensors end to end: every training step here runs on `meta` tensors (shapes without data) through a transport
-that moves meta tensors and asserts it is handed nothing else (object exchanges aside, which stage their bytes
-on the host), under NoCpuTensors, which fails any op that makes a CPU tensor. A hidden `torch.zeros(n)` without
-`device=` in a bucket, a shard's padding, a gradient, a norm or a pipeline buffer fails here instead of on the
-first GPU run (see tests/meta_device.py). Values are checked by the parity tests on CPU; these check devices.
+"""DDP, FSDP2 (and FSDP1's wrapper), tensor, sequence, loss and context parallelism, their compositions and
+pipelining run on an accelerator's tensors end to end: every training step here runs on `meta` tensors (shapes
+without data) through a transport that moves meta tensors and asserts it is handed nothing else (object exchanges
+aside, which stage their bytes on the host), under NoCpuTensors, which fails any op that makes a CPU tensor. A
+hidden `torch.zeros(n)` without `device=` in a bucket, a shard's padding, a gradient, a norm or a pipeline buffer
+fails here instead of on the first GPU run (see tests/meta_device.py). Values are checked by the parity tests on
+CPU; these check devices.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from examples.gpt import GPT, GPTConfig
+from examples.gpt import GPT, Block, GPTConfig
 from torch import Tensor, nn
 from torch.optim import optimizer as torch_optimizer
 from torch.utils import _foreach_utils
@@ -25,7 +26,9 @@ from spmd.algorithms.ddp_comm_hooks.ddp_zero_hook import hook_with_zero_step, ho
 from spmd.algorithms.model_averaging.averagers import PeriodicModelAverager
 from spmd.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from spmd.device_mesh import DeviceMesh, init_device_mesh
-from spmd.fsdp import MixedPrecisionPolicy, fully_shard
+from spmd.fsdp import FullyShardedDataParallel as FSDP
+from spmd.fsdp import MixedPrecision, MixedPrecisionPolicy, ShardingStrategy, StateDictType, fully_shard
+from spmd.fsdp.wrap import ModuleWrapPolicy
 from spmd.nn import SyncBatchNorm
 from spmd.optim import ZeroRedundancyOptimizer
 from spmd.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, runtime
@@ -231,6 +234,37 @@ def test_hsdp() -> None:
         return train(model)
 
     assert on_meta(step, (2, 2), ("dp_replicate", "dp_shard")) == [{"meta"}] * 4
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD])
+def test_fsdp1(strategy: ShardingStrategy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's FSDP1 wrapper as Lightning and accelerate drive it on GPUs: device_id, bf16 mixed precision,
+    no_sync, its own clip_grad_norm_, summon_full_params and a sharded state dict."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")                     # HYBRID_SHARD: shard within 2-rank "nodes"
+
+    def step(mesh: DeviceMesh) -> set:
+        model = FSDP(gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=strategy,
+                     device_id=torch.device("meta"), use_orig_params=True,
+                     mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        tokens, targets = batch()
+        with model.no_sync():
+            lm_loss(model(tokens), targets).backward()
+        for _ in range(2):
+            tokens, targets = batch()
+            lm_loss(model(tokens), targets).backward()
+            assert model.clip_grad_norm_(1.0).device.type == "meta"
+            optimizer.step()
+            kept = devices(model)
+            optimizer.zero_grad()
+        with FSDP.summon_full_params(model, with_grads=False):
+            kept |= {param.device.type for param in model.parameters()}
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            kept |= {value.to_local().device.type for value in model.state_dict().values()}
+        return kept
+
+    assert on_meta(step, (4,)) == [{"meta"}] * 4
 
 
 @pytest.mark.timeout(60)
