@@ -26,9 +26,10 @@ least one) as spawned processes, backend "nccl" (spmd's torch:nccl transport), e
     DTensors in bfloat16 (the flash or cuDNN op's rule), to 2e-2; and flex_attention's context parallelism (a
     document-causal BlockMask dealt by PTRR, made by the compiled create_block_mask on the device), output and
     q/k/v gradients likewise.
-  - with one GPU only, also 2 ranks sharing it over spmd's shared-memory transport ("shm", which has to stage
-    CUDA tensors through host memory): an all_reduce on CUDA tensors, expected to work or to fail with a clear
-    error naming the transport's devices, the two SyncBatchNorm checks and the two attention checks on 2 ranks.
+  - with one GPU only, also 2 ranks sharing it over spmd's shared-memory transport ("shm", which stages CUDA
+    tensors through host memory): the collectives above, an async all_reduce issued on a side stream behind a
+    sleeping kernel (the staged copies must wait for it), the two SyncBatchNorm checks and the two attention
+    checks on 2 ranks.
 Each row: name, PASS/FAIL, seconds, and the error's first line for a failure. Exit status 1 if any row failed.
 """
 
@@ -513,11 +514,18 @@ def _shared_gpu_rank(rank: int, world: int, port: int, out_file: str) -> None:
     rows: list[Row] = []
     spmd.init_process_group("shm", timeout=60)
     try:
-        def all_reduce() -> None:
-            t = torch.full((1 << 16,), float(rank + 1), device="cuda")
-            spmd.all_reduce(t)
-            _expect(t, torch.full((1 << 16,), float(world * (world + 1) // 2)), "all_reduce over shm")
-        _check(rows, "2 ranks on 1 GPU over shm: all_reduce", all_reduce)
+        _collectives(rows, rank, world, torch.device("cuda", 0))
+
+        def async_on_a_side_stream() -> None:
+            side, n = torch.cuda.Stream(), 1 << 16
+            t = torch.zeros(n, device="cuda")
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(100_000_000)          # the fill below lands well after the call returns
+                t.fill_(rank + 1)
+                work = spmd.all_reduce(t, async_op=True)
+            work.wait()                                 # the default stream now waits for the op
+            _expect(t, torch.full((n,), float(world * (world + 1) // 2)), "async all_reduce on a side stream")
+        _check(rows, "async all_reduce on a side stream", async_on_a_side_stream)
         _sync_batch_norm_checks(rows, rank, world, torch.device("cuda", 0))
         _attention_checks(rows, rank, world, torch.device("cuda", 0))
     finally:
@@ -569,7 +577,7 @@ def main() -> None:
             shared = run_saving_processes(_shared_gpu_rank, 2, lambda rank, out: (rank, 2, port, out), args.timeout,
                                           "2 ranks on one GPU")
         except RuntimeError as error:
-            shared = [[("2 ranks on 1 GPU over shm: all_reduce", False, 0.0, str(error))]] * 2
+            shared = [[("2 ranks on 1 GPU over shm", False, 0.0, str(error))]] * 2
         print("\n## 2 ranks sharing the GPU over spmd's shm transport")
         ok &= _print(shared)
     sys.exit(0 if ok else 1)

@@ -242,9 +242,11 @@ class SpmdProcessGroup(dist.ProcessGroup):
     def _get_backend_name(self) -> str:
         """torch's own code asks a group's backend name only to learn whether it is a CPU group (`== "gloo"`: a
         ShardedTensor with no shard on this rank takes that device, else CUDA's; SyncBatchNorm picks its gather):
-        a group whose transport moves only CPU tensors answers as gloo's does. `dist.get_backend()` still names
-        "spmd" (torch keeps the name a group was made with)."""
-        return "gloo" if set(self.spmd_group.transport.devices) == {"cpu"} else BACKEND
+        a group whose transport moves only CPU tensors (an accelerator's through host copies at most, as gloo's)
+        answers as gloo's does. `dist.get_backend()` still names "spmd" (torch keeps the name a group was made
+        with)."""
+        transport = self.spmd_group.transport
+        return "gloo" if set(transport.devices) - set(transport.staged_devices) == {"cpu"} else BACKEND
 
     def _get_backend(self, device: torch.device | str) -> SpmdProcessGroup:
         device_type = torch.device(device).type

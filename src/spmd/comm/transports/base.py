@@ -16,7 +16,8 @@ Work they are given, and messages between one pair of ranks with one tag arrive 
 
 Devices: `devices` names the device types whose tensors the transport moves (every transport declares it);
 the group rejects a tensor on any other device before anything is sent. The first one listed is where
-object collectives stage their bytes.
+object collectives stage their bytes. On a machine with an accelerator, spmd's own host transports are wrapped
+to move the accelerator's tensors through host copies (staged.py).
 
 Streams: a transport that moves device tensors is called with the caller's stream S current (the group
 makes it current on its executor thread too). It orders its device work after S's pending work and leaves S
@@ -82,6 +83,7 @@ class Transport(abc.ABC):
 
     name: str = "abstract"
     devices: tuple[str, ...] = ()   # device types it moves, e.g. ("cpu",); every transport declares its own
+    staged_devices: tuple[str, ...] = ()   # those of `devices` it moves through host copies (staged.py)
     moves_data: bool = True         # False: the fake transport, which reads and writes no peer's data
 
     def __init__(self, spec: TransportSpec) -> None:
@@ -159,6 +161,7 @@ _TRANSPORTS: dict[str, str] = {            # backend -> "module:class", imported
     "torch:nccl": "spmd.comm.transports.torch_pg:TorchNcclTransport",
     "fake": "spmd.comm.transports.fake:FakeTransport",
 }
+_SPMD_HOST_TRANSPORTS = ("threads", "tcp", "shm")  # spmd's own transports of host tensors
 _ACROSS_HOSTS: dict[str, str] = {          # what a backend builds instead for a group whose ranks span hosts
     "shm": "spmd.comm.transports.shm.hierarchical:HierarchicalTransport",
 }
@@ -195,14 +198,16 @@ def resolve_backend(backend: str, hosts: tuple[str, ...]) -> str:
     return backend
 
 
-def create_transport(backend: str, spec: TransportSpec) -> Transport:
+def create_transport(backend: str, spec: TransportSpec, stage_accelerator: bool = True) -> Transport:
     """Build and connect the transport named `backend` for one group (collective over the group's ranks).
 
     "shm" builds LocalShmTransport for a group on one host and HierarchicalTransport for one spanning hosts;
     named "shm" and "shm+tcp" (what get_backend reports). A device map ("cpu:tcp,cuda:torch:nccl") builds a
-    DeviceMapTransport over one transport per entry.
+    DeviceMapTransport over one transport per entry (each moving only its entry's device type). spmd's own host
+    transports, on a machine with an accelerator, move the accelerator's tensors too, through host copies, unless
+    `stage_accelerator` is False (torch's gloo, asked for by name, stays torch's: host tensors only).
     """
-    from spmd.comm.transports import device_map
+    from spmd.comm.transports import device_map, staged
 
     if device_map.is_device_map(backend):
         return device_map.DeviceMapTransport(spec, device_map.parse_device_map(backend))
@@ -212,4 +217,5 @@ def create_transport(backend: str, spec: TransportSpec) -> Transport:
         path = _ACROSS_HOSTS.get(name, path)
     module_name, class_name = path.split(":")
     transport_class = getattr(importlib.import_module(module_name), class_name)
-    return transport_class(spec)
+    transport = transport_class(spec)
+    return staged.stage_accelerator(transport) if stage_accelerator and name in _SPMD_HOST_TRANSPORTS else transport

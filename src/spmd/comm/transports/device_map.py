@@ -3,9 +3,10 @@ device type.
 
 Layer: comm (transports). The group builds one sub-transport per entry, in the map's order, each with its own
 store namespace and group name, so the entries connect independently. Every entry must name a transport that
-moves its device type: a transport for a device this process lacks is refused when the group is created, as
-torch refuses an nccl group without CUDA (there is no lazy creation: a lazily created transport would make its
-first collective the collective set-up, on ranks that may not all reach it).
+moves its device type (an accelerator's entry naming one of spmd's host transports, "cuda:gloo" as torch takes
+it, moves it through host copies, staged.py): a transport for a device this process lacks is refused when the
+group is created, as torch refuses an nccl group without CUDA (there is no lazy creation: a lazily created
+transport would make its first collective the collective set-up, on ranks that may not all reach it).
 
 Note: which sub-transport runs an operation
 Every rank calls every op with tensors on the same device type, so every rank picks the same sub-transport.
@@ -61,7 +62,7 @@ class DeviceMapTransport(Transport):
             for device, backend in entries:
                 sub_spec = dataclasses.replace(spec, store=PrefixStore(f"device/{device}", spec.store),
                                                group_name=f"{spec.group_name}-{device}")
-                transport = create_transport(backend, sub_spec)
+                transport = create_transport(backend, sub_spec, stage_accelerator=device != "cpu")
                 self._by_device[device] = transport
                 if device not in transport.devices:
                     raise ValueError(f"spmd: device map entry '{device}:{backend}': the {transport.name} transport "
