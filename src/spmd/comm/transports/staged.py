@@ -11,10 +11,11 @@ Every method is called with the caller's stream S current (see base.py, Streams)
 is copied into a fresh host tensor (pinned where the accelerator can pin) by a blocking copy on S, so it holds S's
 pending writes; the host transport runs on the copies; each device tensor the op writes gets its copy back by a
 copy on S, non-blocking from pinned memory (torch's host allocator keeps the pinned block until that copy is
-done), so S, and through the group's event every waiter's stream, is ordered after the result. A staged receive
-completes its host Work on whichever thread the host transport finishes it (a progress thread, or the waiter's
-through `poll`): the message is copied into the device tensor there, blocking, and only then does the caller's
-Work complete, so the copy is done before any stream can read the tensor.
+done; the device tensor is recorded on S, so freeing it from the stream it was made on can't reuse its memory
+before the copy), so S, and through the group's event every waiter's stream, is ordered after the result. A
+staged receive completes its host Work on whichever thread the host transport finishes it (a progress thread, or
+the waiter's through `poll`): the message is copied into the device tensor there, blocking, and only then does the
+caller's Work complete, so the copy is done before any stream can read the tensor.
 """
 
 from __future__ import annotations
@@ -83,8 +84,11 @@ class HostStagedTransport(Transport):
         return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self._pin)
 
     def _copy_out(self, tensor: Tensor, host: Tensor) -> None:
-        if host is not tensor:
-            tensor.copy_(host, non_blocking=self._pin)
+        if host is tensor:
+            return
+        tensor.copy_(host, non_blocking=self._pin)
+        if self._pin:       # the copy may still be queued when the caller frees `tensor` from another stream
+            tensor.record_stream(torch.accelerator.current_stream(tensor.device))
 
     def all_reduce(self, tensor: Tensor, op: ReduceOp, ctx: OpContext) -> None:
         host = self._copy_in(tensor)
