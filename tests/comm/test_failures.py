@@ -232,3 +232,27 @@ def test_bad_input_raises_value_error_before_anything_is_sent(transport: str) ->
         return t.item()
 
     assert run_ranks(body, 2, timeout=60, backend=transport) == [3.0, 3.0]
+
+
+def test_a_batch_that_fails_to_start_aborts_its_group_and_fails_its_works() -> None:
+    """A transport that fails starting a batch_isend_irecv: the caller gets the error naming the rank and the
+    operation, the group is aborted (as after any failed send), and no Work of the batch stays in flight in the
+    flight recorder."""
+    def body(rank: int, size: int) -> tuple[str, list[str]]:
+        group = default_group()
+
+        def refuse(ops: list) -> None:
+            raise RuntimeError("the device refused the batch")
+
+        group.transport.start_p2p_batch = refuse
+        with pytest.raises(RuntimeError, match="the device refused the batch") as info:
+            spmd.batch_isend_irecv([spmd.P2POp(spmd.isend, torch.ones(2), 1 - rank),
+                                    spmd.P2POp(spmd.irecv, torch.zeros(2), 1 - rank)])
+        with pytest.raises(GroupAbortedError):
+            spmd.all_reduce(torch.ones(1))
+        records = group._recorder.snapshot()[f"{group.name}/p2p"]
+        return str(info.value), [record["state"] for record in records]
+
+    for rank, (message, states) in enumerate(run_ranks(body, 2, timeout=30)):
+        assert f"rank {rank}" in message and "isend" in message, message
+        assert states == ["failed", "failed"]

@@ -181,3 +181,70 @@ def test_an_op_that_ends_while_a_peers_abort_is_looked_up_keeps_its_own_outcome(
     ctx = OpContext(Fingerprint("all_reduce", 6, (1,), "float32", "SUM", None), Deadline(60.0), "test group")
     TorchGlooTransport._wait(Transport(), EndsDuringTheLookup(), ctx)    # type: ignore[arg-type]
     assert failed == []
+
+
+class _AllOf:
+    """One torch Work standing for several (what a coalescing backend's _end_coalescing returns)."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self.works = works
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return all(work.wait() for work in self.works)
+
+
+class _CoalescingGloo:
+    """torch's gloo group, made to coalesce as NCCL does: the sends and receives between _start_coalescing and
+    _end_coalescing are logged and run, and the end returns one Work for them all; a send or receive outside a
+    batch is refused, so a batch started message by message would fail."""
+
+    supports_coalescing = True
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group, self.log = group, []
+        self._batch: list[dist.Work] | None = None
+
+    def _start_coalescing(self) -> None:
+        self.log.append("start")
+        self._batch = []
+
+    def _message(self, kind: str, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
+        assert self._batch is not None, f"{kind} outside a coalesced batch"
+        self.log.append((kind, peer))
+        self._batch.append(getattr(self.group, kind)(tensors, peer, tag))
+
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
+        self._message("send", tensors, peer, tag)
+
+    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
+        self._message("recv", tensors, peer, tag)
+
+    def _end_coalescing(self) -> _AllOf:
+        self.log.append("end")
+        works, self._batch = self._batch or [], None
+        return _AllOf(works)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.group, name)
+
+
+def test_batch_isend_irecv_coalesces_on_a_backend_that_coalesces() -> None:
+    """NCCL's large sends wait for their receives, so two ranks that each send before they receive hang unless
+    the batch is one coalesced group (torch's batch_isend_irecv); messages to the rank itself stay spmd's."""
+    def body(rank: int, size: int) -> tuple[list, list[float], list[float]]:
+        transport = default_group().transport
+        transport._pg = _CoalescingGloo(transport._pg)
+        peer = 1 - rank
+        got, mine = torch.zeros(4), torch.zeros(2)
+        works = spmd.batch_isend_irecv([
+            spmd.P2POp(spmd.isend, torch.full((4,), float(rank)), peer),
+            spmd.P2POp(spmd.isend, torch.full((2,), rank + 10.0), rank),
+            spmd.P2POp(spmd.irecv, got, peer),
+            spmd.P2POp(spmd.irecv, mine, rank)])
+        for work in works:
+            work.wait()
+        return transport._pg.log, got.tolist(), mine.tolist()
+
+    for rank, (log, got, mine) in enumerate(run_ranks(body, 2, timeout=60, backend="torch:gloo")):
+        assert log == ["start", ("send", 1 - rank), ("recv", 1 - rank), "end"]
+        assert got == [float(1 - rank)] * 4 and mine == [rank + 10.0] * 2

@@ -7,6 +7,7 @@ buffered by the transport, so a pair of ranks may each isend before they irecv w
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 
 from torch import Tensor
@@ -15,6 +16,7 @@ from spmd._core.errors import CommTimeoutError
 from spmd.comm.collectives import check_contiguous, check_tensor
 from spmd.comm.debug import dtype_name, user_call_site
 from spmd.comm.group import ProcessGroup
+from spmd.comm.transports.base import P2PStart
 from spmd.comm.work import Work
 from spmd.comm.world import AnyGroup, resolve_group
 
@@ -31,17 +33,23 @@ def _peer(group: ProcessGroup, peer: int | None, group_peer: int | None, op: str
     return group_peer
 
 
+def _work(op: str, tensor: Tensor, pg: ProcessGroup, target: int, tag: int) -> Work:
+    """The Work of one checked send or receive, with its flight-recorder entry."""
+    name, description = pg.p2p_names(op, target, tag)
+    record = pg.next_p2p_record(name, tuple(tensor.shape), dtype_name(tensor.dtype), user_call_site())
+    return Work(description, [tensor], record)
+
+
 def _start(op: str, tensor: Tensor, pg: ProcessGroup, target: int, tag: int) -> Work:
     check_tensor(tensor, "tensor", op, pg)
     check_contiguous(tensor, "tensor", op, pg)
-    name, description = pg.p2p_names(op, target, tag)
-    record = pg.next_p2p_record(name, tuple(tensor.shape), dtype_name(tensor.dtype), user_call_site())
-    work = Work(description, [tensor], record)
+    work = _work(op, tensor, pg, target, tag)
     start: Callable[[Tensor, int, int, Work], None] = pg.transport.isend if op == "isend" else pg.transport.irecv
     try:
         start(tensor, target, tag, work)
     except BaseException as error:   # abort the group, then report
-        raise pg.p2p_failed(record, error) from error
+        assert work.record is not None
+        raise pg.p2p_failed(work.record, error) from error
     return work
 
 
@@ -121,4 +129,17 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         check_tensor(item.tensor, "tensor", op, pg)
         check_contiguous(item.tensor, "tensor", op, pg)
         planned.append((op, item.tensor, pg, target, item.tag))
-    return [_start(*plan) for plan in planned]
+    works = [_work(*plan) for plan in planned]
+    started = 0
+    for pg, run in itertools.groupby(zip(planned, works, strict=True), key=lambda pair: pair[0][2]):
+        ops: list[P2PStart] = [(op, tensor, target, tag, work) for (op, tensor, _, target, tag), work in run]
+        try:
+            pg.transport.start_p2p_batch(ops)
+        except BaseException as failure:   # abort the group, fail the Works not started (none is handed back)
+            assert ops[0][4].record is not None
+            error = pg.p2p_failed(ops[0][4].record, failure)
+            for work in works[started:]:
+                work.to_failed(error)
+            raise error from failure
+        started += len(ops)
+    return works

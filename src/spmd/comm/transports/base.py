@@ -41,6 +41,8 @@ from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.store.base import Store
 from spmd.comm.work import Work
 
+P2PStart = tuple[str, Tensor, int, int, Work]   # ("isend" or "irecv", tensor, group rank of the peer, tag, Work)
+
 
 @dataclasses.dataclass(slots=True)
 class OpContext:
@@ -137,6 +139,13 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def irecv(self, tensor: Tensor, src: int, tag: int, work: Work) -> None:
         """Start receiving the next message from group rank src with `tag` into tensor; complete `work` then."""
+
+    def start_p2p_batch(self, ops: list[P2PStart]) -> None:
+        """Start the sends and receives of one batch_isend_irecv, in order. A transport whose sends are buffered
+        (spmd's) starts them one by one; one whose large sends wait for their receives (NCCL) starts them as one
+        group, so ranks that each send before they receive (a ring, a pipeline's two directions) go on."""
+        for op, tensor, peer, tag, work in ops:
+            (self.isend if op == "isend" else self.irecv)(tensor, peer, tag, work)
 
     def allocate_tensor(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor | None:
         """A flat buffer from this transport's own allocator, where its collectives on it run faster (NCCL's

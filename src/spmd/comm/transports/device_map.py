@@ -23,7 +23,7 @@ from torch import Tensor
 
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.store.base import PrefixStore
-from spmd.comm.transports.base import OpContext, Transport, TransportSpec, create_transport
+from spmd.comm.transports.base import OpContext, P2PStart, Transport, TransportSpec, create_transport
 from spmd.comm.work import Work
 
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "meta")
@@ -121,6 +121,13 @@ class DeviceMapTransport(Transport):
 
     def irecv(self, tensor: Tensor, src: int, tag: int, work: Work) -> None:
         self._for("irecv", tensor).irecv(tensor, src, tag, work)
+
+    def start_p2p_batch(self, ops: list[P2PStart]) -> None:
+        kinds = {tensor.device.type for _, tensor, _, _, _ in ops}
+        if len(kinds) == 1:
+            self._for("batch_isend_irecv", ops[0][1]).start_p2p_batch(ops)
+        else:                       # one batch over two device types: each message on its own transport
+            super().start_p2p_batch(ops)
 
     def abort(self, error: BaseException) -> None:
         for transport in self._by_device.values():

@@ -54,7 +54,7 @@ from spmd._core.errors import (
 )
 from spmd.comm.reduce_op import ReduceOp, finish_average
 from spmd.comm.store.base import Store
-from spmd.comm.transports.base import OpContext, Transport, TransportSpec
+from spmd.comm.transports.base import OpContext, P2PStart, Transport, TransportSpec
 from spmd.comm.work import Work
 
 _TORCH_OPS: dict[ReduceOp, dist.ReduceOp.RedOpType] = {
@@ -305,22 +305,25 @@ class TorchProcessGroupTransport(Transport):
 
     # -- point to point -------------------------------------------------------------------------------------
 
-    def _track(self, torch_work: dist.Work, work: Work, what: str) -> None:
-        """Complete `work` from a thread that waits for the torch op (gloo's P2P works have no future; one
-        thread per message, so works complete in whatever order their peers make them)."""
+    def _track(self, torch_work: dist.Work, works: list[Work], what: str) -> None:
+        """Complete `works` (a message's, or a coalesced batch's) from a thread that waits for the torch op
+        (gloo's P2P works have no future; one thread per message, so works complete in whatever order their
+        peers make them)."""
         with self._lock:
-            self._pending.add(work)
+            self._pending.update(works)
 
         def wait() -> None:
             try:     # no slices here: a gloo send or recv whose wait timed out has failed for good
                 torch_work.wait()
             except Exception as error:
-                work.to_failed(self._error or self._peer_abort(what) or self._translate(error, what,
-                                                                                        self.spec.timeout))
+                failure = self._error or self._peer_abort(what) or self._translate(error, what, self.spec.timeout)
+                for work in works:
+                    work.to_failed(failure)
             else:
-                work.to_completed()
+                for work in works:
+                    work.to_completed()
             with self._lock:
-                self._pending.discard(work)
+                self._pending.difference_update(works)
 
         threading.Thread(target=wait, name=f"spmd-{self.name}-p2p", daemon=True).start()
 
@@ -330,7 +333,7 @@ class TorchProcessGroupTransport(Transport):
         if dst == self.group_rank:
             self._send_to_self(tensor, tag, work)
             return
-        self._track(self._pg.send([_as_bytes(tensor)], dst, tag), work, what)
+        self._track(self._pg.send([_as_bytes(tensor)], dst, tag), [work], what)
 
     def irecv(self, tensor: Tensor, src: int, tag: int, work: Work) -> None:
         what = f"recv from group rank {src} (tag {tag})"
@@ -338,7 +341,30 @@ class TorchProcessGroupTransport(Transport):
         if src == self.group_rank:
             self._recv_from_self(tensor, tag, work)
             return
-        self._track(self._pg.recv([_as_bytes(tensor)], src, tag), work, what)
+        self._track(self._pg.recv([_as_bytes(tensor)], src, tag), [work], what)
+
+    def start_p2p_batch(self, ops: list[P2PStart]) -> None:
+        """A backend that coalesces (NCCL: its large sends wait for their receives) starts the batch's messages
+        to other ranks as one group, torch's batch_isend_irecv's way; one that buffers them (gloo) one by one.
+        Messages to this rank itself are kept here as ever."""
+        if not self._pg.supports_coalescing:
+            super().start_p2p_batch(ops)
+            return
+        to_peers = [(op, tensor, peer, tag, work) for op, tensor, peer, tag, work in ops if peer != self.group_rank]
+        for op, tensor, peer, tag, work in ops:
+            if peer == self.group_rank:
+                (self.isend if op == "isend" else self.irecv)(tensor, peer, tag, work)
+        if not to_peers:
+            return
+        what = f"batch of {len(to_peers)} sends and receives with group ranks {sorted({op[2] for op in to_peers})}"
+        self._check_alive(what)
+        self._pg._start_coalescing()
+        try:
+            for op, tensor, peer, tag, _ in to_peers:
+                (self._pg.send if op == "isend" else self._pg.recv)([_as_bytes(tensor)], peer, tag)
+        finally:
+            batch = self._pg._end_coalescing()
+        self._track(batch, [op[4] for op in to_peers], what)
 
     def _send_to_self(self, tensor: Tensor, tag: int, work: Work) -> None:
         """torch's groups don't send to their own rank: a message to self waits here for its receive."""
@@ -430,17 +456,21 @@ class TorchNcclTransport(TorchProcessGroupTransport):
     def _native_avg(self) -> bool:
         return True
 
-    def _track(self, torch_work: dist.Work, work: Work, what: str) -> None:
-        """Order the caller's stream after the send or recv (torch's wait on NCCL is a stream wait, made on the
-        caller's thread so it is the caller's stream) and complete `work`: the op is enqueued, as the contract
-        for device transports says. A pair of ranks that both send before they receive relies on NCCL's
-        buffering for small messages; larger ones need batch_isend_irecv, as with torch's own NCCL."""
+    def _track(self, torch_work: dist.Work, works: list[Work], what: str) -> None:
+        """Order the caller's stream after the sends and receives (torch's wait on NCCL is a stream wait, made on
+        the caller's thread so it is the caller's stream) and complete `works`: the ops are enqueued, as the
+        contract for device transports says. A pair of ranks that both isend before they irecv relies on NCCL's
+        buffering for small messages; larger ones need batch_isend_irecv (one coalesced group), as with torch's
+        own NCCL."""
         try:
             torch_work.wait()
         except Exception as error:
-            work.to_failed(self._error or self._translate(error, what, self.spec.timeout))
+            failure = self._error or self._translate(error, what, self.spec.timeout)
+            for work in works:
+                work.to_failed(failure)
             return
-        work.to_completed()
+        for work in works:
+            work.to_completed()
 
     def _wait(self, work: dist.Work, ctx: OpContext) -> None:
         try:
