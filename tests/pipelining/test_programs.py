@@ -13,7 +13,7 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from spmd.pipelining import programs
 from spmd.pipelining.actions import Action, ActionKind, ScheduleError, read_csv, stage_to_rank, write_csv
-from spmd.pipelining.validate import validate_program
+from spmd.pipelining.validate import check_message_order, validate_program
 
 F, B = ActionKind.FORWARD, ActionKind.FULL_BACKWARD
 DATA_PARALLEL = (ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD)
@@ -138,15 +138,37 @@ def test_impossible_sizes_are_refused_naming_the_schedule(call: object, says: st
     assert says in str(error.value)
 
 
-def test_lowering_sends_after_and_posts_receives_before() -> None:
+def test_lowering_sends_after_and_places_receives_at_their_senders_turn() -> None:
     lowered = programs.add_communication(programs.gpipe(2, 2), {0: 0, 1: 1})
-    # each computation's receives, and the next one's, are posted before it runs
-    assert list(map(str, lowered[0])) == ["0F0", "0SEND_F0", "0RECV_B0", "0F1", "0SEND_F1", "0RECV_B1", "0B0",
+    # rank 1's backward gradients are received by rank 0 only once it has sent every forward: a receive posted
+    # before rank 0's last SEND_F would hang NCCL (one stream per pair of ranks, large sends wait)
+    assert list(map(str, lowered[0])) == ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1",
                                           "0B1"]
-    assert list(map(str, lowered[1])) == ["1RECV_F0", "1RECV_F1", "1F0", "1F1", "1B0", "1SEND_B0", "1B1",
+    assert list(map(str, lowered[1])) == ["1RECV_F0", "1F0", "1RECV_F1", "1F1", "1B0", "1SEND_B0", "1B1",
                                           "1SEND_B1"]
     local = programs.add_communication(programs.interleaved_1f1b(1, 2, 2), {0: 0, 1: 0})
     assert all(a is not None and a.is_compute for a in local[0])   # stages on one rank hand over locally
+
+
+LOWERED = [("GPipe", 2, 4, 1), ("GPipe", 4, 8, 1), ("1F1B", 4, 8, 1), ("Interleaved1F1B", 2, 4, 4),
+           ("Interleaved1F1B", 4, 8, 2), ("InterleavedZeroBubble", 2, 4, 2), ("ZBVZeroBubble", 2, 4, 2),
+           ("ZBVZeroBubble", 4, 8, 2), ("DualPipeV", 2, 4, 2), ("DualPipeV", 4, 8, 2), ("LoopedBFS", 3, 6, 4)]
+
+
+@pytest.mark.parametrize("name, ranks, n, v", LOWERED)
+def test_lowering_is_torchs_and_every_pair_of_ranks_lists_its_messages_in_one_order(name: str, ranks: int, n: int,
+                                                                                     v: int) -> None:
+    compute = programs.build(name, ranks, n, v)
+    num_stages = ranks * (2 if name in ("ZBVZeroBubble", "DualPipeV") else v)
+    placement = stage_to_rank(ranks, num_stages, programs.placement_of(name))
+    ours = programs.add_communication(compute, placement)
+    theirs = torch_schedules._add_send_recv(
+        {rank: [None if a is None else torch_schedules._Action.from_str(str(a)) for a in actions]
+         for rank, actions in compute.items()}, lambda stage: placement[stage], num_stages)
+    assert {rank: list(map(str, actions)) for rank, actions in ours.items()} == \
+        {rank: list(map(str, actions)) for rank, actions in theirs.items()}
+    check_message_order(ours, placement)
+    validate_program(ours, n, placement=placement)
 
 
 @pytest.mark.parametrize("name, ranks, n, v", [("GPipe", 2, 4, 1), ("1F1B", 4, 8, 1), ("Interleaved1F1B", 2, 4, 4),

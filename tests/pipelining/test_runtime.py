@@ -44,6 +44,7 @@ from spmd.pipelining.schedules import (
     _PipelineScheduleRuntime,
 )
 from spmd.testing import run_ranks, seeded
+from tests.nccl_p2p import register_nccl_p2p_transport
 
 RTOL, ATOL = 1e-5, 1e-6
 TIMEOUT = 60.0
@@ -164,6 +165,58 @@ def test_training_matches_one_process(cls: type[_PipelineSchedule], per_rank: in
     assert sorted(got) == sorted(want_params)   # every parameter lives on exactly one rank, under its name
     for name, value in got.items():
         torch.testing.assert_close(value, want_params[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("cls, per_rank, style", SCHEDULES, ids=[c[0].__name__ for c in SCHEDULES])
+def test_training_matches_one_process_under_nccls_point_to_point_semantics(
+        cls: type[_PipelineSchedule], per_rank: int, style: str, ranks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL ignores tags, pairs messages by their order and runs a rank's operations with a peer one after another
+    (tests/nccl_p2p.py): a schedule whose two ranks of a pair issue their messages in different orders hangs the
+    GPUs or pairs the wrong tensors (before the lowering placed receives at their senders' turn, all but GPipe and
+    1F1B hung on 2 ranks, and interleaved 1F1B trained on the wrong activations on 4)."""
+    register_nccl_p2p_transport(monkeypatch)
+    want_losses, want_params = reference(ranks * per_rank)
+    results = train_pipelined(cls, ranks, per_rank, style, gpt(layers=ranks * per_rank), 2 * ranks,
+                              backend="nccl-p2p-threads")
+    torch.testing.assert_close(torch.tensor(next(r[0] for r in results if r[0])), torch.tensor(want_losses),
+                               rtol=RTOL, atol=ATOL)
+    for name, value in {name: value for _, params in results for name, value in params.items()}.items():
+        torch.testing.assert_close(value, want_params[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_a_program_whose_ranks_order_their_messages_apart_is_refused_over_nccl(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A program with its communication, loaded from CSV, that runs where messages match by tag but would hang on
+    NCCL: refused before anything is sent, naming the two ranks."""
+    register_nccl_p2p_transport(monkeypatch)
+    (tmp_path / "crossed.csv").write_text("0F0,0SEND_F0,0RECV_B0,0F1,0SEND_F1,0RECV_B1,0B0,0B1\n"
+                                          "1RECV_F0,1RECV_F1,1F0,1F1,1B0,1SEND_B0,1B1,1SEND_B1\n")
+
+    def body(rank: int, world_size: int) -> str:
+        schedule = ScheduleGPipe(PipelineStage(Scaled(), rank, 2, "cpu"), 2, loss_fn=lambda y, t: (y * t).sum())
+        with pytest.raises(ScheduleError) as refused:
+            schedule.load_csv(tmp_path / "crossed.csv", format="compute_comms")
+        return str(refused.value)
+
+    assert all("ranks 0 and 1 differ at their message 1" in message
+               for message in run_ranks(body, world_size=2, timeout=TIMEOUT, backend="nccl-p2p-threads"))
+
+
+def test_eval_under_nccls_point_to_point_semantics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward-only step sends its metadata again (a mode of its own): received in the sender's order too."""
+    register_nccl_p2p_transport(monkeypatch)
+    model = gpt(layers=4)
+    tokens, _ = batch(0)
+    with torch.no_grad():
+        want = model(tokens)
+
+    def body(rank: int, world_size: int) -> Tensor | None:
+        stages, _ = build_stages(model, rank, world_size, 2, "loop")
+        return ScheduleInterleaved1F1B(stages, 4, loss_fn=loss_fn).eval(*((tokens,) if rank == 0 else ()))
+
+    torch.testing.assert_close(run_ranks(body, world_size=2, timeout=TIMEOUT, backend="nccl-p2p-threads")[1], want,
+                               rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("backend", ["shm", "tcp"])

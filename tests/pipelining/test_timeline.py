@@ -99,16 +99,16 @@ def test_eval_records_the_forward_only_program() -> None:
 
     for timeline in run_ranks(body, world_size=2, timeout=60.0):
         assert timeline == {0: ["0UNSHARD", "0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RESHARD"],
-                            1: ["1RECV_F0", "1RECV_F1", "1UNSHARD", "1F0", "1F1", "1RESHARD"]}
+                            1: ["1RECV_F0", "1UNSHARD", "1F0", "1RECV_F1", "1F1", "1RESHARD"]}
 
 
 def test_measured_report_from_hand_made_records() -> None:
     program = programs.add_communication(programs.gpipe(2, 1), stage_to_rank(2, 2))
-    assert [list(map(str, program[r])) for r in (0, 1)] == [["0RECV_B0", "0F0", "0SEND_F0", "0B0"],
+    assert [list(map(str, program[r])) for r in (0, 1)] == [["0F0", "0SEND_F0", "0RECV_B0", "0B0"],
                                                            ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]]
     # (position, reached, ended, waited) in seconds from 100; issuing rank 0's send takes 0.25 s, then its backward
     # waits 2.75 s for rank 1's
-    records = {0: [(0, 100.0, 100.0, 0.0), (1, 100.0, 101.0, 0.0), (2, 101.0, 101.25, 0.0), (3, 101.25, 106.0, 2.75)],
+    records = {0: [(0, 100.0, 101.0, 0.0), (1, 101.0, 101.25, 0.0), (2, 101.25, 101.25, 0.0), (3, 101.25, 106.0, 2.75)],
                1: [(0, 100.5, 100.5, 0.0), (1, 100.5, 102.0, 0.5), (2, 102.0, 104.0, 0.0), (3, 104.0, 104.0, 0.0)]}
     report = measured_report(program, records, 1, stage_to_rank(2, 2))
     assert report.makespan == 6.0

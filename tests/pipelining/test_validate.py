@@ -10,7 +10,7 @@ import pytest
 
 from spmd.pipelining import programs
 from spmd.pipelining.actions import Action, ActionKind, Program, ScheduleError
-from spmd.pipelining.validate import validate_program
+from spmd.pipelining.validate import check_message_order, validate_program
 
 GRID = [(name, ranks, n, v) for name, (_, placement, multi) in programs.PROGRAMS.items()
         for ranks in (1, 2, 3, 4) for n in (1, 2, 3, 4, 6, 8)
@@ -65,7 +65,7 @@ def test_costs_per_stage_set_the_simulated_times() -> None:
     assert uneven.makespan == 0.5 + 3 + 4 + 2 and uneven.busy == {0: 2.5, 1: 7.0}
     assert uneven.stage_costs == {(1, ActionKind.FORWARD): 3.0, (1, ActionKind.FULL_BACKWARD): 4.0}
     issuing = validate_program(program, 1, placement=placement, costs={ActionKind.SEND_F: 0.5, ActionKind.RECV_B: 0.25})
-    assert issuing.makespan == 0.25 + 1 + 0.5 + 1 + 2 + 2    # rank 0 posts, computes, sends; rank 1 then goes on
+    assert issuing.makespan == 1 + 0.5 + 1 + 2 + 2    # rank 0 computes, sends (rank 1 then goes on), posts
     assert issuing.busy == {0: 3.0, 1: 3.0}                   # issuing and posting are idle time, not work
 
 
@@ -149,3 +149,15 @@ def test_a_program_must_agree_with_the_placement_it_is_given() -> None:
         validate_program(program, 2, placement={0: 0, 1: 0})
     with pytest.raises(ScheduleError, match="one action list per rank"):
         validate_program({1: []}, 2)
+
+
+def test_a_pair_of_ranks_listing_its_messages_in_two_orders_is_refused_for_nccl() -> None:
+    """Valid where messages match by tag (spmd's transports, gloo), so validate_program takes it; NCCL matches by
+    order: rank 0 would wait for its first backward's gradient while rank 1 waits for the second activation."""
+    program = {r: [Action.parse(a) for a in row.split()] for r, row in enumerate((
+        "0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0RECV_B1 0B0 0B1",
+        "1RECV_F0 1RECV_F1 1F0 1F1 1B0 1SEND_B0 1B1 1SEND_B1"))}
+    validate_program(program, 2, placement={0: 0, 1: 1})
+    with pytest.raises(ScheduleError, match="ranks 0 and 1 differ at their message 1: rank 0 has stage 1's backward of "
+                                            "microbatch 0, rank 1 stage 0's forward of microbatch 1"):
+        check_message_order(program, {0: 0, 1: 1})

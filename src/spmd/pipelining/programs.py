@@ -297,51 +297,89 @@ def placement_of(name: str) -> Placement:
 
 
 def add_communication(program: Program, placement: dict[int, int]) -> Program:
-    """Lower a compute-only program: after each computation, send what it produced to a stage on another rank;
-    before each computation, post the receives it and the next computation need (so a message can land while the
-    rank computes). Idle slots (None) are dropped. `placement` maps every stage to its rank.
+    """Lower a compute-only program: after each computation, send what it produced to a stage on another rank, and
+    place the receive of it in the receiving rank's program at that moment (see Note: where receives go). Idle
+    slots (None) are dropped. `placement` maps every stage to its rank.
 
-    Receives are posted early but never waited on early: the runtime waits at the computation that consumes one,
-    which is where validate_program's simulation waits too.
+    Note: where receives go
+    The ranks' programs are played together, round after round, each rank placing its next computation once what
+    it consumes from another rank has a receive placed (its sender's computation placed before) or, on its own
+    rank, was placed before; placing a computation appends its sends to its rank and the matching receives to the
+    receiving ranks, as torch's lowering does. So every two ranks list the messages between them in one order,
+    each send in the sender's program where its receive is in the receiver's: what NCCL needs, which matches
+    messages by their order alone (tags are ignored) and runs a rank's operations with a peer one after another,
+    a large send waiting for its receive (posting a receive earlier than its sender's turn could hang the GPUs
+    or pair the wrong messages). Receives are posted early but never waited on early: the runtime waits at the
+    computation that consumes one, which is where validate_program's simulation waits too.
     """
     num_stages = len(placement)
 
     def remote(stage: int, other: int) -> bool:
         return 0 <= other < num_stages and placement[other] != placement[stage]
 
-    def receives(action: Action) -> list[Action]:
-        found = []
-        for c in action.computations:
-            if c.kind is F and remote(c.stage, c.stage - 1):
-                found.append(Action(c.stage, RECV_F, c.microbatch))
-            elif c.kind in (B, I) and remote(c.stage, c.stage + 1):
-                found.append(Action(c.stage, RECV_B, c.microbatch))
-        return found
+    def consumed(c: Action) -> Action | None:
+        """The message computation `c` waits for from another rank, as its receive; None if it needs none."""
+        if c.kind is F and remote(c.stage, c.stage - 1):
+            return Action(c.stage, RECV_F, c.microbatch)
+        if c.kind in (B, I) and remote(c.stage, c.stage + 1):
+            return Action(c.stage, RECV_B, c.microbatch)
+        return None
 
-    def sends(action: Action) -> list[Action]:
-        found = []
-        for c in action.computations:
-            if c.kind is F and remote(c.stage, c.stage + 1):
-                found.append(Action(c.stage, SEND_F, c.microbatch))
-            elif c.kind in (B, I) and remote(c.stage, c.stage - 1):
-                found.append(Action(c.stage, SEND_B, c.microbatch))
-        return found
+    def produced(c: Action) -> list[tuple[Action, Action]]:
+        """The (send, receive) pairs of what computation `c` hands to a stage on another rank."""
+        if c.kind is F and remote(c.stage, c.stage + 1):
+            return [(Action(c.stage, SEND_F, c.microbatch), Action(c.stage + 1, RECV_F, c.microbatch))]
+        if c.kind in (B, I) and remote(c.stage, c.stage - 1):
+            return [(Action(c.stage, SEND_B, c.microbatch), Action(c.stage - 1, RECV_B, c.microbatch))]
+        return []
 
-    lowered: Program = {}
-    for rank, actions in program.items():
-        compute = [a for a in actions if a is not None]
-        out: list[Action | None] = []
-        posted: set[Action] = set()
-        for k, action in enumerate(compute):
-            for ahead in compute[k:k + 2]:
-                for recv in receives(ahead):
-                    if recv not in posted:
-                        posted.add(recv)
-                        out.append(recv)
-            out.append(action)
-            out += sends(action)
-        lowered[rank] = out
+    pending = {rank: collections.deque((index, a) for index, a in enumerate(actions) if a is not None)
+               for rank, actions in program.items()}
+    lowered: Program = {rank: [] for rank in program}
+    received: dict[int, set[Action]] = {rank: set() for rank in program}
+    while any(pending.values()):
+        progress = False
+        for rank in sorted(pending):
+            if not pending[rank]:
+                continue
+            _, action = pending[rank][0]
+            needs = [r for r in map(consumed, action.computations) if r is not None]
+            if not all(r in received[rank] for r in needs):
+                continue
+            pending[rank].popleft()
+            lowered[rank].append(action)
+            for c in action.computations:
+                for send, receive in produced(c):
+                    lowered[rank].append(send)
+                    receiver = placement[receive.stage]
+                    lowered[receiver].append(receive)
+                    received[receiver].add(receive)
+            progress = True
+        if not progress:
+            raise ScheduleError(_hang(program, pending, received, consumed, placement))
     return lowered
+
+
+def _hang(program: Program, pending: dict[int, collections.deque[tuple[int, Action]]],
+          received: dict[int, set[Action]], consumed: Callable[[Action], Action | None],
+          placement: dict[int, int]) -> str:
+    """What a program that can't be lowered would do: hang, each rank's next computation waiting for a message
+    its sender computes only after it."""
+    reasons = []
+    for rank, queue in sorted(pending.items()):
+        if not queue:
+            continue
+        index, action = queue[0]
+        missing = next(r for r in map(consumed, action.computations) if r is not None and r not in received[rank])
+        sender = missing.stage - 1 if missing.kind is RECV_F else missing.stage + 1
+        kind = "forward" if missing.kind is RECV_F else "backward"
+        reasons.append(f"rank {rank} is blocked at action {index} ({action}): it needs what stage {sender} on rank "
+                       f"{placement[sender]} sends after its {kind} of microbatch {missing.microbatch}, which that "
+                       f"rank reaches only after this")
+    rows = "\n".join(f"  rank {rank}: {' '.join('.' if a is None else str(a) for a in actions)}"
+                     for rank, actions in sorted(program.items()))
+    return "the program would hang: no rank can run its next action:\n" + "\n".join(
+        f"  {reason}" for reason in reasons) + f"\nthe program:\n{rows}"
 
 
 def add_data_parallel(program: Program, n_microbatches: int, max_active_stages: int = 3) -> Program:

@@ -13,8 +13,10 @@ Collective: every rank of the pipeline group runs its own program of the same st
 Note: shapes at the first step
 Nobody declares the activations' shapes. The first time a stage sends activations in a mode (training, or
 forward-only), the runtime first sends their metadata (count, then dtype, requires_grad and shape of each) on
-a tag of its own; the receiving stage takes it when its first forward needs its input, allocates its receive
-buffers from it, and checks it against its `input_args` if it has them. Gradients need no metadata: the gradient
+a tag of its own; the receiving stage takes it at its first RECV_F in that mode, waiting there for it (so the
+two ranks exchange their messages in the order the program lists them, which NCCL needs: programs.py, Note:
+where receives go), allocates its receive buffers from it, and checks it against its `input_args` if it has
+them. Gradients need no metadata: the gradient
 of an activation has its shape and dtype, and flows only where the activation requires grad. Later microbatches
 and steps must keep those shapes; the sender checks each output and names both stages when one doesn't.
 
@@ -318,9 +320,9 @@ class Runtime:
         """Post the receive `action`, or leave it waiting for the metadata (Note: shapes at the first step)."""
         stage = self.stages[action.stage]
         if action.kind is RECV_F:
+            if not self._known(stage, "in"):
+                self._receive_metadata(stage)       # first, as the sender sent it (Note: shapes at the first step)
             metas = self._known(stage, "in")
-            if not metas:
-                return _Receive()
             sender, channel = action.stage - 1, _ACTIVATION
         else:
             outputs = self._known(stage, "out")
@@ -338,8 +340,6 @@ class Runtime:
         waiting = time.monotonic() if self.record else 0.0
         receive = self._receives.pop(action)
         if receive.buffers is None:
-            if action.kind is RECV_F:
-                self._receive_metadata(self.stages[action.stage])
             receive = self._post(action)
         for work in receive.works:
             work.wait(timeout=self.group.timeout)

@@ -44,7 +44,7 @@ from spmd.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args
 from spmd.pipelining.runtime import Runtime, StepInputs
 from spmd.pipelining.stage import PipelineStage
 from spmd.pipelining.timeline import measured_report
-from spmd.pipelining.validate import ScheduleReport, validate_program
+from spmd.pipelining.validate import ScheduleReport, check_message_order, validate_program
 
 CsvFormat = Literal["compute_only", "compute_comms"]
 
@@ -92,6 +92,8 @@ class _PipelineSchedule:
                 if lower else program)
         self.report: ScheduleReport = validate_program(full, self._n_microbatches, self._num_stages, placement,
                                                        has_backward=True)
+        if not self._stages[0].group.transport.matches_by_tag:
+            check_message_order(full, placement)
         forward_only = _forward_only(full)
         validate_program(forward_only, self._n_microbatches, self._num_stages, placement, has_backward=False)
         self.placement = placement

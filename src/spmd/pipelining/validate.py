@@ -126,6 +126,49 @@ def validate_program(program: Program, num_microbatches: int, num_stages: int | 
     return simulation.report(num_microbatches)
 
 
+def check_message_order(program: Program, placement: Mapping[int, int]) -> None:
+    """Refuse a program whose two ranks of a pair list the messages between them in different orders: fine over a
+    transport that matches messages by tag (spmd's, gloo), but NCCL pairs them by order alone and runs a rank's
+    operations with a peer one after another, so such a program hangs the GPUs or pairs the wrong tensors
+    (programs.py, Note: where receives go). The lowering of every named schedule passes."""
+    ranks = sorted(program)
+    problems = []
+    for a in ranks:
+        for b in ranks[ranks.index(a) + 1:]:
+            mine, theirs = _messages(program[a], b, placement), _messages(program[b], a, placement)
+            if mine != theirs:
+                at = next((i for i, pair in enumerate(zip(mine, theirs, strict=False)) if pair[0] != pair[1]),
+                          min(len(mine), len(theirs)))
+                problems.append(f"ranks {a} and {b} differ at their message {at}: rank {a} has "
+                                f"{_named(mine, at)}, rank {b} {_named(theirs, at)}")
+    if problems:
+        raise ScheduleError(_listing("the program's ranks issue their messages in different orders, which NCCL "
+                                     "(matching by order, not tag) can't run", problems, program))
+
+
+def _messages(actions: list[Action | None], peer: int, placement: Mapping[int, int]) -> list[tuple[int, str, int]]:
+    """The messages `actions` exchange with rank `peer`, in order, each as (sending stage, direction, microbatch)."""
+    found = []
+    for action in actions:
+        if action is None or action.kind not in (SEND_F, SEND_B, RECV_F, RECV_B):
+            continue
+        forward = action.kind in (SEND_F, RECV_F)
+        if action.kind in (SEND_F, SEND_B):
+            sender, other = action.stage, action.stage + (1 if forward else -1)
+        else:
+            sender = other = action.stage + (-1 if forward else 1)
+        if placement.get(other) == peer:
+            found.append((sender, "F" if forward else "B", action.microbatch or 0))
+    return found
+
+
+def _named(messages: list[tuple[int, str, int]], at: int) -> str:
+    if at >= len(messages):
+        return "no more"
+    sender, direction, microbatch = messages[at]
+    return f"stage {sender}'s {'forward' if direction == 'F' else 'backward'} of microbatch {microbatch}"
+
+
 def live_change(single: Action) -> int:
     """How a computation changes its rank's count of live activations: a forward keeps one, the microbatch's
     last backward (B, or W after I) frees it."""

@@ -87,6 +87,7 @@ class Transport(abc.ABC):
     devices: tuple[str, ...] = ()   # device types it moves, e.g. ("cpu",); every transport declares its own
     staged_devices: tuple[str, ...] = ()   # those of `devices` it moves through host copies (staged.py)
     moves_data: bool = True         # False: the fake transport, which reads and writes no peer's data
+    matches_by_tag: bool = True     # False: messages pair by their order alone and sends wait for receives (NCCL)
 
     def __init__(self, spec: TransportSpec) -> None:
         if not self.devices:

@@ -71,6 +71,7 @@ class DeviceMapTransport(Transport):
             self.close()
             raise
         self.name = ",".join(f"{device}:{transport.name}" for device, transport in self._by_device.items())
+        self.matches_by_tag = all(transport.matches_by_tag for transport in self._by_device.values())
 
     def allocate_tensor(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor | None:
         transport = self._by_device.get(device.type)

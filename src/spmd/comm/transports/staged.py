@@ -67,6 +67,7 @@ class HostStagedTransport(Transport):
         self.host = host
         self.name = host.name
         self.moves_data = host.moves_data
+        self.matches_by_tag = host.matches_by_tag
         self.staged_devices = staged
         self._pin = any(kind in _PINNED_HOST_MEMORY for kind in staged)
 

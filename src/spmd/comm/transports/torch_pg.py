@@ -444,6 +444,7 @@ class TorchNcclTransport(TorchProcessGroupTransport):
 
     name = "torch:nccl"
     devices = ("cuda",)
+    matches_by_tag = False     # NCCL ignores tags: a pair of ranks must issue its messages in one order
 
     def _create_group(self, store: dist.Store, timeout: datetime.timedelta) -> dist.ProcessGroup:
         if not dist.is_nccl_available():
