@@ -3,8 +3,10 @@ tests of spmd's FSDP and torch's (the real-process test runs both on them).
 
 SplitPrecisionWeight gathers its shard as two inputs of different dtypes, a bfloat16 head and the float32
 remainder, and rebuilds the exact float32 weight from them, so a model of them trains exactly like a plain one:
-the parity tests compare against one process with plain parameters. It pads a short shard itself, which torch's
-FSDP2 requires of an extension (spmd pads inputs shaped like the shard; the TwoTensor tests rely on that).
+the parity tests compare against one process with plain parameters. Like torchao's NF4 weights it can't be sliced
+from an offset (aten.slice), only split: torch's FSDP2 takes a shard's rows with torch.chunk. It pads a short
+shard itself, which torch's FSDP2 requires of an extension (spmd pads inputs shaped like the shard; the TwoTensor
+tests rely on that).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class SplitPrecisionWeight(Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten.slice.Tensor and _offset_slice(*args):    # as torchao's NF4Tensor
+            raise NotImplementedError("SplitPrecisionWeight: no slice from an offset (torch.chunk instead)")
         out = func(*tree_map_only(cls, lambda t: t._data, args), **tree_map_only(cls, lambda t: t._data, kwargs or {}))
         return tree_map_only(Tensor, cls, out)
 
@@ -68,6 +72,11 @@ class SplitPrecisionWeight(Tensor):
             SplitPrecisionWeight.calls["post"] += 1
             weight = (head.float() + rest).to(param_dtype)
         return weight, (weight,)
+
+
+def _offset_slice(tensor: Tensor, dim: int = 0, start: int | None = None, end: int | None = None,
+                  step: int = 1) -> bool:
+    return (start or 0) != 0 or step != 1
 
 
 def split_precision_weights(model: nn.Module) -> nn.Module:

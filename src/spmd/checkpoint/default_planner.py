@@ -281,9 +281,11 @@ class DefaultLoadPlanner(LoadPlanner):
         return _lookup(self.state_dict, index, type(self).__name__)
 
     def transform_tensor(self, read_item: ReadItem, tensor: Tensor) -> Tensor:
-        """The region of `tensor` the item fills: a hook for subclasses."""
+        """The region of `tensor` the item fills: a hook for subclasses. A dim read whole is not narrowed (a
+        quantized weight such as NF4 slices no part of a dim, but takes a copy into all of it)."""
         for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
-            tensor = tensor.narrow(dim, start, length)
+            if length < tensor.shape[dim]:
+                tensor = tensor.narrow(dim, start, length)
         return tensor
 
 

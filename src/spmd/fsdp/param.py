@@ -200,7 +200,11 @@ class FSDPParam:
             return torch.empty(local_shape, dtype=param.dtype, device="meta")
         else:
             local = torch.empty(local_shape, dtype=param.dtype, device=device, pin_memory=self.pin_memory)
-        if device.type != "meta":
+        if device.type == "meta" or not self.rows_local:
+            return local
+        if is_subclass:     # its rows through torch.chunk (aten.split), the op quantized weights serve (NF4: no slice)
+            local.copy_(torch.chunk(data, self.shard_mesh.group_size, dim=self.shard_dim)[self.shard_mesh.group_rank])
+        else:
             start = self.rows_pad * self.shard_mesh.group_rank
             local.copy_(data.narrow(self.shard_dim, min(start, self.rows_full), self.rows_local))
         return local
