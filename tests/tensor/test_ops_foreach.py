@@ -139,6 +139,33 @@ def test_a_step_over_plain_parameters_beside_dtensors_runs_per_kind(name: str, i
     on_meshes(body, [(2,)])
 
 
+@pytest.mark.parametrize("implementation", ["foreach", "fused"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_step_over_parameters_of_two_meshes_runs_per_mesh(name: str, implementation: str) -> None:
+    """Expert parallelism as TorchTitan lays it out: dense parameters on one mesh, the experts' on another, one
+    optimizer (fused AdamW by default): a fused or foreach step runs once per mesh, as one process's step."""
+    optimizer, options = OPTIMIZERS[name]
+
+    def body(mesh: DeviceMesh) -> None:
+        two_d = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("efsdp", "ep"))
+        layouts_ = [(mesh, [Shard(0)]), (mesh, [Replicate()]), (two_d, [Shard(0), Shard(1)])]
+        plain = [t.clone().requires_grad_() for t in INIT]
+        spread = [torch.nn.Parameter(make_dtensor(t, m, p)) for t, (m, p) in zip(INIT, layouts_)]
+        plain_opt = optimizer(plain, **options)
+        spread_opt = optimizer(spread, **options, **IMPLEMENTATIONS[implementation])
+        for step_grads in GRADS:
+            for p, g in zip(plain, step_grads):
+                p.grad = g.clone()
+            for p, g, (m, placements) in zip(spread, step_grads, layouts_):
+                p.grad = make_dtensor(g, m, placements)
+            plain_opt.step()
+            spread_opt.step()
+        for k, (p, m) in enumerate(zip(plain, spread)):
+            torch.testing.assert_close(m.full_tensor(), p.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda msg, k=k: f"{k}: {msg}")
+    on_meshes(body, [(4,)])
+
+
 def test_partial_self_stays_partial_through_linear_ops() -> None:
     """A momentum buffer cloned from a Partial gradient is updated without communication."""
     def body(mesh: DeviceMesh) -> None:

@@ -279,12 +279,12 @@ def _local(value: Any) -> Any:
 
 def _fused_optimizer(op: OpOverload, args: tuple, kwargs: dict) -> Any:
     params = args[0]
+    if len({p._spec.mesh if isinstance(p, DTensor) else None for p in params}) > 1:
+        return _fused_by_mesh(op, args, kwargs)
     mesh = next(p for p in params if isinstance(p, DTensor))._spec.mesh
     for position, param in enumerate(params):
         if not isinstance(param, DTensor):
             continue
-        if param._spec.mesh != mesh:
-            raise ValueError(f"spmd DTensor: {op} on rank {mesh.get_rank()}: parameters on different meshes")
         if param._spec.has_partial():
             raise ShardingError(f"spmd DTensor: {op} on rank {mesh.get_rank()}: parameter {position} is "
                                 f"{list(param.placements)}; a parameter can't be Partial")
@@ -296,6 +296,28 @@ def _fused_optimizer(op: OpOverload, args: tuple, kwargs: dict) -> Any:
         if isinstance(value, DTensor):
             _align_in_place(value, (Replicate(),) * mesh.ndim)
     return op(*_local(args), **{k: _local(v) for k, v in kwargs.items()})
+
+
+def _fused_by_mesh(op: OpOverload, args: tuple, kwargs: dict) -> Any:
+    """A fused step over parameters of several meshes (expert parallelism: dense parameters on one mesh, the
+    experts' on another, in one optimizer; or plain ones beside DTensors) as one call per mesh: a position's state
+    lives where its parameter does, and the kernel touches each position alone."""
+    length = len(args[0])
+    by_mesh: dict[Any, list[int]] = {}
+    for position, param in enumerate(args[0]):
+        by_mesh.setdefault(param._spec.mesh if isinstance(param, DTensor) else None, []).append(position)
+    per_position = {k for k, value in enumerate(args) if isinstance(value, (list, tuple)) and len(value) == length}
+    merged: list[list[Any]] | None = None
+    for positions in by_mesh.values():
+        out = op(*(type(value)(value[i] for i in positions) if k in per_position else value
+                   for k, value in enumerate(args)), **kwargs)
+        if out is None:
+            continue
+        merged = merged if merged is not None else [[None] * length for _ in out]
+        for results, returned in zip(merged, out, strict=True):
+            for i, item in zip(positions, returned, strict=True):
+                results[i] = item
+    return None if merged is None else tuple(merged)
 
 
 def _fused_optimizer_ops() -> list[OpOverload]:
