@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from spmd.device_mesh import init_device_mesh
-from spmd.tensor import DTensor, Partial, Replicate, Shard
+from spmd.device_mesh import DeviceMesh, init_device_mesh
+from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from spmd.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
@@ -203,7 +204,7 @@ def test_bad_plans_name_what_is_wrong() -> None:
 def test_a_2d_mesh_is_refused_with_the_slice_to_use() -> None:
     def body(rank: int, size: int) -> None:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        with pytest.raises(ValueError, match=r"needs a 1-d tensor-parallel mesh, got 2-d .*mesh\['tp'\]"):
+        with pytest.raises(ValueError, match=r"needs a 1-d tensor-parallel mesh, got a 2-d one .*mesh\['tp'\]"):
             parallelize_module(nn.Linear(4, 4), mesh, ColwiseParallel())
         parallelize_module(nn.Linear(4, 4), mesh["tp"], ColwiseParallel())
     run_ranks(body, 4, timeout=TIMEOUT)
@@ -309,3 +310,40 @@ def test_from_local_of_a_tensor_that_is_not_dense_keeps_torchs_global_strides() 
         return [DTensor.from_local(local, mesh, [Shard(dim)], run_check=False).stride() for dim in range(3)]
 
     assert on_ranks(body)[0] == expected
+
+
+class _Distributed(ParallelStyle):
+    """A style written as TorchTitan writes its own (NoParallel, ExpertParallel, ...): torch's `_apply(module,
+    device_mesh)` signature, any mesh."""
+
+    def __init__(self, placements: list) -> None:
+        self.placements = placements
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for key, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, self.placements)))
+        return distribute_module(module, device_mesh, partition)
+
+
+def test_a_style_of_your_own_takes_torchs_signature_and_any_mesh() -> None:
+    def body(rank: int, size: int) -> None:
+        tp = init_device_mesh("cpu", (4,))
+        model = parallelize_module(nn.Sequential(nn.Linear(4, 4)), tp, {"0": _Distributed([Replicate()])})
+        assert model[0].weight.placements == (Replicate(),)
+        ep_etp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "etp"))
+        experts = parallelize_module(nn.Linear(4, 4, bias=False), ep_etp, _Distributed([Shard(0), Shard(1)]))
+        assert experts.weight.placements == (Shard(0), Shard(1)) and experts.weight.to_local().shape == (2, 2)
+    run_ranks(body, 4, timeout=TIMEOUT)
+
+
+def test_torchs_own_styles_are_refused_naming_spmds() -> None:
+    import torch.distributed.tensor.parallel as torch_tp
+
+    def body(rank: int, size: int) -> None:
+        mesh = init_device_mesh("cpu", (2,))
+        with pytest.raises(TypeError, match=r"torch\.distributed ParallelStyle.*spmd\.tensor\.parallel"):
+            parallelize_module(nn.Sequential(nn.Linear(4, 4)), mesh, {"0": torch_tp.ColwiseParallel()})
+        with pytest.raises(TypeError, match=r"torch\.distributed ParallelStyle"):
+            parallelize_module(nn.Linear(4, 4), mesh, torch_tp.RowwiseParallel())
+    on_ranks(body)

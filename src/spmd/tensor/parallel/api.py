@@ -7,6 +7,8 @@ Layer: tensor.parallel. Collective over the mesh: laying out each parameter broa
 from __future__ import annotations
 
 import fnmatch
+import functools
+import inspect
 import warnings
 
 from torch import nn
@@ -19,7 +21,9 @@ Plan = ParallelStyle | dict[str, ParallelStyle]
 
 def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
                        parallelize_plan: Plan | None = None, *, src_data_rank: int | None = 0) -> nn.Module:
-    """Parallelize `module` in place on the 1-d `device_mesh` (slice an N-d mesh first: `mesh["tp"]`).
+    """Parallelize `module` in place on `device_mesh`: 1-d for spmd's styles (slice an N-d mesh first:
+    `mesh["tp"]`); a style of your own may take any mesh (TorchTitan's expert-tensor-parallel style takes
+    (ep, etp)).
 
     `parallelize_plan` is a ParallelStyle for `module` itself, or a dict from module paths to styles, applied
     in order; a path's dot-separated parts may be fnmatch patterns (`"layers.*.attention.wq"`), and `""` names
@@ -29,11 +33,6 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
     """
     if device_mesh is None:
         raise ValueError("parallelize_module: pass the tensor-parallel device_mesh (e.g. mesh['tp'])")
-    if device_mesh.ndim != 1:
-        hint = f"; slice it first, e.g. mesh[{device_mesh.mesh_dim_names[-1]!r}]" if device_mesh.mesh_dim_names \
-            else "; slice a named mesh first, e.g. mesh['tp']"
-        raise ValueError(f"parallelize_module: needs a 1-d tensor-parallel mesh, got {device_mesh.ndim}-d "
-                         f"{device_mesh}{hint}")
     if parallelize_plan is None:
         raise ValueError("parallelize_module: pass a parallelize_plan (a ParallelStyle, or a dict from module "
                          "paths to styles)")
@@ -46,10 +45,20 @@ def _apply_plan(module: nn.Module, mesh: DeviceMesh, plan: Plan, src_data_rank: 
         plan.src_data_rank = src_data_rank
         plan._apply(module, mesh)
         return
+    if _is_torch_style(plan):
+        raise TypeError(f"parallelize_module: {type(plan).__name__} is a torch.distributed ParallelStyle, whose hooks "
+                        f"make torch's DTensors: use spmd's styles (spmd.tensor.parallel: ColwiseParallel, "
+                        f"RowwiseParallel, ...) or subclass spmd.tensor.parallel.ParallelStyle")
     if not isinstance(plan, dict):
         raise TypeError(f"parallelize_module: a plan is a ParallelStyle or a dict from module paths to styles, "
                         f"got {type(plan).__name__}")
     for path, style in plan.items():
+        if _is_torch_style(style):
+            raise TypeError(f"parallelize_module: plan entry {path!r}: {type(style).__name__} is a "
+                            f"torch.distributed ParallelStyle, whose hooks make torch's DTensors: use spmd's styles "
+                            f"(spmd.tensor.parallel: ColwiseParallel, RowwiseParallel, ...) or subclass "
+                            f"spmd.tensor.parallel.ParallelStyle (torchao's float8 styles: spmd's ColwiseParallel "
+                            f"and RowwiseParallel on the Float8Linear modules train the same)")
         if not isinstance(path, str) or not isinstance(style, ParallelStyle):
             raise TypeError(f"parallelize_module: plan entry {path!r}: {style!r} must map a module path (str) to "
                             f"a ParallelStyle")
@@ -61,7 +70,24 @@ def _apply_plan(module: nn.Module, mesh: DeviceMesh, plan: Plan, src_data_rank: 
             continue
         for fqn, submodule in matches:
             style.src_data_rank = src_data_rank
-            style._apply(submodule, mesh, fqn)
+            if _takes_fqn(type(style)):
+                style._apply(submodule, mesh, fqn)
+            else:           # torch's signature, _apply(module, device_mesh), as TorchTitan's styles override it
+                style._apply(submodule, mesh)
+
+
+def _is_torch_style(value: object) -> bool:
+    """Whether `value` is one of torch.distributed's ParallelStyles (torchao's float8 styles subclass them)."""
+    return any(cls.__name__ == "ParallelStyle" and cls.__module__.startswith("torch.distributed.")
+               for cls in type(value).__mro__)
+
+
+@functools.cache
+def _takes_fqn(style: type[ParallelStyle]) -> bool:
+    """Whether `style._apply` takes spmd's third argument, the module's name in the plan (for its messages)."""
+    parameters = inspect.signature(style._apply).parameters.values()
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters) >= 4 or any(
+        p.kind is p.VAR_POSITIONAL for p in parameters)
 
 
 def _resolve(module: nn.Module, path: str) -> list[tuple[str, nn.Module]]:

@@ -33,7 +33,7 @@ from spmd.tensor.dispatch import forget_decisions
 from spmd.tensor.experimental.load_balancer import _LoadBalancer, rearrange
 from spmd.tensor.ops.attention import ring_dispatch
 from spmd.tensor.parallel.flex_attention import gather_flex_inputs, shard_block_mask
-from spmd.tensor.parallel.style import ParallelStyle
+from spmd.tensor.parallel.style import ParallelStyle, check_one_d
 from spmd.tensor.placement import Shard
 from spmd.tensor.ring_attention import Visibility, cp_options, visibility
 
@@ -90,6 +90,7 @@ class _ContextParallel(ParallelStyle):
         self.attention_type = attention_type
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh, fqn: str = "") -> nn.Module:
+        check_one_d(device_mesh, self, module, fqn)
         if self.attention_type is self.AttentionType.FLEX:
             module.register_forward_pre_hook(functools.partial(self.flex_input_fn, mesh=device_mesh),
                                               with_kwargs=True)

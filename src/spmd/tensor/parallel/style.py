@@ -150,6 +150,11 @@ def _check_mesh(mesh: DeviceMesh, style: ParallelStyle, module: nn.Module, fqn: 
     if laid_out and not isinstance(style, (PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)):
         raise ValueError(f"parallelize_module: {type(style).__name__} on {_describe(module, fqn)}: parameter "
                          f"{laid_out[0]!r} is already a DTensor; a module can be parallelized once")
+    check_one_d(mesh, style, module, fqn)
+
+
+def check_one_d(mesh: DeviceMesh, style: ParallelStyle, module: nn.Module, fqn: str) -> None:
+    """The 1-d tensor-parallel mesh spmd's styles lay a module out on."""
     if mesh.ndim != 1:
         names = f" (dims {mesh.mesh_dim_names}; pass e.g. mesh[{mesh.mesh_dim_names[-1]!r}])" \
             if mesh.mesh_dim_names else ""
