@@ -237,11 +237,11 @@ def _batched_norms(tensors: list[DTensor], mesh: Any, sharding: tuple[int, ...],
     partials = []
     for tensor in tensors:
         local = tensor._local_tensor if dtype is None else tensor._local_tensor.to(dtype)
-        magnitude = local.abs()
         if order == math.inf:
+            magnitude = local.abs()
             partials.append(magnitude.max() if magnitude.numel() else magnitude.new_zeros(()))
-        else:
-            partials.append(magnitude.pow(order).sum())
+        else:       # each shard's norm as torch computes a tensor's, then its p-th power: torch's sharded numerics
+            partials.append(torch.linalg.vector_norm(local, order).pow(order))
     stacked = torch.stack(partials)
     reduce_op = ReduceOp.MAX if order == math.inf else ReduceOp.SUM
     for mesh_dim in sharding:

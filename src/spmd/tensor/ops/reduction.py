@@ -349,7 +349,9 @@ def _norm_kernel(plan: LocalPlan) -> LocalKernel:
             return torch.sum(magnitude != 0, dim=dims, keepdim=keepdim, dtype=magnitude.dtype)
         if order == 1.0:
             return torch.sum(magnitude, dim=dims, keepdim=keepdim)
-        power_sum = torch.sum(magnitude.pow(order), dim=dims, keepdim=keepdim)
+        # each shard's norm as torch computes a tensor's, then its p-th power (torch's sharded numerics: a
+        # gradient norm logged under FSDP reads as torch's)
+        power_sum = torch.linalg.vector_norm(magnitude, order, dim=dims, keepdim=keepdim).pow(order)
         return all_reduce_mesh_dims(power_sum, spec, sharding, ReduceOp.SUM).pow(1.0 / order)
     return kernel
 
