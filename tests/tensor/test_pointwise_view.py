@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from spmd.tensor import DTensor, Partial, Replicate, Shard
+from spmd.tensor.rules import record_fallbacks
 from spmd.testing.dtensor import make_dtensor
 from tests.tensor.conftest import check_parity, placement_combos, run_on_mesh, spread
 
@@ -152,6 +153,30 @@ def test_views_every_placement(mesh_shape: tuple[int, ...]) -> None:
         for index, (placements, fn) in enumerate(spread(placement_combos(2, mesh.ndim), VIEWS,
                                                         len(VIEWS) if mesh.ndim == 1 else 4)):
             check_parity(fn, [a], mesh, [placements], seed=index)
+
+    _run(mesh_shape, body)
+
+
+def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """RoPE as Llama and DeepSeek write it: pairs read as complex numbers, rotated, read back as pairs."""
+    return torch.view_as_real(torch.view_as_complex(x.view(*x.shape[:-1], -1, 2)) * rotation).flatten(-2)
+
+
+def test_complex_views_keep_shards_and_partials(mesh_shape: tuple[int, ...]) -> None:
+    """view_as_complex / view_as_real and autograd's conjugate (its backward of a complex multiply) keep every
+    shard but the pair's and every Partial, where they fell back to gathering (DeepSeek's attention under tensor
+    parallelism gathered its sharded heads for RoPE)."""
+    a = _full(7, 5, 6)
+    angles = torch.arange(3, dtype=torch.float32) * 0.3
+    rotation = torch.polar(torch.ones_like(angles), angles)    # complex, replicated (TorchTitan's freqs_cis)
+
+    def body(mesh) -> None:
+        for placements in placement_combos(3, mesh.ndim):
+            with record_fallbacks() as fallbacks:
+                out = check_parity(_rotate, [a, rotation], mesh, [placements, [Replicate()] * mesh.ndim])
+            assert not fallbacks, (placements, fallbacks)
+            if mesh.size() > 1:       # the pair dim is gathered, every other placement kept
+                assert out.placements == tuple(Replicate() if p == Shard(2) else p for p in placements), placements
 
     _run(mesh_shape, body)
 

@@ -245,6 +245,27 @@ def _view_dtype(schema: OpSchema) -> ShardingDecision:
     return ShardingDecision(reduced(out), [reduced(needed)])
 
 
+@register_rule(aten.view_as_complex.default)
+def _view_as_complex(schema: OpSchema) -> ShardingDecision:
+    """(..., 2) real pairs read as (...) complex numbers (RoPE's rotation): the pair dim is gathered, the other
+    dims keep their shards, a Partial stays one (the view is linear)."""
+    last = schema.input_specs[0].ndim - 1
+    return _decide(schema, lambda d: d if d < last else None)
+
+
+@register_rule(aten.view_as_real.default)
+def _view_as_real(schema: OpSchema) -> ShardingDecision:
+    """Complex numbers read as (..., 2) real pairs: every dim keeps its shards, a Partial stays one (linear)."""
+    return _decide(schema, lambda d: d)
+
+
+@register_handler(aten._conj.default)
+def _conjugate(op: object, args: tuple, kwargs: dict) -> object:
+    """The conjugate (autograd's backward of a complex multiply takes it) made as values, conj_physical, which
+    keeps every shard and Partial: a DTensor can't carry the conjugate bit of torch's lazy conjugate view."""
+    return torch.conj_physical(args[0])
+
+
 @register_rule(aten.expand.default)
 def _expand(schema: OpSchema) -> ShardingDecision:
     spec = schema.input_specs[0]
