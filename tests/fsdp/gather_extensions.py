@@ -86,3 +86,46 @@ def split_precision_weights(model: nn.Module) -> nn.Module:
             if param.ndim == 2:
                 setattr(module, name, nn.Parameter(SplitPrecisionWeight(param.detach().clone())))
     return model
+
+
+class TorchScaledWeight(SplitPrecisionWeight):
+    """A weight whose pre-gather is written for torch, as torchao's float8 weights are: it takes the largest
+    magnitude over the shard group with torch's functional all_reduce on `mesh.get_group()`, then gathers its
+    shard divided by that power of two (exact) and multiplies it back."""
+
+    @staticmethod
+    def __new__(cls, data: Tensor) -> TorchScaledWeight:
+        return Tensor._make_wrapper_subclass(cls, data.shape, data.stride(), data.storage_offset(),
+                                             dtype=data.dtype, device=data.device, requires_grad=False)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, Tensor], meta: None, size: Any, stride: Any) -> TorchScaledWeight:
+        return TorchScaledWeight(inner["_data"])
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
+                            module: nn.Module, mp_policy: Any) -> tuple[tuple[Tensor, ...], Any]:
+        from torch.distributed import _functional_collectives as funcol
+
+        largest = funcol.all_reduce(self._data.abs().amax().reshape(1), "max", mesh.get_group())
+        scale = torch.exp2(torch.ceil(torch.log2(largest.wait() if hasattr(largest, "wait") else largest)))
+        return (self._data / scale,), scale
+
+    def fsdp_post_all_gather(self, outputs: tuple[Tensor, ...], metadata: Any, param_dtype: torch.dtype, *,
+                             out: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, ...]] | None:
+        (scaled,) = outputs
+        with torch.no_grad():
+            if out is not None:
+                with torch.autograd._unsafe_preserve_version_counter(out):
+                    out.copy_((scaled * metadata)[: out.shape[0]])
+                return None
+            weight = (scaled * metadata).to(param_dtype)
+        return weight, (weight,)
+
+
+def torch_scaled_weights(model: nn.Module) -> nn.Module:
+    """Make every 2-d weight of `model` a TorchScaledWeight (in place); returns the model."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.ndim == 2:
+                setattr(module, name, nn.Parameter(TorchScaledWeight(param.detach().clone())))
+    return model

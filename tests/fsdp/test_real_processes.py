@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import spmd
-from tests.fsdp.gather_extensions import split_precision_weights
+from tests.fsdp.gather_extensions import split_precision_weights, torch_scaled_weights
 from tests.fsdp.harness import BATCH_PER_RANK, STEPS, assert_parity, fsdp_train, optimizer, reference
 from tests.fsdp.test_replicate import replicate_blocks_then_root
 from tests.parity.models import batch, build, loss_fn
@@ -75,3 +75,31 @@ def test_matches_torch_fsdp2_on_gloo_and_one_process(procpool: ProcPool) -> None
                              ("spmd replicate", "torch replicate")):
             torch.testing.assert_close(result[ours]["losses"], result[theirs]["losses"], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(result[ours]["params"], result[theirs]["params"], rtol=1e-5, atol=1e-6)
+
+
+def _torch_written_extension(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as tdist
+
+    from spmd.comm.torch_backend import torch_group
+
+    spmd.init_process_group("shm", timeout=60)        # torch's default group over spmd's world, as by default
+    try:
+        trained = fsdp_train("gpt", rank, world_size, model=torch_scaled_weights(build("gpt")))
+        trained.pop("model")
+        pair = torch_group(spmd.new_group([1, 0]))       # a subgroup seen from torch: both libraries' calls take it
+        by_spmd, by_torch = torch.full((2,), rank + 1.0), torch.full((2,), rank + 1.0)
+        spmd.all_reduce(by_spmd, group=pair)
+        tdist.all_reduce(by_torch, group=pair)
+        trained["subgroup"] = (by_spmd.tolist(), by_torch.tolist(), tdist.get_rank(pair), tdist.get_world_size(pair))
+        return trained
+    finally:
+        spmd.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_an_extension_written_for_torch_runs_its_collectives_on_the_shard_group(procpool: ProcPool) -> None:
+    """torchao's float8 weights all-reduce their scale with torch's functional collectives over the mesh the
+    pre-gather gets: torch's view of spmd's shard group takes them (it failed with 'Unsupported group type')."""
+    results = procpool.run(_torch_written_extension, 2, timeout=90)
+    assert [r.pop("subgroup") for r in results] == [([3.0, 3.0], [3.0, 3.0], rank, 2) for rank in (0, 1)]
+    assert_parity(results, reference("gpt", 2))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -377,6 +378,40 @@ def _create(options: Any, backend_options: Any) -> SpmdProcessGroup:
     made = world.create_group(ranks, world.timeout, world.backend, name=f"torch/{options.group_id}")
     assert isinstance(made, _group_class)     # torch asks only the members
     return group_class(made)
+
+
+# Note: torch's view of spmd's subgroups
+# torch's code handed one of spmd's groups (a library's collective on the group of an spmd mesh: torchao's float8
+# all-gather reduces its scale over the mesh FSDP's all-gather extension gets) needs a torch ProcessGroup.
+# `torch_group` gives the SpmdProcessGroup standing for an spmd group, entered in torch's group maps and in the
+# registry its functional collectives resolve names in, as torch's new_group enters one; no collective is run,
+# the spmd group exists. It does so only while torch's default group is spmd's world's (else torch's world is
+# not spmd's, and there is nothing to enter the group in). spmd's own operations take either (resolve_group).
+
+def torch_group(group: ProcessGroup) -> dist.ProcessGroup | None:
+    """The torch ProcessGroup standing for spmd's `group` in torch's world (Note: torch's view of spmd's
+    subgroups); None while torch's default group is not spmd's world's."""
+    from spmd.comm.world import current_world, is_initialized
+
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if not isinstance(world, SpmdProcessGroup) or not is_initialized() \
+            or current_world().default_group is not world.spmd_group:
+        return None
+    if group is world.spmd_group:
+        return world
+    twin = _twins.get(group)
+    if twin is None or twin not in dist.distributed_c10d._world.pg_names:    # torch's world was made anew
+        twin = _group_class_ready()(group)
+        name = f"spmd/{group.name}"
+        twin._set_group_name(name)
+        dist.distributed_c10d._register_pg_in_world(
+            twin, BACKEND, dist.distributed_c10d._world.pg_map[world][1], name, BACKEND,
+            {rank: index for index, rank in enumerate(group.ranks)})
+        _twins[group] = twin
+    return twin
+
+
+_twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # spmd group -> its torch_group
 
 
 def release_torch_default_group() -> None:

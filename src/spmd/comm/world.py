@@ -658,6 +658,9 @@ def resolve_group(group: AnyGroup | None, op: str) -> ProcessGroup:
     if isinstance(group, NonMemberGroup):
         raise group.not_member_error(op)
     if not isinstance(group, ProcessGroup):
+        standing_for = getattr(group, "spmd_group", None)     # torch's view of an spmd group (torch_backend)
+        if isinstance(standing_for, ProcessGroup):
+            return standing_for
         raise TypeError(f"{op}: group must be a spmd ProcessGroup, got {type(group).__name__}")
     return group
 

@@ -10,7 +10,9 @@ Note: the extension protocol
   e.g. float8 data and a scale) and anything the post-gather needs. `mesh` is the 1-d shard mesh, `outer_size`
   the unsharded shape. Every rank must return inputs of the same shapes; an input shaped like this rank's
   shard, on a rank whose shard is short (uneven sharding), is padded to the full piece here (torch requires the
-  extension to pad it).
+  extension to pad it). Its `get_group()` is torch's view of the shard group while torch's default group is
+  spmd's world's (comm.torch_backend.torch_group), so an extension written for torch, calling torch's
+  collectives on it (torchao's float8 weights all-reduce their scale), runs; spmd's collectives take it too.
 - The gathered outputs arrive dim-0 concatenated over the shard ranks (`(group_size * rows, *rest)` for an
   input of shape `(rows, *rest)`), in persistent tensors of their own whose storage is freed at reshard.
 - The first time, `fsdp_post_all_gather(outputs, metadata, param_dtype)` returns `(tensor, inner)`: the
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from spmd.comm import torch_backend
 from spmd.device_mesh import DeviceMesh
 from spmd.fsdp.policy import MixedPrecisionPolicy
 from spmd.fsdp.storage import alloc_storage, free_storage, holds_memory
@@ -37,6 +40,21 @@ from spmd.tensor.spec import contiguous_stride
 
 _PRE = "fsdp_pre_all_gather"
 _POST = "fsdp_post_all_gather"
+
+
+class _MeshForTorchCode:
+    """The shard mesh as an extension written for torch uses it: `get_group()` gives torch's view of the group
+    where there is one (see the protocol), the rest is the mesh's."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self._mesh = mesh
+
+    def get_group(self, mesh_dim: int | str | None = None) -> Any:
+        group = self._mesh.get_group() if mesh_dim is None else self._mesh.get_group(mesh_dim)
+        return torch_backend.torch_group(group) or group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._mesh, name)
 
 
 def has_extension(local: Tensor, fqn: str) -> bool:
@@ -74,10 +92,11 @@ class GatherExtension:
             local = local.to(device, non_blocking=True)      # CPU offload: the shard lives on the host
         pre = getattr(local, _PRE)
         arity = len(inspect.signature(pre).parameters)
+        seen = _MeshForTorchCode(mesh)
         if arity == 1:
-            inputs, self.metadata = pre(mesh)
+            inputs, self.metadata = pre(seen)
         elif arity == 5:
-            inputs, self.metadata = pre(mesh, outer_size, contiguous_stride(outer_size), self.module, self.mp_policy)
+            inputs, self.metadata = pre(seen, outer_size, contiguous_stride(outer_size), self.module, self.mp_policy)
         else:
             raise TypeError(f"fully_shard: parameter {self.fqn}'s {_PRE}{inspect.signature(pre)} takes {arity} "
                             f"arguments; expected (mesh) or (mesh, outer_size, outer_stride, module, mp_policy)")
