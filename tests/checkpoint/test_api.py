@@ -92,7 +92,7 @@ def test_tensor_parallel_and_fsdp_x_tp_checkpoints_load_into_fsdp_and_one_proces
         _assert_identical(_load_into("plain", str(tmp_path / layout)), saved)
 
 
-@pytest.mark.parametrize("to_lowest_rank, plain_writer", [(False, 1), (True, 0)])
+@pytest.mark.parametrize("to_lowest_rank, plain_writer", [(False, 2), (True, 0)])
 def test_a_replicated_tensor_is_written_once_and_shards_once_each(tmp_path, to_lowest_rank: bool,
                                                                   plain_writer: int) -> None:
     path = str(tmp_path / "ckpt")
@@ -113,8 +113,9 @@ def test_a_replicated_tensor_is_written_once_and_shards_once_each(tmp_path, to_l
     assert chunks["replicated"] == [(file_of[0], [0, 0])]
     assert sorted(offsets for _, offsets in chunks["rows"]) == [[0, 0], [2, 0]]
     assert len(chunks["grid"]) == 4 and metadata["values"] == {"count": 3}
-    # balanced (torch's default): with 24 bytes of grid each, the 96-byte replicated tensor goes to rank 0 and the
-    # 96-byte plain one to rank 1, the first rows block to rank 0 (of 0 and 1, tied), the second to rank 2
+    # balanced (torch's default and torch's choice), item by item in rank 0's order: the 96-byte replicated tensor
+    # goes to rank 0, the first 48-byte rows block to rank 1, rank 0's grid piece to it (120 bytes now), the
+    # 96-byte plain one to rank 2 (the first with none)
     assert chunks["plain"] == [(file_of[plain_writer], [0, 0])]
     files = sorted(os.listdir(path))    # every rank holds a grid piece; no temporary names
     assert files == sorted([METADATA_FILE, DCP_MARKER_FILE, *file_of.values()])

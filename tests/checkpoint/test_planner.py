@@ -317,3 +317,48 @@ def test_flatten_state_dict_false_saves_the_top_level_as_it_is(tmp_path) -> None
     state = {"w": torch.zeros(4), "step": 0}
     dcp.load(state, checkpoint_id=str(tmp_path), planner=dcp.DefaultLoadPlanner(flatten_state_dict=False))
     assert torch.equal(state["w"], torch.arange(4.0)) and state["step"] == 2
+
+
+def test_replicated_items_go_where_torchs_dedup_sends_them() -> None:
+    """The balanced choice of writer, item by item, is torch's: replicas that differ (TorchTitan's router weights
+    under tensor and expert parallelism) are saved from the rank torch's would save them from."""
+    from torch.distributed.checkpoint import metadata as torch_metadata
+    from torch.distributed.checkpoint import planner as torch_planner
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+
+    from spmd.checkpoint import metadata as spmd_metadata
+    from spmd.checkpoint import planner as spmd_planner
+    from spmd.checkpoint.default_planner import _dedup
+
+    generator = torch.Generator().manual_seed(0)
+    items = []                # (fqn, rows, dtype, holding ranks): boxes of random sizes held by random rank sets
+    for k in range(40):
+        holders = sorted(torch.randperm(4, generator=generator)[:int(torch.randint(1, 5, (1,), generator=generator))]
+                         .tolist())
+        items.append((f"t{k}", int(torch.randint(1, 50, (1,), generator=generator)),
+                      [torch.float32, torch.bfloat16][k % 2], holders))
+    items.append(("value", None, None, [0, 1, 2, 3]))
+
+    def plans(lib: Any, meta: Any) -> list:
+        out = []
+        for rank in range(4):
+            mine = []
+            for fqn, rows, dtype, holders in items:
+                if rank not in holders:
+                    continue
+                if rows is None:
+                    mine.append(lib.WriteItem(index=meta.MetadataIndex(fqn), type=lib.WriteItemType.BYTE_IO))
+                    continue
+                chunk = meta.ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([rows]))
+                data = lib.TensorWriteData(chunk=chunk, properties=meta.TensorProperties(dtype=dtype),
+                                           size=torch.Size([rows]))
+                mine.append(lib.WriteItem(index=meta.MetadataIndex(fqn, torch.Size([0])), type=lib.WriteItemType.SHARD,
+                                          tensor_data=data))
+            out.append(lib.SavePlan(mine))
+        return out
+
+    for to_lowest_rank in (False, True):
+        ours = _dedup(plans(spmd_planner, spmd_metadata), to_lowest_rank)
+        theirs = dedup_save_plans(plans(torch_planner, torch_metadata), to_lowest_rank)
+        assert [[item.index.fqn for item in plan.items] for plan in ours] == \
+            [[item.index.fqn for item in plan.items] for plan in theirs]

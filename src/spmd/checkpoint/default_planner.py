@@ -7,10 +7,12 @@ Note: who writes what
 Every rank plans every box it holds (layout: a DTensor's local shard is one box, a plain tensor the whole) and
 every value. Ranks that hold the same box (a replicated mesh dim, other submeshes of a larger mesh, a plain
 tensor every rank has) propose the same item, named by its key and offsets; the coordinator keeps one of each.
-By default it balances, as torch's does: items only one rank holds stay there, then each shared item, largest
-first, goes to the rank among its holders with the fewest bytes planned so far (ties to the lowest rank), so a
-replicated model is written by all ranks in parallel. With dedup_save_to_lowest_rank=True, the lowest holding rank
-writes each. Keys only some ranks have (pipeline stages) are written by those ranks.
+By default it balances, choosing as torch's does: item by item, in the order the ranks' plans list them (rank 0's
+first), each goes to the rank among its holders with the fewest bytes planned so far (ties to the lowest rank; a
+value counts one byte), so a replicated model is written by all ranks in parallel, and replicas that differ
+(TorchTitan's router weights under tensor and expert parallelism) are saved from the rank torch's would save them
+from. With dedup_save_to_lowest_rank=True, the lowest holding rank writes each. Keys only some ranks have
+(pipeline stages) are written by those ranks.
 """
 
 from __future__ import annotations
@@ -178,18 +180,16 @@ def create_default_local_save_plan(state_dict: STATE_DICT_TYPE, is_coordinator: 
 
 def _dedup(all_plans: list[SavePlan], to_lowest_rank: bool) -> list[SavePlan]:
     """Each item in one plan only (Note: who writes what)."""
-    holders: dict[MetadataIndex, list[int]] = {}
+    holders: dict[MetadataIndex, list[int]] = {}        # in the order the plans list them, rank 0's first
     sizes: dict[MetadataIndex, int] = {}
     for rank, plan in enumerate(all_plans):
         for item in plan.items:
             holders.setdefault(item.index, []).append(rank)
-            sizes[item.index] = item.tensor_storage_size() or 0
-    writer = {index: ranks[0] for index, ranks in holders.items() if len(ranks) == 1 or to_lowest_rank}
+            sizes[item.index] = item.tensor_storage_size() or 1
     planned = [0] * len(all_plans)
-    for index, rank in writer.items():
-        planned[rank] += sizes[index]
-    for index in sorted((i for i in holders if i not in writer), key=lambda i: -sizes[i]):
-        chosen = min(holders[index], key=lambda rank: (planned[rank], rank))
+    writer: dict[MetadataIndex, int] = {}
+    for index, ranks in holders.items():
+        chosen = ranks[0] if to_lowest_rank else min(ranks, key=lambda rank: (planned[rank], rank))
         writer[index] = chosen
         planned[chosen] += sizes[index]
     return [dataclasses.replace(plan, items=[item for item in plan.items if writer[item.index] == rank])
