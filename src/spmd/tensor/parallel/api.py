@@ -45,20 +45,12 @@ def _apply_plan(module: nn.Module, mesh: DeviceMesh, plan: Plan, src_data_rank: 
         plan.src_data_rank = src_data_rank
         plan._apply(module, mesh)
         return
-    if _is_torch_style(plan):
-        raise TypeError(f"parallelize_module: {type(plan).__name__} is a torch.distributed ParallelStyle, whose hooks "
-                        f"make torch's DTensors: use spmd's styles (spmd.tensor.parallel: ColwiseParallel, "
-                        f"RowwiseParallel, ...) or subclass spmd.tensor.parallel.ParallelStyle")
+    _refuse_torch_style(plan, "")
     if not isinstance(plan, dict):
         raise TypeError(f"parallelize_module: a plan is a ParallelStyle or a dict from module paths to styles, "
                         f"got {type(plan).__name__}")
     for path, style in plan.items():
-        if _is_torch_style(style):
-            raise TypeError(f"parallelize_module: plan entry {path!r}: {type(style).__name__} is a "
-                            f"torch.distributed ParallelStyle, whose hooks make torch's DTensors: use spmd's styles "
-                            f"(spmd.tensor.parallel: ColwiseParallel, RowwiseParallel, ...) or subclass "
-                            f"spmd.tensor.parallel.ParallelStyle (torchao's float8 styles: spmd's ColwiseParallel "
-                            f"and RowwiseParallel on the Float8Linear modules train the same)")
+        _refuse_torch_style(style, f"plan entry {path!r}: ")
         if not isinstance(path, str) or not isinstance(style, ParallelStyle):
             raise TypeError(f"parallelize_module: plan entry {path!r}: {style!r} must map a module path (str) to "
                             f"a ParallelStyle")
@@ -76,10 +68,15 @@ def _apply_plan(module: nn.Module, mesh: DeviceMesh, plan: Plan, src_data_rank: 
                 style._apply(submodule, mesh)
 
 
-def _is_torch_style(value: object) -> bool:
-    """Whether `value` is one of torch.distributed's ParallelStyles (torchao's float8 styles subclass them)."""
-    return any(cls.__name__ == "ParallelStyle" and cls.__module__.startswith("torch.distributed.")
-               for cls in type(value).__mro__)
+def _refuse_torch_style(value: object, where: str) -> None:
+    """TypeError for one of torch.distributed's ParallelStyles (torchao's float8 styles subclass them)."""
+    if any(cls.__name__ == "ParallelStyle" and cls.__module__.startswith("torch.distributed.")
+           for cls in type(value).__mro__):
+        raise TypeError(f"parallelize_module: {where}{type(value).__name__} is a torch.distributed ParallelStyle, "
+                        f"whose hooks make torch's DTensors: use spmd's styles (spmd.tensor.parallel: "
+                        f"ColwiseParallel, RowwiseParallel, ...) or subclass spmd.tensor.parallel.ParallelStyle "
+                        f"(torchao's float8 styles: spmd's ColwiseParallel and RowwiseParallel on the Float8Linear "
+                        f"modules train the same)")
 
 
 @functools.cache
