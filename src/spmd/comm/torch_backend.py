@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -387,6 +388,13 @@ def _create(options: Any, backend_options: Any) -> SpmdProcessGroup:
 # registry its functional collectives resolve names in, as torch's new_group enters one; no collective is run,
 # the spmd group exists. It does so only while torch's default group is spmd's world's (else torch's world is
 # not spmd's, and there is nothing to enter the group in). spmd's own operations take either (resolve_group).
+
+def is_torch_parallel_style(value: object) -> bool:
+    """Whether `value` is one of torch's tensor-parallel styles (torchao's float8 styles subclass them); torch's
+    module is looked up, not imported: no such value exists before it is."""
+    module = sys.modules.get("torch.distributed.tensor.parallel.style")
+    return module is not None and isinstance(value, module.ParallelStyle)
+
 
 def torch_group(group: ProcessGroup) -> dist.ProcessGroup | None:
     """The torch ProcessGroup standing for spmd's `group` in torch's world (Note: torch's view of spmd's

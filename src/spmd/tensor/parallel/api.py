@@ -13,6 +13,7 @@ import warnings
 
 from torch import nn
 
+from spmd.comm import torch_backend
 from spmd.device_mesh import DeviceMesh
 from spmd.tensor.parallel.style import ParallelStyle
 
@@ -69,10 +70,9 @@ def _apply_plan(module: nn.Module, mesh: DeviceMesh, plan: Plan, src_data_rank: 
 
 
 def _refuse_torch_style(value: object, where: str) -> None:
-    """TypeError for one of torch.distributed's ParallelStyles (torchao's float8 styles subclass them)."""
-    if any(cls.__name__ == "ParallelStyle" and cls.__module__.startswith("torch.distributed.")
-           for cls in type(value).__mro__):
-        raise TypeError(f"parallelize_module: {where}{type(value).__name__} is a torch.distributed ParallelStyle, "
+    """TypeError for one of torch's own ParallelStyles (torchao's float8 styles subclass them)."""
+    if torch_backend.is_torch_parallel_style(value):
+        raise TypeError(f"parallelize_module: {where}{type(value).__name__} is one of torch's ParallelStyles, "
                         f"whose hooks make torch's DTensors: use spmd's styles (spmd.tensor.parallel: "
                         f"ColwiseParallel, RowwiseParallel, ...) or subclass spmd.tensor.parallel.ParallelStyle "
                         f"(torchao's float8 styles: spmd's ColwiseParallel and RowwiseParallel on the Float8Linear "
