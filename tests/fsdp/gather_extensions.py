@@ -41,9 +41,9 @@ class SplitPrecisionWeight(Tensor):
     def __tensor_flatten__(self) -> tuple[list[str], None]:
         return ["_data"], None
 
-    @staticmethod
-    def __tensor_unflatten__(inner: dict[str, Tensor], meta: None, size: Any, stride: Any) -> SplitPrecisionWeight:
-        return SplitPrecisionWeight(inner["_data"])
+    @classmethod
+    def __tensor_unflatten__(cls, inner: dict[str, Tensor], meta: None, size: Any, stride: Any) -> Tensor:
+        return cls(inner["_data"])
 
     def __repr__(self) -> str:
         return f"SplitPrecisionWeight({self._data})"
@@ -81,10 +81,14 @@ def _offset_slice(tensor: Tensor, dim: int = 0, start: int | None = None, end: i
 
 def split_precision_weights(model: nn.Module) -> nn.Module:
     """Make every 2-d weight of `model` a SplitPrecisionWeight (in place); returns the model."""
+    return _weights_of(model, SplitPrecisionWeight)
+
+
+def _weights_of(model: nn.Module, kind: type[Tensor]) -> nn.Module:
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.ndim == 2:
-                setattr(module, name, nn.Parameter(SplitPrecisionWeight(param.detach().clone())))
+                setattr(module, name, nn.Parameter(kind(param.detach().clone())))
     return model
 
 
@@ -92,15 +96,6 @@ class TorchScaledWeight(SplitPrecisionWeight):
     """A weight whose pre-gather is written for torch, as torchao's float8 weights are: it takes the largest
     magnitude over the shard group with torch's functional all_reduce on `mesh.get_group()`, then gathers its
     shard divided by that power of two (exact) and multiplies it back."""
-
-    @staticmethod
-    def __new__(cls, data: Tensor) -> TorchScaledWeight:
-        return Tensor._make_wrapper_subclass(cls, data.shape, data.stride(), data.storage_offset(),
-                                             dtype=data.dtype, device=data.device, requires_grad=False)
-
-    @staticmethod
-    def __tensor_unflatten__(inner: dict[str, Tensor], meta: None, size: Any, stride: Any) -> TorchScaledWeight:
-        return TorchScaledWeight(inner["_data"])
 
     def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
                             module: nn.Module, mp_policy: Any) -> tuple[tuple[Tensor, ...], Any]:
@@ -124,8 +119,4 @@ class TorchScaledWeight(SplitPrecisionWeight):
 
 def torch_scaled_weights(model: nn.Module) -> nn.Module:
     """Make every 2-d weight of `model` a TorchScaledWeight (in place); returns the model."""
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param.ndim == 2:
-                setattr(module, name, nn.Parameter(TorchScaledWeight(param.detach().clone())))
-    return model
+    return _weights_of(model, TorchScaledWeight)
