@@ -613,6 +613,94 @@ def test_bf16_mixed_precision_unshards_bf16_dtensors() -> None:
             assert param.dtype == torch.float32 and param.grad.dtype == torch.float32
 
 
+# -- expert tensor parallelism: a 2-d tensor-parallel mesh ------------------------------------------------
+
+E, TOKENS, WIDTH, HIDDEN = 4, 6, 5, 7
+
+
+class Experts(nn.Module):
+    """A plain input projection, then every token through each of E experts (w1, gelu, w2) summed. Expert
+    parallelism, as TorchTitan's ExpertTensorParallel lays it out: the expert dim Shard(0) on ep, w1 colwise
+    (Shard(2)) and w2 rowwise (Shard(1)) on etp, of an (efsdp, ep, etp) mesh; FSDP shards over efsdp."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.w1 = nn.Parameter(torch.randn(E, WIDTH, HIDDEN) * 0.3)
+        self.w2 = nn.Parameter(torch.randn(E, HIDDEN, WIDTH) * 0.3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.proj(x).unsqueeze(0).expand(E, *x.shape)
+        if isinstance(self.w1, DTensor):
+            x = DTensor.from_local(x, self.w1.device_mesh, [Replicate(), Replicate()])
+            x = x.redistribute(placements=[Shard(0), Replicate()])
+        out = torch.bmm(F.gelu(torch.bmm(x, self.w1)), self.w2).sum(0)
+        return out.redistribute(placements=[Replicate(), Replicate()]).to_local() if isinstance(out, DTensor) else out
+
+
+def test_experts_on_a_2d_tensor_parallel_mesh_train_clip_and_save_as_one_process() -> None:
+    """fully_shard of parameters on a 2-d (ep, etp) mesh: each lands on (efsdp, ep, etp) strided as torch lays it
+    out, and training with clipping over the experts, and a state dict round trip, are those of one process."""
+    with seeded(0):
+        initial = Experts()
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(2 * TOKENS, WIDTH, generator=gen), torch.randn(2 * TOKENS, WIDTH, generator=gen))
+            for _ in range(STEPS)]
+
+    def clip(model: nn.Module) -> float:
+        return float(torch.nn.utils.clip_grad_norm_([model.w1, model.w2], max_norm=0.5))
+
+    model = copy.deepcopy(initial)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    want_norms = []
+    for x, y in data:
+        opt.zero_grad()
+        (sum(F.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True)) / 2).backward()
+        want_norms.append(clip(model))
+        opt.step()
+    want = dict(model.named_parameters())
+
+    def body(rank: int, size: int) -> dict[str, Any]:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("efsdp", "ep", "etp"))
+        model = copy.deepcopy(initial)
+        ep_etp = mesh["ep", "etp"]
+        model.w1 = nn.Parameter(distribute_tensor(model.w1.detach(), ep_etp, [Shard(0), Shard(2)]))
+        model.w2 = nn.Parameter(distribute_tensor(model.w2.detach(), ep_etp, [Shard(0), Shard(1)]))
+        fully_shard(model, mesh=mesh["efsdp"])
+        layout = {name: (p.device_mesh, p.placements) for name, p in model.named_parameters()}
+        state = {key: value.full_tensor() for key, value in model.state_dict().items()}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        d = mesh["efsdp"].get_local_rank()
+        norms = []
+        for x, y in data:
+            opt.zero_grad()
+            F.mse_loss(model(x.chunk(2)[d]), y.chunk(2)[d]).backward()
+            norms.append(clip(model))
+            opt.step()
+        other = copy.deepcopy(initial)
+        other.w1 = nn.Parameter(distribute_tensor(other.w1.detach(), ep_etp, [Shard(0), Shard(2)]))
+        other.w2 = nn.Parameter(distribute_tensor(other.w2.detach(), ep_etp, [Shard(0), Shard(1)]))
+        fully_shard(other, mesh=mesh["efsdp"])
+        other.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            return {"layout": layout, "mesh": mesh, "state": state, "norms": norms,
+                    "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+                    "loaded": {n: p.full_tensor() for n, p in other.named_parameters()}}
+
+    for result in run_ranks(body, 8, timeout=TIMEOUT):
+        mesh = result["mesh"]
+        assert result["layout"]["w1"] == (mesh, (_StridedShard(0, split_factor=2), Shard(0), Shard(2)))
+        assert result["layout"]["w2"] == (mesh, (_StridedShard(0, split_factor=2), Shard(0), Shard(1)))
+        assert result["layout"]["proj.weight"] == (mesh["efsdp"], (Shard(0),))
+        for name, value in initial.state_dict().items():
+            assert torch.equal(result["state"][name], value), name
+        torch.testing.assert_close(result["norms"], want_norms, rtol=RTOL, atol=ATOL)
+        assert want_norms[0] > 0.5      # it clipped
+        for name, param in want.items():
+            torch.testing.assert_close(result["params"][name], param.detach(), rtol=RTOL, atol=ATOL, msg=name)
+            assert torch.equal(result["loaded"][name], result["params"][name]), name
+
+
 # -- errors ----------------------------------------------------------------------------------------------
 
 def test_dtensor_parameters_fsdp_cannot_compose_with_are_named() -> None:
@@ -623,7 +711,7 @@ def test_dtensor_parameters_fsdp_cannot_compose_with_are_named() -> None:
             (mesh["dp"], Shard(0), "must span distinct dims"),                 # FSDP's own mesh
             (other["b"], Shard(0), "not slices of one mesh"),
             (mesh["tp"], Partial(), "must be Shard or Replicate"),
-            (mesh, Shard(0), "on a 1-d mesh only"),
+            (mesh, Shard(0), "must span distinct dims"),                          # overlaps FSDP's
         ]
         for tp, placement, message in cases:
             model = nn.Linear(4, 4)

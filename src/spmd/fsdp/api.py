@@ -585,12 +585,10 @@ def _managed_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter],
 
 
 def _check_tensor_parallel(param: DTensor, fqn: str, mesh: DeviceMesh, name: str) -> None:
-    """A DTensor parameter must be tensor-parallel: Shard/Replicate on a 1-d mesh sliced, like `mesh`, from one
-    root mesh, on a dim after `mesh`'s (see Note: FSDP over tensor parallelism in param.py)."""
+    """A DTensor parameter must be tensor-parallel: Shard/Replicate on a mesh sliced, like `mesh`, from one root
+    mesh, on dims after `mesh`'s (see Note: FSDP over tensor parallelism in param.py)."""
     tp_mesh = param.device_mesh
     where = f"fully_shard({name}): parameter {fqn} is a DTensor ({list(param.placements)} on {tp_mesh})"
-    if tp_mesh.ndim != 1:
-        raise ValueError(f"{where}; fully_shard composes with tensor parallelism on a 1-d mesh only")
     if tp_mesh.device_type != mesh.device_type:
         raise ValueError(f"{where}, on device type {tp_mesh.device_type!r}, but the FSDP mesh is on "
                          f"{mesh.device_type!r}")

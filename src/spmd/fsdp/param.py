@@ -25,16 +25,17 @@ makes its all-gather inputs and rebuilds its unsharded parameter (see Note: the 
 extension.py); the same freeing and refilling in place hold for it.
 
 Note: FSDP over tensor parallelism
-A parameter that is already a DTensor on a tensor-parallel mesh (`tp`, a 1-d slice of the same root mesh as the
-FSDP mesh `dp`, e.g. both sliced from a (dp, tp) mesh) is sharded like a plain one, but what FSDP shards is its
-TP-LOCAL tensor (this tp rank's piece): S above is the local shape, padding and pieces are as for a plain
-parameter. As in torch's FSDP2:
+A parameter that is already a DTensor on a tensor-parallel mesh (`tp`, a slice of one or more dims of the same
+root mesh as the FSDP mesh `dp`, e.g. both sliced from a (dp, tp) mesh, or experts on (ep, etp) of an
+(efsdp, ep, etp) mesh) is sharded like a plain one, but what FSDP shards is its TP-LOCAL tensor (this tp
+rank's piece): S above is the local shape, padding and pieces are as for a plain parameter. As in torch's FSDP2:
 - the unsharded parameter the module sees is a DTensor on the tp mesh with the original TP placements, whose
   local tensor is the view of the group's buffer described above;
 - the sharded parameter is a DTensor on the parent mesh (dp dims, then tp): placements (FSDP's, then TP's).
   When TP shards the FSDP shard dim d too (a colwise weight: TP Shard(0), FSDP Shard(0)), this rank holds the dp
   chunk of its tp chunk, which (Shard(d), Shard(d)) would describe the other way round: FSDP's placement is
-  then _StridedShard(d, split_factor=number of tp pieces of d) (see Note: strided sharding in tensor/placement.py);
+  then _StridedShard(d, split_factor=number of tp pieces of d over all tp dims) (see Note: strided sharding in
+  tensor/placement.py);
 - the unsharded gradient arrives as a DTensor on the tp mesh; one whose placements differ from the parameter's
   (Partial for a Replicate weight that saw sequence-sharded activations) is redistributed to them first (a tp
   collective), then its local tensor is reduce-scattered over dp as usual; the sharded gradient is laid out
