@@ -1,8 +1,10 @@
-"""Conversion between a checkpoint directory and one full state-dict file, both ways:
+"""Conversion between a checkpoint directory and one full state-dict file, both ways, and between spmd's checkpoint
+format and torch's DCP format, both ways:
 
     python -m spmd.checkpoint.convert CHECKPOINT_DIR model.safetensors [--only model]
     python -m spmd.checkpoint.convert CHECKPOINT_DIR state.pt
     python -m spmd.checkpoint.convert model.safetensors CHECKPOINT_DIR
+    python -m spmd.checkpoint.convert CHECKPOINT_DIR OTHER_DIR     (spmd's format to torch's, or torch's to spmd's)
 
 Layer: checkpoint. One process, no group. A .safetensors file is flat: its keys are the checkpoint's dotted keys
 (with --only PREFIX, those under PREFIX, the prefix removed: `--only model` gives what `model.state_dict()` has)
@@ -25,14 +27,21 @@ from spmd.checkpoint import api
 from spmd.checkpoint.format import TensorFile, as_bytes, dtype_of, header_bytes
 from spmd.checkpoint.metadata import Metadata, decode_value, encode_value
 from spmd.checkpoint.storage import FileSystemReader
+from spmd.checkpoint.torch_format import TorchCheckpointReader, is_torch_checkpoint
+from spmd.checkpoint.torch_format_writer import TorchFormatWriter
 
 _VALUES = "spmd.values"     # the safetensors metadata entry holding the non-tensor values
+_FILE_SUFFIXES = (".safetensors", ".pt", ".pth")
 
 
 def load_full(checkpoint: str | os.PathLike[str], only: str | None = None) -> tuple[dict[str, Any], Metadata]:
     """Every tensor of the checkpoint whole (and every value), by dotted key; with `only`, the keys under that
     prefix, the prefix removed. Reads the whole checkpoint into this process's memory."""
-    metadata = Metadata.from_json(FileSystemReader(checkpoint).read_metadata(), f"checkpoint {os.fspath(checkpoint)}")
+    if is_torch_checkpoint(checkpoint):
+        metadata = TorchCheckpointReader(checkpoint).read_metadata()
+    else:
+        metadata = Metadata.from_json(FileSystemReader(checkpoint).read_metadata(),
+                                      f"checkpoint {os.fspath(checkpoint)}")
     state: dict[str, Any] = {key: torch.empty(entry.shape, dtype=dtype_of(entry.dtype))
                              for key, entry in metadata.tensors.items()}
     state.update({key: None for key in metadata.values})
@@ -64,6 +73,16 @@ def dcp_to_file(checkpoint: str | os.PathLike[str], target: str | os.PathLike[st
         torch.save(metadata.nested(state) if only is None else state, target)
     else:
         raise CheckpointError(f"convert: can't tell the format of {target}; name it .safetensors, .pt or .pth")
+
+
+def convert_format(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+    """Rewrite checkpoint directory `source` in the other format at `target`: one of spmd's in torch's DCP format
+    (for torch's load, format_utils and the tools built on them), one of torch's in spmd's."""
+    state, metadata = load_full(source)
+    if is_torch_checkpoint(source):
+        api.save(metadata.nested(state), checkpoint_id=target, no_dist=True)
+    else:
+        api.save(metadata.nested(state), storage_writer=TorchFormatWriter(target), no_dist=True)
 
 
 def file_to_dcp(source: str | os.PathLike[str], checkpoint: str | os.PathLike[str]) -> None:
@@ -105,11 +124,16 @@ def torch_save_to_dcp(torch_save_path: str | os.PathLike[str], dcp_checkpoint_di
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m spmd.checkpoint.convert", description=__doc__.split("\n")[0])
     parser.add_argument("source", help="a checkpoint directory, or a .safetensors / .pt / .pth file")
-    parser.add_argument("target", help="a .safetensors / .pt / .pth file, or a checkpoint directory")
+    parser.add_argument("target", help="a .safetensors / .pt / .pth file, or a checkpoint directory (in torch's DCP "
+                                           "format for a source in spmd's, in spmd's for one in torch's)")
     parser.add_argument("--only", default=None, help="from a checkpoint: only the keys under this prefix")
     args = parser.parse_args(argv)
     try:
-        if os.path.isdir(args.source):
+        if os.path.isdir(args.source) and not args.target.endswith(_FILE_SUFFIXES):
+            if args.only is not None:
+                parser.error("--only applies to a conversion into a file")
+            convert_format(args.source, args.target)
+        elif os.path.isdir(args.source):
             dcp_to_file(args.source, args.target, args.only)
         else:
             if args.only is not None:

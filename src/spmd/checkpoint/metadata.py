@@ -26,7 +26,8 @@ FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 # Beside the index, once it is written: a note under torch's DCP index name, so tools that find complete DCP
 # checkpoints by that file (TorchTitan's resume looks for step-N/.metadata) find spmd's too. Not torch's pickle:
-# torch's DCP can't read spmd's format (spmd reads torch's, torch_format.py).
+# torch's DCP can't read spmd's format (spmd reads torch's, torch_format.py; for torch, save with TorchFormatWriter
+# or convert, torch_format_writer.py).
 DCP_MARKER_FILE = ".metadata"
 DCP_MARKER = (b"spmd checkpoint: its index is metadata.json. torch's DCP can't read this format; spmd reads "
               b"torch's.\n")

@@ -60,6 +60,7 @@ PARTIAL_SUFFIX = ".partial"
 _WRITEBACK_BYTES = 16 << 20   # every this many bytes written, the disk is asked to start writing them out
 _START_WRITEBACK = hasattr(os, "posix_fadvise")
 DATA_FILE = re.compile(r"^__\d+_[0-9a-f]+\.safetensors$")
+TORCH_DATA_FILE = re.compile(r"^__(\d+|values)_[0-9a-f]+\.distcp$")      # torch's DCP format's (and spmd's in it)
 
 
 @dataclasses.dataclass(slots=True)
@@ -294,7 +295,8 @@ class FileSystemWriter(StorageWriter):
             sync_directory(self.path)
         keep = set(files) | {METADATA_FILE, DCP_MARKER_FILE}
         for entry in os.listdir(self.path):
-            if entry not in keep and (DATA_FILE.match(entry) or entry.endswith(PARTIAL_SUFFIX)):
+            if entry not in keep and (DATA_FILE.match(entry) or TORCH_DATA_FILE.match(entry)
+                                      or entry.endswith(PARTIAL_SUFFIX)):
                 os.unlink(os.path.join(self.path, entry))
 
 

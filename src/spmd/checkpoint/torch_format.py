@@ -58,6 +58,12 @@ _RECORDS = {("checkpoint", "metadata"): {"Metadata", "TensorStorageMetadata", "T
 _MEMORY_FORMAT = (("checkpoint", "metadata"), "_MEM_FORMAT_ENCODING")    # an enum, pickled as its int value
 
 
+def torch_module(*within: str) -> str:
+    """The name of a module of torch's distributed package (`within` it: ("checkpoint", "metadata")), as torch's
+    pickles name it."""
+    return ".".join(("torch", "distributed", *within))
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds torch's checkpoint metadata out of plain records; any other global is refused."""
 
