@@ -16,7 +16,7 @@ import io
 import os
 import pickle
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -178,18 +178,23 @@ class TorchFormatWriter(FileSystemWriter):
         if not boxes:
             return WrittenBoxes({}, [])
         name = f"__{rank}_{save_id}.distcp"
-        blobs, written, offset = [], [], 0
-        for box in boxes.values():
-            data = host_contiguous(box.data)
-            if data.untyped_storage().nbytes() != data.numel() * data.element_size():
-                data = data.clone()              # torch.save writes a view's whole storage
-            blob = _blob(data)
-            chunk = box.item.tensor_data.chunk
-            written.append(WrittenBox(name, f"{offset}+{len(blob)}", box.item.index.fqn, tuple(chunk.offsets),
-                                      tuple(chunk.sizes), None))
-            blobs.append(memoryview(blob))
-            offset += len(blob)
-        return WrittenBoxes({name: self.write_file(name, blobs)}, written)
+        written: list[WrittenBox] = []
+
+        def blobs() -> Iterator[memoryview]:
+            """Each box's blob in turn, made as the file is written (one box's copy in memory at a time)."""
+            offset = 0
+            for box in boxes.values():
+                data = host_contiguous(box.data)
+                if data.untyped_storage().nbytes() != data.numel() * data.element_size():
+                    data = data.clone()              # torch.save writes a view's whole storage
+                blob = _blob(data)
+                chunk = box.item.tensor_data.chunk
+                written.append(WrittenBox(name, f"{offset}+{len(blob)}", box.item.index.fqn, tuple(chunk.offsets),
+                                          tuple(chunk.sizes), None))
+                offset += len(blob)
+                yield memoryview(blob)
+
+        return WrittenBoxes({name: self.write_file(name, blobs())}, written)
 
     def finish(self, metadata: Metadata, storage_data: Any) -> Metadata:
         where: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
