@@ -17,10 +17,15 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import spmd
 from spmd._core.errors import StoreError, StoreTimeoutError
+from spmd.comm import torch_backend
 from spmd.comm.torch_backend import TorchStore
+from spmd.comm.world import current_world
+from spmd.testing import run_ranks
+from tests.nccl_p2p import register_nccl_p2p_transport
 from tests.procpool import ProcPool
 
 
@@ -352,3 +357,51 @@ def test_a_script_that_never_destroys_its_world_exits_with_no_status_thread_in_a
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1", "[]"]        # the atexit handler registered first runs last
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_torchs_batch_isend_irecv_starts_its_messages_together_over_an_order_pairing_transport(
+        world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch coalesces a batch only on its own group type and issues it message by message on spmd's: over NCCL's
+    point-to-point semantics (tests/nccl_p2p.py: sends wait for their receives), ranks that each send, then
+    receive, in one batch would hang; the spmd group starts the batch's messages together (see Note: torch's
+    batch_isend_irecv over a transport that pairs messages by order). A ring, then a send, a receive and a send to
+    one peer; a plain isend outside a batch still starts at once."""
+    register_nccl_p2p_transport(monkeypatch)
+
+    def body(rank: int, size: int) -> dict[str, Any]:
+        group = torch_backend._group_class_ready()(current_world().default_group)
+        ranks = dist.distributed_c10d._world.pg_group_ranks      # torch's P2POp maps group ranks through it
+        ranks[group] = {peer: peer for peer in range(size)}
+        try:
+            return exchange(group, rank, size)
+        finally:
+            del ranks[group]
+
+    def exchange(group: dist.ProcessGroup, rank: int, size: int) -> dict[str, Any]:
+        right, left = (rank + 1) % size, (rank - 1) % size
+        sent = torch.full((4096,), float(rank))
+        got = torch.empty(4096)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, group=group, group_peer=right),
+                                        dist.P2POp(dist.irecv, got, group=group, group_peer=left)])
+        for work in works:
+            work.wait()
+        first, second = torch.empty(3), torch.empty(3)
+        peer = rank ^ 1
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((3,), rank + 0.5), group=group,
+                                                   group_peer=peer),
+                                        dist.P2POp(dist.irecv, first, group=group, group_peer=peer),
+                                        dist.P2POp(dist.irecv, second, group=group, group_peer=peer),
+                                        dist.P2POp(dist.isend, torch.full((3,), rank + 0.25), group=group,
+                                                   group_peer=peer)])
+        assert all(work.get_future().wait() is not None for work in works) and all(w.is_success() for w in works)
+        if rank % 2 == 0:        # outside a batch: the send starts now, as before
+            dist.isend(torch.ones(2), group=group, group_dst=peer).wait()
+        else:
+            dist.irecv(received := torch.empty(2), group=group, group_src=peer).wait()
+            assert received.tolist() == [1.0, 1.0]
+        return {"ring": got[0].item(), "pair": (first[0].item(), second[0].item())}
+
+    for rank, out in enumerate(run_ranks(body, world_size=world_size, timeout=30, backend="nccl-p2p-threads")):
+        peer = rank ^ 1
+        assert out == {"ring": float((rank - 1) % world_size), "pair": (peer + 0.5, peer + 0.25)}

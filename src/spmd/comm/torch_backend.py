@@ -24,6 +24,17 @@ FSDP2 on spmd's transports, nothing else changed): torch hands the backend its s
 the group), with the same "auto" transport spmd picks itself. The world then belongs to torch's group: torch's
 `destroy_process_group()` shuts the group down, which destroys the world; `spmd.destroy_process_group()` takes
 torch's group down with it. The backend is known to torch from `import spmd` on (torch_hook.py).
+
+Note: torch's batch_isend_irecv over a transport that pairs messages by order
+torch starts the messages of one batch_isend_irecv together (one NCCL group) only on its own ProcessGroup type; on
+any other, this one included, it issues them one by one. Over a transport that pairs messages by their order and
+whose sends wait for their receives (torch's NCCL: `Transport.matches_by_tag` False), two ranks that each send a
+large tensor to the other, then receive, would then wait on their sends forever. So while torch's
+batch_isend_irecv runs (found on the caller's stack, with its list of operations), this group's send and recv
+collect their message instead of starting it, and the last one starts them all as one spmd batch_isend_irecv,
+which starts them together as torch's own group would. The Works torch hands back stand for the collected
+messages. Messages left collected when torch's call failed midway start with the next batch, or when one of their
+Works is asked about (torch had started them already).
 """
 
 from __future__ import annotations
@@ -159,6 +170,113 @@ class _CoalescedWork(dist.Work):
         return torch.futures.collect_all([work.get_future() for work in self._works]).then(all_done)
 
 
+class _Batch:
+    """The messages torch's batch_isend_irecv issued on this thread so far (see Note: torch's batch_isend_irecv over a
+    transport that pairs messages by order): `call` is its frame (held until they start), `expected` its length."""
+
+    def __init__(self, call: Any, expected: int) -> None:
+        self.call: Any = call
+        self.expected = expected
+        self.messages: list[tuple[str, Tensor, ProcessGroup, int, int, _CollectedWork]] = []
+        self._lock = threading.Lock()
+        self._started = False
+
+    def start(self) -> None:
+        """Start the collected messages together, once; a failure to start fails each of their Works, and is
+        raised."""
+        with self._lock:
+            if self._started:
+                return
+            self._started, self.call = True, None
+        operations = [p2p.P2POp(p2p.isend if op == "isend" else p2p.irecv, tensor, group=group, group_peer=peer,
+                                tag=tag) for op, tensor, group, peer, tag, _ in self.messages]
+        try:
+            works = p2p.batch_isend_irecv(operations)
+        except BaseException as failure:
+            for *_, collected in self.messages:
+                collected._failure = failure
+            raise
+        for (*_, collected), work in zip(self.messages, works, strict=True):
+            collected._work = work
+
+
+class _CollectedWork(_SpmdWork):
+    """torch's Work for a message collected into a batch: the spmd Work of the message once the batch started (asking
+    about it starts the batch, if it has not)."""
+
+    def __init__(self, batch: _Batch, outputs: list[Tensor]) -> None:
+        super().__init__(None, outputs)
+        self._batch = batch
+        self._failure: BaseException | None = None
+
+    def _started(self) -> BaseException | None:
+        try:
+            self._batch.start()
+        except BaseException as failure:     # also kept as this Work's failure
+            return failure
+        return self._failure
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        failure = self._started()
+        if failure is not None:
+            raise failure
+        return super().wait(timeout)
+
+    def is_completed(self) -> bool:
+        return self._started() is not None or super().is_completed()
+
+    def is_success(self) -> bool:
+        return self._started() is None and super().is_success()
+
+    def exception(self) -> BaseException | None:
+        return self._started() or super().exception()
+
+    def get_future(self) -> torch.futures.Future:
+        failure = self._started()
+        if failure is None:
+            return super().get_future()
+        failed: torch.futures.Future = torch.futures.Future()
+        failed.set_exception(failure)
+        return failed
+
+
+_collecting = threading.local()      # .batch: the _Batch torch's batch_isend_irecv is issuing on this thread
+_TORCH_C10D_FILE = "distributed_c10d.py"
+
+
+def _torch_batch_call() -> Any:
+    """The frame of torch's batch_isend_irecv, where it is this call's caller (through torch's isend or irecv)."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_name == "batch_isend_irecv" and code.co_filename.endswith(_TORCH_C10D_FILE):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _collect(op: str, tensor: Tensor, group: ProcessGroup, peer: int, tag: int) -> _CollectedWork | None:
+    """This message collected into the batch torch's batch_isend_irecv is issuing, started with the batch's last;
+    None where torch's batch_isend_irecv is not the caller (the message starts now)."""
+    call = _torch_batch_call()
+    operations = call.f_locals.get("p2p_op_list") if call is not None else None
+    if not isinstance(operations, list):
+        return None
+    batch: _Batch | None = getattr(_collecting, "batch", None)
+    if batch is None or batch.call is not call:
+        if batch is not None:
+            batch.start()               # left from a call of torch's that failed midway
+        batch = _collecting.batch = _Batch(call, len(operations))
+    collected = _CollectedWork(batch, [tensor])
+    batch.messages.append((op, tensor, group, peer, tag, collected))
+    if len(batch.messages) >= batch.expected:
+        _collecting.batch = None
+        batch.start()
+    return collected
+
+
 def _value_or_raise(future: torch.futures.Future) -> Any:
     """A child future's value: the parent's, or its error raised, which torch's C++ side sees as a failure."""
     return future.wait()
@@ -174,7 +292,7 @@ def _group_class_ready() -> type[SpmdProcessGroup]:
     with _registered:
         if not _state["bound"]:
             _bind_spmd()
-            for cls in (SpmdProcessGroup, _SpmdWork, _CoalescedWork):
+            for cls in (SpmdProcessGroup, _SpmdWork, _CoalescedWork, _CollectedWork):
                 disable_once_dynamo_imported(cls, [name for name, value in vars(cls).items()
                                                    if callable(value) and not name.startswith("__")])
             _state["bound"] = True
@@ -347,10 +465,18 @@ class SpmdProcessGroup(dist.ProcessGroup):
         return self._issued(None, [])
 
     def send(self, tensors: list[Tensor], dst: int, tag: int) -> Any:
+        if not self.spmd_group.transport.matches_by_tag:
+            collected = _collect("isend", tensors[0], self.spmd_group, dst, tag)
+            if collected is not None:
+                return collected
         work = p2p.isend(tensors[0], group=self.spmd_group, group_dst=dst, tag=tag)
         return self._issued(work, tensors)
 
     def recv(self, tensors: list[Tensor], src: int, tag: int) -> Any:
+        if not self.spmd_group.transport.matches_by_tag:
+            collected = _collect("irecv", tensors[0], self.spmd_group, src, tag)
+            if collected is not None:
+                return collected
         work = p2p.irecv(tensors[0], group=self.spmd_group, group_src=src, tag=tag)
         return self._issued(work, tensors)
 
