@@ -184,20 +184,20 @@ class _Batch:
     def start(self) -> None:
         """Start the collected messages together, once; a failure to start fails each of their Works, and is
         raised."""
-        with self._lock:
+        with self._lock:         # held while starting: a Work asked about from another thread waits for its start
             if self._started:
                 return
             self._started, self.call = True, None
-        operations = [p2p.P2POp(p2p.isend if op == "isend" else p2p.irecv, tensor, group=group, group_peer=peer,
-                                tag=tag) for op, tensor, group, peer, tag, _ in self.messages]
-        try:
-            works = p2p.batch_isend_irecv(operations)
-        except BaseException as failure:
-            for *_, collected in self.messages:
-                collected._failure = failure
-            raise
-        for (*_, collected), work in zip(self.messages, works, strict=True):
-            collected._work = work
+            operations = [p2p.P2POp(p2p.isend if op == "isend" else p2p.irecv, tensor, group=group, group_peer=peer,
+                                    tag=tag) for op, tensor, group, peer, tag, _ in self.messages]
+            try:
+                works = p2p.batch_isend_irecv(operations)
+            except BaseException as failure:
+                for *_, collected in self.messages:
+                    collected._failure = failure
+                raise
+            for (*_, collected), work in zip(self.messages, works, strict=True):
+                collected._work = work
 
 
 class _CollectedWork(_SpmdWork):
