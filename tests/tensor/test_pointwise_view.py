@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spmd.tensor import DTensor, Partial, Replicate, Shard
+from spmd.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from spmd.tensor.experimental import implicit_replication
 from spmd.tensor.rules import record_fallbacks
 from spmd.testing.dtensor import make_dtensor
 from tests.tensor.conftest import check_parity, placement_combos, run_on_mesh, spread
@@ -179,6 +180,32 @@ def test_complex_views_keep_shards_and_partials(mesh_shape: tuple[int, ...]) -> 
                 assert out.placements == tuple(Replicate() if p == Shard(2) else p for p in placements), placements
 
     _run(mesh_shape, body)
+
+
+def test_locals_and_plain_operands_with_torchs_lazy_conjugate_or_negative_bit_compute_with_their_values() -> None:
+    """x.conj() of a complex tensor (and torch's _neg_view) only sets a bit; inside dispatch torch skips the fallback
+    that resolves it, so a DTensor made from such a local, or such a plain operand beside a DTensor, multiplied and
+    added the stored values: from_local, distribute_tensor and plain operands now take the values."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 6, dtype=torch.complex64, generator=gen), torch.randn(4, 6, dtype=torch.complex64,
+                                                                               generator=gen)
+    n = torch.randn(4, 6, generator=gen)
+
+    def body(mesh) -> None:
+        rows = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
+        lazy_local = torch.chunk(a, 2)[mesh.get_coordinate()[0]].conj()
+        from_local = DTensor.from_local(lazy_local, mesh, rows)
+        assert lazy_local.is_conj() and not from_local.to_local().is_conj()
+        other = distribute_tensor(b, mesh, rows)
+        torch.testing.assert_close((from_local * other).full_tensor(), a.conj() * b)
+        torch.testing.assert_close((distribute_tensor(a.conj(), mesh, rows) + other).full_tensor(), a.conj() + b)
+        with implicit_replication():            # a plain operand
+            torch.testing.assert_close((other * b.conj()[0]).full_tensor(), b * b.conj()[0])
+        negative = DTensor.from_local(torch._neg_view(torch.chunk(n, 2)[mesh.get_coordinate()[0]]), mesh, rows)
+        torch.testing.assert_close((negative * 2).full_tensor(), -n * 2)
+
+    _run((2,), body)
+    _run((2, 2), body)
 
 
 def test_view_keeps_shards_when_it_can() -> None:

@@ -52,6 +52,7 @@ from spmd._core.compile import eager_under_compile, when_dynamo_imported
 from spmd.comm.collectives import broadcast
 from spmd.device_mesh import DeviceMesh
 from spmd.tensor.dispatch import dispatch
+from spmd.tensor.dispatch.run import values_of
 from spmd.tensor.placement import Partial, Placement, Replicate, Shard, _StridedShard, normalize_placements
 from spmd.tensor.redistribute import run_plan
 from spmd.tensor.spec import DTensorSpec, Placements, contiguous_stride, stride_like
@@ -73,6 +74,7 @@ class DTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local_tensor: Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> DTensor:
+        local_tensor = values_of(local_tensor)         # a lazily conjugated local as its values (a copy)
         out = Tensor._make_wrapper_subclass(cls, spec.shape, strides=spec.stride, dtype=spec.dtype,
                                             device=local_tensor.device, layout=local_tensor.layout,
                                             requires_grad=requires_grad)
@@ -175,6 +177,7 @@ class DTensor(torch.Tensor):
         (and `stride`) for uneven ones: this rank's local shape is then checked against it. Without `stride`,
         the global strides lay the dims out in the local tensor's memory order (row-major if it isn't dense).
         `run_check=True` also broadcasts Replicate dims from the first rank of each mesh dim (collective).
+        A local with torch's lazy conjugate or negative bit (`x.conj()`) is taken as its values, a copy.
         Differentiable (see Note: DTensor autograd).
         """
         if placements is None:

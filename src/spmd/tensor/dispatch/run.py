@@ -72,13 +72,23 @@ def implicit_replication() -> Iterator[None]:
         _implicitly_replicated.reset(token)
 
 
+def values_of(local: Tensor) -> Tensor:
+    """`local` with torch's lazy conjugate and negative bits (`x.conj()` of a complex tensor, `_neg_view`) made
+    values: a DTensor's wrapper doesn't carry them, and inside dispatch torch skips the fallback that resolves them
+    for an op, which would then read the stored values (a product with x.conj() computed with x). Unchanged (no
+    copy) where neither bit is set."""
+    if local.is_conj() or local.is_neg():
+        return local.resolve_conj().resolve_neg()
+    return local
+
+
 def _replicate_plain(cls: type, args: tuple, mesh: Any) -> tuple:
     def convert(value: Any) -> Any:
         if isinstance(value, (list, tuple)):
             return type(value)(convert(item) for item in value)
         if isinstance(value, Tensor) and not isinstance(value, cls):
             spec = DTensorSpec(mesh, _replicated(mesh.ndim), value.shape, contiguous_stride(value.shape), value.dtype)
-            return cls._wrap_local(value.contiguous(), spec)
+            return cls._wrap_local(values_of(value).contiguous(), spec)
         return value
     return tuple(convert(value) for value in args)
 
@@ -441,6 +451,7 @@ def _run_fallback(cls: type, op: OpOverload, args: tuple, kwargs: dict, dtensors
             spec = DTensorSpec(mesh, _replicated(mesh.ndim), value.shape, tuple(value.stride()), value.dtype)
             return cls._wrap_local(value, spec)
         stride = contiguous_stride(value.shape)
+        value = values_of(value)
         if value.shape == first.shape and not first.has_partial():
             spec = DTensorSpec(mesh, first.placements, value.shape, stride, value.dtype)
             return cls._wrap_local(spec.local_from_full(value), spec)
