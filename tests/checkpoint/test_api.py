@@ -412,3 +412,26 @@ def test_the_writer_takes_torchs_arguments_and_overwrite_false_keeps_a_checkpoin
     assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
     with pytest.raises(ValueError, match="thread_count must be a positive int"):
         dcp.FileSystemWriter(tmp_path, thread_count=0)
+
+
+@pytest.mark.parametrize("storage", ["filesystem", "torch format", "hugging face", "fsspec"])
+def test_a_storage_given_a_checkpoint_id_reads_and_writes_there_as_torchs_does(tmp_path, storage: str) -> None:
+    """torch's save and load reset a storage object to their checkpoint_id: one writer (or reader) made once and
+    used for every step's checkpoint must not put (or read) them all at the path it was made with."""
+    from spmd.checkpoint.fsspec_storage import FsspecReader, FsspecWriter
+    from spmd.checkpoint.torch_format import TorchCheckpointReader
+
+    root = f"memory://spmd-tests/{tmp_path.name}" if storage == "fsspec" else str(tmp_path)
+    writer = {"filesystem": dcp.FileSystemWriter, "torch format": dcp.TorchFormatWriter,
+              "hugging face": dcp.HuggingFaceStorageWriter, "fsspec": FsspecWriter}[storage](f"{root}/made")
+    reader = {"filesystem": FileSystemReader, "torch format": TorchCheckpointReader,
+              "hugging face": dcp.HuggingFaceStorageReader, "fsspec": FsspecReader}[storage](f"{root}/made")
+    for step in (1, 2):
+        dcp.save({"w": torch.full((3, 2), float(step))}, checkpoint_id=f"{root}/step{step}", storage_writer=writer,
+                 no_dist=True)
+    if storage != "fsspec":
+        assert not os.listdir(tmp_path / "made") and len(os.listdir(tmp_path / "step1")) >= 1
+    for step in (2, 1):
+        got = {"w": torch.zeros(3, 2)}
+        dcp.load(got, checkpoint_id=f"{root}/step{step}", storage_reader=reader, no_dist=True)
+        assert torch.equal(got["w"], torch.full((3, 2), float(step))), (storage, step)

@@ -48,9 +48,15 @@ class FsspecWriter(StorageWriter):
     def __init__(self, path: str | os.PathLike[str], single_file_per_rank: bool = True, sync_files: bool = True,
                  thread_count: int = 1, per_thread_copy_ahead: int = 10_000_000, overwrite: bool = True,
                  **storage_options: Any) -> None:
-        self.fs, self.path = _filesystem(path, storage_options)
-        self.url = os.fspath(path)
-        self.fs.makedirs(self.path, exist_ok=True)
+        self.storage_options = storage_options
+        self.reset(path)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """A save given a checkpoint_id writes there, not at the URL this writer was made with (torch's)."""
+        if checkpoint_id:
+            self.fs, self.path = _filesystem(checkpoint_id, self.storage_options)
+            self.url = os.fspath(checkpoint_id)
+            self.fs.makedirs(self.path, exist_ok=True)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -87,8 +93,14 @@ class FsspecReader(StorageReader):
     """Reads a checkpoint at an fsspec URL; each read fetches its byte range."""
 
     def __init__(self, path: str | os.PathLike[str], **storage_options: Any) -> None:
-        self.fs, self.path = _filesystem(path, storage_options)
-        self.url = os.fspath(path)
+        self.storage_options = storage_options
+        self.reset(path)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """A load given a checkpoint_id reads there, not at the URL this reader was made with (torch's)."""
+        if checkpoint_id:
+            self.fs, self.path = _filesystem(checkpoint_id, self.storage_options)
+            self.url = os.fspath(checkpoint_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -265,6 +265,12 @@ class FileSystemWriter(StorageWriter):
         self.overwrite = overwrite
         os.makedirs(self.path, exist_ok=True)
 
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """A save given a checkpoint_id writes there, not at the path this writer was made with (torch's)."""
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+            os.makedirs(self.path, exist_ok=True)
+
     def write_file(self, name: str, parts: Iterable[memoryview]) -> int:
         final = os.path.join(self.path, name)
         if not self.overwrite and os.path.exists(final):
@@ -306,6 +312,12 @@ class FileSystemReader(StorageReader):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         self._maps: dict[str, mmap.mmap] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """A load given a checkpoint_id reads there, not at the path this reader was made with (torch's)."""
+        if checkpoint_id:
+            self.close()
+            self.path = os.fspath(checkpoint_id)
 
     def read_metadata(self) -> bytes:
         where = os.path.join(self.path, METADATA_FILE)

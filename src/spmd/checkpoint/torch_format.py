@@ -144,6 +144,11 @@ class TorchCheckpointReader(FileSystemReader):
         self._held: tuple[str, Tensor] | None = None
         self._lock = threading.Lock()
 
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self._boxes, self._held = {}, None
+        super().reset(checkpoint_id)
+
     def read_metadata(self) -> Metadata:
         where = os.path.join(self.path, TORCH_METADATA_FILE)
         try:
