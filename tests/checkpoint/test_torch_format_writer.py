@@ -147,3 +147,16 @@ def test_convert_rewrites_either_format_in_the_other_bit_exactly(sharded, tmp_pa
             assert torch.equal(again[key], value) if isinstance(value, torch.Tensor) else again[key] == value, key
     with pytest.raises(SystemExit):
         convert.main([path, str(tmp_path / "other"), "--only", "model"])
+
+
+def test_the_pickle_writer_round_trips_every_kind_of_value_the_index_holds() -> None:
+    from spmd.checkpoint.torch_format_writer import _Pickle
+
+    values = [0, 1, -1, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 2**63 + 5, -(2**70), 1.5, -0.0, "héllo", "", (), (1,),
+              [], [1, [2, (3,)]], {}, {"a": {"b": [None, True, False]}}, torch.Size([3, 4]), torch.bfloat16,
+              torch.float8_e4m3fn]
+    for value in values:
+        got = pickle.loads(_Pickle().dump(value))
+        assert got == value and type(got) is type(value), value
+    with pytest.raises(TypeError, match="no pickle form for a object"):
+        _Pickle().dump(object())
