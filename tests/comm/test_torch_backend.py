@@ -405,3 +405,44 @@ def test_torchs_batch_isend_irecv_starts_its_messages_together_over_an_order_pai
     for rank, out in enumerate(run_ranks(body, world_size=world_size, timeout=30, backend="nccl-p2p-threads")):
         peer = rank ^ 1
         assert out == {"ring": float((rank - 1) % world_size), "pair": (peer + 0.5, peer + 0.25)}
+
+
+def _torch_pipelining(rank: int, world_size: int) -> dict[str, Any]:
+    """torch's own pipelining (its stages exchange shapes, then activations and gradients through torch's
+    batch_isend_irecv) over the "spmd" backend: 1F1B, 4 microbatches, two stages of two layers."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    dist.init_process_group("spmd", timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(8, 8) for _ in range(4)]
+        whole = torch.nn.Sequential(*copy.deepcopy(layers))
+        mine = torch.nn.Sequential(*copy.deepcopy(layers[2 * rank: 2 * rank + 2]))
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+        y = torch.randn(8, 8, generator=torch.Generator().manual_seed(2))
+        schedule = Schedule1F1B(PipelineStage(mine, rank, world_size, torch.device("cpu")), 4,
+                                loss_fn=torch.nn.functional.mse_loss)
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=losses)
+        want = [torch.nn.functional.mse_loss(whole(xs), ys) for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True)]
+        (sum(want) / 4).backward()          # torch's schedule scales the gradients by the microbatch count
+        expected = list(whole.parameters())[4 * rank: 4 * rank + 4]
+        return {"grads": [(p.grad, q.grad) for p, q in zip(mine.parameters(), expected, strict=True)],
+                "losses": [loss.item() for loss in losses], "want": [loss.item() for loss in want]}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_torchs_own_pipelining_trains_over_the_spmd_backend_as_one_process(procpool: ProcPool) -> None:
+    for rank, out in enumerate(procpool.run(_torch_pipelining, 2, timeout=60)):
+        for got, want in out["grads"]:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        if rank == 1:
+            torch.testing.assert_close(out["losses"], out["want"], rtol=1e-6, atol=1e-7)
+        else:
+            assert out["losses"] == []
