@@ -143,6 +143,47 @@ class DeviceMesh:
             mine.append(found if found is not None else NonMemberGroup(f"mesh_dim{mesh_dim}", [], self._world.rank))
         return mine
 
+    @staticmethod
+    @on_real_tensors
+    def from_group(group: AnyGroup | Sequence[AnyGroup], device_type: str, mesh: torch.Tensor | Sequence[Any] | None
+                   = None, *, mesh_dim_names: tuple[str, ...] | None = None) -> DeviceMesh:
+        """A mesh over groups that exist already (torch's): one group makes the 1-d mesh of its ranks; a list makes
+        the mesh `mesh` (required, with `mesh_dim_names`), whose dim i is group i's: this rank's row along dim i must
+        be exactly group i's ranks. No group is created, so only the groups' members need to call it. A torch
+        ProcessGroup standing for an spmd group (the "spmd" backend's) is taken as that group."""
+        def spmd_group(given: AnyGroup) -> AnyGroup:
+            standing_for = getattr(given, "spmd_group", None)
+            if isinstance(standing_for, ProcessGroup):
+                return standing_for
+            if not isinstance(given, (ProcessGroup, NonMemberGroup)):
+                raise TypeError(f"DeviceMesh.from_group: expected spmd process groups, got {type(given).__name__}")
+            return given
+
+        several = isinstance(group, (list, tuple))
+        groups = [spmd_group(given) for given in (group if several else [group])]
+        if not groups:
+            raise ValueError("DeviceMesh.from_group: pass at least one process group")
+        if not several:
+            ranks = list(groups[0].ranks)
+            if mesh is not None and torch.as_tensor(mesh).tolist() != ranks:
+                raise ValueError(f"DeviceMesh.from_group: mesh {torch.as_tensor(mesh).tolist()} is not the ranks "
+                                 f"{ranks} of the group; leave mesh out for one group")
+            return DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _groups=groups)
+        if mesh is None or mesh_dim_names is None:
+            raise ValueError("DeviceMesh.from_group: several groups need mesh (the ranks' layout) and mesh_dim_names")
+        made = DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _groups=groups)
+        if made.ndim != len(groups):
+            raise ValueError(f"DeviceMesh.from_group: {len(groups)} groups for a {made.ndim}-d mesh {made.shape}")
+        coordinate = made.get_coordinate()
+        for dim, given in enumerate(groups):
+            row = None if coordinate is None else made.mesh[(*coordinate[:dim], slice(None),
+                                                             *coordinate[dim + 1:])].tolist()
+            if isinstance(given, NonMemberGroup) != (row is None) or (row is not None and row != list(given.ranks)):
+                raise ValueError(f"DeviceMesh.from_group on rank {made.get_rank()}: group {dim} has ranks "
+                                 f"{list(getattr(given, 'ranks', []))}, but this rank's row along mesh dim "
+                                 f"{mesh_dim_names[dim]!r} of {made.mesh.tolist()} is {row}")
+        return made
+
     # -- identity -------------------------------------------------------------------------------------------
 
     def __hash__(self) -> int:

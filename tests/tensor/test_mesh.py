@@ -234,3 +234,42 @@ def test_bad_meshes_raise_clear_errors() -> None:
             init_device_mesh("cpu", (4,))["x"]
 
     run_ranks(body, 4, timeout=TIMEOUT)
+
+
+def test_from_group_builds_a_mesh_over_existing_groups_as_torchs_does() -> None:
+    """torch's DeviceMesh.from_group: one group (spmd's, or the torch ProcessGroup standing for it) makes the 1-d
+    mesh of its ranks; a list, with mesh and names, the mesh whose dims are those groups. No group is created
+    (only members call it for a subgroup), DTensors and FSDP2 run on it, and mismatches are named."""
+    from spmd.comm import torch_backend
+    from spmd.fsdp import fully_shard
+    from spmd.tensor import Shard, distribute_tensor
+
+    def body(rank: int, world_size: int) -> dict:
+        rows = [spmd.new_group(list(r)) for r in ([0, 1], [2, 3])]
+        cols = [spmd.new_group(list(c)) for c in ([0, 2], [1, 3])]
+        row, col = rows[rank // 2], cols[rank % 2]
+        one = DeviceMesh.from_group(row, "cpu")
+        torch_view = DeviceMesh.from_group(torch_backend._group_class_ready()(row), "cpu", mesh_dim_names=("tp",))
+        two = DeviceMesh.from_group([col, row], "cpu", mesh=[[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+        full = torch.arange(24.0).reshape(6, 4)
+        sharded = distribute_tensor(full, two, [Shard(0), Shard(1)])
+        model = torch.nn.Linear(4, 4)
+        fully_shard(model, mesh=two["dp"])
+        errors = []
+        for call in (lambda: DeviceMesh.from_group(row, "cpu", mesh=[0, 2]),
+                     lambda: DeviceMesh.from_group([col, row], "cpu", mesh=[[0, 1], [2, 3]]),
+                     lambda: DeviceMesh.from_group([row, col], "cpu", mesh=[[0, 1], [2, 3]],
+                                                   mesh_dim_names=("dp", "tp"))):
+            with pytest.raises(ValueError) as raised:
+                call()
+            errors.append(str(raised.value))
+        return {"one": (one.mesh.tolist(), one.get_group() is row), "view": torch_view.get_group() is row,
+                "two": (two.get_group("dp") is col, two.get_group("tp") is row, two.get_coordinate()),
+                "full": torch.equal(sharded.full_tensor(), full), "fsdp": model.weight.device_mesh == two["dp"],
+                "errors": errors}
+
+    for rank, out in enumerate(run_ranks(body, world_size=4, timeout=TIMEOUT)):
+        assert out["one"] == ([0, 1] if rank < 2 else [2, 3], True) and out["view"]
+        assert out["two"] == (True, True, (rank // 2, rank % 2)) and out["full"] and out["fsdp"]
+        assert "is not the ranks" in out["errors"][0] and "need mesh" in out["errors"][1]
+        assert "this rank's row along mesh dim 'dp'" in out["errors"][2]
