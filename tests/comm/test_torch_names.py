@@ -120,7 +120,7 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "algorithms.ddp_comm_hooks.ddp_zero_hook", "algorithms.model_averaging.averagers",
                  "algorithms.model_averaging.utils",
                  "algorithms.model_averaging.hierarchical_model_averager", "algorithms._checkpoint.checkpoint_wrapper",
-                 "algorithms.join", "algorithms._comm_hooks", "algorithms._comm_hooks.default_hooks", "optim",
+                 "algorithms", "algorithms.join", "algorithms._comm_hooks", "algorithms._comm_hooks.default_hooks", "optim",
                  "rpc", "rpc.api", "rpc.functions", "rpc.options", "autograd", "nn.api.remote_module",
                  "elastic.utils", "elastic.utils.data", "elastic.utils.data.elastic_distributed_sampler",
                  "elastic.utils.data.cycling_iterator",
