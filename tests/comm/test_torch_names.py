@@ -105,7 +105,7 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
 }
 TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_types", "tensor.experimental",
                  "tensor.experimental._attention", "tensor.experimental._context_parallel",
-                 "tensor.experimental._context_parallel._attention", "device_mesh", "fsdp",
+                 "tensor.experimental._context_parallel._attention", "device_mesh", "fsdp", "fsdp.api",
                  "fsdp.fully_sharded_data_parallel", "fsdp.wrap", "fsdp.sharded_grad_scaler", "pipelining",
                  "pipelining.schedules", "pipelining.stage", "pipelining.microbatch", "checkpoint",
                  "checkpoint.state_dict", "checkpoint.stateful", "checkpoint.format_utils", "checkpoint.staging",
@@ -120,7 +120,8 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "algorithms.ddp_comm_hooks.ddp_zero_hook", "algorithms.model_averaging.averagers",
                  "algorithms.model_averaging.utils",
                  "algorithms.model_averaging.hierarchical_model_averager", "algorithms._checkpoint.checkpoint_wrapper",
-                 "algorithms", "algorithms.join", "algorithms._comm_hooks", "algorithms._comm_hooks.default_hooks", "optim",
+                 "algorithms", "algorithms.join", "algorithms._comm_hooks", "algorithms._comm_hooks.default_hooks",
+                 "optim",
                  "rpc", "rpc.api", "rpc.functions", "rpc.options", "autograd", "nn.api.remote_module",
                  "elastic.utils", "elastic.utils.data", "elastic.utils.data.elastic_distributed_sampler",
                  "elastic.utils.data.cycling_iterator",

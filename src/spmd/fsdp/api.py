@@ -32,6 +32,22 @@ from spmd.fsdp.param import FSDPParam, ShardMesh, Slot
 from spmd.fsdp.param_group import FSDPParamGroup, GroupState, PostForwardMesh
 from spmd.fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from spmd.fsdp.state import FSDPState, check_materialised, state_of
+from spmd.fsdp.wrapper_config import (  # noqa: F401  (torch's fsdp.api: where FSDP1 code imports these from)
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 from spmd.tensor import DTensor
 from spmd.tensor.placement import Replicate, Shard
 
