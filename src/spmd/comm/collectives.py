@@ -109,17 +109,19 @@ def _uneven(tensors: list[Tensor]) -> bool:
     return len({t.numel() for t in tensors}) > 1
 
 
-def _root(group: ProcessGroup, global_root: int | None, group_root: int | None, op: str, role: str) -> int:
-    if global_root is not None and group_root is not None:
+def group_root(group: ProcessGroup, global_root: int | None, root_in_group: int | None, op: str, role: str) -> int:
+    """The group rank of a rooted operation's root, given as a global rank or a group rank (not both; neither:
+    the group's first rank)."""
+    if global_root is not None and root_in_group is not None:
         raise ValueError(f"{_where(op, group)}: pass {role} or group_{role}, not both")
-    if group_root is None:
+    if root_in_group is None:
         if global_root is None:
             return 0
         return group.group_rank_of(global_root, f"{_where(op, group)}: {role}")
-    if isinstance(group_root, bool) or not isinstance(group_root, int) or not 0 <= group_root < group.size():
-        raise ValueError(f"{_where(op, group)}: group_{role}={group_root!r} is out of range for a group of "
+    if isinstance(root_in_group, bool) or not isinstance(root_in_group, int) or not 0 <= root_in_group < group.size():
+        raise ValueError(f"{_where(op, group)}: group_{role}={root_in_group!r} is out of range for a group of "
                          f"{group.size()} ranks (group ranks are 0..{group.size() - 1})")
-    return group_root
+    return root_in_group
 
 
 def _flat(tensor: Tensor) -> Tensor:
@@ -253,7 +255,7 @@ def broadcast(tensor: Tensor, src: int | None = None, group: AnyGroup | None = N
               group_src: int | None = None) -> Work | None:
     """Copy `src`'s tensor into `tensor` on every rank."""
     pg = resolve_group(group, "broadcast")
-    root = _root(pg, src, group_src, "broadcast", "src")
+    root = group_root(pg, src, group_src, "broadcast", "src")
     if traceable.tracing(tensor, async_op):
         return traceable.broadcast_into(tensor, root, pg)
     check_tensor(tensor, "tensor", "broadcast", pg)
@@ -297,7 +299,7 @@ def reduce(tensor: Tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM, 
     pg = resolve_group(group, "reduce")
     check_tensor(tensor, "tensor", "reduce", pg)
     check_reduce_op(op, tensor.dtype, _where("reduce", pg))
-    root = _root(pg, dst, group_dst, "reduce", "dst")
+    root = group_root(pg, dst, group_dst, "reduce", "dst")
 
     def body(ctx: OpContext) -> None:
         dense = _dense(tensor)
@@ -436,7 +438,7 @@ def gather(tensor: Tensor, gather_list: list[Tensor] | None = None, dst: int | N
     """On `dst`, gather_list[i] <- rank i's tensor; other ranks pass gather_list=None."""
     pg = resolve_group(group, "gather")
     check_tensor(tensor, "tensor", "gather", pg)
-    root = _root(pg, dst, group_dst, "gather", "dst")
+    root = group_root(pg, dst, group_dst, "gather", "dst")
     is_root = pg.group_rank == root
     if is_root:
         outputs = _check_list(gather_list, "gather_list", "gather", pg, tensor)
@@ -461,7 +463,7 @@ def scatter(tensor: Tensor, scatter_list: list[Tensor] | None = None, src: int |
     """tensor <- `src`'s scatter_list[rank]; other ranks pass scatter_list=None."""
     pg = resolve_group(group, "scatter")
     check_tensor(tensor, "tensor", "scatter", pg)
-    root = _root(pg, src, group_src, "scatter", "src")
+    root = group_root(pg, src, group_src, "scatter", "src")
     is_root = pg.group_rank == root
     if is_root:
         inputs = _check_list(scatter_list, "scatter_list", "scatter", pg, tensor)
