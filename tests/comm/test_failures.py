@@ -6,6 +6,7 @@ real processes, so that one uses the shared pool of rank processes over tcp).
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 
@@ -256,3 +257,22 @@ def test_a_batch_that_fails_to_start_aborts_its_group_and_fails_its_works() -> N
     for rank, (message, states) in enumerate(run_ranks(body, 2, timeout=30)):
         assert f"rank {rank}" in message and "isend" in message, message
         assert states == ["failed", "failed"]
+
+
+def test_a_barrier_with_a_timeout_fails_at_it_naming_the_missing_rank() -> None:
+    """torch's barrier(timeout=...): that bound instead of the group's (60 s here), with the same error."""
+    done = threading.Event()
+
+    def body(rank: int, size: int) -> str | None:
+        if rank == 1:
+            done.wait(timeout=30)
+            return None
+        start = time.monotonic()
+        with pytest.raises(CommTimeoutError) as info:
+            spmd.barrier(timeout=datetime.timedelta(seconds=0.5))
+        done.set()
+        assert time.monotonic() - start < 20
+        return str(info.value)
+
+    message = run_ranks(body, 2, timeout=60, comm_timeout=60)[0]
+    assert "barrier #1" in message and "never entered it: [1]" in message

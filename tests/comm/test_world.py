@@ -263,3 +263,44 @@ def test_a_rank_that_rejoins_before_rank_0_has_left_keeps_its_connection() -> No
 
     _in_rank_threads(rank_main)
     assert results == [2.0, 2.0]
+
+
+def test_torchs_newer_keyword_arguments_are_taken() -> None:
+    """Arguments torch 2.13's signatures have that scripts pass by name: the object collectives' group_src /
+    group_dst, use_batch, new_group's sort_ranks (order given = global order only), new_subgroups_by_enumeration's
+    pg_options and group_desc, supports_complex(reduceOp=...)."""
+    def body(rank: int, size: int) -> dict:
+        sub = spmd.new_group([1, 2, 3])
+        out: dict = {"complex": (spmd.supports_complex(reduceOp=spmd.ReduceOp.SUM),
+                                 spmd.supports_complex(reduceOp=spmd.ReduceOp.MAX))}
+        mine, _ = spmd.new_subgroups_by_enumeration([[0, 1], [2, 3]], pg_options=None, group_desc="pairs")
+        out["pair"] = list(mine.ranks)
+        assert spmd.new_group([0, 1, 2, 3], sort_ranks=False) is not None
+        with pytest.raises(ValueError, match="sort_ranks=False with ranks \\[3, 2, 1, 0\\] out of order"):
+            spmd.new_group([3, 2, 1, 0], sort_ranks=False)
+        if rank == 0:
+            spmd.send_object_list([{"from": 0}], dst=1, use_batch=True)
+            return out
+        objects: list = [f"rank {rank}", None]
+        spmd.broadcast_object_list(objects, group=sub, group_src=1)         # group rank 1: global rank 2
+        gathered = [None] * 3 if rank == 1 else None
+        spmd.gather_object(rank * 10, gathered, group=sub, group_dst=0)      # to global rank 1
+        scattered: list = [None]
+        spmd.scatter_object_list(scattered, [f"to {r}" for r in (1, 2, 3)] if rank == 3 else None, group=sub,
+                                 group_src=2)
+        with pytest.raises(ValueError, match="pass src or group_src, not both"):
+            spmd.broadcast_object_list([None], src=1, group=sub, group_src=0)
+        if rank == 1:
+            received: list = [None]
+            spmd.recv_object_list(received, src=0, use_batch=True)
+            out["received"] = received
+        out.update(broadcast=objects[0], gathered=gathered, scattered=scattered[0])
+        return out
+
+    results = run_ranks(body, 4, timeout=60)
+    for rank, out in enumerate(results):
+        assert out["complex"] == (True, False) and out["pair"] == ([0, 1] if rank < 2 else [2, 3])
+        if rank:
+            assert out["broadcast"] == "rank 2" and out["scattered"] == f"to {rank}"
+            assert out["gathered"] == ([10, 20, 30] if rank == 1 else None)
+    assert results[1]["received"] == [{"from": 0}]

@@ -169,11 +169,12 @@ def _assign(tensor: Tensor, flat: Tensor) -> None:
 
 def _run(group: ProcessGroup, op: str, like: Tensor | None, shape: tuple[int, ...] | None, body,
          outputs: list[Tensor], async_op: bool, reduce_op: ReduceOp | None = None,
-         root: int | None = None) -> Work | None:
+         root: int | None = None, timeout: float | None = None) -> Work | None:
     dtype = "" if like is None else dtype_name(like.dtype)
     fingerprint = group.next_fingerprint(op, shape, dtype,
                                          None if reduce_op is None else reduce_op.name, root, user_call_site())
-    return group.run(fingerprint, body, outputs, async_op, device=None if like is None else like.device)
+    return group.run(fingerprint, body, outputs, async_op, device=None if like is None else like.device,
+                     timeout=timeout)
 
 
 def all_reduce(tensor: Tensor, op: ReduceOp = ReduceOp.SUM, group: AnyGroup | None = None,
@@ -548,8 +549,10 @@ def all_to_all(output_tensor_list: list[Tensor], input_tensor_list: list[Tensor]
     return _run(pg, "all_to_all", like, None, body, list(output_tensor_list), async_op)
 
 
-def barrier(group: AnyGroup | None = None, async_op: bool = False, device_ids: list[int] | None = None) -> Work | None:
-    """Return once every rank of the group has entered the barrier.
+def barrier(group: AnyGroup | None = None, async_op: bool = False, device_ids: list[int] | None = None,
+            timeout: float | datetime.timedelta | None = None) -> Work | None:
+    """Return once every rank of the group has entered the barrier; `timeout` (torch's) bounds it instead of the
+    group's timeout, with the same error naming the ranks that did not arrive.
 
     `device_ids` is accepted for torch.distributed compatibility (a list of ints, as torch checks) and ignored:
     torch's NCCL barrier all-reduces a tensor on that device, but spmd's barrier moves no tensor.
@@ -562,7 +565,8 @@ def barrier(group: AnyGroup | None = None, async_op: bool = False, device_ids: l
     def body(ctx: OpContext) -> None:
         pg.transport.barrier(ctx)
 
-    return _run(pg, "barrier", None, None, body, [], async_op)
+    seconds = None if timeout is None else as_seconds(timeout, pg.timeout, f"{_where('barrier', pg)}: timeout")
+    return _run(pg, "barrier", None, None, body, [], async_op, timeout=seconds)
 
 
 def monitored_barrier(group: AnyGroup | None = None, timeout: float | datetime.timedelta | None = None,

@@ -186,10 +186,11 @@ class ProcessGroup:
     # -- collectives ----------------------------------------------------------------------------------------
 
     def run(self, fingerprint: Fingerprint, body: Body, outputs: list, async_op: bool,
-            device: torch.device | None = None) -> Work | None:
+            device: torch.device | None = None, timeout: float | None = None) -> Work | None:
         """Issue one collective: record it, run `body` in program order, return a Work if `async_op`.
 
         `device`: where the op's tensors live; a queued op on an accelerator runs after the caller's stream.
+        `timeout` (s): this op's bound instead of the group's (torch's barrier(timeout=...)).
         """
         observers = self.observers.callbacks
         if observers:
@@ -205,7 +206,7 @@ class ProcessGroup:
             if inline:
                 self._running = record
             else:
-                self._queue.append((record, body, work, caller_stream(device)))
+                self._queue.append((record, body, work, caller_stream(device), timeout))
                 self._ensure_executor()
                 self._has_work.notify()
         if inline:
@@ -213,7 +214,7 @@ class ProcessGroup:
             if timer is not None:
                 started = time.perf_counter()
             try:
-                self._execute(record, body, work, None)    # the caller's thread: its stream is current already
+                self._execute(record, body, work, None, timeout)    # the caller's thread: its stream is current
             finally:
                 if timer is not None:
                     charge_exposed(timer, started)
@@ -276,19 +277,19 @@ class ProcessGroup:
                     if self.state is GroupState.CLOSED:
                         return
                     self._has_work.wait()
-                record, body, work, stream = self._queue.popleft()
+                record, body, work, stream, timeout = self._queue.popleft()
                 self._running = record
                 error = self._error
             try:
                 if error is not None:
                     work.to_failed(GroupAbortedError(f"{work.description}: the group was aborted: {error}"))
                 else:
-                    self._execute(record, body, work, stream)
+                    self._execute(record, body, work, stream, timeout)
             finally:
                 # The op's tensors (its body's closure, the Work's outputs) must not stay alive while this thread
                 # waits for the next op: FSDP frees its all-gather buffers as soon as the caller drops them.
                 # Dropped before the group counts as idle, so the group's next op starts after they are gone.
-                del record, body, work, stream
+                del record, body, work, stream, timeout
                 with self._lock:
                     self._running = None
 
@@ -305,9 +306,10 @@ class ProcessGroup:
     # - An op run inline (synchronous, nothing queued) runs on the caller's thread with S current already.
     # - Point-to-point ops call the transport from the caller's thread, so S is current there too; their
     #   Work is completed by the transport, which makes it stream-aware the same way.
-    def _execute(self, record: OpRecord, body: Body, work: Work, stream: torch.Stream | None) -> None:
+    def _execute(self, record: OpRecord, body: Body, work: Work, stream: torch.Stream | None,
+                 timeout: float | None) -> None:
         record.state = OpState.RUNNING
-        ctx = OpContext(record.fingerprint, Deadline(self.timeout), self.description)
+        ctx = OpContext(record.fingerprint, Deadline(self.timeout if timeout is None else timeout), self.description)
         try:
             if _writes_inference_tensors(work.outputs):
                 with torch.inference_mode():    # see Note: inference tensors

@@ -71,11 +71,12 @@ def all_gather_bytes(data: bytes, group: AnyGroup | None = None) -> list[bytes]:
 
 
 @on_real_tensors
-def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0,
-                  group: AnyGroup | None = None) -> None:
-    """On `dst`, object_gather_list[i] <- rank i's `obj`. Collective."""
+def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None,
+                  group: AnyGroup | None = None, group_dst: int | None = None) -> None:
+    """On `dst` (a global rank; or group rank `group_dst`; neither: the group's first), object_gather_list[i] <-
+    rank i's `obj`. Collective."""
     pg = resolve_group(group, "gather_object")
-    root = pg.group_rank_of(dst, f"gather_object on rank {pg.global_rank}: dst")
+    root = collectives.group_root(pg, dst, group_dst, "gather_object", "dst")
     if pg.group_rank == root and (object_gather_list is None or len(object_gather_list) != pg.size()):
         raise ValueError(f"gather_object on rank {pg.global_rank}: the destination needs an object_gather_list "
                          f"of {pg.size()} entries")
@@ -86,14 +87,15 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
 
 
 @on_real_tensors
-def broadcast_object_list(object_list: list[Any], src: int = 0, group: AnyGroup | None = None,
-                          device: torch.device | None = None) -> None:
-    """object_list <- `src`'s object_list, in place, on every rank (lists must have equal lengths). Collective.
+def broadcast_object_list(object_list: list[Any], src: int | None = None, group: AnyGroup | None = None,
+                          device: torch.device | None = None, group_src: int | None = None) -> None:
+    """object_list <- `src`'s object_list (a global rank; or group rank `group_src`; neither: the group's first),
+    in place, on every rank (lists must have equal lengths). Collective.
 
     The pickled bytes travel on `device` when given (as in torch), else where the group's transport stages them.
     """
     pg = resolve_group(group, "broadcast_object_list")
-    root = pg.group_rank_of(src, f"broadcast_object_list on rank {pg.global_rank}: src")
+    root = collectives.group_root(pg, src, group_src, "broadcast_object_list", "src")
     is_root = pg.group_rank == root
     staging = _staging_device(pg, device)
     parts = [_to_tensor(obj, staging) for obj in object_list] if is_root else []
@@ -114,10 +116,11 @@ def broadcast_object_list(object_list: list[Any], src: int = 0, group: AnyGroup 
 
 @on_real_tensors
 def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None,
-                        src: int = 0, group: AnyGroup | None = None) -> None:
-    """scatter_object_output_list[0] <- `src`'s scatter_object_input_list[rank]. Collective."""
+                        src: int | None = None, group: AnyGroup | None = None, group_src: int | None = None) -> None:
+    """scatter_object_output_list[0] <- `src`'s scatter_object_input_list[rank] (a global rank; or group rank
+    `group_src`; neither: the group's first). Collective."""
     pg = resolve_group(group, "scatter_object_list")
-    root = pg.group_rank_of(src, f"scatter_object_list on rank {pg.global_rank}: src")
+    root = collectives.group_root(pg, src, group_src, "scatter_object_list", "src")
     if not scatter_object_output_list:
         raise ValueError(f"scatter_object_list on rank {pg.global_rank}: the output list needs one entry")
     everything = [scatter_object_input_list] if pg.group_rank == root else [None]
@@ -125,15 +128,16 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
                                   len(scatter_object_input_list) != pg.size()):
         raise ValueError(f"scatter_object_list on rank {pg.global_rank}: the source needs an input list of "
                          f"{pg.size()} objects")
-    broadcast_object_list(everything, src=src, group=pg)
+    broadcast_object_list(everything, group=pg, group_src=root)
     scatter_object_output_list[0] = everything[0][pg.group_rank]
 
 
 @on_real_tensors
 def send_object_list(object_list: list[Any], dst: int | None = None, group: AnyGroup | None = None,
-                     device: torch.device | None = None, group_dst: int | None = None) -> None:
+                     device: torch.device | None = None, group_dst: int | None = None, use_batch: bool = False) -> None:
     """Send `object_list` to rank `dst`, whose recv_object_list takes it into a list of the same length: the
-    lengths first, then the pickled bytes (on `device` when given, as in torch)."""
+    lengths first, then the pickled bytes (on `device` when given, as in torch). `use_batch` is accepted for
+    torch's signature (its batched form of the same two messages)."""
     pg = resolve_group(group, "send_object_list")
     staging = _staging_device(pg, device)
     parts = [_to_tensor(obj, staging) for obj in object_list]
@@ -145,9 +149,10 @@ def send_object_list(object_list: list[Any], dst: int | None = None, group: AnyG
 
 @on_real_tensors
 def recv_object_list(object_list: list[Any], src: int | None = None, group: AnyGroup | None = None,
-                     device: torch.device | None = None, group_src: int | None = None) -> int:
+                     device: torch.device | None = None, group_src: int | None = None, use_batch: bool = False) -> int:
     """object_list <- the list rank `src` sent with send_object_list (of the same length), in place; returns
-    `src`'s global rank. Unpickling runs code the sender chose: use it only between ranks of one job."""
+    `src`'s global rank. Unpickling runs code the sender chose: use it only between ranks of one job. `use_batch`
+    is accepted for torch's signature."""
     pg = resolve_group(group, "recv_object_list")
     staging = _staging_device(pg, device)
     lengths = torch.empty(len(object_list), dtype=torch.int64, device=staging)

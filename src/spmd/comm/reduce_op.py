@@ -47,9 +47,9 @@ reduce_op = _DeprecatedReduceOp()
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
-def supports_complex(reduce_op: ReduceOp) -> bool:
-    """Whether `reduce_op` is defined for complex tensors (SUM and AVG, as in torch)."""
-    return reduce_op in (ReduceOp.SUM, ReduceOp.AVG)
+def supports_complex(reduceOp: ReduceOp) -> bool:
+    """Whether `reduceOp` is defined for complex tensors (SUM and AVG, as in torch)."""
+    return reduceOp in (ReduceOp.SUM, ReduceOp.AVG)
 # Dtypes the kernel reduces: torch's CPU kernels take these, but for uint16 and uint32, which it reduces
 # widened (see _WIDENED). Complex tensors reduce as pairs of their real dtype (SUM and AVG only).
 _REDUCIBLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16,

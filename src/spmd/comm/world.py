@@ -417,15 +417,20 @@ def default_group() -> ProcessGroup:
 
 def new_group(ranks: list[int] | None = None, timeout: float | datetime.timedelta | None = None,
               backend: str | None = None, pg_options: object = None, use_local_synchronization: bool = False,
-              group_desc: str | None = None, device_id: object = None) -> AnyGroup:
+              group_desc: str | None = None, device_id: object = None, sort_ranks: bool = True) -> AnyGroup:
     """Create a group of `ranks` (all ranks if None). Collective: every rank of the world calls it, in the
     same order, including ranks not in `ranks`, which get a NonMemberGroup they can't communicate on.
 
     With `use_local_synchronization=True` (as torch's), only the members call it, in the same order among
-    themselves; a non-member that calls it gets a NonMemberGroup and nothing else happens. `pg_options`,
-    `group_desc` and `device_id` are accepted for torch's signature and not used."""
+    themselves; a non-member that calls it gets a NonMemberGroup and nothing else happens. Group ranks follow
+    the global ranks' order (`sort_ranks=False` with ranks out of order, torch's group ranks in the given order,
+    is refused). `pg_options`, `group_desc` and `device_id` are accepted for torch's signature and not used."""
     world = current_world()
-    members = sorted(range(world.world_size) if ranks is None else _check_members(ranks, world))
+    given = list(range(world.world_size)) if ranks is None else _check_members(ranks, world)
+    members = sorted(given)
+    if not sort_ranks and given != members:
+        raise ValueError(f"spmd.new_group on rank {world.rank}: sort_ranks=False with ranks {given} out of order; "
+                         f"spmd's group ranks follow the global ranks' order ({members}): pass them sorted")
     if use_local_synchronization:
         if world.rank not in members:
             return NonMemberGroup(f"local:{members}", members, world.rank)
@@ -484,9 +489,11 @@ def new_subgroups(group_size: int | None = None, group: AnyGroup | None = None,
 
 
 def new_subgroups_by_enumeration(ranks_per_subgroup_list: list[list[int]], timeout: float | datetime.timedelta |
-                                 None = None, backend: str | None = None) -> tuple[AnyGroup | None, list[AnyGroup]]:
+                                 None = None, backend: str | None = None, pg_options: object = None,
+                                 group_desc: str | None = None) -> tuple[AnyGroup | None, list[AnyGroup]]:
     """A group per list of ranks (the lists disjoint); returns (this rank's group or None, all of them).
-    Collective: every rank calls it with the same lists."""
+    Collective: every rank calls it with the same lists. `pg_options` and `group_desc` are accepted for torch's
+    signature and not used."""
     world = current_world()
     seen: set[int] = set()
     for ranks in ranks_per_subgroup_list:
