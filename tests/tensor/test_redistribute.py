@@ -119,3 +119,30 @@ def test_subset_over_tcp() -> None:
 
     run_ranks(lambda rank, world_size: checking_fallbacks(lambda: body(rank, world_size)), 4, timeout=TIMEOUT,
               backend="tcp")
+
+
+def test_forward_and_backward_dtypes_cast_around_the_collectives_as_torchs() -> None:
+    """torch's redistribute(forward_dtype=, backward_dtype=): the result (and its collective) in forward_dtype;
+    the gradient's collective in backward_dtype (default: the input's dtype), returned in the input's dtype."""
+    full = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    weight = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+
+    def body(rank: int, size: int) -> None:
+        mesh = init_device_mesh("cpu", (2,))
+        for source, target in ([Shard(0)], [Replicate()]), ([Replicate()], [Shard(1)]), ([Shard(0)], [Shard(0)]):
+            for backward_dtype in (None, torch.bfloat16):
+                x = DTensor.from_local(full.chunk(2)[rank] if source == [Shard(0)] else full, mesh, source)
+                x.requires_grad_(True)
+                out = x.redistribute(placements=target, forward_dtype=torch.bfloat16, backward_dtype=backward_dtype)
+                assert out.dtype == torch.bfloat16 and out.placements == tuple(target)
+                assert torch.equal(out.full_tensor(), full.bfloat16())
+                upstream = DTensor.from_local(weight.bfloat16(), mesh, [Replicate()]).redistribute(placements=target)
+                (out * upstream).sum().backward()
+                want = weight.bfloat16().float()           # the gradient of sum(out * w), cast back to float32
+                assert x.grad.dtype == torch.float32 and x.grad.placements == tuple(source)
+                torch.testing.assert_close(x.grad.full_tensor(), want)
+        plain = DTensor.from_local(full.chunk(2)[rank], mesh, [Shard(0)])
+        same = plain.redistribute(placements=[Shard(0)], backward_dtype=torch.bfloat16)
+        assert same.dtype == torch.float32 and same.to_local() is not plain.to_local()
+
+    run_ranks(body, 2, timeout=60)

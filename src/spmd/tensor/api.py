@@ -202,24 +202,36 @@ class DTensor(torch.Tensor):
         return _ToLocal.apply(self, grad)
 
     def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None,
-                     *, async_op: bool = False) -> DTensor:
+                     *, async_op: bool = False, forward_dtype: torch.dtype | None = None,
+                     backward_dtype: torch.dtype | None = None) -> DTensor:
         """This DTensor laid out with `placements` on the same mesh, with the cheapest collectives.
 
         Collective over the mesh. `async_op` is accepted for torch compatibility; the result is always ready.
+        `forward_dtype` (torch's): cast first, the collectives and the result in that dtype; `backward_dtype`: the
+        gradient's collectives in that dtype (default this DTensor's), the gradient returned in this DTensor's.
         Differentiable (see Note: DTensor autograd).
         """
+        if (forward_dtype is not None and forward_dtype != self.dtype) or \
+                (backward_dtype is not None and backward_dtype != self.dtype):
+            target = self._target(device_mesh, placements)
+            return _CastRedistribute.apply(self, target, forward_dtype or self.dtype, backward_dtype or self.dtype)
+        source = self._spec
+        target = self._target(device_mesh, placements)
+        if target == source.placements:
+            return self
+        if not (self.requires_grad and torch.is_grad_enabled()):             # what _Redistribute would return
+            return DTensor(_redistributed(self, target), source.with_placements(target))
+        return _Redistribute.apply(self, target)
+
+    def _target(self, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None) -> Placements:
+        """redistribute's target placements, checked (the same mesh, one placement per mesh dim)."""
         source = self._spec
         if device_mesh is not None and device_mesh != source.mesh:
             raise ValueError(f"DTensor.redistribute on rank {device_mesh.get_rank()}: moving from {source.mesh} to "
                              f"another mesh {device_mesh} is not supported; redistribute within one mesh")
         if placements is None:
             raise ValueError("DTensor.redistribute: pass the target placements (one per mesh dim)")
-        target = normalize_placements(placements, self.ndim, source.mesh.ndim, "DTensor.redistribute")
-        if target == source.placements:
-            return self
-        if not (self.requires_grad and torch.is_grad_enabled()):             # what _Redistribute would return
-            return DTensor(_redistributed(self, target), source.with_placements(target))
-        return _Redistribute.apply(self, target)
+        return normalize_placements(placements, self.ndim, source.mesh.ndim, "DTensor.redistribute")
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> Tensor:
         """The whole global value as a plain tensor on every rank (collective: gathers and reduces as needed)."""
@@ -378,6 +390,32 @@ class _Redistribute(torch.autograd.Function):
         if grad._spec.placements == target:
             return grad, None
         return _Redistribute.apply(grad, target), None
+
+
+class _CastRedistribute(torch.autograd.Function):
+    """redistribute with torch's forward_dtype / backward_dtype. Forward: cast to `forward_dtype`, then
+    redistribute (the result in that dtype). Backward: the gradient cast to `backward_dtype`, redistributed back
+    (Partial -> Replicate, as _Redistribute), then cast to the input's dtype."""
+
+    @staticmethod
+    def forward(ctx, dtensor: DTensor, target: Placements, forward_dtype: torch.dtype,
+                backward_dtype: torch.dtype) -> DTensor:
+        source = dtensor._spec
+        ctx.source_placements, ctx.input_dtype, ctx.backward_dtype = source.placements, dtensor.dtype, backward_dtype
+        cast = DTensor(dtensor._local_tensor.to(forward_dtype),
+                       DTensorSpec(source.mesh, source.placements, source.shape, source.stride, forward_dtype))
+        local = _redistributed(cast, target) if target != source.placements else cast._local_tensor
+        if local is dtensor._local_tensor:        # forward_dtype is the input's own and nothing moved
+            local = local.view_as(local)
+        return DTensor(local, DTensorSpec(source.mesh, target, source.shape, source.stride, forward_dtype))
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> tuple[DTensor, None, None, None]:
+        target = _with_partial_as_replicate(ctx.source_placements)
+        grad = grad.to(ctx.backward_dtype)
+        if grad._spec.placements != target:
+            grad = _Redistribute.apply(grad, target)
+        return grad.to(ctx.input_dtype), None, None, None
 
 
 @eager_under_compile
