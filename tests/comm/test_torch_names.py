@@ -353,3 +353,87 @@ def test_init_process_group_takes_every_argument_torchs_takes() -> None:
     ours = inspect.signature(spmd.init_process_group).parameters
     assert [name for name in theirs if name not in ours] == []
     assert list(ours)[:len(theirs)] == list(theirs)          # in torch's order, for positional callers
+
+
+# torch callable (its spmd path) -> why spmd's lacks these parameters of torch's (a script passing one by name would
+# get a TypeError); everything else torch's public functions, classes and methods take, spmd's take by name too
+SIGNATURES_NOT_SERVED = {
+    **dict.fromkeys(["DeviceMesh.__init__", "nn.api.remote_module.RemoteModule.init_from_module_rref"],
+                    "private parameters of torch's own construction paths"),
+    **dict.fromkeys(["algorithms.ddp_comm_hooks.debugging_hooks.noop_hook", "checkpoint.CheckpointException.__init__",
+                     "checkpoint.DefaultLoadPlanner.finish_plan",
+                     "checkpoint.format_utils.BroadcastingTorchSaveReader.prepare_global_plan",
+                     "elastic.multiprocessing.errors.ChildFailedError.__init__"],
+                    "named otherwise, taken positionally as torch's callers pass them"),
+    **dict.fromkeys(["checkpoint.StorageWriter.finish", "checkpoint.FileSystemWriter.finish",
+                     "checkpoint.HuggingFaceStorageWriter.finish"],
+                    "spmd's protocol's finish takes the coordinator's storage_data; a writer of torch's protocol gets "
+                    "the results positionally"),
+    "checkpoint.Metadata.__init__": "spmd's checkpoint index is its own (torch's view: Metadata.state_dict_metadata)",
+    **dict.fromkeys(["checkpoint.FileSystemWriter.__init__", "checkpoint.FileSystemReader.__init__"],
+                    "torch's stream extensions and serialization format: TorchFormatWriter writes torch's format"),
+    **dict.fromkeys(["checkpoint.save", "checkpoint.async_save"],
+                    "use_collectives=False, torch's experimental uncoordinated save with per-rank metadata"),
+    "checkpoint.state_dict.StateDictOptions.__init__": "dsd_fqn_modifiers: torch's hook for modules that rename FQNs",
+    **dict.fromkeys(["launcher.elastic_launch.__init__", "launcher.launch_agent"],
+                    "torchelastic's health-check server"),
+    **dict.fromkeys(["pipelining.Pipe.__init__", "pipelining.PipelineStage.__init__",
+                     "pipelining.PipelineStage.backward_one_chunk", "pipelining.PipelineStage.forward_one_chunk",
+                     "pipelining.PipelineStage.backward_weight_one_chunk",
+                     "pipelining.schedules.PipelineScheduleMulti.__init__",
+                     "pipelining.ScheduleInterleaved1F1B.__init__", "pipelining.ScheduleLoopedBFS.__init__",
+                     "pipelining.ScheduleInterleavedZeroBubble.__init__", "pipelining.ScheduleZBVZeroBubble.__init__",
+                     "pipelining.ScheduleDualPipeV.__init__"],
+                    "torch's stage internals for hand-written schedules (backward without autograd, deferred "
+                    "receives, given gradient shapes, DTensor stage meshes); spmd's schedules lower and run "
+                    "their programs themselves"),
+}
+
+
+def _callables(path: str) -> list[tuple[str, object, object]]:
+    """(label, torch's, spmd's) for the public functions, classes (their __init__) and methods both modules serve."""
+    theirs, ours = importlib.import_module(f"torch.distributed.{path}" if path else "torch.distributed"), \
+        importlib.import_module(f"spmd.{path}" if path else "spmd")
+    prefix = f"{path}." if path else ""
+    found = []
+    for name in _api_names(theirs):
+        mine, torch_value = getattr(ours, name, None), getattr(theirs, name, None)
+        if mine is None or torch_value is None:
+            continue
+        if inspect.isfunction(torch_value) and callable(mine):
+            found.append((f"{prefix}{name}", torch_value, mine))
+        elif inspect.isclass(torch_value) and inspect.isclass(mine):
+            found.append((f"{prefix}{name}.__init__", torch_value, mine))
+            for method in dir(torch_value):
+                torch_method, my_method = getattr(torch_value, method, None), getattr(mine, method, None)
+                if not method.startswith("_") and inspect.isfunction(torch_method) and callable(my_method):
+                    found.append((f"{prefix}{name}.{method}", torch_method, my_method))
+    return found
+
+
+def test_torchs_callables_take_torchs_parameters_by_name_or_are_listed() -> None:
+    missing: dict[str, list[str]] = {}
+    lacking_listed: set[str] = set()
+    seen: set[int] = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for path in ["", *TORCH_MODULES]:
+            for label, theirs, ours in _callables(path):
+                if id(theirs) in seen:
+                    continue
+                seen.add(id(theirs))
+                try:
+                    torch_params, our_params = inspect.signature(theirs).parameters, inspect.signature(ours).parameters
+                except (TypeError, ValueError):
+                    continue
+                if any(p.kind is p.VAR_KEYWORD for p in our_params.values()):
+                    continue
+                lacking = [name for name, p in torch_params.items() if name not in our_params and name != "self"
+                           and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+                if lacking and label not in SIGNATURES_NOT_SERVED:
+                    missing[label] = lacking
+                elif lacking:
+                    lacking_listed.add(label)
+    assert not missing, f"spmd's callables lack torch's parameters (serve them or list why not): {missing}"
+    stale = sorted(set(SIGNATURES_NOT_SERVED) - lacking_listed)
+    assert not stale, f"listed as lacking torch's parameters, but take them all: {stale}"

@@ -53,6 +53,10 @@ class PowerSGDState:
     warm_start: bool = True                           # reuse Q from the previous iteration
     orthogonalization_epsilon: float = 0.0            # added to column norms, guarding against zero columns
     random_seed: int = 0                              # seeds the initial Q (same on every rank)
+    # torch's next two are accepted: spmd logs no compression statistics, and compresses each matrix on its own
+    # (torch's batching of same-shape matrices into one batched matmul computes the same products)
+    compression_stats_logging_frequency: int = 10_000
+    batch_tensors_with_same_shape: bool = False
     iter: int = 0                                     # iterations seen (counted at each last bucket)
     error_dict: dict[int, Tensor] = dataclasses.field(default_factory=dict)
     q_memory: dict[int, list[Tensor]] = dataclasses.field(default_factory=dict)
