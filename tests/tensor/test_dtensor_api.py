@@ -260,3 +260,20 @@ def test_deepcopy_keeps_layout_and_parameterness() -> None:
         assert model.weight.to_local().abs().sum() > 0                 # the copy owns its local tensor
 
     run_on_mesh((2,), body, timeout=TIMEOUT)
+
+
+def test_the_compile_cache_key_follows_the_layout() -> None:
+    """_stable_hash_for_caching, torch's hook for its AOT autograd cache (without it torch warns, once per
+    process, and pickles the spec): equal for equal layouts, different where the placements, the dtype or
+    requires_grad differ."""
+    def body(rank: int, size: int) -> None:
+        mesh = init_device_mesh("cpu", (2,))
+        rows, same = (distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]) for _ in range(2))
+        assert rows._stable_hash_for_caching() == same._stable_hash_for_caching()
+        others = [distribute_tensor(torch.ones(4, 4), mesh, [Shard(1)]),
+                  distribute_tensor(torch.ones(4, 4, dtype=torch.float64), mesh, [Shard(0)]),
+                  distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]).requires_grad_(True)]
+        keys = [dt._stable_hash_for_caching() for dt in [rows, *others]]
+        assert len(set(keys)) == 4
+
+    run_ranks(body, 2, timeout=60)

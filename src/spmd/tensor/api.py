@@ -38,6 +38,7 @@ backward was traced for is redistributed to it (__coerce_same_metadata_as_tangen
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -107,6 +108,16 @@ class DTensor(torch.Tensor):
         if spec.symbolic or _is_symbolic(outer_size) or tuple(outer_size) != tuple(spec.shape):
             spec = DTensorSpec(spec.mesh, spec.placements, outer_size, tuple(outer_stride), spec.dtype)
         return DTensor(local, spec, requires_grad=local.requires_grad)
+
+    def _stable_hash_for_caching(self) -> str:
+        """torch.compile's key for this input in its AOT autograd cache (torch's hook; without it torch warns and
+        pickles the spec): the mesh, the layout, the local tensor's kind and dtype, and requires_grad."""
+        spec, local = self._spec, self._local_tensor
+        mesh = spec.mesh
+        key = repr((mesh.device_type, mesh.mesh.tolist(), mesh.mesh_dim_names, spec.placements, tuple(spec.shape),
+                    tuple(spec.stride), str(spec.dtype), type(local).__qualname__, str(local.dtype),
+                    tuple(local.shape), self.requires_grad))
+        return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
     @classmethod
     def __metadata_guard__(cls, compiled_for: DTensorSpec, given: DTensorSpec) -> bool:
