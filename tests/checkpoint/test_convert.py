@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -18,20 +19,26 @@ from spmd.testing import run_ranks
 from tests.checkpoint.test_state_dict import WORLD, adamw, batch, build, parallelize, train
 
 
-@pytest.fixture
-def sharded(tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
-    """A checkpoint of a model and AdamW trained under FSDP2 on 4 ranks, and the model's full state dict."""
-    path = str(tmp_path / "ckpt")
-
+def save_trained(path: str, **save_options: Any) -> dict[str, torch.Tensor]:
+    """A model and AdamW trained 2 steps under FSDP2 on 4 ranks, saved at `path` (with dcp.save's other
+    `save_options`, a storage_writer say); returns the model's full state dict."""
     def save(rank: int, world_size: int) -> dict[str, torch.Tensor]:
         model, dp_rank, dp = parallelize("fsdp", build())
         optimizer = adamw(model)
         train(model, optimizer, range(2), dp_rank, dp)
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd, "step": 2}, checkpoint_id=path)
+        dcp.save({"model": model_sd, "optim": optim_sd, "step": 2},
+                 **(save_options or {"checkpoint_id": path}))
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
-    return path, run_ranks(save, world_size=WORLD["fsdp"], timeout=60)[0]
+    return run_ranks(save, world_size=WORLD["fsdp"], timeout=60)[0]
+
+
+@pytest.fixture
+def sharded(tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
+    """A checkpoint of a model and AdamW trained under FSDP2 on 4 ranks, and the model's full state dict."""
+    path = str(tmp_path / "ckpt")
+    return path, save_trained(path)
 
 
 def test_a_checkpoint_becomes_a_file_a_plain_torch_model_loads(tmp_path, sharded) -> None:

@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.state_dict import set_state_dict as torch_set_
 
 import spmd.checkpoint as dcp
 from spmd.checkpoint import convert
-from spmd.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
-from spmd.testing import run_ranks
-from tests.checkpoint.test_state_dict import WORLD, adamw, batch, build, parallelize, train
+from spmd.checkpoint.state_dict import get_state_dict, set_state_dict
+from tests.checkpoint.test_convert import save_trained
+from tests.checkpoint.test_state_dict import adamw, batch, build
 from tests.checkpoint.test_torch_format import _assert_equal, _state, _zeros
 
 
@@ -38,16 +38,7 @@ def _quiet() -> Any:
 def sharded(tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
     """A model and AdamW trained under FSDP2 on 4 ranks, saved in torch's format; the model's full state dict."""
     path = str(tmp_path / "ckpt")
-
-    def save(rank: int, world_size: int) -> dict[str, torch.Tensor]:
-        model, dp_rank, dp = parallelize("fsdp", build())
-        optimizer = adamw(model)
-        train(model, optimizer, range(2), dp_rank, dp)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd, "step": 2}, storage_writer=dcp.TorchFormatWriter(path))
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-
-    return path, run_ranks(save, world_size=WORLD["fsdp"], timeout=60)[0]
+    return path, save_trained(path, storage_writer=dcp.TorchFormatWriter(path))
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:

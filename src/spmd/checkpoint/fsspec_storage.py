@@ -40,7 +40,25 @@ def _is_local(fs: Any) -> bool:
     return bool(_LOCAL_PROTOCOLS & set(protocols))
 
 
-class FsspecWriter(StorageWriter):
+class _AtURL:
+    """Where an fsspec storage reads or writes: the filesystem, the path in it and the URL, from `storage_options`
+    (credentials, endpoints); a save or load given a checkpoint_id moves it there, as torch's reset does."""
+
+    storage_options: dict[str, Any]
+
+    def _locate(self, checkpoint_id: str | os.PathLike[str]) -> None:
+        self.fs, self.path = _filesystem(checkpoint_id, self.storage_options)
+        self.url = os.fspath(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return is_url(checkpoint_id)
+
+    def _join(self, name: str) -> str:
+        return f"{self.path.rstrip('/')}/{name}"
+
+
+class FsspecWriter(_AtURL, StorageWriter):
     """Writes a checkpoint at an fsspec URL. `storage_options` go to the filesystem (credentials, endpoints);
     torch's `sync_files`, `single_file_per_rank`, `thread_count`, `per_thread_copy_ahead` and `overwrite`
     are accepted: spmd writes one file per rank and never overwrites a data file."""
@@ -52,18 +70,9 @@ class FsspecWriter(StorageWriter):
         self.reset(path)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """A save given a checkpoint_id writes there, not at the URL this writer was made with (torch's)."""
         if checkpoint_id:
-            self.fs, self.path = _filesystem(checkpoint_id, self.storage_options)
-            self.url = os.fspath(checkpoint_id)
+            self._locate(checkpoint_id)
             self.fs.makedirs(self.path, exist_ok=True)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return is_url(checkpoint_id)
-
-    def _join(self, name: str) -> str:
-        return f"{self.path.rstrip('/')}/{name}"
 
     def write_file(self, name: str, parts: Iterable[memoryview]) -> int:
         size = 0
@@ -89,7 +98,7 @@ class FsspecWriter(StorageWriter):
                 self.fs.rm(entry)
 
 
-class FsspecReader(StorageReader):
+class FsspecReader(_AtURL, StorageReader):
     """Reads a checkpoint at an fsspec URL; each read fetches its byte range."""
 
     def __init__(self, path: str | os.PathLike[str], **storage_options: Any) -> None:
@@ -97,17 +106,8 @@ class FsspecReader(StorageReader):
         self.reset(path)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """A load given a checkpoint_id reads there, not at the URL this reader was made with (torch's)."""
         if checkpoint_id:
-            self.fs, self.path = _filesystem(checkpoint_id, self.storage_options)
-            self.url = os.fspath(checkpoint_id)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return is_url(checkpoint_id)
-
-    def _join(self, name: str) -> str:
-        return f"{self.path.rstrip('/')}/{name}"
+            self._locate(checkpoint_id)
 
     def read_metadata(self) -> bytes:
         if not self.fs.exists(self.path):
