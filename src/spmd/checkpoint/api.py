@@ -89,6 +89,7 @@ from spmd.checkpoint.planner import (
 from spmd.checkpoint.save_process import CheckpointProcess
 from spmd.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager
 from spmd.checkpoint.storage import (
+    TORCH_SAVE,
     BoxWrite,
     FileSystemReader,
     FileSystemWriter,
@@ -96,6 +97,10 @@ from spmd.checkpoint.storage import (
     StorageWriter,
     WriteResult,
     WrittenBoxes,
+    box_tensor,
+    decoded,
+    encoded,
+    is_compressed,
     speaks_torch_protocol,
 )
 from spmd.checkpoint.torch_format import TorchCheckpointReader, is_torch_checkpoint
@@ -309,17 +314,18 @@ class _AsyncSaver:
         (allocated at the first save, or when the boxes' keys, shapes or dtypes changed; page-locked for
         accelerator tensors with `pin_memory`), so the checkpoint process receives one shared storage per
         dtype, not one per tensor. The save that wrote from them must have finished."""
-        layout = [(key, item.data.dtype, tuple(item.data.shape)) for key, item in writes.items()]
+        staged = {key: encoded(item) for key, item in writes.items() if is_compressed(item.data)}
+        copied = {key: item for key, item in writes.items() if key not in staged}     # (Note: compressed tensors)
+        layout = [(key, item.data.dtype, tuple(item.data.shape)) for key, item in copied.items()]
         if layout != self._layout:
             self.buffers = _flat_buffers(layout, pin_memory and any(
-                item.data.device.type == "cuda" for item in writes.values()))
+                item.data.device.type == "cuda" for item in copied.values()))
             self._layout = layout
-        staged = {}
-        for key, item in writes.items():
+        for key, item in copied.items():
             buffer = self.buffers[key]
             buffer.copy_(item.data.detach())
             staged[key] = dataclasses.replace(item, data=buffer)
-        return staged
+        return {key: staged[key] for key in writes}
 
 
 def _flat_buffers(layout: list[tuple[str, torch.dtype, tuple[int, ...]]], pin_memory: bool) -> dict[str, Tensor]:
@@ -516,8 +522,8 @@ def _write_and_commit(plan: _SavePlan, writer: StorageWriter, group: ProcessGrou
         if plan.error is None and torch_protocol:
             results = _write_data(writer, plan)
             report["boxes"] = [["", name, box.item.index.fqn, list(box.item.tensor_data.chunk.offsets),
-                                list(box.item.tensor_data.chunk.sizes), None] for name, box in plan.writes.items()
-                               if box.item.tensor_data is not None]
+                                list(box.item.tensor_data.chunk.sizes), None, None]
+                               for name, box in plan.writes.items() if box.item.tensor_data is not None]
         elif plan.error is None:
             report.update(_encode_written(writer.write_boxes(plan.rank, plan.save_id, plan.writes,
                                                              plan.storage_data)))
@@ -548,7 +554,7 @@ class _ResolvedData:
     """The save planner torch's write_data is given: what this rank's plan resolved for each item."""
 
     def __init__(self, writes: Mapping[str, BoxWrite]) -> None:
-        self._data = {id(box.item): box.data for box in writes.values()}
+        self._data = {id(box.item): box_tensor(box) for box in writes.values()}
 
     def resolve_data(self, write_item: WriteItem) -> Tensor:
         return self._data[id(write_item)]
@@ -577,7 +583,7 @@ def _gather_results(group: ProcessGroup | None, results: list[WriteResult]) -> l
 def _encode_written(written: WrittenBoxes) -> dict[str, Any]:
     """Step 3's result as the JSON of this rank's report."""
     return {"files": written.files,
-            "boxes": [[box.file, box.key, box.fqn, list(box.offsets), list(box.sizes), box.crc32]
+            "boxes": [[box.file, box.key, box.fqn, list(box.offsets), list(box.sizes), box.crc32, box.encoding]
                       for box in written.boxes]}
 
 
@@ -588,8 +594,8 @@ def _metadata(planned: Metadata, save_id: str, reports: list[dict[str, Any]]) ->
                                             for key, entry in planned.tensors.items()})
     for report in reports:
         metadata.files.update(report["files"])
-        for file, key, fqn, offsets, sizes, crc in report["boxes"]:
-            metadata.tensors[fqn].chunks.append(Chunk(file, key, tuple(offsets), tuple(sizes), crc))
+        for file, key, fqn, offsets, sizes, crc, encoding in report["boxes"]:
+            metadata.tensors[fqn].chunks.append(Chunk(file, key, tuple(offsets), tuple(sizes), crc, encoding))
         for key, value in report["values"].items():
             metadata.values.setdefault(key, decode_value(value))
         for key, blob in report["blobs"].items():
@@ -686,6 +692,7 @@ class _Loader:
     def __init__(self, reader: StorageReader, metadata: Metadata, where: str) -> None:
         self.reader, self.metadata, self.where = reader, metadata, where
         self._files: dict[str, tensor_format.TensorFile] = {}
+        self._tensors: dict[tuple[str, str], Tensor] = {}      # boxes stored as their tensors, read so far
         self._checked: set[tuple[str, str]] = set()
         self._saved = {(key, chunk.offsets): chunk for key, entry in metadata.tensors.items() for chunk in entry.chunks}
 
@@ -729,6 +736,9 @@ class _Loader:
             raise CheckpointError(f"load: resolve_tensor gave a tensor of shape {list(target.shape)} for a region "
                                   f"of {key!r} of shape {list(item.lengths)}")
         converted = self.reader.read_region(chunk, tuple(item.storage_offsets), tuple(item.lengths))
+        if converted is None and chunk.encoding == TORCH_SAVE:
+            converted = Box((0,) * len(chunk.sizes), chunk.sizes).view(
+                self._stored_tensor(chunk), Box(tuple(item.storage_offsets), tuple(item.lengths)))
         if converted is not None:
             target.copy_(converted)
             return
@@ -739,6 +749,22 @@ class _Loader:
             return
         saved = Box((0,) * len(chunk.sizes), chunk.sizes)
         target.copy_(saved.view(self._chunk(chunk, dtype), Box(tuple(item.storage_offsets), tuple(item.lengths))))
+
+    def _stored_tensor(self, chunk: Chunk) -> Tensor:
+        """A box stored as its tensor (see Note: compressed tensors in storage.py), read once and kept for the other
+        regions of this load that read it."""
+        stored = self._tensors.get((chunk.file, chunk.key))
+        if stored is None:
+            file = self._file(chunk)
+            raw = file.raw(chunk.key)
+            self._check(chunk, raw)
+            stored = decoded(raw, f"checkpoint {self.where}")
+            if not isinstance(stored, Tensor) or tuple(stored.shape) != chunk.sizes:
+                raise CheckpointError(f"checkpoint {self.where}: data file {chunk.file} holds {chunk.key!r} as "
+                                      f"{type(stored).__name__} {list(getattr(stored, 'shape', []))}, its metadata "
+                                      f"says a tensor of shape {list(chunk.sizes)}")
+            self._tensors[(chunk.file, chunk.key)] = stored
+        return stored
 
     def _read_whole(self, chunk: Chunk, data: Tensor) -> None:
         """Read a saved box straight into `data`, which is all of it (a load into the layout it was saved from),

@@ -59,6 +59,7 @@ from spmd.checkpoint.storage import (
     FileSystemWriter,
     WrittenBox,
     WrittenBoxes,
+    box_tensor,
     host_contiguous,
     sync_directory,
 )
@@ -200,8 +201,9 @@ class HuggingFaceStorageWriter(FileSystemWriter):
                 for box in by_file[name]:
                     written = box.item.tensor_data
                     assert written is not None
+                    data = host_contiguous(box_tensor(box))
                     write_region(descriptor, placed[box.item.index.fqn][1],
-                                 tensor_format.as_bytes(host_contiguous(box.data)), box.data.element_size(),
+                                 tensor_format.as_bytes(data), data.element_size(),
                                  tuple(written.size), tuple(written.chunk.offsets), tuple(written.chunk.sizes),
                                  partial)
                 if self.sync_files:
@@ -237,7 +239,7 @@ class HuggingFaceStorageWriter(FileSystemWriter):
             held[fqn] = box
         sizes, written = {}, []
         for name, held in files.items():
-            datas = {fqn: host_contiguous(box.data) for fqn, box in held.items()}
+            datas = {fqn: host_contiguous(box_tensor(box)) for fqn, box in held.items()}
             info = {fqn: {_SAVED_OFFSETS: list(box.item.tensor_data.chunk.offsets)} for fqn, box in held.items()}
             entries = {fqn: (data.dtype, tuple(data.shape), data.numel() * data.element_size())
                        for fqn, data in datas.items()}

@@ -51,7 +51,8 @@ class Box:
     def view(self, tensor: Tensor, region: Box) -> Tensor:
         """The part of `tensor` (this box's data) that `region` (inside this box) covers."""
         for dim, (start, size) in enumerate(zip(region.offsets, region.sizes, strict=True)):
-            tensor = tensor.narrow(dim, start - self.offsets[dim], size)
+            if start != self.offsets[dim] or size != tensor.shape[dim]:     # a dim read whole stays as it is
+                tensor = tensor.narrow(dim, start - self.offsets[dim], size)
         return tensor
 
 

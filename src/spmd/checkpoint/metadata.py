@@ -111,6 +111,8 @@ class Chunk:
     offsets: tuple[int, ...]     # where the box starts in the global tensor, per dim
     sizes: tuple[int, ...]
     crc32: int | None            # of the box's bytes, contiguous, in the file (None: a format without, e.g. HF's)
+    encoding: str | None = None  # None: the values; "torch.save": the tensor itself (storage.py, Note: compressed
+                                 # tensors)
 
 
 @dataclasses.dataclass(slots=True)
@@ -173,7 +175,8 @@ class Metadata:
             "format": FORMAT_NAME, "version": self.version, "save_id": self.save_id, "files": self.files,
             "tensors": {key: {"dtype": e.dtype, "shape": list(e.shape),
                               "chunks": [{"file": c.file, "key": c.key, "offsets": list(c.offsets),
-                                          "sizes": list(c.sizes), "crc32": c.crc32} for c in e.chunks]}
+                                          "sizes": list(c.sizes), "crc32": c.crc32,
+                                          **({"encoding": c.encoding} if c.encoding else {})} for c in e.chunks]}
                         for key, e in self.tensors.items()},
             "values": {key: encode_value(value, key) for key, value in self.values.items()},
             "paths": self.paths,
@@ -198,7 +201,7 @@ class Metadata:
         try:
             tensors = {key: TensorEntry(e["dtype"], tuple(e["shape"]),
                                         [Chunk(c["file"], c["key"], tuple(c["offsets"]), tuple(c["sizes"]),
-                                               None if c["crc32"] is None else int(c["crc32"]))
+                                               None if c["crc32"] is None else int(c["crc32"]), c.get("encoding"))
                                          for c in e["chunks"]])
                        for key, e in body["tensors"].items()}
             values = {key: decode_value(value) for key, value in body["values"].items()}

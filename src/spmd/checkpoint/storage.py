@@ -33,8 +33,10 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import dataclasses
+import io
 import mmap
 import os
+import pickle
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -63,18 +65,32 @@ DATA_FILE = re.compile(r"^__\d+_[0-9a-f]+\.safetensors$")
 TORCH_DATA_FILE = re.compile(r"^__(\d+|values)_[0-9a-f]+\.distcp$")      # torch's DCP format's (and spmd's in it)
 
 
+TORCH_SAVE = "torch.save"      # a box's encoding: the bytes of torch.save of the tensor (see Note: compressed tensors)
+
+# Note: compressed tensors
+# A box whose data is a tensor subclass holding fewer bytes than its values (a quantized optimizer state, torchao's
+# 8-bit AdamW's; an NF4 weight) can't be stored as values and read back as they were: dequantized, then quantized
+# again on load, it resumes close to, not at, where it was. Such a box is stored as torch.save of the tensor itself,
+# as torch's DCP stores every box, under the encoding TORCH_SAVE (metadata.Chunk.encoding); a load reads it with
+# torch.load(weights_only=True), so its class must be among torch's safe globals (torchao registers its own), then
+# copies the region it needs into the state dict's tensor, whose copy_ takes its own kind. A subclass that holds all
+# its values (a float8 training weight: its float32 tensor) is stored as values, readable without its class.
+
+
 @dataclasses.dataclass(slots=True)
 class BoxWrite:
-    """One box a rank writes: its item and its data (the planner's resolve_data)."""
+    """One box a rank writes: its item and its data (the planner's resolve_data); with `encoding` TORCH_SAVE, the
+    data is already torch.save's bytes of it (see Note: compressed tensors)."""
 
     item: WriteItem
     data: Tensor
+    encoding: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WrittenBox:
-    """One box as a writer stored it: the file and the key it sits under there, the item's key and box, and the
-    CRC-32 of its bytes (None where the format keeps none)."""
+    """One box as a writer stored it: the file and the key it sits under there, the item's key and box, the
+    CRC-32 of its bytes (None where the format keeps none) and how they encode it (None: its values)."""
 
     file: str
     key: str
@@ -82,6 +98,46 @@ class WrittenBox:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     crc32: int | None
+    encoding: str | None = None
+
+
+def is_compressed(data: Tensor) -> bool:
+    """Whether `data` is a tensor subclass whose own tensors hold fewer bytes than its values (see Note: compressed
+    tensors)."""
+    if not is_wrapper_subclass(data) or not hasattr(data, "__tensor_flatten__"):
+        return False
+    names, _ = data.__tensor_flatten__()
+    held = sum(inner.numel() * inner.element_size() for inner in (getattr(data, name) for name in names)
+               if isinstance(inner, Tensor))
+    return held < data.numel() * data.element_size()
+
+
+def encoded(box: BoxWrite) -> BoxWrite:
+    """`box` with a compressed tensor's data as torch.save's bytes of it (see Note: compressed tensors); any other
+    box as it is."""
+    if box.encoding is not None or not is_compressed(box.data):
+        return box
+    stream = io.BytesIO()
+    torch.save(box.data.detach(), stream)
+    return BoxWrite(box.item, torch.frombuffer(bytearray(stream.getvalue()), dtype=torch.uint8), TORCH_SAVE)
+
+
+def box_tensor(box: BoxWrite) -> Tensor:
+    """The tensor `box` writes, decoded where it is already torch.save's bytes (a writer that stores values)."""
+    return decoded(box.data, "save") if box.encoding == TORCH_SAVE else box.data
+
+
+def decoded(data: Tensor | memoryview, where: str) -> Tensor:
+    """The tensor a TORCH_SAVE box's bytes hold, read with torch.load(weights_only=True)."""
+    raw = bytes(data.numpy().tobytes() if isinstance(data, Tensor) else data)
+    try:
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        named = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        what = f"of class {named[1]}, which" if named else "of a class"
+        raise CheckpointError(f"{where}: a box stored as its tensor (a compressed subclass) is {what} "
+                              f"torch.load(weights_only=True) may not read; import the library defining it (which "
+                              f"registers it with torch.serialization.add_safe_globals), or register it") from error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +199,7 @@ class StorageWriter:
         if not boxes:
             return WrittenBoxes({}, [])
         name = f"__{rank}_{save_id}.safetensors"
+        boxes = {key: encoded(box) for key, box in boxes.items()}
         datas = {key: host_contiguous(box.data) for key, box in boxes.items()}
         header = tensor_format.header_bytes({key: (data.dtype, tuple(data.shape), data.numel() * data.element_size())
                                              for key, data in datas.items()})
@@ -153,7 +210,7 @@ class StorageWriter:
             size = self.write_file(name, [memoryview(header), *views.values()])
             crcs = checksums.result()
         written = [WrittenBox(name, key, box.item.index.fqn, tuple(box.item.tensor_data.chunk.offsets),
-                              tuple(box.item.tensor_data.chunk.sizes), crcs[key])
+                              tuple(box.item.tensor_data.chunk.sizes), crcs[key], box.encoding)
                    for key, box in boxes.items() if box.item.tensor_data is not None]
         return WrittenBoxes({name: size}, written)
 

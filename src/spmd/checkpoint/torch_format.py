@@ -216,7 +216,8 @@ class TorchCheckpointReader(FileSystemReader):
                 held = self._held = (chunk.key, box)
         region = held[1]
         for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
-            region = region.narrow(dim, start, length)
+            if start or length != region.shape[dim]:       # a dim read whole stays as it is (a compressed tensor)
+                region = region.narrow(dim, start, length)
         return region
 
     def close(self) -> None:

@@ -28,10 +28,12 @@ from spmd.checkpoint.storage import (
     DATA_FILE,
     PARTIAL_SUFFIX,
     TORCH_DATA_FILE,
+    TORCH_SAVE,
     BoxWrite,
     FileSystemWriter,
     WrittenBox,
     WrittenBoxes,
+    encoded,
     host_contiguous,
     sync_directory,
 )
@@ -184,10 +186,14 @@ class TorchFormatWriter(FileSystemWriter):
             """Each box's blob in turn, made as the file is written (one box's copy in memory at a time)."""
             offset = 0
             for box in boxes.values():
-                data = host_contiguous(box.data)
-                if data.untyped_storage().nbytes() != data.numel() * data.element_size():
-                    data = data.clone()              # torch.save writes a view's whole storage
-                blob = _blob(data)
+                box = encoded(box)                   # a compressed tensor as itself, as torch stores every box
+                if box.encoding == TORCH_SAVE:
+                    blob = box.data.numpy().tobytes()
+                else:
+                    data = host_contiguous(box.data)
+                    if data.untyped_storage().nbytes() != data.numel() * data.element_size():
+                        data = data.clone()          # torch.save writes a view's whole storage
+                    blob = _blob(data)
                 chunk = box.item.tensor_data.chunk
                 written.append(WrittenBox(name, f"{offset}+{len(blob)}", box.item.index.fqn, tuple(chunk.offsets),
                                           tuple(chunk.sizes), None))
