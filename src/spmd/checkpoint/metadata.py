@@ -22,7 +22,7 @@ import torch
 from spmd._core.errors import CheckpointError
 from spmd.checkpoint import format as tensor_format
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2             # 2: boxes may be stored as their tensors (Chunk.encoding); written only by such saves
 METADATA_FILE = "metadata.json"
 # Beside the index, once it is written: a note under torch's DCP index name, so tools that find complete DCP
 # checkpoints by that file (TorchTitan's resume looks for step-N/.metadata) find spmd's too. Not torch's pickle:
@@ -130,7 +130,7 @@ class Metadata:
     files: dict[str, int]        # data file -> its size in bytes
     paths: dict[str, list[str | int]] = dataclasses.field(default_factory=dict)
     """key -> where it sat in the nested state dict saved (dict keys and list indices), to rebuild the nesting."""
-    version: int = FORMAT_VERSION
+    version: int = 1
     blobs: dict[str, bytes] = dataclasses.field(default_factory=dict)
     """key -> the bytes a custom save planner's resolve_data gave for a value (its load planner reads them)."""
     where: str = dataclasses.field(default="the checkpoint", compare=False, repr=False)
@@ -172,7 +172,7 @@ class Metadata:
 
     def to_json(self) -> bytes:
         body: dict[str, Any] = {
-            "format": FORMAT_NAME, "version": self.version, "save_id": self.save_id, "files": self.files,
+            "format": FORMAT_NAME, "version": self._written_version(), "save_id": self.save_id, "files": self.files,
             "tensors": {key: {"dtype": e.dtype, "shape": list(e.shape),
                               "chunks": [{"file": c.file, "key": c.key, "offsets": list(c.offsets),
                                           "sizes": list(c.sizes), "crc32": c.crc32,
@@ -184,6 +184,12 @@ class Metadata:
         if self.blobs:
             body["blobs"] = {key: base64.b64encode(blob).decode() for key, blob in self.blobs.items()}
         return json.dumps(body, indent=1).encode()
+
+    def _written_version(self) -> int:
+        """The oldest format version that holds this checkpoint, so an older spmd reads what it can and says
+        "newer" for the rest (version 2: a box stored as its tensor)."""
+        encoded = any(chunk.encoding for entry in self.tensors.values() for chunk in entry.chunks)
+        return max(self.version, 2 if encoded else 1)
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Metadata:
