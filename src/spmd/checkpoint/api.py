@@ -100,11 +100,10 @@ from spmd.checkpoint.storage import (
     box_tensor,
     decoded,
     encoded,
-    is_compressed,
     speaks_torch_protocol,
 )
 from spmd.checkpoint.torch_format import TorchCheckpointReader, is_torch_checkpoint
-from spmd.comm.collectives import is_wrapper_subclass
+from spmd.comm.collectives import holds_fewer_bytes, is_wrapper_subclass
 from spmd.comm.group import ProcessGroup
 from spmd.comm.objects import all_gather_bytes, all_gather_object
 from spmd.comm.world import AnyGroup, is_initialized, new_group, resolve_group
@@ -314,7 +313,7 @@ class _AsyncSaver:
         (allocated at the first save, or when the boxes' keys, shapes or dtypes changed; page-locked for
         accelerator tensors with `pin_memory`), so the checkpoint process receives one shared storage per
         dtype, not one per tensor. The save that wrote from them must have finished."""
-        staged = {key: encoded(item) for key, item in writes.items() if is_compressed(item.data)}
+        staged = {key: encoded(item) for key, item in writes.items() if holds_fewer_bytes(item.data)}
         copied = {key: item for key, item in writes.items() if key not in staged}     # (Note: compressed tensors)
         layout = [(key, item.data.dtype, tuple(item.data.shape)) for key, item in copied.items()]
         if layout != self._layout:

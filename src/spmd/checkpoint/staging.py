@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from spmd.checkpoint.storage import is_compressed
+from spmd.comm.collectives import holds_fewer_bytes
 from spmd.tensor import DTensor
 
 __all__ = ["AsyncStager", "BlockingAsyncStager", "DefaultStager", "StagingOptions"]
@@ -61,7 +61,7 @@ def _snapshot(state_dict: dict[str, Any], pin_memory: bool) -> dict[str, Any]:
     """A copy of `state_dict`'s tensors: plain ones in host memory, DTensors as DTensors of a copy of their
     local tensor (on their own device, as their mesh's)."""
     def copy(value: Any) -> Any:
-        if isinstance(value, DTensor) or (isinstance(value, Tensor) and is_compressed(value)):
+        if isinstance(value, DTensor) or (isinstance(value, Tensor) and holds_fewer_bytes(value)):
             return value.detach().clone()     # a compressed tensor stays itself (storage.py, Note: compressed tensors)
         if isinstance(value, Tensor):
             pin = pin_memory and value.device.type != "cpu" and torch.accelerator.is_available()

@@ -56,7 +56,7 @@ from spmd.checkpoint.metadata import (
     StorageMeta,
 )
 from spmd.checkpoint.planner import LoadPlan, SavePlan, WriteItem
-from spmd.comm.collectives import is_wrapper_subclass
+from spmd.comm.collectives import holds_fewer_bytes, is_wrapper_subclass
 
 PARTIAL_SUFFIX = ".partial"
 _WRITEBACK_BYTES = 16 << 20   # every this many bytes written, the disk is asked to start writing them out
@@ -101,21 +101,10 @@ class WrittenBox:
     encoding: str | None = None
 
 
-def is_compressed(data: Tensor) -> bool:
-    """Whether `data` is a tensor subclass whose own tensors hold fewer bytes than its values (see Note: compressed
-    tensors)."""
-    if not is_wrapper_subclass(data) or not hasattr(data, "__tensor_flatten__"):
-        return False
-    names, _ = data.__tensor_flatten__()
-    held = sum(inner.numel() * inner.element_size() for inner in (getattr(data, name) for name in names)
-               if isinstance(inner, Tensor))
-    return held < data.numel() * data.element_size()
-
-
 def encoded(box: BoxWrite) -> BoxWrite:
     """`box` with a compressed tensor's data as torch.save's bytes of it (see Note: compressed tensors); any other
     box as it is."""
-    if box.encoding is not None or not is_compressed(box.data):
+    if box.encoding is not None or not holds_fewer_bytes(box.data):
         return box
     stream = io.BytesIO()
     torch.save(box.data.detach(), stream)

@@ -72,6 +72,17 @@ def is_wrapper_subclass(tensor: Tensor) -> bool:
     return type(tensor) is not Tensor and torch._C._dispatch_keys(tensor).has(torch._C.DispatchKey.Python)
 
 
+def holds_fewer_bytes(tensor: Tensor) -> bool:
+    """A compressed tensor: a wrapper subclass whose own tensors (its __tensor_flatten__'s) hold fewer bytes than
+    its values (a quantized weight or optimizer state), so a plain copy of its values is not what it holds."""
+    if not is_wrapper_subclass(tensor) or not hasattr(tensor, "__tensor_flatten__"):
+        return False
+    names, _ = tensor.__tensor_flatten__()
+    held = sum(inner.numel() * inner.element_size() for inner in (getattr(tensor, name) for name in names)
+               if isinstance(inner, Tensor))
+    return held < tensor.numel() * tensor.element_size()
+
+
 def _check_same_device(tensor: Tensor, like: Tensor, name: str, op: str, group: ProcessGroup) -> None:
     """Every tensor of one op lives on one device (the transport moves between ranks, not between devices)."""
     if tensor.device != like.device:
