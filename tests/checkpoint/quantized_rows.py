@@ -15,7 +15,8 @@ aten = torch.ops.aten
 
 class QuantizedRows(Tensor):
     """Values codes * scales (per row); detach, clone and row slices stay QuantizedRows, copy_ into one quantizes
-    (or copies codes and scales from another), every other op computes on the values."""
+    (or copies codes and scales from another), torch's functional all-gather gathers codes and scales (as torchao's
+    NF4 does), every other op computes on the values."""
 
     @staticmethod
     def __new__(cls, codes: Tensor, scales: Tensor) -> QuantizedRows:
@@ -51,6 +52,10 @@ class QuantizedRows(Tensor):
             return cls(func(args[0].codes), func(args[0].scales))
         if func is aten.slice.Tensor and (len(args) < 2 or args[1] == 0):
             return cls(func(args[0].codes, *args[1:]), func(args[0].scales, *args[1:]))
+        if func is torch.ops._c10d_functional.all_gather_into_tensor.default:     # as torchao's NF4: per inner
+            return cls(func(args[0].codes, *args[1:]), func(args[0].scales, *args[1:]))
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            return cls(func(args[0].codes), func(args[0].scales))
         if func is aten.copy_.default:
             target, source = args[0], args[1]
             if isinstance(target, cls):

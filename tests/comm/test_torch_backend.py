@@ -448,3 +448,30 @@ def test_torchs_own_pipelining_trains_over_the_spmd_backend_as_one_process(procp
             torch.testing.assert_close(out["losses"], out["want"], rtol=1e-6, atol=1e-7)
         else:
             assert out["losses"] == []
+
+
+def _compressed_full_tensor(rank: int, world_size: int) -> dict[str, Any]:
+    """A DTensor whose local shards are a compressed subclass that handles torch's functional all-gather (as
+    torchao's NF4 weights do) gathers as that subclass, through torch's view of spmd's group."""
+    from spmd.device_mesh import init_device_mesh
+    from spmd.tensor import DTensor, Shard
+    from tests.checkpoint.quantized_rows import QuantizedRows
+
+    spmd.init_process_group(timeout=60)
+    try:
+        full = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+        mesh = init_device_mesh("cpu", (world_size,))
+        sharded = DTensor.from_local(QuantizedRows.quantize(full.chunk(world_size)[rank]), mesh, [Shard(0)])
+        with torch.no_grad():
+            whole = sharded.full_tensor()
+        want = QuantizedRows.quantize(full)       # per row: the gathered rows' codes are the whole's
+        return {"kind": type(whole).__name__, "codes": torch.equal(whole.codes, want.codes),
+                "scales": torch.equal(whole.scales, want.scales)}
+    finally:
+        spmd.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_a_compressed_subclass_gathers_as_itself_through_its_own_all_gather(procpool: ProcPool) -> None:
+    for out in procpool.run(_compressed_full_tensor, 2, timeout=60):
+        assert out == {"kind": "QuantizedRows", "codes": True, "scales": True}

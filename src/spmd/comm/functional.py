@@ -18,10 +18,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from spmd.comm import torch_backend
 from spmd.comm.collectives import (
     all_gather_into_tensor,
     all_reduce,
     all_to_all_single,
+    holds_fewer_bytes,
     is_wrapper_subclass,
     reduce_scatter_tensor,
 )
@@ -63,7 +65,13 @@ def all_reduced(tensor: Tensor, op: ReduceOp, group: ProcessGroup) -> Tensor:
 
 def all_gathered(tensor: Tensor, dim: int, group: ProcessGroup, sizes: list[int] | None = None) -> Tensor:
     """Every rank's `tensor` concatenated along `dim` in rank order. `sizes[r]` is rank r's extent of `dim`
-    (default: all equal to this rank's); uneven pieces are padded to the largest for the collective."""
+    (default: all equal to this rank's); uneven pieces are padded to the largest for the collective. A compressed
+    tensor subclass gathered whole along dim 0 gathers as itself where it can (torch_backend.subclass_all_gathered);
+    any other subclass as a plain copy of its values."""
+    if dim == 0 and (sizes is None or len(set(sizes)) == 1) and holds_fewer_bytes(tensor):
+        whole = torch_backend.subclass_all_gathered(tensor, group)
+        if whole is not None:
+            return whole
     tensor = _plain(tensor)
     sizes = sizes if sizes is not None else _even_sizes(tensor, dim, group)
     block = max(sizes)

@@ -548,6 +548,22 @@ def torch_group(group: ProcessGroup) -> dist.ProcessGroup | None:
 _twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # spmd group -> its torch_group
 
 
+def subclass_all_gathered(tensor: Tensor, group: ProcessGroup) -> Tensor | None:
+    """Every rank's `tensor`, a compressed tensor subclass (torchao's NF4 weights), concatenated along dim 0 by its
+    own handling of torch's functional all-gather, as torch's DTensor gathers one: the subclass gathers its inner
+    tensors over torch's view of `group` and builds the whole (an NF4 weight stays NF4). None where torch's
+    default group is not spmd's world, or the subclass has no such handling."""
+    twin = torch_group(group)
+    if twin is None:
+        return None
+    functional = torch.ops._c10d_functional
+    try:
+        gathered = functional.all_gather_into_tensor(tensor, group.size(), twin.group_name)
+        return functional.wait_tensor(gathered)
+    except NotImplementedError:
+        return None
+
+
 def release_torch_default_group() -> None:
     """spmd.destroy_process_group() of a world torch's default group owns: take torch's group down too, without
     its shutdown destroying the world a second time (see Note: spmd's world under torch's default group)."""
