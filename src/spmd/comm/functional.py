@@ -68,7 +68,7 @@ def all_gathered(tensor: Tensor, dim: int, group: ProcessGroup, sizes: list[int]
     (default: all equal to this rank's); uneven pieces are padded to the largest for the collective. A compressed
     tensor subclass gathered whole along dim 0 gathers as itself where it can (torch_backend.subclass_all_gathered);
     any other subclass as a plain copy of its values."""
-    if dim == 0 and (sizes is None or len(set(sizes)) == 1) and holds_fewer_bytes(tensor):
+    if holds_fewer_bytes(tensor) and dim == 0 and (sizes is None or all(size == sizes[0] for size in sizes)):
         whole = torch_backend.subclass_all_gathered(tensor, group)
         if whole is not None:
             return whole
