@@ -33,6 +33,7 @@ from spmd.comm.world import (
     init_process_group,
     is_initialized,
     new_group,
+    resolve_group,
 )
 
 # Note: mesh groups are created once. One registry per world (per rank), keyed by the group's rank list and
@@ -151,16 +152,9 @@ class DeviceMesh:
         the mesh `mesh` (required, with `mesh_dim_names`), whose dim i is group i's: this rank's row along dim i must
         be exactly group i's ranks. No group is created, so only the groups' members need to call it. A torch
         ProcessGroup standing for an spmd group (the "spmd" backend's) is taken as that group."""
-        def spmd_group(given: AnyGroup) -> AnyGroup:
-            standing_for = getattr(given, "spmd_group", None)
-            if isinstance(standing_for, ProcessGroup):
-                return standing_for
-            if not isinstance(given, (ProcessGroup, NonMemberGroup)):
-                raise TypeError(f"DeviceMesh.from_group: expected spmd process groups, got {type(given).__name__}")
-            return given
-
         several = isinstance(group, (list, tuple))
-        groups = [spmd_group(given) for given in (group if several else [group])]
+        groups = [given if isinstance(given, NonMemberGroup) else resolve_group(given, "DeviceMesh.from_group")
+                  for given in (group if several else [group])]
         if not groups:
             raise ValueError("DeviceMesh.from_group: pass at least one process group")
         if not several:

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from spmd._core.errors import CheckpointError
 from spmd.checkpoint import format as tensor_format
+from spmd.checkpoint.layout import Box
 from spmd.checkpoint.metadata import Chunk, Metadata, TensorEntry
 from spmd.checkpoint.storage import FileSystemReader
 
@@ -214,11 +215,7 @@ class TorchCheckpointReader(FileSystemReader):
                     raise CheckpointError(f"checkpoint {self.path}: {chunk.key!r} is not the tensor of shape "
                                           f"{list(chunk.sizes)} its metadata says")
                 held = self._held = (chunk.key, box)
-        region = held[1]
-        for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
-            if start or length != region.shape[dim]:       # a dim read whole stays as it is (a compressed tensor)
-                region = region.narrow(dim, start, length)
-        return region
+        return Box((0,) * len(chunk.sizes), chunk.sizes).view(held[1], Box(offsets, lengths))
 
     def close(self) -> None:
         self._held = None
