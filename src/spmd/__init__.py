@@ -23,7 +23,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "is_mpi_available", "is_nccl_available", "is_torchelastic_launched", "is_ucc_available",
         "is_xccl_available",
     ),
-    "spmd._core.errors": ("DistBackendError", "DistError", "DistStoreError"),
+    "spmd._core.errors": ("DistBackendError", "DistError", "DistStoreError", "QueueEmptyError"),
     "spmd.comm.breakpoint": ("breakpoint",),
     "spmd.comm.debug": ("DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env"),
     "spmd.comm.group": ("NonMemberGroup", "ProcessGroup"),

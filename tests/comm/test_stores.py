@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from spmd._core.errors import StoreError, StoreTimeoutError
+from spmd._core.errors import QueueEmptyError, StoreError, StoreTimeoutError
 from spmd.comm.store import file as file_store
 from spmd.comm.store import tcp_server as tcp_store_server
 from spmd.comm.store import tcp_wire as wire
@@ -204,6 +204,79 @@ def test_concurrent_adds_from_threads_lose_nothing(store: Store) -> None:
                 handle.close()
 
 
+def test_append_extends_or_creates_and_wakes_a_blocked_get(store: Store) -> None:
+    base = set(store.list_keys())
+    store.append("log", "a")
+    store.append("log", b"\x00b")
+    assert store.get("log") == b"a\x00b"
+    store.set("plain", "x")
+    assert set(store.list_keys()) - base == {"log", "plain"}
+    other = store.clone()
+    try:
+        results: list[bytes] = []
+        reader = threading.Thread(target=lambda: results.append(other.get("fresh")))
+        reader.start()
+        store.append("fresh", "first")
+        reader.join(timeout=10)
+        assert results == [b"first"]
+    finally:
+        other.close()
+
+
+def test_queues_are_fifo_beside_the_keys(store: Store) -> None:
+    assert store.has_extended_api()
+    keys = store.num_keys()
+    assert store.queue_len("q") == 0 and not store.check(["q"])
+    for value in ("1", b"2", "3"):
+        store.queue_push("q", value)
+    assert store.queue_len("q") == 3
+    assert store.check(["q"])                       # check and wait see a queue holding a value
+    store.wait(["q"], timeout=1)
+    assert store.num_keys() == keys and "q" not in store.list_keys()   # a queue is not a key
+    assert [store.queue_pop("q"), store.queue_pop("q", block=False), store.queue_pop("q")] == [b"1", b"2", b"3"]
+    assert store.queue_len("q") == 0 and not store.check(["q"])
+    with pytest.raises(QueueEmptyError, match="queue_pop"):
+        store.queue_pop("q", block=False)
+    store.set_timeout(0.1)
+    with pytest.raises(StoreTimeoutError, match=r"nothing was pushed to queue '(job/)?q'"):
+        store.queue_pop("q")
+
+
+def test_each_pushed_value_goes_to_one_blocked_popper(store: Store) -> None:
+    handles = [store.clone() for _ in range(3)]
+    popped: list[bytes] = []
+    threads = [threading.Thread(target=lambda handle=handle: popped.append(handle.queue_pop("jobs")))
+               for handle in handles]
+    try:
+        for thread in threads:
+            thread.start()
+        for i in range(3):
+            store.queue_push("jobs", f"job{i}")
+        for thread in threads:
+            thread.join(timeout=10)
+        assert sorted(popped) == [b"job0", b"job1", b"job2"]
+        assert store.queue_len("jobs") == 0
+    finally:
+        for handle in handles:
+            if handle is not store:
+                handle.close()
+
+
+def test_barrier_releases_when_world_size_callers_arrived(store: Store) -> None:
+    handles = [store.clone() for _ in range(3)]
+    threads_errors = [_in_thread(lambda handle=handle: handle.barrier("step", 3, timeout=10)) for handle in handles]
+    for thread, errors in threads_errors:
+        thread.join(timeout=15)
+        assert not thread.is_alive() and not errors
+    with pytest.raises(StoreTimeoutError, match="lonely/last_member"):
+        store.barrier("lonely", 2, timeout=0.1)
+    with pytest.raises(ValueError, match="world_size"):
+        store.barrier("bad", 0)
+    for handle in handles:
+        if handle is not store:
+            handle.close()
+
+
 def test_same_results_as_torch_store(store: Store) -> None:
     import torch.distributed as torch_dist
 
@@ -214,6 +287,10 @@ def test_same_results_as_torch_store(store: Store) -> None:
         ("multi_get", (["s", "b", "n"],)), ("check", (["s", "n"],)), ("check", (["s", "zz"],)),
         ("delete_key", ("zz",)), ("delete_key", ("s",)), ("check", (["s"],)), ("num_keys", ()),
         ("multi_set", (["x", "y"], ["1", "2"])), ("num_keys", ()), ("add", ("x", 10)), ("multi_get", (["y", "x"],)),
+        ("append", ("x", "!")), ("append", ("new", "a")), ("get", ("x",)), ("get", ("new",)), ("queue_len", ("q",)),
+        ("queue_push", ("q", "1")), ("queue_push", ("q", b"\x002")), ("queue_len", ("q",)), ("check", (["q"],)),
+        ("num_keys", ()), ("queue_pop", ("q",)), ("queue_pop", ("q", False)), ("check", (["q", "x"],)),
+        ("queue_len", ("q",)), ("has_extended_api", ()),
     ]
     oracle = torch_dist.HashStore()
     base = store.num_keys()
@@ -222,6 +299,12 @@ def test_same_results_as_torch_store(store: Store) -> None:
         if name == "num_keys":
             ours -= base   # TCPStore and FileStore hold one internal key, as torch's do
         assert ours == theirs, f"{name}{args}: spmd {ours!r}, torch {theirs!r}"
+    internal = {"spmd_store/joined", "spmd_filestore/users"}
+    assert sorted(set(store.list_keys()) - internal) == sorted(oracle.list_keys())
+    with pytest.raises(QueueEmptyError):
+        store.queue_pop("q", False)
+    with pytest.raises(torch_dist.QueueEmptyError):
+        oracle.queue_pop("q", False)
 
 
 def test_prefix_store_namespaces_keys() -> None:
@@ -312,6 +395,31 @@ def test_tcp_parked_wait_needs_every_key_present_at_once() -> None:
         assert not master._server._watchers
     finally:
         client.close()
+        master.close()
+
+
+def test_tcp_parked_poppers_get_one_value_each_and_the_rest_stay_parked() -> None:
+    master = _master()
+    clients = [TCPStore("127.0.0.1", master.port, timeout=10) for _ in range(2)]
+    popped: list[bytes] = []
+    threads = [threading.Thread(target=lambda client=client: popped.append(client.queue_pop("jobs")))
+               for client in clients]
+    try:
+        for thread in threads:
+            thread.start()
+        _until(lambda: len(master._server._watchers.get(b"jobs", ())) == 2)
+        master.queue_push("jobs", "a")
+        _until(lambda: len(popped) == 1)
+        assert master.queue_len("jobs") == 0
+        assert len(master._server._watchers.get(b"jobs", ())) == 1   # the other popper still waits
+        master.set("jobs", "a key of the same name wakes no popper")
+        master.queue_push("jobs", "b")
+        for thread in threads:
+            thread.join(timeout=10)
+        assert sorted(popped) == [b"a", b"b"]
+    finally:
+        for client in clients:
+            client.close()
         master.close()
 
 
@@ -507,6 +615,9 @@ _WORKER_SCRIPT = _LIGHT_IMPORT + textwrap.dedent("""
     for _ in range(count):
         tcp.add("counter", 1)
         file.add("counter", 1)
+    for _ in range(count // 10):   # each value of the queues goes to one worker
+        tcp.append("popped", tcp.queue_pop("jobs") + b",")
+        file.append("popped", file.queue_pop("jobs") + b",")
     tcp.close()
     file.close()
 """)
@@ -528,10 +639,15 @@ def _stop(procs: list[subprocess.Popen[str]]) -> None:
 
 def test_processes_adding_to_tcp_and_file_stores_lose_nothing(tmp_path: os.PathLike[str],
                                                               small_compactions: None) -> None:
-    """Also across the FileStore's compactions (the workers compact from 4 KiB too: about 36 KiB are added)."""
+    """Also across the FileStore's compactions (the workers compact from 4 KiB too: about 36 KiB are added), and
+    no value of a queue goes to two workers or none."""
     master = _master(timeout=60)
     path = os.path.join(tmp_path, "store")
     checker = FileStore(path, timeout=60)
+    jobs = [f"job{i}" for i in range(4 * 30)]
+    for job in jobs:
+        master.queue_push("jobs", job)
+        checker.queue_push("jobs", job)
     procs = [_python(_WORKER_SCRIPT, str(master.port), path, "300", str(i)) for i in range(4)]
     try:
         master.wait([f"ready/{i}" for i in range(4)])
@@ -541,6 +657,9 @@ def test_processes_adding_to_tcp_and_file_stores_lose_nothing(tmp_path: os.PathL
             assert proc.returncode == 0, err
         assert master.get("counter") == b"1200"
         assert checker.get("counter") == b"1200"
+        for store in (master, checker):
+            assert sorted(store.get("popped").decode().split(",")[:-1]) == sorted(jobs)
+            assert store.queue_len("jobs") == 0
         assert os.path.getsize(path) < 3 * 4096
     finally:
         _stop(procs)
@@ -666,6 +785,9 @@ def test_a_file_store_log_is_compacted_and_every_instance_follows(tmp_path: os.P
     clone = second.clone()
     first.set("gone", "x")
     first.delete_key("gone")
+    for value in ("q1", "q2", "q3"):
+        first.queue_push("q", value)
+    assert second.queue_pop("q") == b"q1"
     largest = 0
     for i in range(3000):                       # about 90 KiB of records without compaction
         (first if i % 2 else second).add("counter", 1)
@@ -677,6 +799,9 @@ def test_a_file_store_log_is_compacted_and_every_instance_follows(tmp_path: os.P
         assert store.get("counter") == b"3000"
         assert store.get("key/2900") == b"2900" and not store.check(["gone"])
         assert store.num_keys() == 1 + 1 + 30   # users, counter, the keys ("gone" stays deleted)
+        assert store.queue_len("q") == 2
+    assert [clone.queue_pop("q"), first.queue_pop("q", block=False)] == [b"q2", b"q3"]   # in order, once each
+    assert second.queue_len("q") == 0
     assert os.listdir(tmp_path) == ["store"]   # no temporary file left beside it
     clone.close()
     first.close()

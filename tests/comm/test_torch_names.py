@@ -27,7 +27,6 @@ NOT_SERVED = {   # torch name -> why spmd has none
                     "an object of torch's C++ c10d backends; spmd's groups and DDP take no options objects"),
     "DistNetworkError": "network failures raise PeerLostError / PeerUnreachableError (DistBackendError) or a "
                         "StoreError (DistStoreError)",
-    "QueueEmptyError": "spmd's stores have no queue API",
     "record_comm": "a profiling name for torch's Work; spmd's flight recorder names every op with its call site",
     **dict.fromkeys(["GroupName", "RankType", "log", "timedelta"],
                     "not API: type aliases, torch's logger, datetime's class"),

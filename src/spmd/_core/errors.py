@@ -39,6 +39,10 @@ class StoreTimeoutError(StoreError, TimeoutError):
     """A store `get`/`wait` did not see its keys before the deadline."""
 
 
+class QueueEmptyError(StoreError):
+    """A non-blocking `queue_pop` found its queue empty."""
+
+
 class CommError(SpmdError):
     """A collective or point-to-point operation failed."""
 

@@ -54,7 +54,7 @@ from torch import Tensor
 from spmd._core.compile import disable_once_dynamo_imported
 from spmd._core.deadline import Deadline, as_seconds
 from spmd._core.errors import StoreError
-from spmd.comm.store.base import Store, Value, missing_keys_error, to_bytes
+from spmd.comm.store.base import Store, Value, missing_keys_error, queue_empty_error, queue_timeout_error, to_bytes
 
 if TYPE_CHECKING:
     from spmd.comm.group import ProcessGroup
@@ -639,6 +639,37 @@ class TorchStore(Store):
 
     def multi_set(self, keys: list[str], values: list[Value]) -> None:
         self.torch_store.multi_set(keys, [to_bytes(value) for value in values])
+
+    def append(self, key: str, value: Value) -> None:
+        self.torch_store.append(key, to_bytes(value))
+
+    def list_keys(self) -> list[str]:
+        return self.torch_store.list_keys()
+
+    def queue_push(self, key: str, value: Value) -> None:
+        self.torch_store.queue_push(key, to_bytes(value))
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Polled as `wait` is (torch's blocking pop waits in C++ where close() can't reach it)."""
+        deadline = Deadline(self.timeout)
+        pause = 0.0005
+        while True:
+            try:
+                return self.torch_store.queue_pop(key, False)
+            except dist.QueueEmptyError:
+                if not block:
+                    raise queue_empty_error("torch's store", key) from None
+            if deadline.expired():
+                raise queue_timeout_error("torch's store", key, deadline.timeout)
+            if self._closed.wait(min(pause, deadline.remaining())):
+                raise StoreError(f"torch's store: queue_pop({key}) interrupted by close()")
+            pause = min(pause * 2, 0.02)
+
+    def queue_len(self, key: str) -> int:
+        return self.torch_store.queue_len(key)
+
+    def has_extended_api(self) -> bool:
+        return self.torch_store.has_extended_api()
 
     def clone(self) -> Store:
         return TorchStore(self.torch_store.clone(), self.timeout)

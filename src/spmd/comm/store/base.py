@@ -2,16 +2,21 @@
 
 Layer: comm. Values are bytes (str is UTF-8 encoded). `get` and `wait` block until the keys exist or the
 store's timeout passes, then raise StoreTimeoutError naming the missing keys.
+
+Every store also serves torch's extended API: `append`, `list_keys`, `barrier` and the queues (`queue_push`,
+`queue_pop`, `queue_len`). A queue lives beside the keys, under its own name: it is not a key (`get`, `num_keys`
+and `list_keys` don't see it), but `check` and `wait` on its name see it while it holds a value.
 """
 
 from __future__ import annotations
 
 import abc
+import collections
 import datetime
 import threading
 
 from spmd._core.deadline import Deadline, as_seconds
-from spmd._core.errors import StoreTimeoutError
+from spmd._core.errors import QueueEmptyError, StoreTimeoutError
 
 DEFAULT_STORE_TIMEOUT = 300.0
 
@@ -72,6 +77,41 @@ class Store(abc.ABC):
     def num_keys(self) -> int:
         """How many keys the store holds."""
 
+    @abc.abstractmethod
+    def append(self, key: str, value: Value) -> None:
+        """Append `value` to the bytes at `key` (creating it), in one step no other writer interleaves with."""
+
+    @abc.abstractmethod
+    def list_keys(self) -> list[str]:
+        """Every key the store holds (queues are not keys)."""
+
+    @abc.abstractmethod
+    def queue_push(self, key: str, value: Value) -> None:
+        """Put `value` at the back of the queue named `key`."""
+
+    @abc.abstractmethod
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Take the value at the front of queue `key`; one value goes to one caller. An empty queue makes it wait
+        up to the store timeout (StoreTimeoutError), or with `block=False` raise QueueEmptyError at once."""
+
+    @abc.abstractmethod
+    def queue_len(self, key: str) -> int:
+        """How many values queue `key` holds (0 for a queue never pushed to)."""
+
+    def has_extended_api(self) -> bool:
+        """True: every spmd store serves append, list_keys, barrier and the queues (torch's FileStore has no
+        queues)."""
+        return True
+
+    def barrier(self, key: str, world_size: int, timeout: float | datetime.timedelta | None = None) -> None:
+        """Block until `world_size` callers have called barrier with `key` (keys `key`/num_members and
+        `key`/last_member, as torch's), or raise StoreTimeoutError after `timeout` (default: the store's)."""
+        if world_size < 1:
+            raise ValueError(f"{type(self).__name__}.barrier({key}): world_size must be >= 1, got {world_size}")
+        if self.add(f"{key}/num_members", 1) == world_size:
+            self.set(f"{key}/last_member", b"1")
+        self.wait([f"{key}/last_member"], timeout)
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self.get(key) for key in keys]
 
@@ -99,13 +139,27 @@ def missing_keys_error(store_name: str, missing: list[str], timeout: float) -> S
     )
 
 
+def queue_timeout_error(store_name: str, key: str, timeout: float) -> StoreTimeoutError:
+    return StoreTimeoutError(
+        f"{store_name}: queue_pop({key}) timed out after {timeout:.1f}s: nothing was pushed to queue {key!r}; "
+        f"check that the producing rank runs, or raise the timeout.")
+
+
+def queue_empty_error(store_name: str, key: str) -> QueueEmptyError:
+    return QueueEmptyError(f"{store_name}: queue_pop({key}, block=False): the queue is empty")
+
+
 class HashStore(Store):
     """An in-process store: a dict behind a condition variable (threads transport, tests)."""
 
     def __init__(self, timeout: float | datetime.timedelta | None = None) -> None:
         super().__init__(timeout)
         self._data: dict[str, bytes] = {}
+        self._queues: dict[str, collections.deque[bytes]] = {}   # only queues that hold a value
         self._changed = threading.Condition()
+
+    def _present(self, key: str) -> bool:
+        return key in self._data or key in self._queues
 
     def set(self, key: str, value: Value) -> None:
         with self._changed:
@@ -145,7 +199,7 @@ class HashStore(Store):
         deadline = Deadline(as_seconds(timeout, self._timeout, "HashStore.wait: timeout"))
         with self._changed:
             while True:
-                missing = [key for key in keys if key not in self._data]
+                missing = [key for key in keys if not self._present(key)]
                 if not missing:
                     return
                 if deadline.expired():
@@ -154,7 +208,7 @@ class HashStore(Store):
 
     def check(self, keys: list[str]) -> bool:
         with self._changed:
-            return all(key in self._data for key in keys)
+            return all(self._present(key) for key in keys)
 
     def delete_key(self, key: str) -> bool:
         with self._changed:
@@ -163,6 +217,39 @@ class HashStore(Store):
     def num_keys(self) -> int:
         with self._changed:
             return len(self._data)
+
+    def append(self, key: str, value: Value) -> None:
+        with self._changed:
+            self._data[key] = self._data.get(key, b"") + to_bytes(value)
+            self._changed.notify_all()
+
+    def list_keys(self) -> list[str]:
+        with self._changed:
+            return list(self._data)
+
+    def queue_push(self, key: str, value: Value) -> None:
+        with self._changed:
+            self._queues.setdefault(key, collections.deque()).append(to_bytes(value))
+            self._changed.notify_all()
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        deadline = Deadline(self._timeout)
+        with self._changed:
+            while key not in self._queues:
+                if not block:
+                    raise queue_empty_error("HashStore", key)
+                if deadline.expired():
+                    raise queue_timeout_error("HashStore", key, deadline.timeout)
+                self._changed.wait(min(deadline.remaining(), threading.TIMEOUT_MAX))
+            queue = self._queues[key]
+            value = queue.popleft()
+            if not queue:
+                del self._queues[key]
+            return value
+
+    def queue_len(self, key: str) -> int:
+        with self._changed:
+            return len(self._queues.get(key, ()))
 
 
 class PrefixStore(Store):
@@ -207,6 +294,26 @@ class PrefixStore(Store):
 
     def num_keys(self) -> int:
         return self.underlying_store.num_keys()
+
+    def append(self, key: str, value: Value) -> None:
+        self.underlying_store.append(self._key(key), value)
+
+    def list_keys(self) -> list[str]:
+        """The keys under this prefix, without it."""
+        start = f"{self.prefix}/"
+        return [key[len(start):] for key in self.underlying_store.list_keys() if key.startswith(start)]
+
+    def queue_push(self, key: str, value: Value) -> None:
+        self.underlying_store.queue_push(self._key(key), value)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        return self.underlying_store.queue_pop(self._key(key), block)
+
+    def queue_len(self, key: str) -> int:
+        return self.underlying_store.queue_len(self._key(key))
+
+    def has_extended_api(self) -> bool:
+        return self.underlying_store.has_extended_api()
 
     def server_host(self) -> str | None:
         return self.underlying_store.server_host()

@@ -1,6 +1,7 @@
 """FileStore: a store kept in one shared file, for jobs whose ranks share a file system but not a network port.
 
-Layer: comm. The file is an append-only log of records (set key=value, delete key); every instance replays the
+Layer: comm. The file is an append-only log of records (set key=value, delete key, push to a queue, pop the
+front of a queue); every instance replays the
 log into a dict and reads only what was appended since. Writers hold an exclusive `flock` while they read the
 tail and append, readers a shared one, so processes (and clones inside one process) never see a torn record.
 A blocking `get`/`wait` polls the file with a short backoff. Each instance joining adds 1 to a user counter and
@@ -32,14 +33,16 @@ import struct
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterator
 
 from spmd._core.deadline import Deadline, as_seconds
 from spmd._core.errors import StoreError
-from spmd.comm.store.base import Store, Value, missing_keys_error, to_bytes
+from spmd.comm.store.base import Store, Value, missing_keys_error, queue_empty_error, queue_timeout_error, to_bytes
 
 _RECORD = struct.Struct("!BII")   # kind, key length, value length
-_SET, _DELETE, _MOVED = 1, 2, 3    # _MOVED: the log continues in the file now at the path (Note: compaction)
+_SET, _DELETE, _MOVED, _PUSH, _POP = 1, 2, 3, 4, 5   # _MOVED: the log continues in the file now at the path
+                                                     # (Note: compaction); _POP: take a queue's front value
 _USERS_KEY = "spmd_filestore/users"
 _DONE_KEY = "spmd_filestore/done"
 _POLL_FIRST_S = 0.001
@@ -91,6 +94,7 @@ class FileStore(Store):
         except OSError as error:
             raise StoreError(f"FileStore: cannot open {self.path!r}: {error}") from error
         self._data: dict[bytes, bytes] = {}
+        self._queues: dict[bytes, deque[bytes]] = {}   # only queues that hold a value
         self._offset = 0
         self._compact_at = COMPACT_MIN_BYTES
         self._pid = os.getpid()
@@ -175,7 +179,8 @@ class FileStore(Store):
     def _compact(self) -> None:
         """Rewrite the log as one record per live key if it is much longer (see Note: compaction). The caller
         holds the exclusive lock; afterwards this instance has the new file open, unlocked."""
-        live = b"".join(_record(_SET, key, value) for key, value in self._data.items())
+        live = b"".join([*(_record(_SET, key, value) for key, value in self._data.items()),
+                         *(_record(_PUSH, key, value) for key, queue in self._queues.items() for value in queue)])
         self._compact_at = max(COMPACT_MIN_BYTES, COMPACT_RATIO * len(live))
         if self._offset < self._compact_at:
             return
@@ -195,9 +200,9 @@ class FileStore(Store):
                 os.unlink(temporary)
             self._compact_at = 2 * self._offset   # a full disk or a read-only directory: the log stays whole;
             return                                # try again once it has doubled
-        data, compact_at = self._data, self._compact_at
+        data, queues, compact_at = self._data, self._queues, self._compact_at
         self._reopen()             # closing the old file releases its lock
-        self._data, self._offset, self._compact_at = data, len(live), compact_at
+        self._data, self._queues, self._offset, self._compact_at = data, queues, len(live), compact_at
 
     def _read_tail(self) -> _Tail:
         """Apply the records appended since the last read (the caller holds the file lock)."""
@@ -210,7 +215,7 @@ class FileStore(Store):
 
     def _apply(self, tail: bytes) -> _Tail:
         """Apply the complete records at the start of `tail`, up to a moved record that holds."""
-        pos, data = 0, self._data
+        pos, data, queues = 0, self._data, self._queues
         while pos + _RECORD.size <= len(tail):
             kind, key_len, value_len = _RECORD.unpack_from(tail, pos)
             end = pos + _RECORD.size + key_len + value_len
@@ -221,6 +226,13 @@ class FileStore(Store):
                 data[key] = tail[pos + _RECORD.size + key_len:end]
             elif kind == _DELETE:
                 data.pop(key, None)
+            elif kind == _PUSH:
+                queues.setdefault(key, deque()).append(tail[pos + _RECORD.size + key_len:end])
+            elif kind == _POP:
+                queue = queues[key]     # a writer appends a pop only for a queue it saw holding a value
+                queue.popleft()
+                if not queue:
+                    del queues[key]
             elif self._replaced():             # _MOVED, and the rename after it happened
                 return _Tail.MOVED
             pos = end
@@ -234,8 +246,9 @@ class FileStore(Store):
             view = view[os.write(self._fd, view):]
         self._read_tail()
 
-    def _snapshot(self, keys: list[bytes]) -> list[bytes | None]:
-        """The current values of `keys` (None where absent), reading the file only if it grew."""
+    def _snapshot(self, keys: list[bytes], queues: bool = False) -> list[bytes | None]:
+        """The current values of `keys` (None where absent; with `queues`, b"" for a queue holding a value),
+        reading the file only if it grew."""
         self._own_descriptor()
         with self._lock:
             if self._closed:
@@ -243,6 +256,8 @@ class FileStore(Store):
             if os.fstat(self._fd).st_size != self._offset:
                 self._lock_current(fcntl.LOCK_SH)          # reads the tail
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
+            if queues:
+                return [self._data.get(key, b"" if key in self._queues else None) for key in keys]
             return [self._data.get(key) for key in keys]
 
     # The Store API.
@@ -278,14 +293,16 @@ class FileStore(Store):
             return current
 
     def wait(self, keys: list[str], timeout: float | datetime.timedelta | None = None) -> None:
-        self._wait_for([key.encode() for key in keys], as_seconds(timeout, self.timeout, "FileStore.wait: timeout"))
+        self._wait_for([key.encode() for key in keys], as_seconds(timeout, self.timeout, "FileStore.wait: timeout"),
+                       queues=True)
 
-    def _wait_for(self, keys: list[bytes], timeout: float) -> list[bytes]:
-        """The values of `keys`, polling the file with a growing pause until all exist or `timeout` passes."""
+    def _wait_for(self, keys: list[bytes], timeout: float, queues: bool = False) -> list[bytes]:
+        """The values of `keys`, polling the file with a growing pause until all exist (with `queues`, a queue
+        holding a value counts) or `timeout` passes."""
         deadline = Deadline(timeout)
         delay = _POLL_FIRST_S
         while True:
-            found = self._snapshot(keys)
+            found = self._snapshot(keys, queues)
             if all(value is not None for value in found):
                 return [value for value in found if value is not None]
             if deadline.expired():
@@ -295,7 +312,7 @@ class FileStore(Store):
             delay = min(delay * 2, _POLL_MAX_S)
 
     def check(self, keys: list[str]) -> bool:
-        return all(value is not None for value in self._snapshot([key.encode() for key in keys]))
+        return all(value is not None for value in self._snapshot([key.encode() for key in keys], queues=True))
 
     def delete_key(self, key: str) -> bool:
         key_b = key.encode()
@@ -308,6 +325,42 @@ class FileStore(Store):
     def num_keys(self) -> int:
         with self._locked(exclusive=False):
             return len(self._data)
+
+    def append(self, key: str, value: Value) -> None:
+        key_b = key.encode()
+        with self._locked(exclusive=True):
+            self._append(_record(_SET, key_b, self._data.get(key_b, b"") + to_bytes(value)))
+
+    def list_keys(self) -> list[str]:
+        with self._locked(exclusive=False):
+            return [key.decode() for key in self._data]
+
+    def queue_push(self, key: str, value: Value) -> None:
+        with self._locked(exclusive=True):
+            self._append(_record(_PUSH, key.encode(), to_bytes(value)))
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        key_b = key.encode()
+        deadline = Deadline(self.timeout)
+        delay = _POLL_FIRST_S
+        while True:
+            if self._snapshot([key_b], queues=True)[0] is not None:   # seen without the exclusive lock first
+                with self._locked(exclusive=True):
+                    queue = self._queues.get(key_b)
+                    if queue:                                     # not taken meanwhile by another process
+                        value = queue[0]
+                        self._append(_record(_POP, key_b))
+                        return value
+            if not block:
+                raise queue_empty_error(f"FileStore {self.path!r}", key)
+            if deadline.expired():
+                raise queue_timeout_error(f"FileStore {self.path!r}", key, deadline.timeout)
+            time.sleep(min(delay, deadline.remaining()))
+            delay = min(delay * 2, _POLL_MAX_S)
+
+    def queue_len(self, key: str) -> int:
+        with self._locked(exclusive=False):
+            return len(self._queues.get(key.encode(), ()))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return self._wait_for([key.encode() for key in keys], self.timeout)

@@ -25,7 +25,7 @@ from spmd._core import env
 from spmd._core.deadline import Deadline, as_seconds
 from spmd._core.errors import StoreAuthError, StoreError
 from spmd.comm.store import tcp_wire as wire
-from spmd.comm.store.base import Store, Value, missing_keys_error, to_bytes
+from spmd.comm.store.base import Store, Value, missing_keys_error, queue_empty_error, queue_timeout_error, to_bytes
 from spmd.comm.store.tcp_server import StoreServer, is_loopback_host
 
 _REPLY_GRACE_S = 10.0     # how much longer than a blocking call's own timeout a client waits for its reply
@@ -417,3 +417,27 @@ class TCPStore(Store):
         for key, value in zip(keys, values):
             fields += (key.encode(), to_bytes(value))
         self._request(wire.MULTI_SET, fields, ", ".join(keys))
+
+    def append(self, key: str, value: Value) -> None:
+        self._request(wire.APPEND, [key.encode(), to_bytes(value)], key)
+
+    def list_keys(self) -> list[str]:
+        return [key.decode() for key in self._request(wire.LIST_KEYS, [], "")]
+
+    def queue_push(self, key: str, value: Value) -> None:
+        self._request(wire.QUEUE_PUSH, [key.encode(), to_bytes(value)], key)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        timeout = self.timeout
+        status, reply = self._client.call(
+            wire.QUEUE_POP, [key.encode(), b"1" if block else b"0", wire.seconds_field(timeout)],
+            self._reply_within(timeout), key)
+        if status == wire.EMPTY:
+            raise queue_empty_error(f"TCPStore {self.host}:{self.port}", key)
+        if status == wire.TIMEOUT:
+            raise queue_timeout_error(f"TCPStore {self.host}:{self.port}", key, timeout)
+        self._check(status, reply, "queue_pop", key)
+        return reply[0]
+
+    def queue_len(self, key: str) -> int:
+        return int(self._request(wire.QUEUE_LEN, [key.encode()], key)[0])

@@ -12,6 +12,7 @@ anyone may reach, cannot starve the token-named local socket that this machine's
 
 from __future__ import annotations
 
+import collections
 import enum
 import errno
 import heapq
@@ -145,6 +146,7 @@ class StoreServer:
     def __init__(self, host: str, port: int, token: str | None) -> None:
         self._token = None if token is None else token.encode()
         self._data: dict[bytes, bytes] = {}
+        self._queues: dict[bytes, collections.deque[bytes]] = {}   # only queues that hold a value
         self._watchers: dict[bytes, set[_Waiter]] = {}
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._seq = itertools.count()
@@ -173,7 +175,8 @@ class StoreServer:
             wire.SET: self._set, wire.GET: self._get, wire.ADD: self._add,
             wire.CAS: self._cas, wire.WAIT: self._wait, wire.CHECK: self._check, wire.DELETE: self._delete,
             wire.NUM_KEYS: self._num_keys, wire.MULTI_GET: self._multi_get, wire.MULTI_SET: self._multi_set,
-            wire.WAIT_COUNT: self._wait_count}
+            wire.WAIT_COUNT: self._wait_count, wire.APPEND: self._append, wire.LIST_KEYS: self._list_keys,
+            wire.QUEUE_PUSH: self._queue_push, wire.QUEUE_POP: self._queue_pop, wire.QUEUE_LEN: self._queue_len}
         if self._token is None and not all(_is_loopback(address) for address in self.addresses):
             _warn_open_listener(host, self.port)
         self._thread = threading.Thread(target=self._serve, name=f"spmd-tcpstore-server:{self.port}", daemon=True)
@@ -511,8 +514,8 @@ class StoreServer:
 
     def _park(self, conn: _Conn, op: int, keys: list[bytes], timeout: float, target: int = 0) -> None:
         data = self._data
-        if op != wire.WAIT_COUNT and all(key in data for key in keys):   # the common case: answer at once
-            self._reply(conn, wire.OK, [data[key] for key in keys] if op != wire.WAIT else ())
+        if op in (wire.GET, wire.MULTI_GET) and all(key in data for key in keys):   # the common case: answer now
+            self._reply(conn, wire.OK, [data[key] for key in keys])
             return
         waiter = _Waiter(conn, op, keys, target)
         if self._ready(waiter):
@@ -538,7 +541,12 @@ class StoreServer:
             waiter.missing = {waiter.keys[0]}
             value = self._data.get(waiter.keys[0], b"")
             return value.lstrip(b"-").isdigit() and int(value) >= waiter.target
-        waiter.missing = {key for key in waiter.keys if key not in self._data}
+        if waiter.op == wire.WAIT:   # a wait sees queues holding a value too
+            waiter.missing = {key for key in waiter.keys if key not in self._data and key not in self._queues}
+        elif waiter.op == wire.QUEUE_POP:
+            waiter.missing = {key for key in waiter.keys if key not in self._queues}
+        else:
+            waiter.missing = {key for key in waiter.keys if key not in self._data}
         return not waiter.missing
 
     def _watch(self, waiter: _Waiter) -> None:
@@ -561,6 +569,8 @@ class StoreServer:
         self._unpark(waiter)
         if waiter.op in (wire.GET, wire.MULTI_GET):
             self._reply(waiter.conn, wire.OK, [self._data[key] for key in waiter.keys])
+        elif waiter.op == wire.QUEUE_POP:
+            self._reply(waiter.conn, wire.OK, [self._pop(waiter.keys[0])])
         else:
             self._reply(waiter.conn, wire.OK)
         if parked:
@@ -573,7 +583,8 @@ class StoreServer:
             count = self._data.get(waiter.keys[0], b"0")
             self._reply(waiter.conn, wire.TIMEOUT, [count])
         else:
-            self._reply(waiter.conn, wire.TIMEOUT, [key for key in waiter.keys if key not in self._data])
+            self._ready(waiter)
+            self._reply(waiter.conn, wire.TIMEOUT, [key for key in waiter.keys if key in waiter.missing])
         if parked:
             self._resume.append(waiter.conn)
 
@@ -598,15 +609,21 @@ class StoreServer:
         if not watching:
             return
         finished = []
+        popping = 0   # values of this queue promised to the poppers finished below
         for waiter in list(watching):
             if waiter.op != wire.WAIT_COUNT:
                 waiter.missing.discard(key)
                 watching.discard(waiter)
                 if waiter.missing:
                     continue
-            if self._ready(waiter):   # re-checks every key: one may have been deleted since it was seen
+            if waiter.op == wire.QUEUE_POP and len(self._queues.get(key, ())) > popping:   # one value each
+                popping += 1
                 finished.append(waiter)
+            elif waiter.op != wire.QUEUE_POP and self._ready(waiter):   # re-checks every key: one may have
+                finished.append(waiter)                                   # been deleted since it was seen
             else:
+                if waiter.op == wire.QUEUE_POP:
+                    waiter.missing = {key}
                 self._watch(waiter)
         if not watching and self._watchers.get(key) is watching:
             del self._watchers[key]
@@ -698,7 +715,8 @@ class StoreServer:
         self._park(conn, wire.WAIT, fields[1:], wire.parse_seconds(fields[0]))
 
     def _check(self, conn: _Conn, fields: list[bytes]) -> None:
-        self._reply(conn, wire.OK, [b"1" if all(key in self._data for key in fields) else b"0"])
+        present = all(key in self._data or key in self._queues for key in fields)
+        self._reply(conn, wire.OK, [b"1" if present else b"0"])
 
     def _delete(self, conn: _Conn, fields: list[bytes]) -> None:
         (key,) = fields
@@ -721,6 +739,39 @@ class StoreServer:
     def _wait_count(self, conn: _Conn, fields: list[bytes]) -> None:
         key, target, timeout = fields
         self._park(conn, wire.WAIT_COUNT, [key], wire.parse_seconds(timeout), int(target))
+
+    def _append(self, conn: _Conn, fields: list[bytes]) -> None:
+        key, value = fields
+        self._data[key] = self._data.get(key, b"") + value
+        self._changed(key)
+
+    def _list_keys(self, conn: _Conn, fields: list[bytes]) -> None:
+        self._reply(conn, wire.OK, list(self._data))
+
+    def _queue_push(self, conn: _Conn, fields: list[bytes]) -> None:
+        key, value = fields
+        self._queues.setdefault(key, collections.deque()).append(value)
+        self._changed(key)
+
+    def _pop(self, key: bytes) -> bytes:
+        queue = self._queues[key]
+        value = queue.popleft()
+        if not queue:
+            del self._queues[key]
+        return value
+
+    def _queue_pop(self, conn: _Conn, fields: list[bytes]) -> None:
+        key, block, timeout = fields
+        if key in self._queues:
+            self._reply(conn, wire.OK, [self._pop(key)])
+        elif block == b"0":
+            self._reply(conn, wire.EMPTY)
+        else:
+            self._park(conn, wire.QUEUE_POP, [key], wire.parse_seconds(timeout))
+
+    def _queue_len(self, conn: _Conn, fields: list[bytes]) -> None:
+        (key,) = fields
+        self._reply(conn, wire.OK, [str(len(self._queues.get(key, ()))).encode()])
 
 
 def _warn_open_listener(host: str, port: int) -> None:

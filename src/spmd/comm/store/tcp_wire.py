@@ -3,7 +3,8 @@
 Layer: comm. Nothing is ever pickled: a frame is a header (u32 body length, u8 opcode or reply status) and a
 body made of fields, each a u32 length and that many bytes; numbers travel as decimal text.
 
-Note: replies come in request order, one per request, except for the UNANSWERED requests (set, multi_set):
+Note: replies come in request order, one per request, except for the UNANSWERED requests (set, multi_set,
+append, queue_push):
 those are answered only when they fail, with status QUIET_FAILED, so a client sends them and moves on (as
 torch's set does) and reads such a failure ahead of the reply to a later request. The server applies each
 connection's requests in order, so that connection's later requests see the write; another connection sees
@@ -46,7 +47,7 @@ from collections.abc import Sequence
 
 HEADER = struct.Struct("!IB")
 LENGTH = struct.Struct("!I")
-MAGIC = b"spmd-store/3"
+MAGIC = b"spmd-store/4"
 NONCE_BYTES = 16
 MAX_HELLO = 4096
 MAX_FRAME = 64 << 20
@@ -58,13 +59,14 @@ CLIENT_SIDE, SERVER_SIDE = b"client", b"server"
 
 # Opcodes (client -> server).
 (HELLO, SET, GET, ADD, CAS, WAIT, CHECK, DELETE, NUM_KEYS, MULTI_GET, MULTI_SET, WAIT_COUNT,
- AUTH) = range(1, 14)
+ AUTH, APPEND, LIST_KEYS, QUEUE_PUSH, QUEUE_POP, QUEUE_LEN) = range(1, 19)
 OP_NAMES = {SET: "set", GET: "get", ADD: "add", CAS: "compare_set", WAIT: "wait", CHECK: "check",
             DELETE: "delete_key", NUM_KEYS: "num_keys", MULTI_GET: "multi_get", MULTI_SET: "multi_set",
-            WAIT_COUNT: "wait_for_workers", HELLO: "connect", AUTH: "connect"}
-UNANSWERED = frozenset({SET, MULTI_SET})   # answered only when they fail (with QUIET_FAILED)
-# Reply statuses (server -> client).
-OK, TIMEOUT, ERROR, BAD_VALUE, REFUSED, QUIET_FAILED = range(6)
+            WAIT_COUNT: "wait_for_workers", HELLO: "connect", AUTH: "connect", APPEND: "append",
+            LIST_KEYS: "list_keys", QUEUE_PUSH: "queue_push", QUEUE_POP: "queue_pop", QUEUE_LEN: "queue_len"}
+UNANSWERED = frozenset({SET, MULTI_SET, APPEND, QUEUE_PUSH})   # answered only when they fail (QUIET_FAILED)
+# Reply statuses (server -> client). EMPTY: a non-blocking queue_pop found its queue empty.
+OK, TIMEOUT, ERROR, BAD_VALUE, REFUSED, QUIET_FAILED, EMPTY = range(7)
 
 
 class FrameTooLarge(ValueError):
