@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import spmd
-from spmd._core.errors import StoreError, StoreTimeoutError
+from spmd._core.errors import QueueEmptyError, StoreError, StoreTimeoutError
 from spmd.comm import torch_backend
 from spmd.comm.torch_backend import TorchStore
 from spmd.comm.world import current_world
@@ -246,12 +246,15 @@ def test_torchs_coalescing_manager_runs_on_the_spmd_backend(procpool: ProcPool) 
         assert out["summed"] == [[3.0, 3.0, 3.0], [4.0, 4.0]]
 
 
-@pytest.mark.parametrize("first", ["spmd", "torch", "spmd.comm.world", "spmd.ReduceOp", "spmd.ProcessGroup"])
+@pytest.mark.parametrize("first", ["spmd", "torch", "spmd.comm.world", "spmd.ReduceOp", "spmd.ProcessGroup",
+                                   "spmd.comm.torch_backend"])
 def test_importing_spmd_makes_its_backend_known_to_torch_in_either_order(first: str) -> None:
-    # the last three import torch first from inside an spmd module's import, which is not whole yet then
+    # the last four import torch first from inside an spmd module's import, which is not whole yet then (the last
+    # one is the backend's own module)
     imports = {"spmd": "import spmd; import torch", "torch": "import torch; import spmd",
                "spmd.comm.world": "import spmd; import spmd.comm.world", "spmd.ReduceOp": "import spmd; spmd.ReduceOp",
-               "spmd.ProcessGroup": "import spmd; spmd.ProcessGroup"}[first]
+               "spmd.ProcessGroup": "import spmd; spmd.ProcessGroup",
+               "spmd.comm.torch_backend": "import spmd; from spmd.comm.torch_backend import TorchStore"}[first]
     code = (f"import sys; {imports}; import torch.distributed as dist; "
             f"print('SPMD' in dist.Backend._plugins, 'torch._dynamo' in sys.modules)")
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
@@ -293,6 +296,24 @@ def test_torch_store_adapter_gives_spmds_store_semantics() -> None:
     assert store.check(["a"]) and not store.check(["a", "b"]) and store.delete_key("a")
     with pytest.raises(StoreTimeoutError, match=r"waiting for key\(s\) \['b'\]"):
         store.wait(["n", "b"], timeout=0.05)
+    store.append("log", "x")
+    store.append("log", "y")
+    assert store.get("log") == b"xy" and sorted(store.list_keys()) == ["log", "n"] and store.has_extended_api()
+    store.queue_push("q", "1")
+    store.queue_push("q", "2")
+    assert store.queue_len("q") == 2 and store.queue_pop("q") == b"1" and store.queue_pop("q", block=False) == b"2"
+    with pytest.raises(QueueEmptyError):
+        store.queue_pop("q", block=False)
+    popped: list[bytes] = []
+    popper = threading.Thread(target=lambda: popped.append(store.queue_pop("q")))   # polls torch's store
+    popper.start()
+    store.queue_push("q", "3")
+    popper.join(timeout=10)
+    assert popped == [b"3"]
+    store.set_timeout(0.05)
+    with pytest.raises(StoreTimeoutError, match="nothing was pushed to queue 'q'"):
+        store.queue_pop("q")
+    store.set_timeout(5.0)
     failures: list[BaseException] = []
 
     def wait_for_ever() -> None:

@@ -54,6 +54,7 @@ from torch import Tensor
 from spmd._core.compile import disable_once_dynamo_imported
 from spmd._core.deadline import Deadline, as_seconds
 from spmd._core.errors import StoreError
+from spmd.comm import torch_hook
 from spmd.comm.store.base import Store, Value, missing_keys_error, queue_empty_error, queue_timeout_error, to_bytes
 
 if TYPE_CHECKING:
@@ -779,3 +780,6 @@ def torch_mpi_built() -> bool:
 def cuda_usable() -> bool:
     """Whether this process sees a CUDA device."""
     return torch.cuda.is_available()
+
+
+torch_hook.register_or_warn(register)   # this module's import imported torch: torch_hook left it to us

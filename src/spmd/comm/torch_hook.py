@@ -15,10 +15,11 @@ import sys
 import threading
 import types
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _TORCH = "torch"
+_BACKEND_MODULE = "spmd.comm.torch_backend"
 _lock = threading.Lock()
 
 
@@ -35,13 +36,28 @@ def install() -> None:
 
 
 def _register() -> None:
+    importing = sys.modules.get(_BACKEND_MODULE)
+    if importing is not None and getattr(importing.__spec__, "_initializing", False):
+        return   # torch's import came from the backend module's own import, which registers at its end
     try:
         from spmd.comm import torch_backend
-
-        torch_backend.register()
     except Exception as error:   # torch's import must not fail for spmd's sake; say what is missing instead
-        warnings.warn(f"spmd: could not register the 'spmd' torch.distributed backend ({error!r}); "
-                      f"torch's init_process_group('spmd') will not find it", stacklevel=2)
+        _warn(error)
+        return
+    register_or_warn(torch_backend.register)
+
+
+def register_or_warn(register: Callable[[], None]) -> None:
+    """Run torch_backend's `register`, turning a failure into a warning."""
+    try:
+        register()
+    except Exception as error:
+        _warn(error)
+
+
+def _warn(error: Exception) -> None:
+    warnings.warn(f"spmd: could not register the 'spmd' torch.distributed backend ({error!r}); "
+                  f"torch's init_process_group('spmd') will not find it", stacklevel=3)
 
 
 class _AfterTorchImport(importlib.abc.MetaPathFinder):
