@@ -37,6 +37,7 @@ ALLOWED: dict[str, set[str]] = {
     # aliases at torch's module paths: each sits in the layer of what it re-exports
     "distributed_c10d": {"_core", "comm"},
     "constants": {"_core", "comm"},
+    "collective_utils": {"_core", "comm"},
     "utils": {"_core", "comm"},
     "_functional_collectives": {"_core", "comm", "device_mesh", "nn"},
     "_tensor": {"_core", "comm", "device_mesh", "tensor"},

@@ -130,7 +130,8 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "tensor.parallel.ddp",
                  "optim.apply_optimizer_in_backward", "constants", "checkpoint.optimizer",
                  "_tools", "_tools.mem_tracker", "_tools.fsdp2_mem_tracker", "_tools.mod_tracker",
-                 "_tools.runtime_estimator", "debug", "tensor._random", "_composable.fsdp.fully_shard"]
+                 "_tools.runtime_estimator", "debug", "collective_utils", "tensor._random",
+                 "_composable.fsdp.fully_shard"]
 
 
 def _api_names(module: object) -> list[str]:

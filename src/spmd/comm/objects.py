@@ -40,6 +40,16 @@ def _from_tensor(data: Tensor, length: int) -> Any:
     return pickle.loads(data[:length].numpy().tobytes())
 
 
+def portable_exception(error: Exception) -> Exception:
+    """`error` if it survives pickling (its class importable, its arguments picklable), else a RuntimeError
+    naming its type and message: an exception that an object collective carries to other ranks."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__qualname__}: {error}")
+    return error
+
+
 @on_real_tensors
 def all_gather_object(object_list: list[Any], obj: Any, group: AnyGroup | None = None) -> None:
     """object_list[i] <- rank i's `obj`, on every rank. Collective."""
