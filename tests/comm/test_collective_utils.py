@@ -60,7 +60,7 @@ def test_without_a_group_nothing_travels() -> None:
     assert broadcast(lambda: "here") == "here"
     assert broadcast(lambda: "elsewhere", rank=1) is None
     assert all_gather(lambda: 5) == [5]
-    with pytest.raises(RuntimeError, match="all_gather failed with exception .boom.") as caught:
+    with pytest.raises(RuntimeError, match=r"all_gather failed with exception .boom.") as caught:
         all_gather(lambda: (_ for _ in ()).throw(KeyError("boom")))
     assert isinstance(caught.value.__cause__, KeyError)
 
