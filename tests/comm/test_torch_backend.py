@@ -234,7 +234,10 @@ def _coalesced(rank: int, world_size: int) -> dict[str, Any]:
         with _coalescing_manager(device=torch.device("cpu")):
             for tensor in summed:
                 dist.all_reduce(tensor)
-        return {"gathered": [t.tolist() for t in gathered], "summed": [t.tolist() for t in summed]}
+        blocked = torch.ones(2)
+        dist.all_reduce(blocked, async_op=True).block_current_stream()   # torch's base Work fails on it
+        return {"gathered": [t.tolist() for t in gathered], "summed": [t.tolist() for t in summed],
+                "blocked": blocked.tolist()}
     finally:
         dist.destroy_process_group()
 
@@ -244,6 +247,7 @@ def test_torchs_coalescing_manager_runs_on_the_spmd_backend(procpool: ProcPool) 
     for out in procpool.run(_coalesced, 2, timeout=60):
         assert out["gathered"] == [[0.0] * 4 + [1.0] * 4, [10.0, 10.0, 11.0, 11.0]]
         assert out["summed"] == [[3.0, 3.0, 3.0], [4.0, 4.0]]
+        assert out["blocked"] == [2.0, 2.0]
 
 
 @pytest.mark.parametrize("first", ["spmd", "torch", "spmd.comm.world", "spmd.ReduceOp", "spmd.ProcessGroup",

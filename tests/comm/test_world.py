@@ -100,6 +100,9 @@ def test_async_ops_complete_in_program_order_and_futures_resolve() -> None:
         future = spmd.all_reduce(last, async_op=True).get_future()
         future.wait()
         assert all(w.is_completed() for w in works)   # issued earlier, so finished before `last`
+        blocked = torch.ones(2)
+        spmd.all_reduce(blocked, async_op=True).block_current_stream()   # torch's name for a stream-side wait
+        assert blocked.tolist() == [3.0, 3.0]
         results = [w.result()[0][0].item() for w in works]
         return [*results, future.value()[0].item()]
 

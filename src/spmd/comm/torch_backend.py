@@ -124,6 +124,10 @@ class _SpmdWork(dist.Work):
     def synchronize(self) -> None:
         self.wait()
 
+    def block_current_stream(self) -> None:
+        """As spmd's Work.block_current_stream (torch's base fails for a Python Work: no stream block to make)."""
+        self.wait()
+
     def get_future(self) -> torch.futures.Future:
         if self._work is None:
             done: torch.futures.Future = torch.futures.Future()
@@ -158,6 +162,10 @@ class _CoalescedWork(dist.Work):
         return [tensor for work in self._works for tensor in work._outputs]
 
     def synchronize(self) -> None:
+        self.wait()
+
+    def block_current_stream(self) -> None:
+        """As spmd's Work.block_current_stream (torch's base fails for a Python Work: no stream block to make)."""
         self.wait()
 
     def get_future(self) -> torch.futures.Future:

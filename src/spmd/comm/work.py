@@ -169,6 +169,11 @@ class Work:
     def synchronize(self) -> None:
         self.wait()
 
+    def block_current_stream(self) -> None:
+        """torch's: the caller's current stream waits for the op. torch's returns at once; spmd's own transports
+        run an op on the host, so the host waits for it first, as `wait` does (on the CPU, the same as `wait`)."""
+        self.wait()
+
     def get_future(self) -> torch.futures.Future:
         """A torch Future whose value is the list of output tensors (set when the operation finishes)."""
         with self._lock:
