@@ -500,3 +500,74 @@ def test_an_optimizers_own_state_dict_loads_as_torch_takes_it() -> None:
             set_optimizer_state_dict(fresh_model, fresh, {"state": {99: {}}, "param_groups": []})
 
     run_ranks(body, 2, timeout=60)
+
+
+class Router(nn.Module):
+    """A module whose state dict calls its child's weight by its own name (`gate.weight` saved as `weight`, as a
+    MoE router keeps a checkpoint's names), saying so with `_fqn_modifiers` (torch's convention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 4, bias=False)
+        self.scale = nn.Parameter(torch.ones(4))
+        self.register_state_dict_post_hook(lambda module, state, prefix, local: state.__setitem__(
+            prefix + "weight", state.pop(prefix + "gate.weight")))
+        self.register_load_state_dict_pre_hook(lambda module, state, prefix, *rest: state.__setitem__(
+            prefix + "gate.weight", state.pop(prefix + "weight")))
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        return {"weight": "gate"}
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.gate(x) * self.scale
+
+
+def routed() -> nn.Module:
+    with seeded(0):
+        return nn.Sequential(nn.Linear(8, 8), Router())
+
+
+def test_a_module_hiding_a_childs_name_is_keyed_as_torch_keys_it_and_round_trips() -> None:
+    """torch's keys: the model's as its state_dict() names them (`1.weight`), the optimizer's as named_parameters()
+    does (`1.gate.weight`); torch needs `_fqn_modifiers` to walk the renamed key, spmd does not."""
+    from torch.distributed.checkpoint import state_dict as torch_state_dict
+
+    model = routed()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 8)).sum().backward()
+    optimizer.step()
+    ours = get_state_dict(model, optimizer)
+    assert list(ours[0]) == ["0.weight", "0.bias", "1.scale", "1.weight"]
+    assert list(ours[1]["state"]) == ["0.weight", "0.bias", "1.scale", "1.gate.weight"]
+    assert_equal_trees(ours, torch_state_dict.get_state_dict(model, optimizer))
+    for options in (None, StateDictOptions(dsd_fqn_modifiers="_no_such_method")):
+        other = nn.Sequential(nn.Linear(8, 8), Router())
+        other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
+        set_state_dict(other, other_optimizer, model_state_dict=ours[0], optim_state_dict=ours[1], options=options)
+        assert_equal_trees(get_state_dict(other, other_optimizer, options=options), ours)
+
+
+def test_a_sharded_module_hiding_a_childs_name_round_trips_under_fsdp() -> None:
+    def body(rank: int, world_size: int) -> dict[str, Any]:
+        mesh = init_device_mesh("cpu", (world_size,))
+        model = routed()
+        fully_shard(model[1], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.randn(3, 8)).sum().backward()
+        optimizer.step()
+        full = StateDictOptions(full_state_dict=True)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        other = routed()
+        fully_shard(other[1], mesh=mesh)
+        fully_shard(other, mesh=mesh)
+        other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
+        set_state_dict(other, other_optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+        theirs = get_state_dict(other, other_optimizer, options=full)
+        ours = get_state_dict(model, optimizer, options=full)
+        return {"keys": sorted(ours[0]),
+                "same": all(theirs[0][key].equal(ours[0][key]) for key in ours[0])
+                and theirs[1]["state"]["1.gate.weight"]["exp_avg"].equal(ours[1]["state"]["1.gate.weight"]["exp_avg"])}
+
+    for out in run_ranks(body, world_size=2, timeout=60):
+        assert out == {"keys": ["0.bias", "0.weight", "1.scale", "1.weight"], "same": True}

@@ -374,7 +374,6 @@ SIGNATURES_NOT_SERVED = {
                     "torch's stream extensions and serialization format: TorchFormatWriter writes torch's format"),
     **dict.fromkeys(["checkpoint.save", "checkpoint.async_save"],
                     "use_collectives=False, torch's experimental uncoordinated save with per-rank metadata"),
-    "checkpoint.state_dict.StateDictOptions.__init__": "dsd_fqn_modifiers: torch's hook for modules that rename FQNs",
     **dict.fromkeys(["launcher.elastic_launch.__init__", "launcher.launch_agent"],
                     "torchelastic's health-check server"),
     **dict.fromkeys(["pipelining.Pipe.__init__", "pipelining.PipelineStage.__init__",

@@ -102,6 +102,10 @@ class StateDictOptions:
     - strict: set raises on missing or unexpected keys and dtype mismatches (shapes must always match).
     - broadcast_from_rank0: set takes the values from rank 0's full state dict (see Note: who calls what).
     - flatten_optimizer_state_dict: get returns the optimizer state flattened (see Note: state dict keys).
+    - dsd_fqn_modifiers: torch's name of the module method that tells its key walk which child a state dict hook
+      hid (`gate.weight` saved as `weight`); spmd's walk reads such keys without it, giving torch's keys (the
+      model's as its state_dict() names them, the optimizer's as named_parameters() does), so it is accepted and
+      needs no method.
     """
 
     full_state_dict: bool = False
@@ -111,6 +115,7 @@ class StateDictOptions:
     strict: bool = True
     broadcast_from_rank0: bool = False
     flatten_optimizer_state_dict: bool = False
+    dsd_fqn_modifiers: str = "_fqn_modifiers"
 
 
 # -- public API -----------------------------------------------------------------------------------------------
