@@ -66,7 +66,7 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
                             "torch's registry of C++ RPC agents: spmd has one agent, over its own transports"),
             **dict.fromkeys(["AllGatherStates", "method_factory", "new_method"],
                             "not API: internals of torch's RPC module")},
-    "elastic.utils": dict.fromkeys(["get_env_variable_or_raise", "get_socket_with_port", "macros"],
+    "elastic.utils": dict.fromkeys(["get_env_variable_or_raise", "macros"],
                                    "torchelastic's launcher internals: spmdrun reads the environment and picks ports "
                                    "itself"),
     "rpc.api": dict.fromkeys(["AllGatherStates", "method_factory", "new_method"], "not API: internals of torch's RPC "
@@ -123,7 +123,8 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "algorithms", "algorithms.join", "algorithms._comm_hooks", "algorithms._comm_hooks.default_hooks",
                  "optim",
                  "rpc", "rpc.api", "rpc.functions", "rpc.options", "autograd", "nn.api.remote_module",
-                 "elastic.utils", "elastic.utils.data", "elastic.utils.data.elastic_distributed_sampler",
+                 "elastic.utils", "elastic.utils.data", "elastic.utils.distributed",
+                 "elastic.utils.data.elastic_distributed_sampler",
                  "elastic.utils.data.cycling_iterator",
                  "nn.functional", "elastic.multiprocessing.errors", "launcher",
                  "launcher.api", "_tensor", "_composable.fsdp", "distributed_c10d", "_functional_collectives",
