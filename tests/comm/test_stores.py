@@ -548,10 +548,11 @@ def test_tcp_server_drops_silent_connections(monkeypatch: pytest.MonkeyPatch) ->
         master.close()
 
 
-def test_tcp_client_blocked_in_get_fails_when_master_closes() -> None:
+@pytest.mark.parametrize("blocked_in", ["get", "queue_pop"])
+def test_tcp_client_blocked_in_get_fails_when_master_closes(blocked_in: str) -> None:
     master = _master(timeout=60)
     client = TCPStore("127.0.0.1", master.port, timeout=60)
-    reader, errors = _in_thread(lambda: client.get("never"))
+    reader, errors = _in_thread(lambda: getattr(client, blocked_in)("never"))
     try:
         _until(_parked(master, "never"))
         start = time.monotonic()
