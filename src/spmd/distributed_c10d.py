@@ -36,6 +36,17 @@ from spmd.comm.collectives import (
 )
 from spmd.comm.debug import DebugLevel, get_debug_level
 from spmd.comm.group import NonMemberGroup, ProcessGroup
+from spmd.comm.group_methods import (
+    AllreduceCoalescedOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+)
 from spmd.comm.objects import (
     all_gather_object,
     broadcast_object_list,
@@ -80,10 +91,16 @@ from spmd.comm.world import set_group_timeout as _set_pg_timeout
 __all__ = [
     "SHRINK_ABORT",
     "SHRINK_DEFAULT",
+    "AllToAllOptions",
+    "AllreduceCoalescedOptions",
+    "AllreduceOptions",
     "Backend",
+    "BarrierOptions",
+    "BroadcastOptions",
     "DebugLevel",
     "DistStoreError",
     "FileStore",
+    "GatherOptions",
     "GroupMember",
     "HashStore",
     "NonMemberGroup",
@@ -91,6 +108,9 @@ __all__ = [
     "PrefixStore",
     "ProcessGroup",
     "ReduceOp",
+    "ReduceOptions",
+    "ReduceScatterOptions",
+    "ScatterOptions",
     "Store",
     "TCPStore",
     "Work",

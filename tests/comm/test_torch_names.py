@@ -20,11 +20,9 @@ from spmd._core.errors import CommTimeoutError
 from spmd.testing import run_ranks
 
 NOT_SERVED = {   # torch name -> why spmd has none
-    **dict.fromkeys(["AllToAllOptions", "AllreduceCoalescedOptions", "AllreduceOptions", "BarrierOptions",
-                     "BroadcastOptions", "GatherOptions", "ReduceOptions", "ReduceScatterOptions", "ScatterOptions",
-                     "BackendConfig", "get_backend_config", "ProcessGroupGloo", "Reducer", "Logger",
+    **dict.fromkeys(["BackendConfig", "get_backend_config", "ProcessGroupGloo", "Reducer", "Logger",
                      "BuiltinCommHookType"],
-                    "an object of torch's C++ c10d backends; spmd's groups and DDP take no options objects"),
+                    "an object of torch's C++ c10d backends; spmd's DDP takes no such objects"),
     "DistNetworkError": "network failures raise PeerLostError / PeerUnreachableError (DistBackendError) or a "
                         "StoreError (DistStoreError)",
     "record_comm": "a profiling name for torch's Work; spmd's flight recorder names every op with its call site",

@@ -10,8 +10,11 @@ point-to-point ops refuse them, as gloo's do.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
 import sys
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -178,6 +181,19 @@ def _assign(tensor: Tensor, flat: Tensor) -> None:
     increment_version(tensor)
 
 
+_op_timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar("spmd_op_timeout", default=None)
+
+
+@contextlib.contextmanager
+def op_timeout(seconds: float | None) -> Iterator[None]:
+    """Bound the collectives issued inside by `seconds` instead of their group's timeout (None: the group's)."""
+    token = _op_timeout.set(seconds)
+    try:
+        yield
+    finally:
+        _op_timeout.reset(token)
+
+
 def _run(group: ProcessGroup, op: str, like: Tensor | None, shape: tuple[int, ...] | None, body,
          outputs: list[Tensor], async_op: bool, reduce_op: ReduceOp | None = None,
          root: int | None = None, timeout: float | None = None) -> Work | None:
@@ -185,7 +201,7 @@ def _run(group: ProcessGroup, op: str, like: Tensor | None, shape: tuple[int, ..
     fingerprint = group.next_fingerprint(op, shape, dtype,
                                          None if reduce_op is None else reduce_op.name, root, user_call_site())
     return group.run(fingerprint, body, outputs, async_op, device=None if like is None else like.device,
-                     timeout=timeout)
+                     timeout=timeout if timeout is not None else _op_timeout.get())
 
 
 def all_reduce(tensor: Tensor, op: ReduceOp = ReduceOp.SUM, group: AnyGroup | None = None,

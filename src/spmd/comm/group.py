@@ -32,6 +32,7 @@ from spmd.comm.debug import (
     collect_statuses,
     describe_stragglers,
 )
+from spmd.comm.group_methods import TorchGroupMethods
 from spmd.comm.store.base import Store
 from spmd.comm.transports.base import OpContext, Transport
 from spmd.comm.work import Work, active_timer, caller_stream, charge_exposed
@@ -121,8 +122,9 @@ class GroupState(enum.Enum):
     CLOSED = enum.auto()    # destroyed: new operations raise; the executor finishes its queue, then exits
 
 
-class ProcessGroup:
-    """A group of ranks that communicate together (the role of torch's ProcessGroup).
+class ProcessGroup(TorchGroupMethods):
+    """A group of ranks that communicate together (the role of torch's ProcessGroup); torch's methods
+    (`allreduce`, `broadcast`, ...) come from TorchGroupMethods.
 
     Its `state` (GroupState) moves OPEN -> ABORTED on the first failure and OPEN or ABORTED -> CLOSED when
     it is destroyed; it never returns to OPEN.
