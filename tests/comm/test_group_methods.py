@@ -127,3 +127,45 @@ def test_bad_arguments_name_the_method_and_rank() -> None:
             pg.allreduce(torch.ones(1), torch_dist._make_nccl_premul_sum(2.0))
 
     run_ranks(body, world_size=2, timeout=30)
+
+
+def test_torchs_group_accessors_and_lifecycle_methods() -> None:
+    def body(rank: int, world_size: int) -> dict[str, Any]:
+        world = spmd.group.WORLD
+        named = spmd.new_group([0, 1], group_desc="tp")
+        split = spmd.split_group(split_ranks=[[0, 1], [2]], group_desc="halves")
+        out: dict[str, Any] = {"descs": (world.group_desc, getattr(named, "group_desc", None), split.group_desc),
+                               "device": world.bound_device_id}
+        store = world.get_group_store()
+        store.set(f"seen/{rank}", str(rank))
+        store.wait([f"seen/{r}" for r in range(world_size)])
+        out["store"] = sorted(store.get(f"seen/{r}").decode() for r in range(world_size))
+        world.barrier().wait()
+        if rank == 2:
+            split.abort()                                       # torch's abort(): no error to pass
+            with pytest.raises(spmd.DistBackendError, match=r"aborted by ProcessGroup.abort\(\) on rank 2"):
+                split.allreduce(torch.ones(1)).wait()
+            split.shutdown()
+        elif rank in (0, 1):
+            named.set_timeout(datetime.timedelta(seconds=0.3))
+            if rank == 0:
+                started = time.monotonic()
+                with pytest.raises(CommTimeoutError):
+                    named.barrier().wait()                      # rank 1 never comes: the new timeout bounds it
+                out["waited"] = time.monotonic() - started
+        return out
+
+    results = run_ranks(body, world_size=3, timeout=60, comm_timeout=60)
+    assert [out["descs"] for out in results] == [("default_pg", "tp", "halves"), ("default_pg", "tp", "halves"),
+                                                 ("default_pg", None, "halves")]
+    assert all(out["device"] is None and out["store"] == ["0", "1", "2"] for out in results)
+    assert results[0]["waited"] < 20
+
+
+def test_a_groups_bound_device_is_init_process_groups_device_id() -> None:
+    spmd.init_process_group("fake", rank=0, world_size=2, device_id=torch.device("cpu"), torch_default_group=False)
+    try:
+        assert spmd.group.WORLD.bound_device_id == torch.device("cpu")
+        assert spmd.new_group([0, 1]).bound_device_id == torch.device("cpu")
+    finally:
+        spmd.destroy_process_group()

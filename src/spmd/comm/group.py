@@ -145,6 +145,8 @@ class ProcessGroup(TorchGroupMethods):
         self.timeout = timeout
         self.backend = backend
         self.description = f"group '{name}' (ranks {self.ranks})"
+        self.group_desc = "undefined"              # torch's description of the group (new_group's group_desc)
+        self.bound_device_id: torch.device | None = None   # the device init_process_group's device_id bound
         self.host_name = socket.gethostname()      # errors name the host of the rank that raised them
         self._world_store = world_store
         self._recorder = recorder
@@ -369,9 +371,14 @@ class ProcessGroup(TorchGroupMethods):
 
     # -- lifetime -------------------------------------------------------------------------------------------
 
-    def abort(self, error: BaseException) -> None:
+    def abort(self, error: BaseException | None = None) -> None:
         """Fail this group on this rank (and, through the transport, on its peers). The first failure wins; a
-        failure while the closing group finishes its queue is reported too, and the group stays CLOSED."""
+        failure while the closing group finishes its queue is reported too, and the group stays CLOSED. Without
+        `error` (torch's `pg.abort()`), the failure is this call."""
+        if error is None:
+            error = GroupAbortedError(f"{self.description}: aborted by ProcessGroup.abort() on rank "
+                                      f"{self.global_rank}", reason=f"aborted by ProcessGroup.abort() on rank "
+                                      f"{self.global_rank}")
         with self._lock:
             if self._error is not None:
                 return

@@ -147,6 +147,19 @@ class _Call:
 class TorchGroupMethods:
     """torch's ProcessGroup methods (see the module docstring); mixed into spmd's ProcessGroup."""
 
+    def get_group_store(self) -> Any:
+        """The group's own store (its keys under the group's prefix), as torch's."""
+        return self.store
+
+    def set_timeout(self, timeout: float | datetime.timedelta) -> None:
+        """Bound the group's later operations by `timeout` instead (seconds or a timedelta)."""
+        self.timeout = as_seconds(timeout, self.timeout, f"ProcessGroup.set_timeout on {self.description}")
+
+    def shutdown(self) -> None:
+        """torch's name for destroying the group on this rank: queued operations finish, then its transport is
+        released (`close`)."""
+        self.close()
+
     def _issue(self, call: _Call, start: Callable[[], Work | None]) -> Work:
         from spmd.comm.collectives import op_timeout
 

@@ -69,6 +69,8 @@ class World:
         status_store = store.clone()
         self.status_service = StatusService(status_store, rank, self.recorder, owns_store=status_store is not store)
         self.default_group = self.create_group(list(range(world_size)), timeout, backend, name="default")
+        if isinstance(self.default_group, ProcessGroup):
+            self.default_group.group_desc = "default_pg"     # torch's name for it
 
     def _exchange_hosts(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(host identity, hostname) of every rank: identities group ranks by host, names are for messages."""
@@ -102,6 +104,7 @@ class World:
             transport = create_transport(transport_name, spec)
             group = ProcessGroup(name, ranks, ranks.index(self.rank), transport, spec.store, self.store, timeout,
                                  self.recorder, transport.name, self.observers)
+            group.bound_device_id = self.device
         self.requested_backends[name] = backend
         torch_name = torch_style_name(backend)
         if torch_name is not None:
@@ -424,7 +427,8 @@ def new_group(ranks: list[int] | None = None, timeout: float | datetime.timedelt
     With `use_local_synchronization=True` (as torch's), only the members call it, in the same order among
     themselves; a non-member that calls it gets a NonMemberGroup and nothing else happens. Group ranks follow
     the global ranks' order (`sort_ranks=False` with ranks out of order, torch's group ranks in the given order,
-    is refused). `pg_options`, `group_desc` and `device_id` are accepted for torch's signature and not used."""
+    is refused). `group_desc` is kept as the group's `group_desc`; `pg_options` and `device_id` are accepted for
+    torch's signature and not used (a group's device is the one init_process_group's device_id bound)."""
     world = current_world()
     given = list(range(world.world_size)) if ranks is None else _check_members(ranks, world)
     members = sorted(given)
@@ -439,7 +443,10 @@ def new_group(ranks: list[int] | None = None, timeout: float | datetime.timedelt
         name = f"local/{'-'.join(map(str, key))}/{world.local_groups_made[key]}"
     else:
         name = world.next_group_name()
-    return world.create_group(members, as_seconds(timeout, world.timeout), backend or world.backend, name)
+    group = world.create_group(members, as_seconds(timeout, world.timeout), backend or world.backend, name)
+    if group_desc is not None and isinstance(group, ProcessGroup):
+        group.group_desc = group_desc
+    return group
 
 
 def _check_members(ranks: object, world: World) -> list[int]:
@@ -470,7 +477,8 @@ def new_subgroups(group_size: int | None = None, group: AnyGroup | None = None,
     """Split `group` (default: the world) into contiguous groups of `group_size` of its ranks; returns (this rank's
     group, or None outside `group`, and all of them). Without `group_size`, one group per host: torch's default
     is one per machine's GPUs, and spmd's ranks per host are what it knows of the machine. Collective: every rank
-    of the world calls it. `pg_options` and `group_desc` are accepted for torch's signature and not used."""
+    of the world calls it. `group_desc` becomes each group's `group_desc`; `pg_options` is accepted for torch's
+    signature and not used."""
     world = current_world()
     ranks = list(range(world.world_size)) if group is None else list(group.ranks)   # a non-member knows them too
     where = f"spmd.new_subgroups on rank {world.rank}"
@@ -482,7 +490,7 @@ def new_subgroups(group_size: int | None = None, group: AnyGroup | None = None,
         group_size = next(iter(per_host.values()))
     if group_size <= 0 or len(ranks) % group_size:
         raise ValueError(f"{where}: group_size {group_size} must divide the group's size {len(ranks)}")
-    groups = [new_group(ranks[start:start + group_size], timeout=timeout, backend=backend)
+    groups = [new_group(ranks[start:start + group_size], timeout=timeout, backend=backend, group_desc=group_desc)
               for start in range(0, len(ranks), group_size)]
     mine = [g for g in groups if world.rank in g.ranks]
     return (mine[0] if mine else None), groups
@@ -492,8 +500,8 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: list[list[int]], timeo
                                  None = None, backend: str | None = None, pg_options: object = None,
                                  group_desc: str | None = None) -> tuple[AnyGroup | None, list[AnyGroup]]:
     """A group per list of ranks (the lists disjoint); returns (this rank's group or None, all of them).
-    Collective: every rank calls it with the same lists. `pg_options` and `group_desc` are accepted for torch's
-    signature and not used."""
+    Collective: every rank calls it with the same lists. `group_desc` becomes each group's `group_desc`;
+    `pg_options` is accepted for torch's signature and not used."""
     world = current_world()
     seen: set[int] = set()
     for ranks in ranks_per_subgroup_list:
@@ -502,7 +510,8 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: list[list[int]], timeo
             raise ValueError(f"spmd.new_subgroups_by_enumeration on rank {world.rank}: rank(s) "
                              f"{sorted(seen & set(members))} are in more than one of {ranks_per_subgroup_list}")
         seen |= set(members)
-    groups = [new_group(ranks, timeout=timeout, backend=backend) for ranks in ranks_per_subgroup_list]
+    groups = [new_group(ranks, timeout=timeout, backend=backend, group_desc=group_desc)
+              for ranks in ranks_per_subgroup_list]
     mine = [g for g in groups if world.rank in g.ranks]
     return (mine[0] if mine else None), groups
 
@@ -512,8 +521,8 @@ def split_group(parent_pg: AnyGroup | None = None, split_ranks: list[list[int]] 
                 group_desc: str | None = None, backend: str | None = None) -> ProcessGroup | None:
     """Split `parent_pg` (default: the world) into disjoint groups of its group ranks, `split_ranks`; returns
     this rank's group, or None if no split holds it. Collective over the parent only: every member calls it
-    with the same splits. The groups keep the parent's backend unless `backend` is given; `pg_options` and
-    `group_desc` are accepted for torch's signature and not used."""
+    with the same splits. The groups keep the parent's backend unless `backend` is given; `group_desc` becomes
+    the group's `group_desc`; `pg_options` is accepted for torch's signature and not used."""
     world = current_world()
     parent = resolve_group(parent_pg, "split_group")
     where = f"spmd.split_group on rank {world.rank}"
@@ -537,7 +546,7 @@ def split_group(parent_pg: AnyGroup | None = None, split_ranks: list[list[int]] 
         return None
     chosen = backend or world.requested_backends.get(parent.name, world.backend)
     group = new_group([parent.ranks[r] for r in mine], timeout=timeout if timeout is not None else parent.timeout,
-                      backend=chosen, use_local_synchronization=True)
+                      backend=chosen, use_local_synchronization=True, group_desc=group_desc)
     assert isinstance(group, ProcessGroup)
     return group
 
