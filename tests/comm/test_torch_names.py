@@ -53,6 +53,11 @@ MODULES_NOT_SERVED: dict[str, dict[str, str]] = {   # torch module path -> {name
     "checkpoint.state_dict": dict.fromkeys(["FQNS_T", "PrimitiveType", "DictValueType", "ListDictValueType"],
                                            "type aliases"),
     "checkpoint.stateful": {"StatefulT": "a type variable"},
+    **{path: dict.fromkeys(["start_processes", "MultiprocessContext", "PContext", "SubprocessContext", "RunProcsResult",
+                            "ProcessFailure", "LogsDest", "to_map", "get_std_cm"],
+                           "torchelastic's process-starting layer under its agent: spmdrun starts and watches its "
+                           "workers itself (spmd.run.spawn starts processes from Python)")
+       for path in ("elastic.multiprocessing", "elastic.multiprocessing.api")},
     "elastic.multiprocessing.errors": dict.fromkeys(["ProcessFailure", "ErrorHandler", "get_error_handler"],
                                                     "torchelastic's error files: spmdrun reports a worker's "
                                                     "traceback itself"),
@@ -124,7 +129,8 @@ TORCH_MODULES = ["tensor", "tensor.parallel", "tensor.debug", "tensor.placement_
                  "elastic.utils", "elastic.utils.data", "elastic.utils.distributed",
                  "elastic.utils.data.elastic_distributed_sampler",
                  "elastic.utils.data.cycling_iterator",
-                 "nn.functional", "elastic.multiprocessing.errors", "launcher",
+                 "nn.functional", "elastic.multiprocessing.errors", "elastic.multiprocessing",
+                 "elastic.multiprocessing.api", "launcher",
                  "launcher.api", "_tensor", "_composable.fsdp", "distributed_c10d", "_functional_collectives",
                  "fsdp._fully_shard", "fsdp._fully_shard._fsdp_api", "tensor.parallel.input_reshard",
                  "tensor.parallel.ddp",

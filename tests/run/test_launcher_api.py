@@ -92,3 +92,17 @@ def test_std_parses_as_torchs() -> None:
             assert {rank: int(flag) for rank, flag in ours.items()} == {rank: int(f) for rank, f in theirs.items()}
         else:
             assert int(ours) == int(theirs)
+
+
+def test_a_signal_to_the_agent_raises_torchs_signal_exception() -> None:
+    """A worker sends SIGTERM to its agent (this process, where elastic_launch runs it): the workers are stopped
+    and elastic_launch raises SignalException with the signal, as torch's does."""
+    import signal
+
+    from spmd.elastic.multiprocessing.api import SignalException
+
+    kill_parent = ("import os, signal, time; os.environ['RANK'] == '0' and os.kill(os.getppid(), signal.SIGTERM); "
+                   "time.sleep(60)")
+    with pytest.raises(SignalException, match="got signal SIGTERM") as raised:
+        elastic_launch(_config(), sys.executable)("-c", kill_parent)
+    assert raised.value.sigval == signal.SIGTERM

@@ -61,6 +61,15 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
+class SignalException(Exception):
+    """torch's elastic `SignalException`: a launch from Python (elastic_launch) was stopped by a signal to its agent;
+    `sigval` is the signal."""
+
+    def __init__(self, msg: str, sigval: signal.Signals) -> None:
+        super().__init__(msg)
+        self.sigval = sigval
+
+
 def result_file(payload: str, rank: int) -> str:
     """Where the worker of global `rank` of a CALLABLE launch pickles its return value: beside the payload."""
     return os.path.join(os.path.dirname(payload), f"return_{rank}.pickle")
@@ -142,6 +151,7 @@ class Agent:
         self._raise_on_signal = True
         self._member = False  # whether this node is in the latest round (else it waits, and may leave alone)
         self.outcome: Outcome | None = None  # how the job ended, once it has
+        self.stopped_by: signal.Signals | None = None   # the signal that stopped this agent, if one did
         self.last_ranks: list[int] = []  # the global ranks of this node's workers in the latest round it ran
         self._log_root, self._own_log_root = self._make_log_root()
 
@@ -179,9 +189,13 @@ class Agent:
 
     def raise_if_failed(self, status: int, what: str) -> None:
         """For launches from Python: nothing if `status` (run()'s) is 0, else ChildFailedError naming the workers
-        that failed, or RuntimeError with the agent's reason when none did (a lost rendezvous, a signal)."""
+        that failed, SignalException when a signal stopped the agent, or RuntimeError with the agent's reason
+        (a lost rendezvous)."""
         if status == 0:
             return
+        if self.stopped_by is not None:
+            raise SignalException(f"{what}: run {self.config.rdzv_id} stopped: process {os.getpid()} got signal "
+                                  f"{self.stopped_by.name}", sigval=self.stopped_by)
         outcome = self.outcome
         failures = [WorkerFailure.from_json(f) for f in (outcome.failures if outcome is not None else [])]
         message = outcome.message if outcome is not None else "the agent stopped"
@@ -448,7 +462,8 @@ class Agent:
         return 1
 
     def _stop_for_signal(self, signum: int) -> int:
-        name = signal.Signals(signum).name
+        self.stopped_by = signal.Signals(signum)
+        name = self.stopped_by.name
         self._stop_workers(signum)
         if self.client is not None and self.me is not None:
             with contextlib.suppress(StoreError, OSError):
