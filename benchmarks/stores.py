@@ -1,4 +1,5 @@
-"""Store round-trip latency: spmd's TCPStore / FileStore against torch's, with the client in another process.
+"""Store round-trip latency: spmd's TCPStore / FileStore against torch's, with the client in another process: get,
+set, add, append, and a queue_push followed by a queue_pop (torch's FileStore has no queues).
 
     python benchmarks/stores.py
 
@@ -47,7 +48,15 @@ def client(kind: str, port: int, path: str) -> None:
     get_us = per_call_us(lambda: store.get("k"))
     set_us = per_call_us(lambda: store.set("k", b"v" * 16))
     add_us = per_call_us(lambda: store.add("n", 1))
-    print(f"{kind:10s} get {get_us:7.1f} µs   set {set_us:7.1f} µs   add {add_us:7.1f} µs", flush=True)
+    store.set("log", b"")
+    append_us = per_call_us(lambda: store.append("log", b"x"))
+    if kind == "torch-file":      # torch's FileStore has no queues
+        queue = "queue push+pop    n/a"
+    else:
+        pair_us = per_call_us(lambda: (store.queue_push("q", b"v" * 16), store.queue_pop("q")))
+        queue = f"queue push+pop {pair_us:7.1f} µs"
+    print(f"{kind:10s} get {get_us:7.1f} µs   set {set_us:7.1f} µs   add {add_us:7.1f} µs   append {append_us:7.1f} µs"
+          f"   {queue}", flush=True)
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """FileStore: a store kept in one shared file, for jobs whose ranks share a file system but not a network port.
 
-Layer: comm. The file is an append-only log of records (set key=value, delete key, push to a queue, pop the
-front of a queue); every instance replays the
+Layer: comm. The file is an append-only log of records (set key=value, extend a value, delete key, push to a
+queue, pop the front of a queue); every instance replays the
 log into a dict and reads only what was appended since. Writers hold an exclusive `flock` while they read the
 tail and append, readers a shared one, so processes (and clones inside one process) never see a torn record.
 A blocking `get`/`wait` polls the file with a short backoff. Each instance joining adds 1 to a user counter and
@@ -41,8 +41,9 @@ from spmd._core.errors import StoreError
 from spmd.comm.store.base import Store, Value, missing_keys_error, queue_empty_error, queue_timeout_error, to_bytes
 
 _RECORD = struct.Struct("!BII")   # kind, key length, value length
-_SET, _DELETE, _MOVED, _PUSH, _POP = 1, 2, 3, 4, 5   # _MOVED: the log continues in the file now at the path
-                                                     # (Note: compaction); _POP: take a queue's front value
+_SET, _DELETE, _MOVED, _PUSH, _POP, _APPEND = 1, 2, 3, 4, 5, 6   # _MOVED: the log continues in the file now at
+                                                                 # the path (Note: compaction); _POP: take a
+                                                                 # queue's front value; _APPEND: extend a value
 _USERS_KEY = "spmd_filestore/users"
 _DONE_KEY = "spmd_filestore/done"
 _POLL_FIRST_S = 0.001
@@ -224,6 +225,8 @@ class FileStore(Store):
             key = tail[pos + _RECORD.size:pos + _RECORD.size + key_len]
             if kind == _SET:
                 data[key] = tail[pos + _RECORD.size + key_len:end]
+            elif kind == _APPEND:
+                data[key] = data.get(key, b"") + tail[pos + _RECORD.size + key_len:end]
             elif kind == _DELETE:
                 data.pop(key, None)
             elif kind == _PUSH:
@@ -327,9 +330,8 @@ class FileStore(Store):
             return len(self._data)
 
     def append(self, key: str, value: Value) -> None:
-        key_b = key.encode()
         with self._locked(exclusive=True):
-            self._append(_record(_SET, key_b, self._data.get(key_b, b"") + to_bytes(value)))
+            self._append(_record(_APPEND, key.encode(), to_bytes(value)))
 
     def list_keys(self) -> list[str]:
         with self._locked(exclusive=False):
