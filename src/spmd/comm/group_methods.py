@@ -143,6 +143,14 @@ class _Call:
                              f"torch's group methods take one (a list of one)")
         return tensors[0]
 
+    def one_and_list(self, tensors: Tensor | Sequence[Tensor], lists: Sequence[Any] | None, what: str,
+                     lists_what: str) -> tuple[Tensor, list[Tensor] | None]:
+        """A collective's one tensor and its list of tensors, from either of torch's overloads: (a tensor, a list)
+        or (a list of one tensor, a list of one list); None for a list this rank does not take (not the root)."""
+        if isinstance(tensors, Tensor):
+            return tensors, None if lists is None else list(lists)
+        return self.one(tensors, what), None if lists is None else list(self.one(lists, lists_what))
+
 
 class TorchGroupMethods:
     """torch's ProcessGroup methods (see the module docstring); mixed into spmd's ProcessGroup."""
@@ -201,9 +209,7 @@ class TorchGroupMethods:
         from spmd.comm.collectives import all_gather
 
         call = _Call(self, "allgather", opts, None, None)
-        single = isinstance(input_tensors, Tensor)
-        outputs = list(output_tensors if single else call.one(output_tensors, "output_tensors"))
-        tensor = call.one(input_tensors, "input_tensors")
+        tensor, outputs = call.one_and_list(input_tensors, output_tensors, "input_tensors", "output_tensors")
         return self._issue(call, lambda: all_gather(outputs, tensor, group=self, async_op=True))
 
     def _allgather_base(self, output: Tensor, input: Tensor, opts: Any = None) -> Work:
@@ -219,9 +225,7 @@ class TorchGroupMethods:
         from spmd.comm.collectives import reduce_scatter
 
         call = _Call(self, "reduce_scatter", opts, timeout, "op")
-        single = isinstance(output_tensors, Tensor)
-        output = call.one(output_tensors, "output_tensors")
-        inputs = list(input_tensors if single else call.one(input_tensors, "input_tensors"))
+        output, inputs = call.one_and_list(output_tensors, input_tensors, "output_tensors", "input_tensors")
         return self._issue(call, lambda: reduce_scatter(output, inputs, call.op, group=self, async_op=True))
 
     def _reduce_scatter_base(self, outputTensor: Tensor, inputTensor: Tensor, opts: Any = None) -> Work:
@@ -256,10 +260,8 @@ class TorchGroupMethods:
         from spmd.comm.collectives import gather
 
         call = _Call(self, "gather", opts, timeout, "root")
-        single = isinstance(input_tensors, Tensor)
-        tensor = call.one(input_tensors, "input_tensors")
-        outputs = list(output_tensors if single else call.one(output_tensors, "output_tensors")) \
-            if self.group_rank == call.root else None
+        tensor, outputs = call.one_and_list(input_tensors, output_tensors if self.group_rank == call.root else None,
+                                            "input_tensors", "output_tensors")
         return self._issue(call, lambda: gather(tensor, outputs, group=self, async_op=True, group_dst=call.root))
 
     def scatter(self, output_tensors: Tensor | Sequence[Tensor], input_tensors: Sequence[Any], opts: Any = None,
@@ -267,10 +269,8 @@ class TorchGroupMethods:
         from spmd.comm.collectives import scatter
 
         call = _Call(self, "scatter", opts, timeout, "root")
-        single = isinstance(output_tensors, Tensor)
-        output = call.one(output_tensors, "output_tensors")
-        inputs = list(input_tensors if single else call.one(input_tensors, "input_tensors")) \
-            if self.group_rank == call.root else None
+        output, inputs = call.one_and_list(output_tensors, input_tensors if self.group_rank == call.root else None,
+                                           "output_tensors", "input_tensors")
         return self._issue(call, lambda: scatter(output, inputs, group=self, async_op=True, group_src=call.root))
 
     def barrier(self, opts: Any = None) -> Work:
