@@ -72,7 +72,7 @@ collectives: Any = None
 p2p: Any = None
 _group_class: Any = None         # spmd.comm.group.ProcessGroup
 _check_reduce_op: Any = None
-_REDUCE_OPS: dict[Any, ReduceOp] = {}
+_reduce_op_of: Any = None        # spmd.comm.group_methods.reduce_op_of
 _registered = threading.Lock()
 _state: dict[str, Any] = {"registered": False, "owned": None, "world_owner": None, "bound": False}
 
@@ -81,11 +81,7 @@ def _reduce_op(opts: Any, name: str, group: ProcessGroup, tensors: list[Tensor])
     """spmd's op for the one in torch's `opts` (a ReduceOp object, whose `.op` is the enum value; SUM without
     opts), checked against every tensor of the call before any of them is sent."""
     where = f"spmd backend: {name} on rank {group.global_rank} of {group.description}"
-    torch_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-    op = _REDUCE_OPS.get(getattr(torch_op, "op", torch_op))
-    if op is None:
-        raise ValueError(f"{where}: torch's reduce op {torch_op} has no spmd counterpart (PREMUL_SUM: scale the "
-                         f"tensor, then reduce with SUM)")
+    op = _reduce_op_of(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, where)
     for tensor in tensors:
         _check_reduce_op(op, tensor.dtype, where)
     return op
@@ -310,14 +306,15 @@ def _group_class_ready() -> type[SpmdProcessGroup]:
 
 def _bind_spmd() -> None:
     """Bind the spmd modules the groups run on (see Note: what this module imports)."""
-    global collectives, p2p, _group_class, _check_reduce_op
+    global collectives, p2p, _group_class, _check_reduce_op, _reduce_op_of
     from spmd.comm import collectives as collectives_module
     from spmd.comm import p2p as p2p_module
     from spmd.comm.group import ProcessGroup
-    from spmd.comm.reduce_op import ReduceOp, check_reduce_op
+    from spmd.comm.group_methods import reduce_op_of
+    from spmd.comm.reduce_op import check_reduce_op
 
     collectives, p2p, _group_class, _check_reduce_op = collectives_module, p2p_module, ProcessGroup, check_reduce_op
-    _REDUCE_OPS.update({getattr(dist.ReduceOp, op.name): op for op in ReduceOp})
+    _reduce_op_of = reduce_op_of
 
 
 class SpmdProcessGroup(dist.ProcessGroup):
