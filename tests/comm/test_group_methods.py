@@ -79,9 +79,12 @@ def _collectives(rank: int, world_size: int) -> dict[str, Any]:
     peer = (rank + 1) % world_size
     sent = pg.send([message], peer, 7)
     got = torch.empty(1)
-    pg.recv([got], (rank - 1) % world_size, 7).wait()
+    received = pg.recv([got], (rank - 1) % world_size, 7)
+    received.wait()
     sent.wait()
-    out["recv"] = got.item()
+    out["recv"] = (got.item(), received.source_rank())
+    with pytest.raises(ValueError, match="source_rank"):
+        sent.source_rank()
     return out
 
 
@@ -94,7 +97,7 @@ def test_each_of_torchs_group_methods_gives_the_collectives_result() -> None:
             "reduce": 6.0 if rank == 0 else None, "allgather": [0.0, 1.0, 2.0], "allgather base": [0.0, 10.0, 20.0],
             "reduce_scatter": float(3 * rank + 3), "reduce_scatter base": float(3 * rank),
             "alltoall": [0.0, 1.0, 2.0], "gather": [0.0, 1.0, 2.0] if rank == 1 else None,
-            "scatter": 100.0 + rank, "recv": float((rank - 1) % 3)}
+            "scatter": 100.0 + rank, "recv": (float((rank - 1) % 3), (rank - 1) % 3)}
 
 
 def test_roots_are_group_ranks_and_a_timeout_bounds_one_operation() -> None:

@@ -236,18 +236,26 @@ def _coalesced(rank: int, world_size: int) -> dict[str, Any]:
                 dist.all_reduce(tensor)
         blocked = torch.ones(2)
         dist.all_reduce(blocked, async_op=True).block_current_stream()   # torch's base Work fails on it
+        mine, theirs = torch.full((1,), float(rank)), torch.empty(1)
+        peer = 1 - rank
+        works = [dist.isend(mine, peer), dist.irecv(theirs, peer)] if rank == 0 else \
+            [dist.irecv(theirs, peer), dist.isend(mine, peer)]
+        for work in works:
+            work.wait()
+        received_from = next(work for work in works if work is not works[rank]).source_rank()
         return {"gathered": [t.tolist() for t in gathered], "summed": [t.tolist() for t in summed],
-                "blocked": blocked.tolist()}
+                "blocked": blocked.tolist(), "received": (theirs.item(), received_from)}
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.timeout(90)
 def test_torchs_coalescing_manager_runs_on_the_spmd_backend(procpool: ProcPool) -> None:
-    for out in procpool.run(_coalesced, 2, timeout=60):
+    for rank, out in enumerate(procpool.run(_coalesced, 2, timeout=60)):
         assert out["gathered"] == [[0.0] * 4 + [1.0] * 4, [10.0, 10.0, 11.0, 11.0]]
         assert out["summed"] == [[3.0, 3.0, 3.0], [4.0, 4.0]]
         assert out["blocked"] == [2.0, 2.0]
+        assert out["received"] == (float(1 - rank), 1 - rank)      # the value and the group rank it came from
 
 
 @pytest.mark.parametrize("first", ["spmd", "torch", "spmd.comm.world", "spmd.ReduceOp", "spmd.ProcessGroup",

@@ -37,7 +37,10 @@ def _work(op: str, tensor: Tensor, pg: ProcessGroup, target: int, tag: int) -> W
     """The Work of one checked send or receive, with its flight-recorder entry."""
     name, description = pg.p2p_names(op, target, tag)
     record = pg.next_p2p_record(name, tuple(tensor.shape), dtype_name(tensor.dtype), user_call_site())
-    return Work(description, [tensor], record)
+    work = Work(description, [tensor], record)
+    if op == "irecv":
+        work.source = target
+    return work
 
 
 def _start(op: str, tensor: Tensor, pg: ProcessGroup, target: int, tag: int) -> Work:

@@ -124,6 +124,12 @@ class _SpmdWork(dist.Work):
         """As spmd's Work.block_current_stream (torch's base fails for a Python Work: no stream block to make)."""
         self.wait()
 
+    def source_rank(self) -> int:
+        """The group rank a receive's message came from (spmd's Work.source_rank)."""
+        if self._work is None:
+            raise ValueError("source_rank() is a receive's; this Work is not one")
+        return self._work.source_rank()
+
     def get_future(self) -> torch.futures.Future:
         if self._work is None:
             done: torch.futures.Future = torch.futures.Future()

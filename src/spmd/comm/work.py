@@ -81,7 +81,7 @@ class Work:
     """An operation in flight. `wait()` blocks until it finishes and re-raises its error, if any."""
 
     __slots__ = ("_error", "_finished", "_future", "_lock", "_ready", "description", "outputs", "poll", "record",
-                 "state")
+                 "source", "state")
 
     def __init__(self, description: str, outputs: list[Tensor] | None = None,
                  record: OpRecord | None = None) -> None:
@@ -95,6 +95,7 @@ class Work:
         self._lock = threading.Lock()
         self.poll: Callable[[], None] | None = None   # set by a transport that can advance the op from `wait`
         self._ready: torch.Event | None = None        # recorded on the op's stream after its device work
+        self.source: int | None = None                # a receive's: the group rank it receives from
 
     def to_completed(self, ready: torch.Event | None = None) -> None:
         """PENDING -> COMPLETED. `ready`: the event after the op's device work, which waiters' streams wait on."""
@@ -168,6 +169,12 @@ class Work:
 
     def synchronize(self) -> None:
         self.wait()
+
+    def source_rank(self) -> int:
+        """torch's: the group rank a receive's message comes from (spmd's receives name their source)."""
+        if self.source is None:
+            raise ValueError(f"{self.description}: source_rank() is a receive's; this Work is not one")
+        return self.source
 
     def block_current_stream(self) -> None:
         """torch's: the caller's current stream waits for the op. torch's returns at once; spmd's own transports
