@@ -18,7 +18,7 @@ from spmd.comm.group import ProcessGroup
 from spmd.comm.world import AnyGroup, resolve_group
 
 
-def _staging_device(pg: ProcessGroup, device: torch.device | str | None = None) -> torch.device:
+def staging_device(pg: ProcessGroup, device: torch.device | str | None = None) -> torch.device:
     """Where an object collective's byte tensors live: `device` if given, else the first device type the
     group's transport moves (the current device of that type when it is the accelerator, as torch stages
     objects on the current CUDA device for NCCL)."""
@@ -65,7 +65,7 @@ def all_gather_bytes(data: bytes, group: AnyGroup | None = None) -> list[bytes]:
     """Every rank's `data`, in group rank order, on every rank: for callers that encode their objects
     themselves (as JSON, say) and must not unpickle what peers send. Collective."""
     pg = resolve_group(group, "all_gather_bytes")
-    device = _staging_device(pg)
+    device = staging_device(pg)
     tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else \
         torch.empty(0, dtype=torch.uint8, device=device)
     lengths = torch.empty(pg.size(), dtype=torch.int64, device=device)
@@ -107,7 +107,7 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
     pg = resolve_group(group, "broadcast_object_list")
     root = collectives.group_root(pg, src, group_src, "broadcast_object_list", "src")
     is_root = pg.group_rank == root
-    staging = _staging_device(pg, device)
+    staging = staging_device(pg, device)
     parts = [_to_tensor(obj, staging) for obj in object_list] if is_root else []
     lengths = torch.tensor([p.numel() for p in parts] if is_root else [0] * len(object_list), dtype=torch.int64,
                            device=staging)
@@ -149,7 +149,7 @@ def send_object_list(object_list: list[Any], dst: int | None = None, group: AnyG
     lengths first, then the pickled bytes (on `device` when given, as in torch). `use_batch` is accepted for
     torch's signature (its batched form of the same two messages)."""
     pg = resolve_group(group, "send_object_list")
-    staging = _staging_device(pg, device)
+    staging = staging_device(pg, device)
     parts = [_to_tensor(obj, staging) for obj in object_list]
     p2p.send(torch.tensor([p.numel() for p in parts], dtype=torch.int64, device=staging), dst, pg,
              group_dst=group_dst)
@@ -164,7 +164,7 @@ def recv_object_list(object_list: list[Any], src: int | None = None, group: AnyG
     `src`'s global rank. Unpickling runs code the sender chose: use it only between ranks of one job. `use_batch`
     is accepted for torch's signature."""
     pg = resolve_group(group, "recv_object_list")
-    staging = _staging_device(pg, device)
+    staging = staging_device(pg, device)
     lengths = torch.empty(len(object_list), dtype=torch.int64, device=staging)
     sender = p2p.recv(lengths, src, pg, group_src=group_src)
     host_lengths = lengths.tolist()
