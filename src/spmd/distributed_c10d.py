@@ -1,6 +1,8 @@
 """The c10d functions at torch's module path (`distributed_c10d`): process groups, collectives, P2P, object
-collectives, stores and backend names, as the top-level `spmd` package serves them, plus `_get_default_group`
-and `_set_pg_timeout`, which scripts (TorchTitan) reach for. Layer: comm (an alias; it holds no logic)."""
+collectives, stores and backend names, as the top-level `spmd` package serves them, plus torch's private helpers
+that scripts and libraries reach for (`_get_default_group` and `_set_pg_timeout` as TorchTitan calls them,
+`_rank_not_in_group`, `_resolve_process_group`, `_get_pg_default_device`, `_object_to_tensor`, ...). Layer: comm (an
+alias; it holds no logic)."""
 
 from spmd._core.errors import DistStoreError
 from spmd.comm.backend import (
@@ -15,6 +17,14 @@ from spmd.comm.backend import (
     is_ucc_available,
     is_xccl_available,
 )
+from spmd.comm.c10d_helpers import check_single_tensor as _check_single_tensor
+from spmd.comm.c10d_helpers import check_tensor_list as _check_tensor_list
+from spmd.comm.c10d_helpers import default_store as _get_default_store
+from spmd.comm.c10d_helpers import group_size as _get_group_size
+from spmd.comm.c10d_helpers import pg_default_device as _get_pg_default_device
+from spmd.comm.c10d_helpers import process_group_name as _get_process_group_name
+from spmd.comm.c10d_helpers import rank_not_in_group as _rank_not_in_group
+from spmd.comm.c10d_helpers import resolve_process_group as _resolve_process_group
 from spmd.comm.collectives import (
     all_gather,
     all_gather_coalesced,
@@ -55,6 +65,8 @@ from spmd.comm.objects import (
     scatter_object_list,
     send_object_list,
 )
+from spmd.comm.objects import object_to_tensor as _object_to_tensor
+from spmd.comm.objects import tensor_to_object as _tensor_to_object
 from spmd.comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from spmd.comm.reduce_op import ReduceOp, reduce_op, supports_complex
 from spmd.comm.rendezvous_api import register_rendezvous_handler, rendezvous
@@ -114,8 +126,18 @@ __all__ = [
     "Store",
     "TCPStore",
     "Work",
+    "_check_single_tensor",
+    "_check_tensor_list",
     "_get_default_group",
+    "_get_default_store",
+    "_get_group_size",
+    "_get_pg_default_device",
+    "_get_process_group_name",
+    "_object_to_tensor",
+    "_rank_not_in_group",
+    "_resolve_process_group",
     "_set_pg_timeout",
+    "_tensor_to_object",
     "all_gather",
     "all_gather_coalesced",
     "all_gather_into_tensor",

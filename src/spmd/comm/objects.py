@@ -40,6 +40,20 @@ def _from_tensor(data: Tensor, length: int) -> Any:
     return pickle.loads(data[:length].numpy().tobytes())
 
 
+def object_to_tensor(obj: Any, device: torch.device | str, group: AnyGroup | None = None) -> tuple[Tensor, Tensor]:
+    """torch's `_object_to_tensor`: `obj` pickled into a uint8 tensor on `device`, and its length as a one-element
+    int64 tensor there (what libraries build their own object collectives from). `group` is taken for torch's
+    signature."""
+    data = _to_tensor(obj, torch.device(device))
+    return data, torch.tensor([data.numel()], dtype=torch.int64, device=data.device)
+
+
+def tensor_to_object(tensor: Tensor, tensor_size: int | Tensor, group: AnyGroup | None = None) -> Any:
+    """torch's `_tensor_to_object`: the object pickled in the first `tensor_size` bytes of `tensor` (any device).
+    Unpickling runs code chosen by whoever made the bytes: only between ranks of one job."""
+    return _from_tensor(tensor.cpu(), int(tensor_size))
+
+
 def portable_exception(error: Exception) -> Exception:
     """`error` if it survives pickling (its class importable, its arguments picklable), else a RuntimeError
     naming its type and message: an exception that an object collective carries to other ranks."""
