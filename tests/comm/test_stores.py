@@ -899,3 +899,44 @@ def test_forked_child_gets_its_own_connections(tmp_path: os.PathLike[str]) -> No
         client.close()
         master.close()
     assert not os.path.exists(os.path.join(tmp_path, "store"))
+
+
+class _CoreOnly(Store):
+    """A Store subclass written against the core API only (before the extended one existed)."""
+
+    def __init__(self) -> None:
+        super().__init__(timeout=5)
+        self._inner = HashStore(timeout=5)
+
+    def set(self, key: str, value: object) -> None:
+        self._inner.set(key, value)           # type: ignore[arg-type]
+
+    def get(self, key: str) -> bytes:
+        return self._inner.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+    def compare_set(self, key: str, expected: object, desired: object) -> bytes:
+        return self._inner.compare_set(key, expected, desired)   # type: ignore[arg-type]
+
+    def wait(self, keys: list[str], timeout: object = None) -> None:
+        self._inner.wait(keys, timeout)       # type: ignore[arg-type]
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+
+def test_a_store_written_against_the_core_api_still_works_and_names_what_it_lacks() -> None:
+    store = _CoreOnly()
+    assert not store.has_extended_api() and not PrefixStore("p", store).has_extended_api()
+    assert HashStore().has_extended_api() and PrefixStore("p", HashStore()).has_extended_api()
+    store.barrier("b", 1, timeout=1)                         # the barrier needs only the core
+    with pytest.raises(NotImplementedError, match=r"_CoreOnly\.queue_push: this store does not serve"):
+        store.queue_push("q", "v")

@@ -3,7 +3,7 @@
 Layer: comm. Values are bytes (str is UTF-8 encoded). `get` and `wait` block until the keys exist or the
 store's timeout passes, then raise StoreTimeoutError naming the missing keys.
 
-Every store also serves torch's extended API: `append`, `list_keys`, `barrier` and the queues (`queue_push`,
+Every spmd store also serves torch's extended API: `append`, `list_keys`, `barrier` and the queues (`queue_push`,
 `queue_pop`, `queue_len`). A queue lives beside the keys, under its own name: it is not a key (`get`, `num_keys`
 and `list_keys` don't see it), but `check` and `wait` on its name see it while it holds a value.
 """
@@ -77,31 +77,37 @@ class Store(abc.ABC):
     def num_keys(self) -> int:
         """How many keys the store holds."""
 
-    @abc.abstractmethod
+    # torch's extended API: every spmd store serves it; a Store subclass written before it existed still
+    # instantiates, and says which call it lacks.
     def append(self, key: str, value: Value) -> None:
         """Append `value` to the bytes at `key` (creating it), in one step no other writer interleaves with."""
+        raise self._not_served("append")
 
-    @abc.abstractmethod
     def list_keys(self) -> list[str]:
         """Every key the store holds (queues are not keys)."""
+        raise self._not_served("list_keys")
 
-    @abc.abstractmethod
     def queue_push(self, key: str, value: Value) -> None:
         """Put `value` at the back of the queue named `key`."""
+        raise self._not_served("queue_push")
 
-    @abc.abstractmethod
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         """Take the value at the front of queue `key`; one value goes to one caller. An empty queue makes it wait
         up to the store timeout (StoreTimeoutError), or with `block=False` raise QueueEmptyError at once."""
+        raise self._not_served("queue_pop")
 
-    @abc.abstractmethod
     def queue_len(self, key: str) -> int:
         """How many values queue `key` holds (0 for a queue never pushed to)."""
+        raise self._not_served("queue_len")
 
     def has_extended_api(self) -> bool:
-        """True: every spmd store serves append, list_keys, barrier and the queues (torch's FileStore has no
-        queues)."""
-        return True
+        """Whether the store serves append, list_keys and the queues: every spmd store does (torch's FileStore
+        has no queues); a Store subclass that serves them says so by overriding this."""
+        return False
+
+    def _not_served(self, method: str) -> NotImplementedError:
+        return NotImplementedError(f"{type(self).__name__}.{method}: this store does not serve torch's extended "
+                                   f"store API (spmd's HashStore, FileStore, TCPStore and PrefixStore do)")
 
     def barrier(self, key: str, world_size: int, timeout: float | datetime.timedelta | None = None) -> None:
         """Block until `world_size` callers have called barrier with `key` (keys `key`/num_members and
@@ -157,6 +163,9 @@ class HashStore(Store):
         self._data: dict[str, bytes] = {}
         self._queues: dict[str, collections.deque[bytes]] = {}   # only queues that hold a value
         self._changed = threading.Condition()
+
+    def has_extended_api(self) -> bool:
+        return True
 
     def _present(self, key: str) -> bool:
         return key in self._data or key in self._queues

@@ -120,6 +120,9 @@ class FileStore(Store):
             self._lock = threading.Lock()
             self._reopen()
 
+    def has_extended_api(self) -> bool:
+        return True
+
     def __repr__(self) -> str:
         return f"FileStore({self.path!r}, world_size={self.world_size})"
 

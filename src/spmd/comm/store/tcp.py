@@ -331,6 +331,9 @@ class TCPStore(Store):
                              f"this address")
         self._check(status, fields, "wait_for_workers", "")
 
+    def has_extended_api(self) -> bool:
+        return True
+
     def __repr__(self) -> str:
         role = "master" if self.is_master else "client"
         return f"TCPStore({self.host}:{self.port}, {role}, world_size={self.world_size})"
