@@ -75,6 +75,10 @@ def _collectives(rank: int, world_size: int) -> dict[str, Any]:
     out["scatter"] = scattered.item()
     pg.barrier().wait()
     pg.barrier(torch_dist.BarrierOptions()).wait()
+    pg.barrier(timeout=datetime.timedelta(seconds=30)).wait()          # torch's keyword overload
+    keyword = [torch.empty(1) for _ in range(world_size)]
+    pg.allgather(keyword, torch.full((1,), float(rank)), timeout=datetime.timedelta(seconds=30)).wait()
+    assert [k.item() for k in keyword] == [0.0, 1.0, 2.0]
     message = torch.full((1,), float(rank))
     peer = (rank + 1) % world_size
     sent = pg.send([message], peer, 7)

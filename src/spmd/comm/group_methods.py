@@ -204,11 +204,11 @@ class TorchGroupMethods:
         tensor = call.one(tensors, "tensors")
         return self._issue(call, lambda: reduce(tensor, op=call.op, group=self, async_op=True, group_dst=call.root))
 
-    def allgather(self, output_tensors: Sequence[Any], input_tensors: Tensor | Sequence[Tensor], opts: Any = None
-                  ) -> Work:
+    def allgather(self, output_tensors: Sequence[Any], input_tensors: Tensor | Sequence[Tensor], opts: Any = None,
+                  timeout: Any = None) -> Work:
         from spmd.comm.collectives import all_gather
 
-        call = _Call(self, "allgather", opts, None, None)
+        call = _Call(self, "allgather", opts, timeout, None)
         tensor, outputs = call.one_and_list(input_tensors, output_tensors, "input_tensors", "output_tensors")
         return self._issue(call, lambda: all_gather(outputs, tensor, group=self, async_op=True))
 
@@ -238,10 +238,10 @@ class TorchGroupMethods:
     reduce_scatter_single = _reduce_scatter_base
 
     def alltoall_base(self, output: Tensor, input: Tensor, output_split_sizes: Sequence[int],
-                      input_split_sizes: Sequence[int], opts: Any = None) -> Work:
+                      input_split_sizes: Sequence[int], opts: Any = None, timeout: Any = None) -> Work:
         from spmd.comm.collectives import all_to_all_single
 
-        call = _Call(self, "alltoall_base", opts, None, None)
+        call = _Call(self, "alltoall_base", opts, timeout, None)
         return self._issue(call, lambda: all_to_all_single(output, input, list(output_split_sizes) or None,
                                                            list(input_split_sizes) or None, group=self,
                                                            async_op=True))
@@ -273,10 +273,10 @@ class TorchGroupMethods:
                                            "output_tensors", "input_tensors")
         return self._issue(call, lambda: scatter(output, inputs, group=self, async_op=True, group_src=call.root))
 
-    def barrier(self, opts: Any = None) -> Work:
+    def barrier(self, opts: Any = None, timeout: Any = None) -> Work:
         from spmd.comm.collectives import barrier
 
-        call = _Call(self, "barrier", opts, None, None)
+        call = _Call(self, "barrier", opts, timeout, None)
         return self._issue(call, lambda: barrier(group=self, async_op=True, timeout=call.seconds))
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
