@@ -76,6 +76,15 @@ def _collectives(rank: int, world_size: int) -> dict[str, Any]:
     pg.barrier().wait()
     pg.barrier(torch_dist.BarrierOptions()).wait()
     pg.barrier(timeout=datetime.timedelta(seconds=30)).wait()          # torch's keyword overload
+    t = torch.full((1,), float(rank + 1))
+    pg.allreduce([t], op=torch_dist.ReduceOp.MAX).wait()
+    assert t.item() == 3.0
+    t = torch.full((1,), float(rank))
+    pg.broadcast(t, root=1).wait()
+    assert t.item() == 1.0
+    t = torch.full((1,), float(rank + 1))
+    pg.reduce(t, root=2, op=spmd.ReduceOp.PRODUCT).wait()
+    assert rank != 2 or t.item() == 6.0
     keyword = [torch.empty(1) for _ in range(world_size)]
     pg.allgather(keyword, torch.full((1,), float(rank)), timeout=datetime.timedelta(seconds=30)).wait()
     assert [k.item() for k in keyword] == [0.0, 1.0, 2.0]

@@ -113,7 +113,8 @@ def _seconds(timeout: Any, group: Any, where: str) -> float | None:
 class _Call:
     """One method call's arguments, sorted out of torch's overloads."""
 
-    def __init__(self, group: Any, method: str, opts: Any, timeout: Any, positional: str | None) -> None:
+    def __init__(self, group: Any, method: str, opts: Any, timeout: Any, positional: str | None, op: Any = None,
+                 root: int | None = None) -> None:
         self.where = f"ProcessGroup.{method} on rank {group.global_rank} of {group.description}"
         self.op, self.root = ReduceOp.SUM, 0
         if opts is None:
@@ -132,6 +133,10 @@ class _Call:
         else:
             raise TypeError(f"{self.where}: {opts!r} is neither torch's options object nor "
                             f"{'a root rank, ' if positional == 'root' else ''}a ReduceOp or a timeout")
+        if op is not None:                                              # torch's keyword forms
+            self.op = reduce_op_of(op, self.where)
+        if root is not None:
+            self.root = int(root)
         self.seconds = _seconds(timeout, group, self.where)
 
     def one(self, tensors: Tensor | Sequence[Any], what: str) -> Any:
@@ -174,10 +179,11 @@ class TorchGroupMethods:
         with op_timeout(call.seconds):
             return start()
 
-    def allreduce(self, tensors: Tensor | Sequence[Tensor], opts: Any = None, timeout: Any = None) -> Work:
+    def allreduce(self, tensors: Tensor | Sequence[Tensor], opts: Any = None, timeout: Any = None, *,
+                  op: Any = None) -> Work:
         from spmd.comm.collectives import all_reduce
 
-        call = _Call(self, "allreduce", opts, timeout, "op")
+        call = _Call(self, "allreduce", opts, timeout, "op", op=op)
         tensor = call.one(tensors, "tensors")
         return self._issue(call, lambda: all_reduce(tensor, call.op, group=self, async_op=True))
 
@@ -187,20 +193,19 @@ class TorchGroupMethods:
         call = _Call(self, "allreduce_coalesced", opts, None, "op")
         return self._issue(call, lambda: all_reduce_coalesced(list(tensors), call.op, group=self, async_op=True))
 
-    def broadcast(self, tensors: Tensor | Sequence[Tensor], opts: Any = None, timeout: Any = None) -> Work:
+    def broadcast(self, tensors: Tensor | Sequence[Tensor], opts: Any = None, timeout: Any = None, *,
+                  root: int | None = None) -> Work:
         from spmd.comm.collectives import broadcast
 
-        call = _Call(self, "broadcast", opts, timeout, "root")
+        call = _Call(self, "broadcast", opts, timeout, "root", root=root)
         tensor = call.one(tensors, "tensors")
         return self._issue(call, lambda: broadcast(tensor, group=self, async_op=True, group_src=call.root))
 
     def reduce(self, tensors: Tensor | Sequence[Tensor], opts: Any = None, op: Any = None,
-               timeout: Any = None) -> Work:
+               timeout: Any = None, *, root: int | None = None) -> Work:
         from spmd.comm.collectives import reduce
 
-        call = _Call(self, "reduce", opts, timeout, "root")
-        if op is not None:
-            call.op = reduce_op_of(op, call.where)
+        call = _Call(self, "reduce", opts, timeout, "root", op=op, root=root)
         tensor = call.one(tensors, "tensors")
         return self._issue(call, lambda: reduce(tensor, op=call.op, group=self, async_op=True, group_dst=call.root))
 
@@ -221,10 +226,10 @@ class TorchGroupMethods:
     all_gather_single = _allgather_base
 
     def reduce_scatter(self, output_tensors: Tensor | Sequence[Tensor], input_tensors: Sequence[Any],
-                       opts: Any = None, timeout: Any = None) -> Work:
+                       opts: Any = None, timeout: Any = None, *, op: Any = None) -> Work:
         from spmd.comm.collectives import reduce_scatter
 
-        call = _Call(self, "reduce_scatter", opts, timeout, "op")
+        call = _Call(self, "reduce_scatter", opts, timeout, "op", op=op)
         output, inputs = call.one_and_list(output_tensors, input_tensors, "output_tensors", "input_tensors")
         return self._issue(call, lambda: reduce_scatter(output, inputs, call.op, group=self, async_op=True))
 
@@ -256,19 +261,19 @@ class TorchGroupMethods:
                                                     async_op=True))
 
     def gather(self, output_tensors: Sequence[Any], input_tensors: Tensor | Sequence[Tensor], opts: Any = None,
-               timeout: Any = None) -> Work:
+               timeout: Any = None, *, root: int | None = None) -> Work:
         from spmd.comm.collectives import gather
 
-        call = _Call(self, "gather", opts, timeout, "root")
+        call = _Call(self, "gather", opts, timeout, "root", root=root)
         tensor, outputs = call.one_and_list(input_tensors, output_tensors if self.group_rank == call.root else None,
                                             "input_tensors", "output_tensors")
         return self._issue(call, lambda: gather(tensor, outputs, group=self, async_op=True, group_dst=call.root))
 
     def scatter(self, output_tensors: Tensor | Sequence[Tensor], input_tensors: Sequence[Any], opts: Any = None,
-                timeout: Any = None) -> Work:
+                timeout: Any = None, *, root: int | None = None) -> Work:
         from spmd.comm.collectives import scatter
 
-        call = _Call(self, "scatter", opts, timeout, "root")
+        call = _Call(self, "scatter", opts, timeout, "root", root=root)
         output, inputs = call.one_and_list(output_tensors, input_tensors if self.group_rank == call.root else None,
                                            "output_tensors", "input_tensors")
         return self._issue(call, lambda: scatter(output, inputs, group=self, async_op=True, group_src=call.root))
