@@ -4,6 +4,8 @@ meshes of the wrong dimension, dims too small to split, malformed plans."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -170,11 +172,15 @@ def test_a_model_built_on_meta_is_laid_out_then_materialised() -> None:
 def test_bad_plans_name_what_is_wrong() -> None:
     def body(mesh, rank: int) -> None:
         model = nn.Sequential(nn.Linear(4, 1), nn.LayerNorm(4))
-        with pytest.warns(UserWarning, match=r"plan key 'blocks\.\*\.wq' matches no submodule of Sequential"):
+        # pytest.warns on one rank thread only: its filters are process-wide, and two threads' would race
+        first = rank == 0
+        with pytest.warns(UserWarning, match=r"plan key 'blocks\.\*\.wq' matches no submodule of Sequential") \
+                if first else contextlib.nullcontext():
             parallelize_module(model, mesh, {"blocks.*.wq": ColwiseParallel()})    # skipped, as torch does
         assert not isinstance(model[0].weight, DTensor)
         stage = nn.Sequential(nn.Linear(4, 4))              # a pipeline stage: the plan's other modules are gone
-        with pytest.warns(UserWarning, match=r"plan key 'tok_embeddings' matches no submodule"):
+        with pytest.warns(UserWarning, match=r"plan key 'tok_embeddings' matches no submodule") if first \
+                else contextlib.nullcontext():
             parallelize_module(stage, mesh, {"tok_embeddings": ColwiseParallel(), "0": ColwiseParallel()})
         assert isinstance(stage[0].weight, DTensor)        # the entries that match still apply
         with pytest.raises(TypeError, match=r"ColwiseParallel supports nn.Linear and nn.Embedding, but '1' "
