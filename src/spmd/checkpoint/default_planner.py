@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,7 +29,7 @@ from torch import Tensor
 
 from spmd._core.errors import CheckpointError
 from spmd.checkpoint import format as tensor_format
-from spmd.checkpoint.layout import Box, Path, flatten, local_tensor
+from spmd.checkpoint.layout import Path, flatten, local_tensor
 from spmd.checkpoint.metadata import (
     STATE_DICT_TYPE,
     ChunkStorageMetadata,
@@ -51,6 +52,7 @@ from spmd.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from spmd.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from spmd.tensor.api import DTensor
 
 __all__ = ["DefaultLoadPlanner", "DefaultSavePlanner", "create_default_global_load_plan",
@@ -334,24 +336,13 @@ def _tensor_reads(fqn: str, tensor: Tensor, entry: TensorEntry, metadata: Metada
     if target.shape != entry.shape or (target.data.dtype != dtype and not metadata.casts_on_load):
         raise CheckpointError(f"{where}: {fqn!r} was saved as {dtype} of shape {list(entry.shape)}, but the state "
                               f"dict holds {target.data.dtype} of shape {list(target.shape)}")
-    reads, filled = [], 0
-    for chunk in entry.chunks:
-        saved = Box(chunk.offsets, chunk.sizes)
-        region = target.box.overlap(saved)
-        if region is None or region.empty:
-            continue
-        reads.append(ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, target.box.offsets),
-                              torch.Size(_relative(region, target.box)), MetadataIndex(fqn, chunk.offsets),
-                              torch.Size(_relative(region, saved)), torch.Size(region.sizes)))
-        filled += region.volume
+    held = ChunkStorageMetadata(torch.Size(target.box.offsets), torch.Size(target.box.sizes))
+    reads = create_read_items_for_chunk_list(fqn, entry, [held])
+    filled = sum(math.prod(read.lengths) for read in reads)
     if filled != target.box.volume:
         raise CheckpointError(f"{where}: the saved boxes of {fqn!r} cover {filled} of the {target.box.volume} "
                               f"elements this rank holds")
     return reads
-
-
-def _relative(region: Box, within: Box) -> tuple[int, ...]:
-    return tuple(start - origin for start, origin in zip(region.offsets, within.offsets, strict=True))
 
 
 def create_default_global_load_plan(all_plans: list[LoadPlan]) -> list[LoadPlan]:

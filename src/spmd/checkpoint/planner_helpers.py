@@ -6,17 +6,18 @@ from __future__ import annotations
 import torch
 
 from spmd.checkpoint.layout import Box
-from spmd.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from spmd.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorEntry, TensorStorageMetadata
 from spmd.checkpoint.planner import LoadItemType, ReadItem
 
 __all__ = ["create_read_items_for_chunk_list"]
 
 
-def create_read_items_for_chunk_list(fqn: str, checkpoint_md: TensorStorageMetadata,
+def create_read_items_for_chunk_list(fqn: str, checkpoint_md: TensorStorageMetadata | TensorEntry,
                                      local_chunks: list[ChunkStorageMetadata]) -> list[ReadItem]:
     """One ReadItem per overlap of a box in `local_chunks` (the boxes this rank holds of tensor `fqn`, in its global
     coordinates) with a saved box of `checkpoint_md`: each names its local box (dest_index, with the box's
-    position in `local_chunks`) and its saved box (storage_index, with the box's position in the checkpoint)."""
+    position in `local_chunks`) and its saved box (storage_index, with the box's position in the checkpoint).
+    `checkpoint_md` is torch's view of a saved tensor or spmd's index entry (DefaultLoadPlanner plans with it)."""
     items = []
     for local_index, local_chunk in enumerate(local_chunks):
         local = Box(tuple(local_chunk.offsets), tuple(local_chunk.sizes))
